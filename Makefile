@@ -1,0 +1,54 @@
+# The README's two commands. Each does all of its own set-up on a fresh machine:
+# a virtual environment, torch first (a CPU build by default, so the range in
+# pyproject.toml is met without pulling a multi-GB CUDA build), the project with
+# its extras, and for the tests a Mosquitto broker binary.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.edgetrain-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint typecheck setup mosquitto clean
+
+demo: $(STAMP)
+	$(BIN)/edgetrain demo
+
+test: $(STAMP) mosquitto
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+setup: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[coordinator,dev]"
+	touch $@
+
+# Mosquitto for the integration tests: installed with apt-get when missing and
+# we are root; otherwise those tests are skipped with a reason.
+mosquitto:
+	@if command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing mosquitto with apt-get"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends mosquitto >/dev/null; \
+	else \
+		echo "warning: mosquitto is not installed and we are not root; broker tests will be skipped"; \
+	fi
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis demo-out

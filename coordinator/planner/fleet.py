@@ -1,0 +1,232 @@
+"""The planner's entry point: exact on small fleets, structured heuristics on large ones.
+
+:func:`plan_problem` returns the best plan it can prove or find:
+
+- Fleets of at most :data:`EXACT_DEVICES` devices, or more where the model is
+  short enough (:func:`exact_capacity`), get :func:`subset_dp` under the
+  threshold search: provably optimal under the spec's score.
+- Larger fleets get, within a time budget, the best of
+  1. the exact search over a shortlist of devices (the
+     fastest, the largest memories, the fastest links, and ``pin_first``): exact
+     whenever the optimum uses only shortlisted devices;
+  2. :func:`sequence_dp` on device *sequences*: for orderings by speed, by
+     memory and by link bandwidth (``pin_first`` always first), the best prefix
+     length, each evaluated exactly for that sequence;
+  3. a local search on the best sequence (swap neighbours, swap in an unused
+     device) while time remains.
+
+A sequence fixes which devices run and in which order; :func:`sequence_dp`
+then finds the best cuts for it exactly. Ordering by speed is exact when links
+cost nothing and memory is ample: then only the set of devices matters, and the
+best set of ``k`` devices is the ``k`` fastest, since a faster device can take
+any range a slower one can, in less time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordinator.planner.costs import CostTables
+from coordinator.planner.score import Plan, PlanScore, score_plan
+from coordinator.planner.search import sequence_dp, subset_dp, threshold_search
+from edge.problem import PlanningProblem
+
+__all__ = ["EXACT_DEVICES", "SearchResult", "exact_capacity", "plan_problem"]
+
+EXACT_DEVICES = 6
+"""Fleets up to this size are always searched exactly."""
+
+_EXACT_WORK = 2e7
+"""Array elements one exact ``G(t)`` may touch (about ``L^2 * D * 2^(D-1)``) for a
+fleet to be searched exactly: a few tenths of a second per threshold here."""
+
+_SHORTLIST_WORK = 4e6
+
+
+def exact_capacity(n_layers: int, work: float = _EXACT_WORK) -> int:
+    """The most devices the exact search takes on for ``n_layers`` layers."""
+    size = 1
+    while size < 12 and n_layers**2 * (size + 1) * 2**size <= work:
+        size += 1
+    return size
+
+
+@dataclass
+class SearchResult:
+    """What the planner found, how, and at what effort."""
+
+    score: PlanScore | None
+    exact: bool
+    method: str
+    evaluations: int
+    wall_s: float
+    reason: str = ""
+
+    @property
+    def plan(self) -> Plan | None:
+        return None if self.score is None else self.score.plan
+
+
+def _exact(tab: CostTables, devices: list[int] | None = None) -> tuple[Plan | None, int]:
+    pin_id = tab.problem.pin_first
+    if devices is not None:
+        sub = tab.problem.model_copy(update={"devices": [tab.problem.devices[i] for i in devices]})
+        tab = CostTables.build(sub)
+    fits = tab.fits_all(tab.num_devices)
+    pin = tab.ids.index(pin_id) if pin_id is not None else None
+    res = threshold_search(
+        lambda t: subset_dp(tab, t, fits, pin), tab.candidate_bottlenecks(), tab.m, tab.bottleneck
+    )
+    return res.plan, res.evaluations
+
+
+def _shortlist(problem: PlanningProblem, size: int) -> list[int]:
+    """Devices most likely to matter: fastest, most memory, fastest links, the pin."""
+    devs = problem.devices
+    chosen: list[int] = []
+    if problem.pin_first is not None:
+        chosen.append(next(i for i, d in enumerate(devs) if d.id == problem.pin_first))
+    keys: list[Callable[[int], tuple[float, ...]]] = [
+        lambda i: (-devs[i].gflops,),
+        lambda i: (-devs[i].memory_bytes,),
+        lambda i: (-devs[i].bandwidth_mbps, devs[i].latency_ms),
+    ]
+    rankings = [sorted(range(len(devs)), key=k) for k in keys]
+    depth = 0
+    while len(chosen) < size and depth < len(devs):
+        for ranking in rankings:
+            if ranking[depth] not in chosen and len(chosen) < size:
+                chosen.append(ranking[depth])
+        depth += 1
+    return chosen
+
+
+def _orders(problem: PlanningProblem) -> list[list[int]]:
+    devs = problem.devices
+    idx = list(range(len(devs)))
+    pin = [i for i in idx if devs[i].id == problem.pin_first]
+    rest = [i for i in idx if i not in pin]
+    keys: list[Callable[[int], tuple[float, ...]]] = [
+        lambda i: (-devs[i].gflops, -devs[i].bandwidth_mbps),
+        lambda i: (-devs[i].memory_bytes, -devs[i].gflops),
+        lambda i: (-devs[i].bandwidth_mbps, devs[i].latency_ms, -devs[i].gflops),
+    ]
+    return [pin + sorted(rest, key=k) for k in keys]
+
+
+class _SequenceEvaluator:
+    def __init__(self, tab: CostTables, candidates: np.ndarray) -> None:
+        self.tab, self.candidates = tab, candidates
+        self.cache: dict[tuple[int, ...], tuple[float, Plan | None]] = {}
+        self.evaluations = 0
+
+    def __call__(self, seq: list[int]) -> tuple[float, Plan | None]:
+        key = tuple(seq)
+        if key not in self.cache:
+            res = threshold_search(
+                lambda t: sequence_dp(self.tab, t, seq),
+                self.candidates,
+                self.tab.m,
+                self.tab.bottleneck,
+            )
+            self.evaluations += res.evaluations
+            self.cache[key] = (res.objective, res.plan)
+        return self.cache[key]
+
+
+def _prefix_lengths(n: int) -> list[int]:
+    out, k = [], 1
+    while k < n:
+        out.append(k)
+        k = max(k + 1, int(k * 1.5))
+    return [*out, n]
+
+
+def plan_problem(problem: PlanningProblem, *, time_budget_s: float = 8.0) -> SearchResult:
+    """The best plan for ``problem`` (see the module docstring for how)."""
+    started = time.perf_counter()
+    tab = CostTables.build(problem)
+    n_dev = tab.num_devices
+    if n_dev <= max(EXACT_DEVICES, exact_capacity(tab.num_layers)):
+        plan, evals = _exact(tab)
+        return _result(problem, plan, True, "exact subset DP", evals, started)
+
+    deadline = started + time_budget_s
+    best: tuple[float, Plan | None, str] = (float("inf"), None, "")
+    shortlist = _shortlist(problem, exact_capacity(tab.num_layers, _SHORTLIST_WORK))
+    plan, evals = _exact(tab, shortlist)
+    if plan is not None:
+        best = (score_plan(problem, plan).step_time_s, plan, "exact on a shortlist")
+    evaluator = _SequenceEvaluator(tab, tab.candidate_bottlenecks())
+    evaluator.evaluations += evals
+    seqs_tried: list[tuple[float, list[int]]] = []
+    for order in _orders(problem):
+        lengths = _prefix_lengths(min(n_dev, tab.num_layers))
+        for k in lengths:
+            if time.perf_counter() > deadline:
+                break
+            obj, plan = evaluator(order[:k])
+            seqs_tried.append((obj, order[:k]))
+            if plan is not None and obj < best[0]:
+                best = (obj, plan, "sequence DP")
+    # Local search around the best sequence: neighbour swaps, swaps with unused devices.
+    seqs_tried.sort(key=lambda x: x[0])
+    if seqs_tried and np.isfinite(seqs_tried[0][0]):
+        current_obj, current = seqs_tried[0]
+        improved = True
+        while improved and time.perf_counter() < deadline:
+            improved = False
+            unused = [i for i in range(n_dev) if i not in current]
+            start = 1 if problem.pin_first is not None else 0
+            moves = [(a, a + 1) for a in range(start, len(current) - 1)]
+            for a, b in moves:
+                cand = current.copy()
+                cand[a], cand[b] = cand[b], cand[a]
+                obj, plan = evaluator(cand)
+                if obj < current_obj - 1e-12:
+                    current, current_obj, improved = cand, obj, True
+                    break
+                if time.perf_counter() > deadline:
+                    break
+            if improved:
+                continue
+            for a in range(start, len(current)):
+                for u in unused[:8]:
+                    cand = current.copy()
+                    cand[a] = u
+                    obj, plan = evaluator(cand)
+                    if obj < current_obj - 1e-12:
+                        current, current_obj, improved = cand, obj, True
+                        break
+                    if time.perf_counter() > deadline:
+                        break
+                if improved or time.perf_counter() > deadline:
+                    break
+        obj, plan = evaluator(current)
+        if plan is not None and obj < best[0]:
+            best = (obj, plan, "sequence DP + local search")
+    return _result(problem, best[1], False, best[2], evaluator.evaluations, started)
+
+
+def _result(
+    problem: PlanningProblem,
+    plan: Plan | None,
+    exact: bool,
+    method: str,
+    evaluations: int,
+    started: float,
+) -> SearchResult:
+    wall = time.perf_counter() - started
+    if plan is None:
+        return SearchResult(
+            None, exact, method, evaluations, wall,
+            "no assignment of layers to devices fits every stage's memory",
+        )  # fmt: skip
+    score = score_plan(problem, plan)
+    if not score.feasible:  # the search checks memory exactly; this guards the guarantee
+        raise AssertionError(f"planner returned an infeasible plan: {score.reasons}")
+    return SearchResult(score, exact, method, evaluations, wall)

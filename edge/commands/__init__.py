@@ -1,0 +1,3 @@
+"""Device-side subcommands of ``edgetrain``, one module per command group."""
+
+__all__ = ["devices", "models", "profile"]

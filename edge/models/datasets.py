@@ -1,0 +1,395 @@
+"""Datasets that exist offline, and the registry a job names its dataset from.
+
+This module owns the data side of a job: every built-in dataset is either
+vendored in the package or generated locally, so nothing is downloaded at run
+time and every device that builds a dataset with the same name, split and
+options sees the same samples in the same order.
+
+- ``digits``: the real UCI handwritten digits (1797 8x8 images, 10 classes) as
+  shipped by scikit-learn, vendored in ``edge/models/data/digits.csv.gz`` (see
+  ``DIGITS.md`` there for source and licence); scikit-learn is not needed.
+- ``synthetic-images``: seeded random images of any shape, learnable (each
+  class has a fixed random prototype; a sample mixes it with its own noise).
+- ``text``: a char-level corpus made of the source of a fixed list of Python
+  standard-library modules (:data:`TEXT_MODULES`), ASCII only. It depends on
+  the stdlib text of the running Python version (down to the micro release):
+  devices running the same Python see the same corpus.
+- ``package.module:function``: a user's own dataset, called as
+  ``function(split=..., **options)`` and returning a ``torch.utils.data.Dataset``.
+
+Determinism does not rest on any library's random stream: splits and seeds go
+through BLAKE2b, and noise through numpy's legacy ``RandomState`` (MT19937),
+whose stream numpy keeps frozen across versions and platforms.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import gzip
+import hashlib
+import importlib
+import inspect
+import io
+import re
+import sysconfig
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from edge.errors import UserError
+
+__all__ = [
+    "DATASETS", "DIGITS_SPLIT_SEED", "DIGITS_TRAIN_SIZE", "SPLITS", "TEXT_MODULES",
+    "TEXT_TRAIN_FRACTION", "TEXT_VOCAB_SIZE", "DatasetEntry", "DatasetInfo", "DigitsDataset",
+    "SyntheticImages", "TextDataset", "build_dataset", "dataset_info", "decode",
+    "digits_split_indices", "list_datasets", "load_digits", "text_corpus",
+]  # fmt: skip
+
+Sample = tuple[torch.Tensor, torch.Tensor]
+
+SPLITS = ("train", "test")
+DIGITS_FILE = Path(__file__).parent / "data" / "digits.csv.gz"
+DIGITS_SPLIT_SEED = 0
+DIGITS_TRAIN_SIZE = 1437  # 80% of 1797, rounded down; the other 360 are the test split
+TEXT_VOCAB_SIZE = 128  # the ASCII codes; any other byte is dropped from the corpus
+TEXT_TRAIN_FRACTION = 0.9
+# Pure-Python stdlib modules present from Python 3.11 on; read as ``name.py`` or
+# ``name/__init__.py`` under ``sysconfig.get_paths()["stdlib"]``, in this order.
+TEXT_MODULES = (
+    "abc", "argparse", "bisect", "calendar", "colorsys", "contextlib", "copy",
+    "dataclasses", "difflib", "fnmatch", "fractions", "functools", "glob", "heapq",
+    "numbers", "operator", "pprint", "queue", "random", "reprlib", "sched", "shlex",
+    "statistics", "string", "textwrap",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What a model builder needs to match a dataset (shapes exclude the batch)."""
+
+    name: str
+    input_shape: tuple[int, ...]
+    input_dtype: str  # "float32" for images, "int64" for token ids
+    num_classes: int  # classes, or the vocabulary size for a language model
+    target_shape: tuple[int, ...] = ()  # () for one label per sample
+
+
+def _hash64(*parts: object) -> int:
+    """A 64-bit integer from the parts, identical on every machine and version."""
+    key = "/".join(str(p) for p in parts).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+
+
+def _int_option(dataset: str, field: str, value: object, minimum: int | None = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UserError(f"dataset {dataset!r}: {field} must be an integer (got {value!r})")
+    if minimum is not None and value < minimum:
+        raise UserError(f"dataset {dataset!r}: {field} must be >= {minimum} (got {value})")
+    return value
+
+
+def _check_split(dataset: str, split: str) -> str:
+    if split not in SPLITS:
+        raise UserError(f"dataset {dataset!r}: unknown split {split!r} (expected train or test)")
+    return split
+
+
+@functools.lru_cache(maxsize=1)
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """All 1797 digits once per process: uint8 images [1797, 8, 8] (0..16), int64 labels.
+
+    The arrays are read-only because they are shared by every caller.
+    """
+    text = gzip.decompress(DIGITS_FILE.read_bytes()).decode("ascii")
+    table = np.loadtxt(io.StringIO(text), delimiter=",", dtype=np.int64)
+    if table.shape != (1797, 65) or table.min() < 0 or table[:, :64].max() > 16:
+        raise UserError(f"{DIGITS_FILE}: not the digits table (shape {table.shape})")
+    images = table[:, :64].astype(np.uint8).reshape(-1, 8, 8)
+    labels = table[:, 64].copy()
+    images.setflags(write=False)
+    labels.setflags(write=False)
+    return images, labels
+
+
+def digits_split_indices(split: str) -> np.ndarray:
+    """Row numbers of a digits split.
+
+    The permutation sorts rows 0..1796 by ``BLAKE2b("digits/0/<row>")`` (seed
+    :data:`DIGITS_SPLIT_SEED`); its first :data:`DIGITS_TRAIN_SIZE` rows are
+    ``train``, the remaining 360 ``test``, both in permutation order.
+    """
+    _check_split("digits", split)
+    order = sorted(range(1797), key=lambda row: _hash64("digits", DIGITS_SPLIT_SEED, row))
+    chosen = order[:DIGITS_TRAIN_SIZE] if split == "train" else order[DIGITS_TRAIN_SIZE:]
+    return np.asarray(chosen, dtype=np.int64)
+
+
+class DigitsDataset(Dataset[Sample]):
+    """Handwritten digits: ``x`` float32 [1, 8, 8] in [0, 1] (pixel / 16), ``y`` int64 scalar."""
+
+    def __init__(self, split: str = "train") -> None:
+        images, labels = load_digits()
+        self.split = split
+        self.indices = digits_split_indices(split)
+        self.images = torch.from_numpy(images[self.indices, None].astype(np.float32) / 16.0)
+        self.labels = torch.from_numpy(labels[self.indices].copy())
+        self.info = DatasetInfo("digits", (1, 8, 8), "float32", 10)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> Sample:
+        return self.images[index], self.labels[index]
+
+
+class SyntheticImages(Dataset[Sample]):
+    """Seeded random images: sample ``i`` depends only on (split, seed, i).
+
+    Each class ``c`` has a prototype drawn from ``(seed, c)``, shared by both
+    splits; sample ``i`` is ``0.5 * prototype[label] + 0.5 * noise`` with noise
+    and label drawn from ``(split, seed, i)``, so train and test are different
+    streams of the same task. Values are float32 in [0, 1).
+    """
+
+    _PROTOTYPE_CACHE_ELEMENTS = 1 << 24
+
+    def __init__(
+        self,
+        split: str = "train",
+        shape: tuple[int, ...] = (3, 32, 32),
+        num_classes: int = 10,
+        size: int = 1024,
+        seed: int = 0,
+    ) -> None:
+        name = "synthetic-images"
+        if not isinstance(shape, tuple | list) or not shape:
+            raise UserError(f"dataset {name!r}: shape must be a list of sizes (got {shape!r})")
+        self.shape = tuple(_int_option(name, "shape", d) for d in shape)
+        self.num_classes = _int_option(name, "num_classes", num_classes)
+        self.size = _int_option(name, "size", size)
+        self.seed = _int_option(name, "seed", seed, minimum=None)
+        self.split = _check_split(name, split)
+        self.info = DatasetInfo(name, self.shape, "float32", self.num_classes)
+        small = self.num_classes * int(np.prod(self.shape)) <= self._PROTOTYPE_CACHE_ELEMENTS
+        self._cache: dict[int, np.ndarray] | None = {} if small else None
+
+    def _uniform(self, *key: object) -> np.ndarray:
+        rng = np.random.RandomState(_hash64("synthetic-images", *key) % 2**32)
+        return rng.random_sample(self.shape)
+
+    def _prototype(self, label: int) -> np.ndarray:
+        if self._cache is not None and label in self._cache:
+            return self._cache[label]
+        proto = self._uniform("prototype", self.seed, label)
+        if self._cache is not None:
+            self._cache[label] = proto
+        return proto
+
+    def label(self, index: int) -> int:
+        return _hash64("label", self.split, self.seed, index) % self.num_classes
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> Sample:
+        if not -self.size <= index < self.size:
+            raise IndexError(f"sample {index} out of range for {self.size} samples")
+        index %= self.size
+        label = self.label(index)
+        noise = self._uniform("noise", self.split, self.seed, index)
+        x = 0.5 * self._prototype(label) + 0.5 * noise
+        return torch.from_numpy(x.astype(np.float32)), torch.tensor(label, dtype=torch.int64)
+
+
+@functools.lru_cache(maxsize=1)
+def text_corpus() -> str:
+    """The ``text`` corpus: the :data:`TEXT_MODULES` sources joined by newlines.
+
+    Bytes are read raw, CRLF becomes LF, non-ASCII bytes are dropped. It is the
+    same on every machine with the same Python version (its stdlib text).
+    """
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    parts = []
+    for module in TEXT_MODULES:
+        path = stdlib / f"{module}.py"
+        if not path.is_file():
+            path = stdlib / module / "__init__.py"
+        if not path.is_file():
+            raise UserError(f"dataset 'text': no source of stdlib module {module!r} in {stdlib}")
+        raw = path.read_bytes().replace(b"\r\n", b"\n")
+        parts.append(raw.decode("ascii", errors="ignore"))
+    return "\n".join(parts)
+
+
+@functools.lru_cache(maxsize=1)
+def _corpus_codes() -> torch.Tensor:
+    return torch.frombuffer(bytearray(text_corpus().encode("ascii")), dtype=torch.uint8)
+
+
+def decode(tensor: torch.Tensor) -> str:
+    """Characters of a tensor of ASCII codes (any shape, read in row-major order)."""
+    codes = [int(v) for v in tensor.flatten().tolist()]
+    if any(not 0 <= c < TEXT_VOCAB_SIZE for c in codes):
+        raise ValueError(f"decode: values must be ASCII codes 0..{TEXT_VOCAB_SIZE - 1}")
+    return bytes(codes).decode("ascii")
+
+
+class TextDataset(Dataset[Sample]):
+    """Next-character prediction over :func:`text_corpus`.
+
+    ``train`` is the first :data:`TEXT_TRAIN_FRACTION` of the corpus, ``test``
+    the rest. Sample ``i`` starts at ``start + i * stride``: ``x`` is the next
+    ``block_size`` codes (int64), ``y`` the same window shifted by one. Windows
+    never cross the split boundary. ``stride`` defaults to ``block_size``.
+    """
+
+    def __init__(
+        self, split: str = "train", block_size: int = 64, stride: int | None = None
+    ) -> None:
+        self.block_size = _int_option("text", "block_size", block_size)
+        self.stride = _int_option("text", "stride", block_size if stride is None else stride)
+        self.split = _check_split("text", split)
+        codes = _corpus_codes()
+        cut = int(len(codes) * TEXT_TRAIN_FRACTION)
+        self.start, self.stop = (0, cut) if split == "train" else (cut, len(codes))
+        span = self.stop - self.start
+        if span < self.block_size + 1:
+            raise UserError(
+                f"dataset 'text': block_size {self.block_size} is too large for the "
+                f"{split} split ({span} characters)"
+            )
+        self._codes = codes[self.start : self.stop]
+        self._len = (span - self.block_size - 1) // self.stride + 1
+        window = (self.block_size,)
+        self.info = DatasetInfo("text", window, "int64", TEXT_VOCAB_SIZE, window)
+
+    def window(self, index: int) -> tuple[int, int]:
+        """Corpus offsets ``[begin, end)`` that sample ``index`` reads (inputs and targets)."""
+        begin = self.start + index * self.stride
+        return begin, begin + self.block_size + 1
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> Sample:
+        if not -self._len <= index < self._len:
+            raise IndexError(f"sample {index} out of range for {self._len} samples")
+        begin = (index % self._len) * self.stride
+        chunk = self._codes[begin : begin + self.block_size + 1].to(torch.int64)
+        return chunk[:-1], chunk[1:]
+
+
+@dataclass(frozen=True)
+class DatasetEntry:
+    """A registered dataset: ``builder(split=..., **options)`` and one line about it."""
+
+    builder: Callable[..., Dataset[Any]]
+    description: str
+
+
+DATASETS: dict[str, DatasetEntry] = {
+    "digits": DatasetEntry(DigitsDataset, "UCI handwritten digits, 1x8x8 in [0,1], 10 classes"),
+    "synthetic-images": DatasetEntry(SyntheticImages, "seeded random images of any shape"),
+    "text": DatasetEntry(TextDataset, "char-level ASCII text of Python stdlib source code"),
+}
+
+_USER_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+
+
+def list_datasets() -> list[tuple[str, str]]:
+    """(name, description) of every built-in dataset, sorted by name."""
+    return sorted((name, entry.description) for name, entry in DATASETS.items())
+
+
+def _one_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".replace("\n", " ")
+
+
+def _build_user_dataset(name: str, split: str, options: dict[str, Any]) -> Dataset[Any]:
+    if not _USER_NAME.fullmatch(name):
+        raise UserError(f"dataset {name!r}: expected the form 'package.module:function'")
+    module_name, func_name = name.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(f"dataset {name!r}: cannot import module {module_name!r} ({exc})") from exc
+    except Exception as exc:
+        raise UserError(f"dataset {name!r}: importing {module_name!r}: {_one_line(exc)}") from exc
+    func = getattr(module, func_name, None)
+    if func is None:
+        raise UserError(f"dataset {name!r}: module {module_name!r} has no attribute {func_name!r}")
+    if not callable(func):
+        raise UserError(f"dataset {name!r}: {module_name}.{func_name} is not callable")
+    try:
+        inspect.signature(func).bind(split=split, **options)
+    except TypeError as exc:
+        raise UserError(
+            f"dataset {name!r}: {func_name}() cannot take split= and options "
+            f"{sorted(options)} ({exc})"
+        ) from exc
+    except ValueError:  # no signature to inspect (a builtin); the call will tell
+        pass
+    result = func(split=split, **options)
+    if not isinstance(result, Dataset):
+        raise UserError(
+            f"dataset {name!r}: {func_name}() returned {type(result).__name__}, "
+            "not a torch.utils.data.Dataset"
+        )
+    return result
+
+
+def build_dataset(name: str, split: str = "train", **options: Any) -> Dataset[Any]:
+    """The dataset ``name`` (built-in or ``package.module:function``) for ``split``.
+
+    Raises :class:`~edge.errors.UserError` with one line for an unknown name,
+    split or option, a module that cannot be imported, a missing attribute, or a
+    result that is not a ``Dataset``.
+    """
+    _check_split(name, split)
+    if ":" in name:
+        return _build_user_dataset(name, split, options)
+    entry = DATASETS.get(name)
+    if entry is None:
+        close = difflib.get_close_matches(name, DATASETS, n=3, cutoff=0.5)
+        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+        raise UserError(
+            f"unknown dataset {name!r}{hint} (known: {', '.join(sorted(DATASETS))}; "
+            "or give 'package.module:function')"
+        )
+    accepted = [p for p in inspect.signature(entry.builder).parameters if p != "split"]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        takes = ", ".join(accepted) or "no options"
+        raise UserError(f"dataset {name!r}: unknown option {unknown[0]!r} (takes: {takes})")
+    return entry.builder(split=split, **options)
+
+
+def dataset_info(name: str, **options: Any) -> DatasetInfo:
+    """Input shape, dtype and class count (or vocabulary) of a dataset's train split.
+
+    A user dataset reports an ``info`` attribute holding a :class:`DatasetInfo`,
+    or a ``num_classes`` attribute; the input shape then comes from sample 0.
+    """
+    dataset = build_dataset(name, "train", **options)
+    info = getattr(dataset, "info", None)
+    if isinstance(info, DatasetInfo):
+        return info
+    num_classes = getattr(dataset, "num_classes", None)
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int):
+        raise UserError(
+            f"dataset {name!r}: give it an 'info' attribute (edge.models.datasets.DatasetInfo) "
+            "or a 'num_classes' attribute so a model can be matched to it"
+        )
+    try:
+        x, y = dataset[0]
+        x, y = torch.as_tensor(x), torch.as_tensor(y)
+    except Exception as exc:
+        raise UserError(f"dataset {name!r}: sample 0 is not (x, y): {_one_line(exc)}") from exc
+    dtype = str(x.dtype).removeprefix("torch.")
+    return DatasetInfo(name, tuple(x.shape), dtype, num_classes, tuple(y.shape))

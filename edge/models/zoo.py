@@ -1,0 +1,332 @@
+"""The model zoo: every model is an ordered list of named units built one at a time.
+
+A :class:`ModelSpec` knows a model's units as *definitions* (a name and a
+builder), not as modules, so :meth:`ModelSpec.build_segment` constructs only the
+units of ``[start, end)``: a small device never allocates layers it does not run.
+Each unit is built under its own seed derived from ``(seed, unit index)``, so a
+unit's initial weights are the same whichever segment it is built in, and
+segments built on different devices equal the whole model built in one place.
+
+Vocabulary: a *unit* is one element of the list; a *segment* is the contiguous
+range ``[start, end)`` that one stage runs.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from edge.errors import UserError
+from edge.models.units import (
+    BasicBlock,
+    ConvNormAct,
+    InvertedResidual,
+    LMHead,
+    TokenEmbedding,
+    TransformerBlock,
+)
+
+__all__ = [
+    "MODELS",
+    "ModelSpec",
+    "Segment",
+    "UnitDef",
+    "get_model",
+    "list_models",
+    "parse_options",
+    "seeded",
+    "unit_seed",
+]
+
+
+def unit_seed(seed: int, index: int) -> int:
+    """The seed unit ``index`` of a model seeded ``seed`` is built under."""
+    return (seed * 1_000_003 + index * 7_919 + 17) % (2**63 - 1)
+
+
+@contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Run a block under ``torch.manual_seed(seed)`` without disturbing the caller's RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+@dataclass(frozen=True)
+class UnitDef:
+    """A unit not yet built: its name (a valid module name) and how to build it."""
+
+    name: str
+    build: Callable[[], nn.Module]
+
+
+class Segment(nn.Sequential):
+    """The units ``[start, end)`` of a model, keyed by unit name.
+
+    Keys are unit names, so the state dicts of the segments of a plan together
+    are exactly the state dict of the whole model.
+    """
+
+    def __init__(self, model: str, start: int, end: int, units: Sequence[tuple[str, nn.Module]]):
+        super().__init__(OrderedDict(units))
+        self.model_name = model
+        self.start = start
+        self.end = end
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as an ordered list of unit definitions plus what it eats and predicts."""
+
+    name: str
+    description: str
+    units: tuple[UnitDef, ...]
+    input_shape: tuple[int, ...]
+    """Shape of one input sample."""
+    input_dtype: torch.dtype
+    num_classes: int
+    """Output classes (or vocabulary size): the last unit's last dimension."""
+    dataset: str
+    """The dataset this model trains on by default."""
+    dataset_options: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    segment_builder: Callable[[int, int], list[tuple[str, nn.Module]]] | None = None
+    """Builds a whole segment at once, for models whose units cannot be built alone."""
+
+    @property
+    def num_units(self) -> int:
+        return len(self.units)
+
+    @property
+    def unit_names(self) -> list[str]:
+        return [u.name for u in self.units]
+
+    def build_segment(self, start: int, end: int) -> Segment:
+        """Build units ``[start, end)`` and nothing else, each under its own seed."""
+        if not 0 <= start < end <= self.num_units:
+            raise UserError(
+                f"segment [{start}, {end}) is not a non-empty range of the "
+                f"{self.num_units} units of {self.name}"
+            )
+        if self.segment_builder is not None:
+            return Segment(self.name, start, end, self.segment_builder(start, end))
+        built = []
+        for i in range(start, end):
+            with seeded(unit_seed(self.seed, i)):
+                built.append((self.units[i].name, self.units[i].build()))
+        return Segment(self.name, start, end, built)
+
+    def build(self) -> Segment:
+        """The whole model (all units)."""
+        return self.build_segment(0, self.num_units)
+
+    def example_input(self, batch_size: int, seed: int = 0) -> torch.Tensor:
+        """A seeded random batch with this model's input shape and dtype."""
+        gen = torch.Generator().manual_seed(seed)
+        shape = (batch_size, *self.input_shape)
+        if self.input_dtype.is_floating_point:
+            return torch.randn(shape, generator=gen, dtype=self.input_dtype)
+        return torch.randint(0, self.num_classes, shape, generator=gen, dtype=self.input_dtype)
+
+
+def _mlp(
+    seed: int, in_features: int = 64, hidden: int = 128, depth: int = 3, num_classes: int = 10
+) -> ModelSpec:
+    if depth < 2:
+        raise UserError(f"mlp: depth must be at least 2 (got {depth})")
+    units = [
+        UnitDef(
+            "fc1", lambda: nn.Sequential(nn.Flatten(), nn.Linear(in_features, hidden), nn.ReLU())
+        )
+    ]
+    for i in range(2, depth):
+        units.append(UnitDef(f"fc{i}", lambda: nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU())))
+    units.append(UnitDef("out", lambda: nn.Linear(hidden, num_classes)))
+    shape = (1, 8, 8) if in_features == 64 else (in_features,)
+    return ModelSpec(
+        "mlp", "multilayer perceptron for 8x8 digits", tuple(units), shape, torch.float32,
+        num_classes, "digits", seed=seed,
+    )  # fmt: skip
+
+
+def _cnn_digits(seed: int, width: int = 16, num_classes: int = 10, norm: str = "none") -> ModelSpec:
+    w = width
+    units = (
+        UnitDef("conv1", lambda: ConvNormAct(1, w, norm=norm)),
+        UnitDef("conv2", lambda: ConvNormAct(w, 2 * w, norm=norm, pool=True)),
+        UnitDef("fc1", lambda: nn.Sequential(nn.Flatten(), nn.Linear(2 * w * 16, 64), nn.ReLU())),
+        UnitDef("out", lambda: nn.Linear(64, num_classes)),
+    )
+    return ModelSpec(
+        "cnn-digits", "small CNN for 8x8 digits (two convolutions, two linear layers)", units,
+        (1, 8, 8), torch.float32, num_classes, "digits", seed=seed,
+    )  # fmt: skip
+
+
+_IMAGE_DATA = {"shape": (3, 32, 32)}
+
+
+def _linear_head(features: int, classes: int) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(features, classes))
+
+
+def _pooled_head(channels: int, classes: int) -> nn.Module:
+    return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, classes))
+
+
+def _vgg11(seed: int, num_classes: int = 10, norm: str = "group", width: int = 64) -> ModelSpec:
+    # (out channels as a multiple of width, pool after) for the eight 3x3 convolutions.
+    cfg = [
+        (1, True),
+        (2, True),
+        (4, False),
+        (4, True),
+        (8, False),
+        (8, True),
+        (8, False),
+        (8, True),
+    ]
+    units, cin = [], 3
+    for i, (mult, pool) in enumerate(cfg, start=1):
+        cout = mult * width
+        units.append(UnitDef(f"conv{i}", partial(ConvNormAct, cin, cout, norm=norm, pool=pool)))
+        cin = cout
+    units.append(UnitDef("head", partial(_linear_head, cin, num_classes)))
+    return ModelSpec(
+        "vgg11", "VGG-11 for 32x32 images (CIFAR layout, one linear classifier)", tuple(units),
+        (3, 32, 32), torch.float32, num_classes, "synthetic-images", dict(_IMAGE_DATA), seed,
+    )  # fmt: skip
+
+
+def _resnet18(seed: int, num_classes: int = 10, norm: str = "group", width: int = 64) -> ModelSpec:
+    w = width
+    units = [UnitDef("stem", lambda: ConvNormAct(3, w, norm=norm))]
+    cin = w
+    for stage, (mult, stride) in enumerate([(1, 1), (2, 2), (4, 2), (8, 2)], start=1):
+        cout = mult * w
+        for block in range(2):
+            s = stride if block == 0 else 1
+            units.append(UnitDef(f"layer{stage}_{block}", partial(BasicBlock, cin, cout, s, norm)))
+            cin = cout
+    units.append(UnitDef("head", partial(_pooled_head, cin, num_classes)))
+    return ModelSpec(
+        "resnet18", "ResNet-18 for 32x32 images (CIFAR stem; each basic block is one unit)",
+        tuple(units), (3, 32, 32), torch.float32, num_classes, "synthetic-images",
+        dict(_IMAGE_DATA), seed,
+    )  # fmt: skip
+
+
+# (expansion, out channels, repeats, first stride): MobileNetV2 with CIFAR strides.
+_MBV2 = [(1, 16, 1, 1), (6, 24, 2, 1), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
+         (6, 160, 3, 2), (6, 320, 1, 1)]  # fmt: skip
+
+
+def _mobilenetv2(seed: int, num_classes: int = 10, norm: str = "group") -> ModelSpec:
+    units = [UnitDef("stem", lambda: ConvNormAct(3, 32, norm=norm, act=nn.ReLU6))]
+    cin, index = 32, 0
+    for t, c, n, s in _MBV2:
+        for r in range(n):
+            stride = s if r == 0 else 1
+            build = partial(InvertedResidual, cin, c, stride, t, norm)
+            units.append(UnitDef(f"block{index}", build))
+            cin, index = c, index + 1
+    units.append(UnitDef("conv_last", lambda: ConvNormAct(320, 1280, 1, norm=norm, act=nn.ReLU6)))
+    units.append(UnitDef("head", partial(_pooled_head, 1280, num_classes)))
+    return ModelSpec(
+        "mobilenetv2", "MobileNetV2 for 32x32 images (CIFAR strides; each block is one unit)",
+        tuple(units), (3, 32, 32), torch.float32, num_classes, "synthetic-images",
+        dict(_IMAGE_DATA), seed,
+    )  # fmt: skip
+
+
+def _gpt_mini(
+    seed: int,
+    vocab_size: int = 128,
+    block_size: int = 64,
+    d_model: int = 128,
+    n_head: int = 4,
+    n_layer: int = 4,
+) -> ModelSpec:
+    units = [UnitDef("embed", lambda: TokenEmbedding(vocab_size, block_size, d_model))]
+    for i in range(n_layer):
+        units.append(UnitDef(f"block{i}", lambda: TransformerBlock(d_model, n_head, block_size)))
+    units.append(UnitDef("head", lambda: LMHead(d_model, vocab_size)))
+    return ModelSpec(
+        "gpt-mini", "small decoder-only transformer, char-level (pre-norm blocks)", tuple(units),
+        (block_size,), torch.int64, vocab_size, "text", {"block_size": block_size}, seed,
+    )  # fmt: skip
+
+
+NORMS = ("group", "batch", "none")
+"""Normalisation choices; see [Note: normalisation in pipelines] in :mod:`edge.models.units`."""
+
+MODELS: dict[str, Callable[..., ModelSpec]] = {
+    "mlp": _mlp,
+    "cnn-digits": _cnn_digits,
+    "vgg11": _vgg11,
+    "resnet18": _resnet18,
+    "mobilenetv2": _mobilenetv2,
+    "gpt-mini": _gpt_mini,
+}
+
+
+def list_models() -> list[str]:
+    """Names of the zoo models."""
+    return list(MODELS)
+
+
+def get_model(name: str, seed: int = 0, **options: Any) -> ModelSpec:
+    """The spec of a zoo model, or of a user model named ``package.module:function``.
+
+    ``options`` are the model's keyword arguments (``num_classes``, ``norm``,
+    ``width``...); an unknown option is refused with the list of known ones.
+    """
+    if ":" in name:
+        from edge.models.flatten import user_model
+
+        return user_model(name, seed=seed, **options)
+    if name not in MODELS:
+        import difflib
+
+        close = difflib.get_close_matches(name, MODELS, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise UserError(f"model: unknown model {name!r} (known: {', '.join(MODELS)}){hint}")
+    builder = MODELS[name]
+    if options.get("norm", "group") not in NORMS:
+        raise UserError(f"model {name}: norm: {options['norm']!r} is not one of {', '.join(NORMS)}")
+    try:
+        return builder(seed, **options)
+    except TypeError as exc:
+        import inspect
+
+        known = [p for p in inspect.signature(builder).parameters if p != "seed"]
+        raise UserError(f"model {name}: bad option ({exc}); known options: {known}") from None
+    except ValueError as exc:
+        raise UserError(f"model {name}: {exc}") from None
+
+
+def parse_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """Parse ``key=value`` command-line options; values become int, float, bool or str."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise UserError(f"option {pair!r} is not of the form key=value")
+        value: Any = raw
+        for convert in (int, float):
+            try:
+                value = convert(raw)
+                break
+            except ValueError:
+                continue
+        if raw in ("true", "false"):
+            value = raw == "true"
+        out[key] = value
+    return out

@@ -1,0 +1,66 @@
+"""The ``edgetrain`` command: one typer app whose subcommands live by area.
+
+Device-side commands come from :mod:`edge.commands`; coordinator-side commands
+are imported only when they are registered from :mod:`coordinator.commands`,
+whose modules must not import FastAPI at import time, so an agent-only install
+runs every device command.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from edge.commands import devices, models, profile
+from edge.errors import UserError
+from edgetrain import __version__
+from edgetrain.demo import demo_command
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="edgetrain",
+    help=(
+        "Train one neural network across a fleet of edge devices and GPU servers: "
+        "profile devices, split the model into device-sized segments, and run "
+        "pipelined split training."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+app.command("profile")(profile.profile_command)
+app.command("demo")(demo_command)
+app.add_typer(devices.app, name="devices")
+app.add_typer(models.app, name="models")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"edgetrain {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """edgetrain: pipelined split training across heterogeneous devices."""
+
+
+def main() -> None:
+    """Entry point: run the app; bad input ends with one line on stderr and status 2."""
+    try:
+        app()
+    except UserError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    main()

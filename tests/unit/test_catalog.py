@@ -1,0 +1,428 @@
+"""The device-profile catalogue (edge.catalog, device_profiles/, `edgetrain devices`).
+
+Every shipped profile loads and converts into a planning-problem device; names
+resolve to profiles and memory variants; corrupted copies of a profile are refused
+by `edgetrain devices validate` with status 2 and one stderr line naming the file
+and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from edge.catalog import (
+    GIB,
+    DeviceProfile,
+    all_resolved,
+    catalogue_dir,
+    load_catalogue,
+    load_profile_file,
+    profile_names,
+    resolve,
+)
+from edge.errors import UserError
+from edge.problem import DeviceSpec, PlanningProblem
+
+ROOT = Path(__file__).resolve().parents[2]
+REQUIRED = {
+    "rpi3b-plus",
+    "rpi4",
+    "rpi5",
+    "jetson-nano",
+    "jetson-xavier-nx",
+    "jetson-orin-nano",
+    "jetson-agx-orin",
+    "phone-sd8g3",
+    "nuc",
+    "laptop",
+    "t4",
+    "a100-80gb",
+    "h100-sxm",
+    "h200",
+}
+TESTBED_NAMES = ["rpi4-4gb", "rpi5-8gb", "jetson-nano", "laptop", "h100-sxm"]
+
+
+def edgetrain(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the real `edgetrain` command (its root app and its error handling)."""
+    return subprocess.run(
+        [sys.executable, "-m", "edgetrain.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def shipped_files() -> list[Path]:
+    return sorted(catalogue_dir().glob("*.yaml"))
+
+
+# --- the shipped catalogue -------------------------------------------------------
+
+
+def test_catalogue_holds_the_required_devices() -> None:
+    files = shipped_files()
+    assert len(files) >= 14
+    assert {f.stem for f in files} >= REQUIRED
+    assert set(load_catalogue()) == {f.stem for f in files}
+
+
+@pytest.mark.parametrize("path", shipped_files(), ids=lambda p: p.stem)
+def test_every_profile_file_loads_and_is_consistent(path: Path) -> None:
+    profile = load_profile_file(path)
+    assert profile.id == path.stem
+    t = profile.training
+    if t.unit == "cpu":
+        peak = profile.cpu.peak_fp32_gflops
+    else:
+        assert profile.accelerator is not None
+        found = profile.accelerator.peak(t.precision)
+        assert found is not None
+        peak = found
+    assert 0 < t.sustained_gflops <= peak
+    assert len(t.basis) > 40, "the sustained figure needs a real explanation"
+    wanted = {"cpu", "training", "memory", "link", "power"}
+    if profile.accelerator is not None:
+        wanted.add("accelerator")
+        if profile.accelerator.peak("fp32") is not None:
+            assert profile.accelerator.peak("fp16") is not None
+    assert set(profile.sources) == wanted
+    assert all(source.title for refs in profile.sources.values() for source in refs)
+
+
+def test_every_profile_and_variant_converts_to_a_valid_device_spec() -> None:
+    resolved = all_resolved(load_catalogue())
+    assert len(resolved) >= 14
+    specs = []
+    for r in resolved:
+        spec = r.to_device_spec()
+        assert isinstance(spec, DeviceSpec)
+        assert spec.id == r.name
+        assert spec.gflops == r.profile.training.sustained_gflops
+        assert spec.memory_bytes == pytest.approx(r.sizes.usable_gib * GIB)
+        assert spec.bandwidth_mbps == r.profile.link.bandwidth_mbps
+        assert spec.latency_ms == r.profile.link.latency_ms
+        assert all(math.isfinite(v) for v in (spec.gflops, spec.memory_bytes, spec.latency_ms))
+        specs.append(spec.model_dump(mode="json", exclude_none=True))
+    # Together they form the devices of a valid planning problem (unique ids, strict types).
+    problem = PlanningProblem.model_validate(
+        {
+            "version": 1,
+            "batch_size": 32,
+            "microbatches": 4,
+            "layers": [{"name": "fc", "fwd_flops": 1e6, "param_bytes": 4e3, "out_bytes": 40.0}],
+            "devices": specs,
+        }
+    )
+    assert len(problem.devices) == len(resolved)
+
+
+def test_figures_are_in_the_right_order_and_match_vendor_numbers() -> None:
+    cat = load_catalogue()
+
+    def speed(pid: str) -> float:
+        return cat[pid].training.sustained_gflops
+
+    assert speed("rpi3b-plus") < speed("rpi4") < speed("rpi5") < speed("jetson-nano")
+    jetsons = ["jetson-nano", "jetson-xavier-nx", "jetson-orin-nano", "jetson-agx-orin"]
+    assert [speed(j) for j in jetsons] == sorted(speed(j) for j in jetsons)
+    assert speed("jetson-agx-orin") < speed("t4") < speed("a100-80gb") < speed("h100-sxm")
+    nano, h100, h200 = cat["jetson-nano"], cat["h100-sxm"], cat["h200"]
+    assert nano.accelerator and nano.accelerator.peak("fp16") == pytest.approx(472, rel=0.01)
+    assert nano.accelerator.peak("fp32") == pytest.approx(236, rel=0.01)
+    assert h100.accelerator and h100.accelerator.peak("fp32") == pytest.approx(67_000)
+    assert h100.accelerator.peak("bf16") == pytest.approx(989_400, rel=0.01)
+    assert h200.accelerator and h200.accelerator.peak("bf16") == h100.accelerator.peak("bf16")
+    assert h200.memory.bandwidth_gb_s == 4800
+    assert resolve("h200").sizes.total_gib > 130 > resolve("h100-sxm").sizes.total_gib
+
+
+# --- name resolution -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", TESTBED_NAMES)
+def test_testbed_names_resolve(name: str) -> None:
+    r = resolve(name)
+    # A name without a variant means the default one: `laptop` is `laptop-32gb`.
+    assert r.name == name or (
+        r.name == f"{name}-{r.variant}" == f"{name}-{r.profile.default_variant}"
+    )
+    assert r.to_device_spec().id == r.name
+    assert r.to_device_spec("node-7").id == "node-7"
+
+
+def test_variants_resolve_with_their_own_memory() -> None:
+    small, large = resolve("rpi4-4gb"), resolve("rpi4-8gb")
+    assert small.profile is large.profile
+    assert small.sizes.total_gib == 4 and large.sizes.total_gib == 8
+    assert small.to_device_spec().memory_bytes < large.to_device_spec().memory_bytes
+    assert small.to_device_spec().gflops == large.to_device_spec().gflops
+    default = resolve("rpi4")
+    assert default.variant == "4gb" and default.name == "rpi4-4gb"
+    assert resolve(" RPi5-8GB ").name == "rpi5-8gb"
+    assert resolve("t4").variant is None
+    names = profile_names(load_catalogue())
+    assert {"rpi4", "rpi4-2gb", "rpi4-4gb", "rpi4-8gb", "h200"} <= set(names)
+
+
+def test_unknown_names_give_a_helpful_user_error() -> None:
+    with pytest.raises(UserError) as typo:
+        resolve("jetson-nan")
+    assert typo.value.exit_code == 2
+    assert "jetson-nano" in typo.value.message and "\n" not in typo.value.message
+    with pytest.raises(UserError) as variant:
+        resolve("rpi4-16gb")
+    assert "16gb" in variant.value.message and "rpi4-8gb" in variant.value.message
+    with pytest.raises(UserError, match="devices list"):
+        resolve("zzzz")
+
+
+# --- the command line ------------------------------------------------------------
+
+
+def test_cli_list_json_has_every_variant() -> None:
+    done = edgetrain("devices", "list", "--json")
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    ids = [row["id"] for row in rows]
+    assert {resolve(name).name for name in TESTBED_NAMES} <= set(ids)
+    assert len(ids) == len(set(ids)) == len(all_resolved(load_catalogue()))
+    row = next(r for r in rows if r["id"] == "rpi4-4gb")
+    assert row["default"] is True and row["kind"] == "sbc"
+    assert row["usable_memory_gib"] == resolve("rpi4-4gb").sizes.usable_gib
+    assert row["link"]["bandwidth_mbps"] > 0
+
+
+def test_cli_show_as_device_prints_the_planning_device() -> None:
+    done = edgetrain("devices", "show", "rpi5-8gb", "--as-device", "--device-id", "pi-a")
+    assert done.returncode == 0, done.stderr
+    expected = resolve("rpi5-8gb").to_device_spec("pi-a")
+    assert json.loads(done.stdout) == expected.model_dump(mode="json", exclude_none=True)
+    assert DeviceSpec.model_validate_json(done.stdout) == expected
+    full = edgetrain("devices", "show", "h100-sxm", "--json")
+    assert full.returncode == 0, full.stderr
+    shown = json.loads(full.stdout)
+    assert shown["profile"]["sources"]["training"]
+    assert shown["device"]["gflops"] == resolve("h100-sxm").profile.training.sustained_gflops
+
+
+def test_cli_show_unknown_name_exits_2_with_one_line() -> None:
+    done = edgetrain("devices", "show", "jetson-nan")
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "jetson-nano" in lines[0]
+
+
+def test_cli_validate_accepts_the_shipped_catalogue() -> None:
+    done = edgetrain("devices", "validate", *map(str, shipped_files()))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("ok: ") == len(shipped_files())
+    assert edgetrain("devices", "validate").returncode == 0
+
+
+# --- corrupted profiles ----------------------------------------------------------
+
+
+def _rpi4() -> dict[str, Any]:
+    data = yaml.safe_load((catalogue_dir() / "rpi4.yaml").read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def _delete_bandwidth(d: dict[str, Any]) -> None:
+    del d["link"]["bandwidth_mbps"]
+
+
+def _negative_bandwidth(d: dict[str, Any]) -> None:
+    d["link"]["bandwidth_mbps"] = -5
+
+
+def _string_number(d: dict[str, Any]) -> None:
+    d["training"]["sustained_gflops"] = "7.2"
+
+
+def _unknown_field(d: dict[str, Any]) -> None:
+    d["power"]["colour"] = "red"
+
+
+def _sustained_above_peak(d: dict[str, Any]) -> None:
+    d["training"]["sustained_gflops"] = 100.0
+
+
+CORRUPTIONS = [
+    (_delete_bandwidth, "link.bandwidth_mbps", "Field required"),
+    (_negative_bandwidth, "link.bandwidth_mbps", "greater than 0 (got -5)"),
+    (_string_number, "training.sustained_gflops", "valid number"),
+    (_unknown_field, "power.colour", "Extra inputs are not permitted"),
+    (_sustained_above_peak, "training.sustained_gflops", "exceeds the peak cpu.peak_fp32_gflops"),
+]
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "field", "why"),
+    CORRUPTIONS,
+    ids=["missing-field", "negative-bandwidth", "string-number", "unknown-field", "above-peak"],
+)
+def test_cli_validate_refuses_a_corrupted_copy(
+    tmp_path: Path, corrupt: Any, field: str, why: str
+) -> None:
+    data = _rpi4()
+    corrupt(data)
+    path = tmp_path / "rpi4.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    done = edgetrain("devices", "validate", str(path))
+    assert done.returncode == 2
+    assert "ok:" not in done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"error: {path}: {field}: ")
+    assert why in lines[0]
+
+
+def test_cli_validate_reports_each_bad_file_and_passes_the_good(tmp_path: Path) -> None:
+    good, bad = tmp_path / "rpi4.yaml", tmp_path / "bad" / "rpi4.yaml"
+    bad.parent.mkdir()
+    good.write_text((catalogue_dir() / "rpi4.yaml").read_text())
+    data = _rpi4()
+    _negative_bandwidth(data)
+    bad.write_text(yaml.safe_dump(data))
+    done = edgetrain("devices", "validate", str(good), str(bad))
+    assert done.returncode == 2
+    assert done.stdout.strip() == f"ok: {good} (rpi4, 3 variants)"
+    assert done.stderr.strip().splitlines() == [
+        f"error: {bad}: link.bandwidth_mbps: Input should be greater than 0 (got -5)"
+    ]
+
+
+def _write(tmp_path: Path, data: dict[str, Any], name: str = "rpi4.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _refused(path: Path) -> str:
+    with pytest.raises(UserError) as err:
+        load_profile_file(path)
+    assert err.value.exit_code == 2
+    assert "\n" not in err.value.message
+    assert err.value.message.startswith(f"{path}: ")
+    return err.value.message
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "expected"),
+    [
+        (
+            "memory",
+            "bandwidth_gb_s",
+            float("nan"),
+            "memory.bandwidth_gb_s: Input should be a finite",
+        ),
+        (
+            "memory",
+            "bandwidth_gb_s",
+            float("inf"),
+            "memory.bandwidth_gb_s: Input should be a finite",
+        ),
+        ("link", "latency_ms", -1.0, "link.latency_ms: Input should be greater than or equal to 0"),
+        ("link", "bandwidth_mbps", 0, "link.bandwidth_mbps: Input should be greater than 0"),
+        ("cpu", "cores", 4.5, "cpu.cores: Input should be a valid integer"),
+        (
+            "training",
+            "sustained_gflops",
+            True,
+            "training.sustained_gflops: Input should be a valid",
+        ),
+        ("training", "precision", "fp8", "training.precision: Input should be"),
+        ("power", "typical_w", 99.0, "power: typical_w (99.0) exceeds max_w (15.3)"),
+    ],
+)
+def test_bad_numbers_are_refused(
+    tmp_path: Path, section: str, key: str, value: object, expected: str
+) -> None:
+    data = _rpi4()
+    data[section][key] = value
+    assert expected in _refused(_write(tmp_path, data))
+
+
+def test_memory_cross_checks(tmp_path: Path) -> None:
+    data = _rpi4()
+    data["variants"]["8gb"]["usable_gib"] = 9.0
+    assert "variants.8gb: usable_gib (9.0) exceeds total_gib (8.0)" in _refused(
+        _write(tmp_path, data)
+    )
+    data = _rpi4()
+    data["variants"]["4gb"]["total_gib"] = 0
+    assert "variants.4gb.total_gib: Input should be greater than 0" in _refused(
+        _write(tmp_path, data)
+    )
+    data = _rpi4()
+    data["default_variant"] = "3gb"
+    assert "default_variant: must name one of 2gb, 4gb, 8gb (got '3gb')" in _refused(
+        _write(tmp_path, data)
+    )
+    data = _rpi4()
+    del data["variants"]
+    del data["default_variant"]
+    assert "memory.total_gib: Field required" in _refused(_write(tmp_path, data))
+
+
+def test_structural_errors_are_refused(tmp_path: Path) -> None:
+    data = _rpi4()
+    del data["sources"]["power"]
+    assert "sources.power: Field required" in _refused(_write(tmp_path, data))
+    data = _rpi4()
+    data["sources"]["accelerator"] = [{"title": "nothing"}]
+    assert "sources.accelerator: no such part" in _refused(_write(tmp_path, data))
+    data = _rpi4()
+    data["training"]["unit"] = "accelerator"
+    assert "training.unit: 'accelerator', but the profile has none" in _refused(
+        _write(tmp_path, data)
+    )
+    assert "id: 'rpi4' does not match the file name" in _refused(
+        _write(tmp_path, _rpi4(), "pi.yaml")
+    )
+    data = _rpi4()
+    data["schema_version"] = 2
+    assert "schema_version: unknown version 2" in _refused(_write(tmp_path, data))
+
+
+def test_yaml_problems_are_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "rpi4.yaml"
+    path.write_text("id: rpi4\nname: [unclosed\n")
+    assert "not valid YAML" in _refused(path) and "line" in _refused(path)
+    path.write_text((catalogue_dir() / "rpi4.yaml").read_text() + "name: Another name\n")
+    assert "duplicate key 'name'" in _refused(path)
+    path.write_text("- just\n- a list\n")
+    assert "expected a mapping" in _refused(path)
+    path.write_text("")
+    assert "an empty file" in _refused(path)
+    assert "cannot read" in _refused(tmp_path / "missing.yaml")
+
+
+def test_exponent_numbers_read_as_numbers(tmp_path: Path) -> None:
+    text = (catalogue_dir() / "rpi4.yaml").read_text()
+    path = tmp_path / "rpi4.yaml"
+    path.write_text(text.replace("bandwidth_mbps: 940.0", "bandwidth_mbps: 9.4e2"))
+    profile: DeviceProfile = load_profile_file(path)
+    assert profile.link.bandwidth_mbps == 940.0
+
+
+def test_a_name_colliding_across_files_is_refused(tmp_path: Path) -> None:
+    for f in shipped_files():
+        (tmp_path / f.name).write_text(f.read_text())
+    data = yaml.safe_load((catalogue_dir() / "t4.yaml").read_text())
+    data["id"] = "rpi4-8gb"
+    _write(tmp_path, data, "rpi4-8gb.yaml")
+    with pytest.raises(UserError, match=r"variants\.8gb: the name 'rpi4-8gb' is also the id"):
+        load_catalogue(tmp_path)
+    assert set(load_catalogue(catalogue_dir())) == set(load_catalogue())
