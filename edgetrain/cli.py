@@ -12,6 +12,7 @@ import sys
 
 import typer
 
+from coordinator.commands import plan
 from edge.commands import devices, models, profile
 from edge.errors import UserError
 from edgetrain import __version__
@@ -34,6 +35,7 @@ app = typer.Typer(
 
 app.command("profile")(profile.profile_command)
 app.command("demo")(demo_command)
+app.command("plan")(plan.plan_command)
 app.add_typer(devices.app, name="devices")
 app.add_typer(models.app, name="models")
 

@@ -12,8 +12,8 @@
   2. :func:`sequence_dp` on device *sequences*: for orderings by speed, by
      memory and by link bandwidth (``pin_first`` always first), the best prefix
      length, each evaluated exactly for that sequence;
-  3. a local search on the best sequence (swap neighbours, swap in an unused
-     device) while time remains.
+  3. a first-improvement local search from the best sequence (swap neighbours,
+     drop a device, insert or swap in an unused one) while time remains.
 
 A sequence fixes which devices run and in which order; :func:`sequence_dp`
 then finds the best cuts for it exactly. Ordering by speed is exact when links
@@ -25,7 +25,7 @@ any range a slower one can, in less time.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +45,9 @@ _EXACT_WORK = 2e7
 fleet to be searched exactly: a few tenths of a second per threshold here."""
 
 _SHORTLIST_WORK = 4e6
+
+_UNUSED_CLASSES = 6
+"""How many classes of unused devices the local search tries to bring in."""
 
 
 def exact_capacity(n_layers: int, work: float = _EXACT_WORK) -> int:
@@ -146,6 +149,55 @@ def _prefix_lengths(n: int) -> list[int]:
     return [*out, n]
 
 
+def _neighbours(seq: list[int], problem: PlanningProblem, pinned: bool) -> Iterator[list[int]]:
+    """Sequences one move away: swap neighbours, drop one, insert or swap in an unused one.
+
+    Unused devices are represented by one per class of identical devices (same
+    speed, memory and link), the fastest classes first: identical devices give
+    identical plans, so trying more than one of a class is wasted work.
+    """
+    devs = problem.devices
+    first = 1 if pinned else 0
+    used = set(seq)
+    classes: dict[tuple[float, ...], int] = {}
+    for i in sorted(range(len(devs)), key=lambda i: -devs[i].gflops):
+        key = (devs[i].gflops, devs[i].memory_bytes, devs[i].bandwidth_mbps, devs[i].latency_ms)
+        if i not in used and key not in classes:
+            classes[key] = i
+    unused = list(classes.values())[:_UNUSED_CLASSES]
+    for a in range(first, len(seq) - 1):
+        yield [*seq[:a], seq[a + 1], seq[a], *seq[a + 2 :]]
+    for a in range(first, len(seq)):
+        if len(seq) > 1:
+            yield seq[:a] + seq[a + 1 :]
+    for u in unused:
+        for a in range(first, len(seq) + 1):
+            yield [*seq[:a], u, *seq[a:]]
+        for a in range(first, len(seq)):
+            yield [*seq[:a], u, *seq[a + 1 :]]
+
+
+def _local_search(
+    evaluator: _SequenceEvaluator,
+    seq: list[int],
+    problem: PlanningProblem,
+    pinned: bool,
+    deadline: float,
+) -> list[int]:
+    """First-improvement descent over :func:`_neighbours` until none helps or time is up."""
+    current, current_obj = seq, evaluator(seq)[0]
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        for cand in _neighbours(current, problem, pinned):
+            if evaluator(cand)[0] < current_obj * (1 - 1e-12):
+                current, current_obj, improved = cand, evaluator(cand)[0], True
+                break
+            if time.perf_counter() > deadline:
+                break
+    return current
+
+
 def plan_problem(problem: PlanningProblem, *, time_budget_s: float = 8.0) -> SearchResult:
     """The best plan for ``problem`` (see the module docstring for how)."""
     started = time.perf_counter()
@@ -173,40 +225,11 @@ def plan_problem(problem: PlanningProblem, *, time_budget_s: float = 8.0) -> Sea
             seqs_tried.append((obj, order[:k]))
             if plan is not None and obj < best[0]:
                 best = (obj, plan, "sequence DP")
-    # Local search around the best sequence: neighbour swaps, swaps with unused devices.
     seqs_tried.sort(key=lambda x: x[0])
     if seqs_tried and np.isfinite(seqs_tried[0][0]):
-        current_obj, current = seqs_tried[0]
-        improved = True
-        while improved and time.perf_counter() < deadline:
-            improved = False
-            unused = [i for i in range(n_dev) if i not in current]
-            start = 1 if problem.pin_first is not None else 0
-            moves = [(a, a + 1) for a in range(start, len(current) - 1)]
-            for a, b in moves:
-                cand = current.copy()
-                cand[a], cand[b] = cand[b], cand[a]
-                obj, plan = evaluator(cand)
-                if obj < current_obj - 1e-12:
-                    current, current_obj, improved = cand, obj, True
-                    break
-                if time.perf_counter() > deadline:
-                    break
-            if improved:
-                continue
-            for a in range(start, len(current)):
-                for u in unused[:8]:
-                    cand = current.copy()
-                    cand[a] = u
-                    obj, plan = evaluator(cand)
-                    if obj < current_obj - 1e-12:
-                        current, current_obj, improved = cand, obj, True
-                        break
-                    if time.perf_counter() > deadline:
-                        break
-                if improved or time.perf_counter() > deadline:
-                    break
-        obj, plan = evaluator(current)
+        pinned = problem.pin_first is not None
+        seq = _local_search(evaluator, seqs_tried[0][1], problem, pinned, deadline)
+        obj, plan = evaluator(seq)
         if plan is not None and obj < best[0]:
             best = (obj, plan, "sequence DP + local search")
     return _result(problem, best[1], False, best[2], evaluator.evaluations, started)

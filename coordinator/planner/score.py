@@ -13,6 +13,7 @@ The search does not call this per candidate (it works on prefix sums, see
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +66,7 @@ class PlanScore:
             "stages": self.plan.to_json(),
             "step_time_s": self.step_time_s,
             "bottleneck_s": self.bottleneck_s,
-            "throughput_sps": self.throughput_sps,
+            "throughput_sps": self.throughput_sps if math.isfinite(self.throughput_sps) else None,
             "feasible": self.feasible,
         }
 
@@ -126,7 +127,9 @@ def score_plan(problem: PlanningProblem, plan: Plan) -> PlanScore:
             )
     tau = max(compute + links)
     step = (m - 1) * tau + sum(compute) + sum(links)
+    # A problem of zero-FLOP layers and free links takes no time at all.
+    throughput = problem.batch_size / step if step > 0 else math.inf
     return PlanScore(
-        plan, compute, links, memory, limits, tau, step, problem.batch_size / step,
+        plan, compute, links, memory, limits, tau, step, throughput,
         not reasons, reasons,
     )  # fmt: skip

@@ -1,0 +1,106 @@
+"""Build a planning problem from a zoo model and a fleet, so nobody writes one by hand.
+
+The layers come from :func:`edge.models.costs.profile_model` (counted FLOPs and
+measured bytes; no timing, so problems are reproducible). The devices come from
+a fleet description such as ``rpi4-4gb:2,jetson-nano,laptop,./me.json``: each
+item is a catalogue name with an optional ``:count``, or the path of a JSON file
+holding a measured device (``edgetrain profile --json`` output) or a list of
+them. Repeated devices get ids ``NAME-1``, ``NAME-2``...
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from edge.catalog import resolve
+from edge.errors import UserError, describe_validation_error
+from edge.models.costs import profile_model
+from edge.models.zoo import get_model
+from edge.problem import DeviceSpec, PlanningProblem
+
+__all__ = ["build_problem", "parse_fleet"]
+
+PROFILE_BATCH = 4
+"""Samples per batch when profiling for a problem: FLOPs and bytes are per sample."""
+
+
+def _devices_from_file(path: Path) -> list[DeviceSpec]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: cannot read a device: {exc}") from None
+    items = data if isinstance(data, list) else [data]
+    out = []
+    for i, item in enumerate(items):
+        try:
+            out.append(DeviceSpec.model_validate(item))
+        except ValidationError as exc:
+            where = f"{path}[{i}]" if isinstance(data, list) else str(path)
+            raise UserError(describe_validation_error(exc, where)) from None
+    return out
+
+
+def parse_fleet(text: str) -> list[DeviceSpec]:
+    """Devices from ``name[:count],...`` (catalogue names or JSON files of devices)."""
+    items = [part.strip() for part in text.split(",") if part.strip()]
+    if not items:
+        raise UserError("--devices: no devices given")
+    devices: list[DeviceSpec] = []
+    for item in items:
+        name, _, count_text = item.partition(":")
+        path = Path(name)
+        if name.endswith(".json") or path.is_file():
+            devices += _devices_from_file(path)
+            continue
+        try:
+            count = int(count_text) if count_text else 1
+        except ValueError:
+            raise UserError(f"--devices: {item!r}: count must be a whole number") from None
+        if count < 1:
+            raise UserError(f"--devices: {item!r}: count must be at least 1")
+        profile = resolve(name)
+        devices += [profile.to_device_spec() for _ in range(count)]
+    # Give repeated ids a suffix so every device is distinct.
+    totals = Counter(d.id for d in devices)
+    seen: Counter[str] = Counter()
+    named = []
+    for d in devices:
+        if totals[d.id] > 1:
+            seen[d.id] += 1
+            d = d.model_copy(update={"id": f"{d.id}-{seen[d.id]}"})
+        named.append(d)
+    return named
+
+
+def build_problem(
+    model: str,
+    devices: list[DeviceSpec],
+    *,
+    batch_size: int,
+    microbatches: int,
+    pin_first: str | None = None,
+    optimizer_state_factor: float = 4.0,
+    model_options: dict[str, Any] | None = None,
+) -> PlanningProblem:
+    """The planning problem of training ``model`` on ``devices``."""
+    if microbatches < 1 or batch_size < 1:
+        raise UserError("batch size and microbatches must be at least 1")
+    spec = get_model(model, **(model_options or {}))
+    prof = profile_model(spec, min(batch_size, PROFILE_BATCH), timing=False)
+    try:
+        return PlanningProblem(
+            version=1,
+            batch_size=batch_size,
+            microbatches=microbatches,
+            optimizer_state_factor=optimizer_state_factor,
+            pin_first=pin_first,
+            layers=prof.to_layers(),
+            devices=devices,
+        )
+    except ValidationError as exc:
+        raise UserError(describe_validation_error(exc, "problem")) from None

@@ -1,0 +1,155 @@
+"""Pipeline schedules as plain data: per stage, the ordered forward and backward actions.
+
+A schedule for ``S`` stages and ``M`` microbatches is a list of ``S`` lists of
+:class:`Action`; stage ``s`` executes its list in order, one action at a time,
+each action waiting for its input (see :mod:`coordinator.planner.simulator`).
+Its text form is one line per stage, actions separated by spaces::
+
+    F0 F1 B0 F2 B1 F3 B2 B3
+    F0 B0 F1 B1 F2 B2 F3 B3
+
+This module owns only the order. The simulator reads it to predict a step, the
+stage runtime will read it to run one, and neither may add an action of its own:
+an action the schedule does not list does not happen.
+
+Both schedules here are synchronous: every stage steps its optimizer after its
+last backward (the flush), so a step equals single-device training.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Schedule",
+    "format_schedule",
+    "gpipe",
+    "make_schedule",
+    "one_f_one_b",
+    "parse_schedule",
+    "validate_schedule",
+]
+
+Kind = Literal["F", "B"]
+_TOKEN = re.compile(r"([FB])(\d+)")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One forward (``F``) or backward (``B``) of one microbatch on one stage."""
+
+    kind: Kind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, token: str) -> Action:
+        """``"F3"`` -> ``Action("F", 3)``."""
+        match = _TOKEN.fullmatch(token.strip())
+        if match is None:
+            raise ValueError(f"not an action: {token!r} (expected F<n> or B<n>)")
+        kind: Kind = "F" if match[1] == "F" else "B"
+        return cls(kind, int(match[2]))
+
+
+Schedule = list[list[Action]]
+"""Per stage, its actions in execution order."""
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """PipeDream-Flush (1F1B): stage ``s`` runs ``w = min(S - s, M)`` forwards, then
+    alternates one backward and one forward, then drains the remaining backwards.
+
+    At most ``w`` microbatches' activations are held at once on stage ``s``: the
+    spec's ``min(S - s, M)`` memory factor.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    out = []
+    for s in range(num_stages):
+        warmup = min(num_stages - s, num_microbatches)
+        actions = [Action("F", i) for i in range(warmup)]
+        for i in range(num_microbatches - warmup):
+            actions += [Action("B", i), Action("F", warmup + i)]
+        actions += [Action("B", i) for i in range(num_microbatches - warmup, num_microbatches)]
+        out.append(actions)
+    return out
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """GPipe: every stage runs all ``M`` forwards, then all ``M`` backwards.
+
+    Backwards run in forward order ``B0 B1 ...``, as ``torch.distributed.pipelining``'s
+    ``ScheduleGPipe`` does; every stage holds all ``M`` microbatches' activations
+    at its peak.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    one = [Action("F", i) for i in range(num_microbatches)]
+    one += [Action("B", i) for i in range(num_microbatches)]
+    return [list(one) for _ in range(num_stages)]
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"1f1b": one_f_one_b, "gpipe": gpipe}
+"""Schedules by the name a job file uses."""
+
+
+def make_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
+    """The schedule called ``name`` (a key of :data:`SCHEDULES`)."""
+    try:
+        build = SCHEDULES[name]
+    except KeyError:
+        raise ValueError(f"unknown schedule {name!r} (known: {', '.join(SCHEDULES)})") from None
+    return build(num_stages, num_microbatches)
+
+
+def format_schedule(schedule: Sequence[Sequence[Action]]) -> str:
+    """One line per stage, e.g. ``"F0 F1 B0 B1\\nF0 B0 F1 B1"``."""
+    return "\n".join(" ".join(str(a) for a in actions) for actions in schedule)
+
+
+def parse_schedule(text: str) -> Schedule:
+    """The inverse of :func:`format_schedule`; blank lines and ``#`` comments are skipped."""
+    out = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            out.append([Action.parse(token) for token in line.split()])
+    return out
+
+
+def validate_schedule(
+    schedule: Sequence[Sequence[Action]], num_stages: int, num_microbatches: int
+) -> None:
+    """Raise ``ValueError`` unless every stage runs each microbatch's ``F`` and ``B``
+    exactly once. Order is not checked here: a bad order is a deadlock, which
+    only running (or simulating) the schedule finds."""
+    if len(schedule) != num_stages:
+        raise ValueError(f"schedule has {len(schedule)} stages, the plan {num_stages}")
+    want = sorted((kind, i) for kind in "BF" for i in range(num_microbatches))
+    for s, actions in enumerate(schedule):
+        have = sorted((a.kind, a.microbatch) for a in actions)
+        if have != want:
+            missing = sorted(set(want) - set(have))
+            extra = [x for x in have if have.count(x) > 1 or x not in want]
+            detail = f"missing {_names(missing)}" if missing else f"extra {_names(extra)}"
+            raise ValueError(
+                f"stage {s}: must run F and B of microbatches 0..{num_microbatches - 1} "
+                f"exactly once each; {detail}"
+            )
+
+
+def _names(items: Sequence[tuple[str, int]]) -> str:
+    return " ".join(f"{k}{i}" for k, i in sorted(set(items), key=lambda x: (x[1], x[0])))
+
+
+def _check_sizes(num_stages: int, num_microbatches: int) -> None:
+    if num_stages < 1 or num_microbatches < 1:
+        raise ValueError(
+            f"need at least one stage and one microbatch, got {num_stages} and {num_microbatches}"
+        )

@@ -1,0 +1,153 @@
+"""``edgetrain plan``: the spec's JSON, exit 2 on malformed problems, exit 3 when nothing fits."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator.planner.build import build_problem, parse_fleet
+from coordinator.planner.score import Plan, Stage, score_plan
+from edge.errors import UserError
+from edge.problem import load_problem, parse_problem
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PROBLEM: dict[str, Any] = {
+    "version": 1,
+    "batch_size": 32,
+    "microbatches": 4,
+    "optimizer_state_factor": 4,
+    "pin_first": "cam-01",
+    "layers": [
+        {"name": f"l{i}", "fwd_flops": 1e7 * (i + 1), "param_bytes": 4e5, "out_bytes": 2e5}
+        for i in range(8)
+    ],
+    "devices": [
+        {"id": "cam-01", "gflops": 6, "memory_bytes": 2e9, "bandwidth_mbps": 50, "latency_ms": 2},
+        {"id": "jet", "gflops": 60, "memory_bytes": 4e9, "bandwidth_mbps": 900, "latency_ms": 0.2},
+        {"id": "pc", "gflops": 200, "memory_bytes": 8e9, "bandwidth_mbps": 900, "latency_ms": 0.2},
+    ],
+}
+
+
+def run_plan(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "edgetrain.cli", "plan", *args],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
+    )  # fmt: skip
+
+
+def write(tmp_path: Path, data: Any, name: str = "problem.json") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+def test_plan_json_is_exactly_the_spec_object(tmp_path: Path) -> None:
+    done = run_plan("--problem", str(write(tmp_path, PROBLEM)), "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert set(out) == {"stages", "step_time_s", "bottleneck_s", "throughput_sps", "feasible"}
+    assert out["feasible"] is True
+    assert out["stages"][0]["device"] == "cam-01"
+    plan = Plan(tuple(Stage(s["device"], *s["layers"]) for s in out["stages"]))
+    score = score_plan(parse_problem(PROBLEM), plan)
+    assert score.step_time_s == pytest.approx(out["step_time_s"], rel=1e-12)
+    assert out["throughput_sps"] == pytest.approx(32 / out["step_time_s"])
+
+
+def _mutations() -> list[tuple[str, Any, str]]:
+    def m(fn: Any) -> dict[str, Any]:
+        data = copy.deepcopy(PROBLEM)
+        fn(data)
+        return data
+
+    return [
+        ("missing", m(lambda d: d["devices"][1].pop("gflops")), "devices[1].gflops"),
+        ("zero speed", m(lambda d: d["devices"][0].update(gflops=0)), "devices[0].gflops"),
+        ("negative bw", m(lambda d: d["devices"][2].update(bandwidth_mbps=-5)), "bandwidth_mbps"),
+        ("string", m(lambda d: d["layers"][3].update(fwd_flops="1e7")), "layers[3].fwd_flops"),
+        ("bad pin", m(lambda d: d.update(pin_first="nobody")), "pin_first"),
+        ("version", m(lambda d: d.update(version=2)), "version"),
+        ("no layers", m(lambda d: d.update(layers=[])), "layers"),
+        ("unknown", m(lambda d: d.update(microbatch=3)), "microbatch"),
+        ("dup ids", m(lambda d: d["devices"][1].update(id="pc")), "duplicate"),
+        ("nan", json.dumps(PROBLEM).replace('"gflops": 60', '"gflops": NaN'), "NaN"),
+        ("inf", json.dumps(PROBLEM).replace('"gflops": 60', '"gflops": Infinity'), "Infinity"),
+        ("not json", "{not json", "not valid JSON"),
+    ]
+
+
+@pytest.mark.parametrize(("case", "data", "names"), _mutations(), ids=[m[0] for m in _mutations()])
+def test_malformed_problems_exit_2_with_one_line_naming_the_field(
+    tmp_path: Path, case: str, data: Any, names: str
+) -> None:
+    path = write(tmp_path, data)
+    with pytest.raises(UserError, match=names.replace("[", r"\[").replace("]", r"\]")):
+        load_problem(path)
+    if case in ("missing", "nan", "bad pin"):  # and through the command, end to end
+        done = run_plan("--problem", str(path), "--json")
+        assert done.returncode == 2
+        assert done.stdout == ""
+        assert len(done.stderr.strip().splitlines()) == 1
+        assert names in done.stderr
+
+
+def test_no_feasible_plan_exits_3_with_the_reason(tmp_path: Path) -> None:
+    data = copy.deepcopy(PROBLEM)
+    for d in data["devices"]:
+        d["memory_bytes"] = 1e5  # less than one unit's parameters
+    done = run_plan("--problem", str(write(tmp_path, data)), "--json")
+    assert done.returncode == 3
+    out = json.loads(done.stdout)
+    assert out["feasible"] is False
+    assert "memory" in out["reason"]
+
+
+def test_model_and_fleet_build_the_problem_and_report_baselines(tmp_path: Path) -> None:
+    emitted = tmp_path / "p.json"
+    trace = tmp_path / "trace.json"
+    done = run_plan(
+        "--model", "cnn-digits", "--devices", "rpi4-4gb:2,jetson-nano", "--batch-size", "16",
+        "--microbatches", "4", "--emit-problem", str(emitted), "--timeline", str(trace),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for word in ("stage", "bottleneck", "samples/s", "pipedream", "ftpipehd", "even", "single"):
+        assert word in done.stdout
+    problem = load_problem(emitted)
+    assert [d.id for d in problem.devices] == ["rpi4-4gb-1", "rpi4-4gb-2", "jetson-nano"]
+    assert [la.name for la in problem.layers] == ["conv1", "conv2", "fc1", "out"]
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("ph") == "X" for e in events)
+
+
+def test_bad_command_lines_exit_2() -> None:
+    assert run_plan("--json").returncode == 2  # neither --problem nor --model
+    done = run_plan("--model", "vgg11", "--devices", "rpi9")
+    assert done.returncode == 2
+    assert "rpi9" in done.stderr
+
+
+def test_fleet_parsing_counts_files_and_errors(tmp_path: Path) -> None:
+    me = {"id": "me", "gflops": 50, "memory_bytes": 1e9, "bandwidth_mbps": 100, "latency_ms": 1}
+    path = write(tmp_path, me, "me.json")
+    fleet = parse_fleet(f"rpi4-4gb:2,{path},jetson-nano")
+    assert [d.id for d in fleet] == ["rpi4-4gb-1", "rpi4-4gb-2", "me", "jetson-nano"]
+    with pytest.raises(UserError, match="count"):
+        parse_fleet("rpi4-4gb:0")
+    with pytest.raises(UserError, match="gflops"):
+        parse_fleet(str(write(tmp_path, {**me, "gflops": -1}, "bad.json")))
+
+
+def test_built_problem_pins_and_refuses_an_unknown_pin() -> None:
+    fleet = parse_fleet("rpi4-4gb,jetson-nano")
+    problem = build_problem("mlp", fleet, batch_size=8, microbatches=2, pin_first="rpi4-4gb")
+    assert problem.pin_first == "rpi4-4gb"
+    with pytest.raises(UserError, match="pin_first"):
+        build_problem("mlp", fleet, batch_size=8, microbatches=2, pin_first="nope")
