@@ -87,12 +87,26 @@ def _exact(tab: CostTables, devices: list[int] | None = None) -> tuple[Plan | No
     return res.plan, res.evaluations
 
 
-def _shortlist(problem: PlanningProblem, size: int) -> list[int]:
-    """Devices most likely to matter: fastest, most memory, fastest links, the pin."""
+def _best_single(tab: CostTables) -> int | None:
+    """The device with the least step time running the whole model alone, if any fits."""
+    n = tab.num_layers
+    alone = np.where(tab.fits_all(1)[1, :, 0, n], tab.compute[:, 0, n], np.inf)
+    if tab.problem.pin_first is not None:
+        pin = tab.ids.index(tab.problem.pin_first)
+        alone = np.where(np.arange(tab.num_devices) == pin, alone, np.inf)
+    best = int(np.argmin(alone))
+    return best if np.isfinite(alone[best]) else None
+
+
+def _shortlist(problem: PlanningProblem, size: int, first: list[int]) -> list[int]:
+    """Devices most likely to matter: ``first``, the pin, then the fastest, the most
+    memory and the fastest links in turn."""
     devs = problem.devices
-    chosen: list[int] = []
+    chosen: list[int] = list(dict.fromkeys(first))
     if problem.pin_first is not None:
-        chosen.append(next(i for i, d in enumerate(devs) if d.id == problem.pin_first))
+        pin = next(i for i, d in enumerate(devs) if d.id == problem.pin_first)
+        if pin not in chosen:
+            chosen.insert(0, pin)
     keys: list[Callable[[int], tuple[float, ...]]] = [
         lambda i: (-devs[i].gflops,),
         lambda i: (-devs[i].memory_bytes,),
@@ -209,7 +223,14 @@ def plan_problem(problem: PlanningProblem, *, time_budget_s: float = 8.0) -> Sea
 
     deadline = started + time_budget_s
     best: tuple[float, Plan | None, str] = (float("inf"), None, "")
-    shortlist = _shortlist(problem, exact_capacity(tab.num_layers, _SHORTLIST_WORK))
+    # The best device alone is always on the shortlist: then the exact search over the
+    # shortlist is never worse than the best single device.
+    single = _best_single(tab)
+    shortlist = _shortlist(
+        problem,
+        exact_capacity(tab.num_layers, _SHORTLIST_WORK),
+        [] if single is None else [single],
+    )
     plan, evals = _exact(tab, shortlist)
     if plan is not None:
         best = (score_plan(problem, plan).step_time_s, plan, "exact on a shortlist")

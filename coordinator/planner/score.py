@@ -14,6 +14,7 @@ The search does not call this per candidate (it works on prefix sums, see
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,18 @@ class PlanScore:
         }
 
 
+def _sum(values: Iterable[float]) -> float:
+    """Left-to-right float sum: what :mod:`coordinator.planner.costs` reproduces exactly.
+
+    Python 3.12's ``sum()`` compensates rounding, so it is not used here: the
+    search's feasibility must agree with the score to the last bit on every version.
+    """
+    total = 0.0
+    for v in values:
+        total += v
+    return total
+
+
 def validate_plan(problem: PlanningProblem, plan: Plan) -> list[str]:
     """What makes ``plan`` structurally invalid for ``problem`` (empty when valid)."""
     errors = []
@@ -108,9 +121,9 @@ def score_plan(problem: PlanningProblem, plan: Plan) -> PlanScore:
     for s, st in enumerate(plan.stages):
         d = dev[st.device]
         chunk = layers[st.start : st.end]
-        compute.append(b * sum(la.train_flops for la in chunk) / (d.gflops * 1e9))
-        params = sum(la.param_bytes for la in chunk)
-        acts = sum(la.saved_bytes for la in chunk)
+        compute.append(b * _sum(la.train_flops for la in chunk) / (d.gflops * 1e9))
+        params = _sum(la.param_bytes for la in chunk)
+        acts = _sum(la.saved_bytes for la in chunk)
         mem = problem.optimizer_state_factor * params + min(n_stages - s, m) * b * acts
         memory.append(mem)
         limits.append(d.memory_bytes)
@@ -126,7 +139,7 @@ def score_plan(problem: PlanningProblem, plan: Plan) -> PlanScore:
                 + 2 * b * out * 8 / (min(d.bandwidth_mbps, e.bandwidth_mbps) * 1e6)
             )
     tau = max(compute + links)
-    step = (m - 1) * tau + sum(compute) + sum(links)
+    step = (m - 1) * tau + _sum(compute) + _sum(links)
     # A problem of zero-FLOP layers and free links takes no time at all.
     throughput = problem.batch_size / step if step > 0 else math.inf
     return PlanScore(

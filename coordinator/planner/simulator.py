@@ -4,7 +4,7 @@ This module owns the timing model of one step, finer than the spec's closed form
 (:func:`coordinator.planner.score.score_plan`), and what it reports: the step
 time, idle share, per-stage busy time and peak memory, and the timeline as data
 (JSON, Chrome trace). It reads ``T_s`` and ``C_s`` from ``score_plan``, so both
-price the same plan; the schedule is data from :mod:`coordinator.planner.schedules`.
+price the same plan; the schedule is data from :mod:`edge.runtime.schedules`.
 
 The model:
 
@@ -96,9 +96,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from coordinator.planner.schedules import Action, Schedule, make_schedule, validate_schedule
 from coordinator.planner.score import Plan, score_plan
 from edge.problem import PlanningProblem
+from edge.runtime.schedules import Action, Schedule, make_schedule, validate_schedule
 
 __all__ = ["DeadlockError", "SimulationResult", "TimelineEvent", "simulate"]
 
@@ -196,7 +196,7 @@ def simulate(
     schedule: str | Sequence[Sequence[Action]] = "1f1b",
 ) -> SimulationResult:
     """Simulate one step of ``plan`` under ``schedule`` (a name from
-    :data:`coordinator.planner.schedules.SCHEDULES`, or actions per stage).
+    :data:`edge.runtime.schedules.SCHEDULES`, or actions per stage).
 
     Raises ``ValueError`` for an invalid plan or a schedule that does not run
     every microbatch's ``F`` and ``B`` once per stage, and :class:`DeadlockError`

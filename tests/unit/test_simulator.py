@@ -13,15 +13,6 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from coordinator.planner.schedules import (
-    Action,
-    format_schedule,
-    gpipe,
-    make_schedule,
-    one_f_one_b,
-    parse_schedule,
-    validate_schedule,
-)
 from coordinator.planner.score import Plan, score_plan
 from coordinator.planner.simulator import (
     DeadlockError,
@@ -30,6 +21,15 @@ from coordinator.planner.simulator import (
     simulate,
 )
 from edge.problem import PlanningProblem
+from edge.runtime.schedules import (
+    Action,
+    format_schedule,
+    gpipe,
+    make_schedule,
+    one_f_one_b,
+    parse_schedule,
+    validate_schedule,
+)
 
 REL = 1e-9
 

@@ -1,0 +1,207 @@
+"""Control messages: the JSON half of the wire contract, validated by pydantic.
+
+Commands go to a device's ``cmd`` topic (:func:`edge.protocol.device_cmd`);
+events come back on the job's ``events`` topic; a device's status, profile and
+heartbeat go to its own topics. Every message carries a ``type`` field, so one
+parse (:func:`parse_command`, :func:`parse_event`) tells them apart and refuses
+anything else with a one-line reason. Tensors never travel here: see
+:mod:`edge.protocol` for the binary frame.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from edge.errors import describe_validation_error
+
+__all__ = [
+    "CancelJob",
+    "Command",
+    "DeviceStatus",
+    "Event",
+    "Heartbeat",
+    "MessageError",
+    "OptimizerSpec",
+    "StageAssignment",
+    "StageDone",
+    "StageFailed",
+    "StageReady",
+    "StartJob",
+    "StepReport",
+    "parse_command",
+    "parse_event",
+]
+
+
+class MessageError(ValueError):
+    """A control message that cannot be used; the text is one line."""
+
+
+JobId = Annotated[str, Field(min_length=1, max_length=16), Field(pattern=r"^[A-Za-z0-9_-]+$")]
+CodecName = Annotated[str, Field(pattern=r"^(?i:fp32|fp16|bf16|int8)$")]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class OptimizerSpec(_Message):
+    """Which optimizer a stage builds over its own parameters."""
+
+    name: Literal["sgd", "adamw"] = "sgd"
+    lr: float = Field(default=0.05, gt=0, allow_inf_nan=False)
+    momentum: float = Field(default=0.9, ge=0, lt=1)
+    weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(default=1e-8, gt=0)
+
+
+class StageAssignment(_Message):
+    """Everything a device needs to run one stage of a job."""
+
+    type: Literal["assign"] = "assign"
+    job: JobId
+    stage: int = Field(ge=0)
+    num_stages: int = Field(ge=1)
+    start: int = Field(ge=0)
+    """First unit of the segment; ``end`` is one past the last."""
+    end: int = Field(ge=1)
+    model: str = Field(min_length=1)
+    model_options: dict[str, Any] = Field(default_factory=dict)
+    dataset: str = Field(min_length=1)
+    dataset_options: dict[str, Any] = Field(default_factory=dict)
+    seed: int = 0
+    batch_size: int = Field(ge=1)
+    microbatches: int = Field(ge=1)
+    steps: int = Field(ge=1)
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    optimizer: OptimizerSpec = OptimizerSpec()
+    codec_in: CodecName = "fp32"
+    """Codec of the link to the previous stage (the gradients this stage sends back)."""
+    codec_out: CodecName = "fp32"
+    """Codec of the link to the next stage (the activations this stage sends)."""
+    prev_device: str | None = None
+    next_device: str | None = None
+    recv_timeout_s: float = Field(default=120.0, gt=0)
+    """How long a stage waits for one frame before it gives up on the job."""
+
+    @model_validator(mode="after")
+    def _check(self) -> StageAssignment:
+        if self.stage >= self.num_stages:
+            raise ValueError(f"stage {self.stage} is not below num_stages {self.num_stages}")
+        if self.end <= self.start:
+            raise ValueError(f"empty segment [{self.start}, {self.end})")
+        if self.batch_size % self.microbatches:
+            raise ValueError(
+                f"batch_size {self.batch_size} is not a multiple of microbatches "
+                f"{self.microbatches}"
+            )
+        return self
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+class StartJob(_Message):
+    """Every stage is ready: start stepping."""
+
+    type: Literal["start"] = "start"
+    job: JobId
+
+
+class CancelJob(_Message):
+    type: Literal["cancel"] = "cancel"
+    job: JobId
+    reason: str = "cancelled"
+
+
+Command = Annotated[StageAssignment | StartJob | CancelJob, Field(discriminator="type")]
+
+
+class _Event(_Message):
+    job: JobId
+    stage: int = Field(ge=0)
+    device: str
+    ts: float = Field(default_factory=time.time)
+
+
+class StageReady(_Event):
+    """The stage is built and subscribed; it waits for :class:`StartJob`."""
+
+    type: Literal["ready"] = "ready"
+    parameters: int = 0
+
+
+class StepReport(_Event):
+    """One step of one stage: what it cost and, on the last stage, the loss."""
+
+    type: Literal["step"] = "step"
+    step: int = Field(ge=0)
+    loss: float | None = None
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    send_s: float = 0.0
+    step_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    frames_dropped: int = 0
+
+
+class StageDone(_Event):
+    type: Literal["done"] = "done"
+    steps: int = 0
+
+
+class StageFailed(_Event):
+    type: Literal["failed"] = "failed"
+    error: str
+
+
+Event = Annotated[StageReady | StepReport | StageDone | StageFailed, Field(discriminator="type")]
+
+
+class DeviceStatus(_Message):
+    """Retained on a device's ``status`` topic; the last-will says ``offline``."""
+
+    device: str
+    state: Literal["online", "offline", "busy"]
+    ts: float = Field(default_factory=time.time)
+    job: str | None = None
+    stage: int | None = None
+    version: str = ""
+
+
+class Heartbeat(_Message):
+    device: str
+    ts: float = Field(default_factory=time.time)
+    job: str | None = None
+    stage: int | None = None
+    step: int | None = None
+
+
+_COMMAND: TypeAdapter[StageAssignment | StartJob | CancelJob] = TypeAdapter(Command)
+_EVENT: TypeAdapter[StageReady | StepReport | StageDone | StageFailed] = TypeAdapter(Event)
+
+
+def parse_command(payload: bytes | str) -> StageAssignment | StartJob | CancelJob:
+    """A command from JSON, or :class:`MessageError` with one line saying what is wrong."""
+    try:
+        return _COMMAND.validate_json(payload)
+    except ValidationError as exc:
+        raise MessageError(describe_validation_error(exc, "command")) from None
+
+
+def parse_event(payload: bytes | str) -> StageReady | StepReport | StageDone | StageFailed:
+    """An event from JSON, or :class:`MessageError` with one line saying what is wrong."""
+    try:
+        return _EVENT.validate_json(payload)
+    except ValidationError as exc:
+        raise MessageError(describe_validation_error(exc, "event")) from None

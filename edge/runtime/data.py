@@ -1,0 +1,56 @@
+"""What stage 0 reads each step: a seeded, epoch-wise shuffled sampler over a dataset.
+
+Batch ``t`` of a job is a pure function of ``(dataset, batch_size, seed, t)``:
+epoch ``e = t // batches_per_epoch`` is a permutation drawn from a generator
+seeded with ``(seed, e)``, and batch ``t`` is the ``t mod batches_per_epoch``-th
+slice of it (the tail that does not fill a batch is dropped). So any device
+can reproduce any step, a restarted job reads the same data from the step it
+resumes at, and the single-device reference sees the same batches as the
+pipeline.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+__all__ = ["EpochSampler", "collate", "load_batch"]
+
+
+class EpochSampler:
+    """Indices of the samples of step ``t`` (see the module docstring)."""
+
+    def __init__(self, size: int, batch_size: int, seed: int) -> None:
+        if batch_size > size:
+            raise ValueError(f"batch size {batch_size} is larger than the dataset ({size})")
+        self.size = size
+        self.batch_size = batch_size
+        self.seed = seed
+        self.batches_per_epoch = size // batch_size
+        self._epoch = -1
+        self._perm = torch.empty(0, dtype=torch.int64)
+
+    def indices(self, step: int) -> torch.Tensor:
+        epoch, k = divmod(step, self.batches_per_epoch)
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm = torch.randperm(self.size, generator=gen)
+            self._epoch = epoch
+        return self._perm[k * self.batch_size : (k + 1) * self.batch_size]
+
+
+def collate(samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack ``(input, target)`` samples into a batch."""
+    xs, ys = zip(*samples, strict=True)
+    return torch.stack([torch.as_tensor(x) for x in xs]), torch.stack(
+        [torch.as_tensor(y) for y in ys]
+    )
+
+
+def load_batch(
+    dataset: Dataset[Any], sampler: EpochSampler, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inputs and targets of step ``step``."""
+    return collate([dataset[int(i)] for i in sampler.indices(step)])

@@ -1,0 +1,220 @@
+"""One pipeline stage: its segment, its optimizer, and the schedule it executes.
+
+A :class:`StageRuntime` builds only the units of its segment, owns the optimizer
+over their parameters, and runs a step by executing its row of the schedule
+(:mod:`edge.runtime.schedules`) action by action:
+
+- ``F m``: take microbatch ``m``'s input (stage 0 reads the dataset, others
+  take the activation frame), run the segment forward, and send the output on
+  (or, on the last stage, compute the loss);
+- ``B m``: take the gradient of the output (or, on the last stage, backprop
+  the loss), run backward, and send the input's gradient back.
+
+After the last action the optimizer steps (the flush). Stage 0 sends every
+microbatch's labels straight to the last stage before the first forward.
+
+[Note: loss scaling]
+Each microbatch's loss is the mean over its own samples (or tokens) divided by
+``M``. With equal microbatches the sum of the ``M`` scaled losses, and of their
+gradients, is the mean over the whole batch: a step equals single-device
+training on the same batch, and gradients accumulate over microbatches in the
+same order whatever the number of stages, so the results agree bit for bit on
+CPU with the fp32 codec.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+
+from edge.messages import OptimizerSpec, StageAssignment, StageDone, StepReport
+from edge.models.datasets import build_dataset
+from edge.models.zoo import get_model
+from edge.protocol import Codec, Kind, encode_frame
+from edge.runtime.data import EpochSampler, load_batch
+from edge.runtime.schedules import make_schedule
+from edge.transport.base import Transport
+
+__all__ = ["StageRuntime", "build_optimizer", "loss_fn"]
+
+Reporter = Callable[[Any], None]
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the last dimension (classes, or vocabulary for language models)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def build_optimizer(
+    spec: OptimizerSpec, params: Iterable[torch.nn.Parameter]
+) -> torch.optim.Optimizer | None:
+    """The optimizer a stage steps after its flush (``None`` for a segment without weights)."""
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        return None
+    if spec.name == "sgd":
+        return torch.optim.SGD(
+            params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay
+        )
+    return torch.optim.AdamW(
+        params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
+    )
+
+
+class StageRuntime:
+    """Runs one stage of one job over a transport (see the module docstring)."""
+
+    def __init__(
+        self,
+        assignment: StageAssignment,
+        transport: Transport,
+        *,
+        device: str = "local",
+        report: Reporter | None = None,
+    ) -> None:
+        self.a = assignment
+        self.transport = transport
+        self.device = device
+        self.report: Reporter = report or (lambda _event: None)
+        self._cancelled = threading.Event()
+        a = assignment
+        spec = get_model(a.model, seed=a.seed, **a.model_options)
+        if a.end > spec.num_units:
+            raise ValueError(f"segment [{a.start}, {a.end}) beyond the {spec.num_units} units")
+        self.segment = spec.build_segment(a.start, a.end).train()
+        self.optimizer = build_optimizer(a.optimizer, self.segment.parameters())
+        self.actions = make_schedule(a.schedule, a.num_stages, a.microbatches)[a.stage]
+        self.codec_out = Codec.parse(a.codec_out)
+        self.codec_in = Codec.parse(a.codec_in)
+        self.sampler: EpochSampler | None = None
+        if a.is_first:
+            self.dataset = build_dataset(a.dataset, "train", **a.dataset_options)
+            self.sampler = EpochSampler(len(self.dataset), a.batch_size, a.seed)  # type: ignore[arg-type]
+        self.inbox = transport.attach(a.job, a.stage)
+
+    @property
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.segment.parameters())
+
+    def cancel(self) -> None:
+        """Stop at the next wait; :meth:`run` returns without finishing."""
+        self._cancelled.set()
+        self.inbox.close()
+
+    def _send(self, stage: int, channel: str, kind: Kind, step: int, mb: int,
+              tensor: torch.Tensor, codec: Codec) -> int:  # fmt: skip
+        frame = encode_frame(kind, self.a.job, step, mb, tensor, codec)
+        self.transport.send(self.a.job, stage, channel, frame)  # type: ignore[arg-type]
+        return len(frame)
+
+    def run_step(self, step: int) -> StepReport:
+        """Execute this stage's actions for ``step`` and step the optimizer."""
+        a, m = self.a, self.a.microbatches
+        timeout = a.recv_timeout_s
+        started = time.perf_counter()
+        received_before = self.inbox.bytes_received
+        compute = wait = send = 0.0
+        sent = 0
+        inputs: dict[int, torch.Tensor] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        losses: dict[int, torch.Tensor] = {}
+        xs: tuple[torch.Tensor, ...] = ()
+        ys: tuple[torch.Tensor, ...] = ()
+        if a.is_first:
+            assert self.sampler is not None
+            x, y = load_batch(self.dataset, self.sampler, step)
+            xs, ys = x.chunk(m), y.chunk(m)
+            if not a.is_last:
+                t0 = time.perf_counter()
+                for mb, labels in enumerate(ys):
+                    sent += self._send(a.num_stages - 1, "fwd", Kind.LABELS, step, mb, labels,
+                                       Codec.RAW)  # fmt: skip
+                send += time.perf_counter() - t0
+        for action in self.actions:
+            mb = action.microbatch
+            if action.kind == "F":
+                if a.is_first:
+                    inp = xs[mb]
+                else:
+                    t0 = time.perf_counter()
+                    inp = self.inbox.take(Kind.ACTIVATION, step, mb, timeout).tensor
+                    wait += time.perf_counter() - t0
+                    if inp.is_floating_point():
+                        inp = inp.detach().requires_grad_()
+                inputs[mb] = inp
+                t0 = time.perf_counter()
+                out = self.segment(inp)
+                compute += time.perf_counter() - t0
+                if a.is_last:
+                    if a.is_first:
+                        target = ys[mb]
+                    else:
+                        t0 = time.perf_counter()
+                        target = self.inbox.take(Kind.LABELS, step, mb, timeout).tensor
+                        wait += time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    losses[mb] = loss_fn(out, target) / m
+                    compute += time.perf_counter() - t0
+                else:
+                    t0 = time.perf_counter()
+                    sent += self._send(a.stage + 1, "fwd", Kind.ACTIVATION, step, mb, out,
+                                       self.codec_out)  # fmt: skip
+                    send += time.perf_counter() - t0
+                    outputs[mb] = out
+            else:
+                if a.is_last:
+                    t0 = time.perf_counter()
+                    losses[mb].backward()
+                else:
+                    t0 = time.perf_counter()
+                    grad = self.inbox.take(Kind.GRADIENT, step, mb, timeout).tensor
+                    wait += time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    outputs.pop(mb).backward(grad)
+                compute += time.perf_counter() - t0
+                inp = inputs.pop(mb)
+                if not a.is_first and inp.grad is not None:
+                    t0 = time.perf_counter()
+                    sent += self._send(a.stage - 1, "bwd", Kind.GRADIENT, step, mb, inp.grad,
+                                       self.codec_in)  # fmt: skip
+                    send += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        compute += time.perf_counter() - t0
+        self.inbox.forget_before(step + 1)
+        loss = float(sum(v.item() for v in losses.values())) if a.is_last else None
+        return StepReport(
+            job=a.job, stage=a.stage, device=self.device, step=step, loss=loss,
+            compute_s=compute, wait_s=wait, send_s=send, step_s=time.perf_counter() - started,
+            bytes_sent=sent, bytes_received=self.inbox.bytes_received - received_before,
+            frames_dropped=sum(self.inbox.dropped.values()),
+        )  # fmt: skip
+
+    def run(self, first_step: int = 0) -> int:
+        """Run the job's steps from ``first_step``; returns the number of steps done."""
+        done = 0
+        try:
+            for step in range(first_step, self.a.steps):
+                if self._cancelled.is_set():
+                    break
+                self.report(self.run_step(step))
+                done += 1
+        finally:
+            self.transport.detach(self.a.job, self.a.stage)
+        if not self._cancelled.is_set():
+            self.report(StageDone(job=self.a.job, stage=self.a.stage, device=self.device,
+                                  steps=done))  # fmt: skip
+        return done
+
+    def weights(self) -> bytes:
+        """The segment's weights as safetensors bytes (keys are unit-prefixed)."""
+        state = {k: v.detach().contiguous() for k, v in self.segment.state_dict().items()}
+        return safetensors.torch.save(state)
