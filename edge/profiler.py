@@ -19,7 +19,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 import paho.mqtt.client as mqtt
 import psutil
@@ -27,6 +26,7 @@ import torch
 
 from edge.errors import UserError
 from edge.problem import DeviceSpec
+from edge.transport import mqtt as transport_mqtt
 
 __all__ = [
     "CgroupLimits",
@@ -232,15 +232,11 @@ class LinkMeasurement:
 
 
 def parse_broker_url(url: str) -> tuple[str, int]:
-    """``mqtt://host[:port]`` (port 1883 by default) to ``(host, port)``."""
-    parts = urlsplit(url)
-    try:
-        port = parts.port or 1883
-    except ValueError:
-        raise UserError(f"broker {url!r}: bad port (expected mqtt://host:port)") from None
-    if parts.scheme not in ("mqtt", "tcp") or not parts.hostname:
-        raise UserError(f"broker {url!r}: expected a URL like mqtt://host:1883")
-    return parts.hostname, port
+    """``mqtt://host[:port]`` (port 1883 by default) to ``(host, port)``; no TLS here."""
+    scheme, host, port = transport_mqtt.parse_broker_url(url)
+    if scheme != "mqtt":
+        raise UserError(f"broker {url!r}: the link probe speaks plain MQTT (mqtt://host:port)")
+    return host, port
 
 
 def measure_broker_link(

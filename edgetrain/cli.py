@@ -12,8 +12,8 @@ import sys
 
 import typer
 
-from coordinator.commands import plan
-from edge.commands import devices, models, profile
+from coordinator.commands import plan, train
+from edge.commands import agent, devices, models, profile
 from edge.errors import UserError
 from edgetrain import __version__
 from edgetrain.demo import demo_command
@@ -34,8 +34,10 @@ app = typer.Typer(
 )
 
 app.command("profile")(profile.profile_command)
+app.command("agent")(agent.agent_command)
 app.command("demo")(demo_command)
 app.command("plan")(plan.plan_command)
+app.command("train")(train.train_command)
 app.add_typer(devices.app, name="devices")
 app.add_typer(models.app, name="models")
 

@@ -1,3 +1,3 @@
 """Device-side subcommands of ``edgetrain``, one module per command group."""
 
-__all__ = ["devices", "models", "profile"]
+__all__ = ["agent", "devices", "models", "profile"]

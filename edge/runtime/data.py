@@ -41,16 +41,20 @@ class EpochSampler:
         return self._perm[k * self.batch_size : (k + 1) * self.batch_size]
 
 
+def _stack(items: tuple[Any, ...]) -> torch.Tensor:
+    if isinstance(items[0], torch.Tensor):
+        return torch.stack(items)  # type: ignore[arg-type]
+    return torch.stack([torch.as_tensor(x) for x in items])
+
+
 def collate(samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack ``(input, target)`` samples into a batch."""
     xs, ys = zip(*samples, strict=True)
-    return torch.stack([torch.as_tensor(x) for x in xs]), torch.stack(
-        [torch.as_tensor(y) for y in ys]
-    )
+    return _stack(xs), _stack(ys)
 
 
 def load_batch(
     dataset: Dataset[Any], sampler: EpochSampler, step: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inputs and targets of step ``step``."""
-    return collate([dataset[int(i)] for i in sampler.indices(step)])
+    return collate([dataset[i] for i in sampler.indices(step).tolist()])

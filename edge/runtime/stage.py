@@ -33,7 +33,7 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 
-from edge.messages import OptimizerSpec, StageAssignment, StageDone, StepReport
+from edge.messages import OptimizerSpec, StageAssignment, StepReport
 from edge.models.datasets import build_dataset
 from edge.models.zoo import get_model
 from edge.protocol import Codec, Kind, encode_frame
@@ -159,7 +159,8 @@ class StageRuntime:
                         target = self.inbox.take(Kind.LABELS, step, mb, timeout).tensor
                         wait += time.perf_counter() - t0
                     t0 = time.perf_counter()
-                    losses[mb] = loss_fn(out, target) / m
+                    loss = loss_fn(out, target)
+                    losses[mb] = loss / m if m > 1 else loss  # dividing by 1 is exact: skip it
                     compute += time.perf_counter() - t0
                 else:
                     t0 = time.perf_counter()
@@ -199,7 +200,11 @@ class StageRuntime:
         )  # fmt: skip
 
     def run(self, first_step: int = 0) -> int:
-        """Run the job's steps from ``first_step``; returns the number of steps done."""
+        """Run the job's steps from ``first_step``, reporting each; returns how many ran.
+
+        The caller reports :class:`~edge.messages.StageDone` (after saving or
+        sending the weights, which the coordinator expects before it).
+        """
         done = 0
         try:
             for step in range(first_step, self.a.steps):
@@ -209,10 +214,11 @@ class StageRuntime:
                 done += 1
         finally:
             self.transport.detach(self.a.job, self.a.stage)
-        if not self._cancelled.is_set():
-            self.report(StageDone(job=self.a.job, stage=self.a.stage, device=self.device,
-                                  steps=done))  # fmt: skip
         return done
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
 
     def weights(self) -> bytes:
         """The segment's weights as safetensors bytes (keys are unit-prefixed)."""

@@ -1,0 +1,214 @@
+"""``edgetrain train``: plan a model over N local devices and train it as a pipeline.
+
+With ``--transport mqtt`` (the default) it starts a broker unless ``--broker``
+is given, starts N real agent processes, and drives them over MQTT exactly as
+the coordinator service drives a fleet; ``--transport inprocess`` runs the
+stages as threads of this process. ``--devices 1`` is the single-device
+reference: the same code path, one stage, no pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from coordinator.jobs import JobResult, JobSpec
+from edge.errors import UserError
+from edge.messages import StepReport
+from edge.models.zoo import parse_options
+
+__all__ = ["train_command"]
+
+
+def _plan(spec: JobSpec, devices: list[Any], partition: str) -> tuple[Any, Any]:
+    """The plan over ``devices`` and its spec score."""
+    from coordinator.planner import plan_problem, score_plan
+    from coordinator.planner.baselines import even_split
+    from coordinator.planner.build import build_problem
+
+    problem = build_problem(
+        spec.model, devices, batch_size=spec.batch_size, microbatches=spec.microbatches,
+        pin_first=devices[0].id, model_options=spec.model_options,
+    )  # fmt: skip
+    if partition == "even" or len(devices) == 1:
+        plan = even_split(problem)
+        return plan, score_plan(problem, plan)
+    found = plan_problem(problem)
+    if found.score is None:
+        raise UserError(f"no plan fits these devices: {found.reason}")
+    return found.score.plan, found.score
+
+
+def train_command(
+    model: str = typer.Option("cnn-digits", "--model", help="Zoo model or package.module:fn."),
+    dataset: str | None = typer.Option(None, "--dataset", help="Dataset (default: the model's)."),
+    option: list[str] = typer.Option([], "--option", "-o", help="Model option key=value."),
+    devices: int = typer.Option(3, "--devices", min=1, help="Local devices (agents) to use."),
+    steps: int = typer.Option(50, "--steps", min=1, help="Optimizer steps."),
+    batch_size: int = typer.Option(64, "--batch-size", "-b", min=1, help="Samples per step."),
+    microbatches: int = typer.Option(4, "--microbatches", "-m", min=1, help="Per step."),
+    schedule: str = typer.Option("1f1b", "--schedule", help="1f1b or gpipe."),
+    optimizer: str = typer.Option("sgd", "--optimizer", help="sgd or adamw."),
+    lr: float = typer.Option(0.05, "--lr", help="Learning rate."),
+    momentum: float = typer.Option(0.9, "--momentum", help="SGD momentum."),
+    weight_decay: float = typer.Option(0.0, "--weight-decay", help="Weight decay."),
+    codec: str = typer.Option("fp32", "--codec", help="fp32, fp16, bf16 or int8 on every link."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the weights and the data order."),
+    transport: str = typer.Option("mqtt", "--transport", help="mqtt or inprocess."),
+    broker: str | None = typer.Option(
+        None, "--broker", help="Broker URL; without it one is started (mosquitto, else amqtt)."
+    ),
+    partition: str = typer.Option(
+        "plan", "--partition", help="plan (the planner decides) or even (all devices, even split)."
+    ),
+    save_weights: Path | None = typer.Option(
+        None, "--save-weights", help="Write the trained model here (safetensors)."
+    ),
+    threads: int | None = typer.Option(
+        None,
+        "--threads",
+        min=1,
+        help="torch threads per agent (default: cores / devices). Equal counts give "
+        "bit-identical results across runs with different numbers of devices.",
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object at the end."),
+) -> None:
+    """Train MODEL split across N local devices over MQTT (or in-process threads)."""
+    from pydantic import ValidationError
+
+    from edge.errors import describe_validation_error
+
+    if transport not in ("mqtt", "inprocess"):
+        raise UserError(f"--transport: {transport!r} is not mqtt or inprocess")
+    if partition not in ("plan", "even"):
+        raise UserError(f"--partition: {partition!r} is not plan or even")
+    try:
+        spec = JobSpec.model_validate({
+            "model": model, "model_options": parse_options(option), "dataset": dataset,
+            "steps": steps, "batch_size": batch_size, "microbatches": microbatches,
+            "schedule": schedule, "codec": codec, "seed": seed,
+            "optimizer": {"name": optimizer, "lr": lr, "momentum": momentum,
+                          "weight_decay": weight_decay},
+        })  # fmt: skip
+    except ValidationError as exc:
+        raise UserError(describe_validation_error(exc, "train")) from None
+    if batch_size % microbatches:
+        raise UserError(f"--batch-size {batch_size} is not a multiple of --microbatches")
+    progress = _Progress(steps, batch_size, enabled=not json_out)
+    with progress:
+        if transport == "inprocess":
+            result, broker_name, score = _run_inprocess(spec, devices, partition, progress)
+        else:
+            result, broker_name, score = _run_mqtt(
+                spec, devices, partition, broker, progress, threads
+            )
+    if save_weights is not None:
+        save_weights.write_bytes(result.weights_bytes())
+    out = {
+        "losses": result.losses, "samples_per_s": result.samples_per_s, "plan": score.to_json(),
+        "transport": transport, "broker": broker_name, "job": result.job, "steps": steps,
+        "wall_s": result.wall_s, "stages": result.stage_summary(),
+    }  # fmt: skip
+    if json_out:
+        typer.echo(json.dumps(out))
+    else:
+        typer.echo(
+            f"job {result.job}: {steps} steps, final loss {result.losses[-1]:.4f}, "
+            f"{result.samples_per_s:.1f} samples/s over {len(score.plan.stages)} stages "
+            f"({transport}{', ' + broker_name if broker_name else ''})"
+        )
+
+
+def _run_inprocess(
+    spec: JobSpec, n: int, partition: str, progress: _Progress
+) -> tuple[JobResult, str | None, Any]:
+    from coordinator.runners import run_inprocess
+    from edge.profiler import profile_device
+
+    me = profile_device("local", seconds=0.3).to_device_spec()
+    fleet = [me.model_copy(update={"id": f"local-{i}"}) for i in range(n)]
+    plan, score = _plan(spec, fleet, partition)
+    return run_inprocess(spec, plan, on_step=progress.update), None, score
+
+
+def _run_mqtt(
+    spec: JobSpec,
+    n: int,
+    partition: str,
+    broker: str | None,
+    progress: _Progress,
+    threads: int | None,
+) -> tuple[JobResult, str, Any]:
+    from coordinator.broker import BrokerStartError, start_broker
+    from coordinator.localfleet import LocalFleet
+    from coordinator.runners import run_on_agents
+    from edge.transport.mqtt import MqttSettings, MqttTransport
+
+    name: str
+    with contextlib.ExitStack() as stack:
+        if broker is None:
+            try:
+                running = start_broker()
+            except BrokerStartError as exc:
+                raise UserError(f"could not start a broker: {str(exc).splitlines()[0]}") from None
+            stack.callback(running.stop)
+            url, name = running.url, running.kind
+            progress.note(f"started {running.describe()}")
+        else:
+            url, name = broker, broker
+        control = MqttTransport(MqttSettings(url=url))
+        control.connect(timeout=15)
+        stack.callback(control.close)
+        fleet = stack.enter_context(LocalFleet(n, url, threads=threads))
+        profiles = fleet.wait_online(control)
+        plan, score = _plan(spec, [profiles[d] for d in fleet.ids], partition)
+        result = run_on_agents(spec, plan, control, on_step=progress.update)
+        return result, name, score
+    raise AssertionError("unreachable")
+
+
+class _Progress:
+    """A rich progress bar with the loss and samples/s, or nothing (``--json``)."""
+
+    def __init__(self, steps: int, batch_size: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.batch_size = batch_size
+        self._bar: Any = None
+        self._task: Any = None
+        self._steps = steps
+        self._first: float | None = None
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self._bar = Progress(
+                TextColumn("training"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[sps]} samples/s"),
+            )  # fmt: skip
+            self._bar.start()
+            self._task = self._bar.add_task("train", total=self._steps, loss="-", sps="-")
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def note(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.console.print(text)
+
+    def update(self, report: StepReport) -> None:
+        import time
+
+        if self._bar is None or report.loss is None:
+            return
+        now = time.perf_counter()
+        self._first = self._first or now - report.step_s
+        sps = (report.step + 1) * self.batch_size / max(now - self._first, 1e-9)
+        self._bar.update(self._task, completed=report.step + 1, loss=f"{report.loss:.4f}",
+                         sps=f"{sps:.0f}")  # fmt: skip

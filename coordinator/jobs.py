@@ -1,0 +1,197 @@
+"""Running a training job: from a plan to stage assignments, stages to results.
+
+A :class:`JobSpec` says what to train; :func:`make_assignments` turns it and a
+plan into one :class:`~edge.messages.StageAssignment` per stage; a
+:class:`JobMonitor` folds the stages' events into losses, timings and a
+failure, if any; a :class:`JobResult` holds the per-step losses, the per-stage
+step reports and the trained weights of the whole model. The runners that use
+them are in :mod:`coordinator.runners`.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import safetensors.torch
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from coordinator.planner.score import Plan
+from edge.messages import (
+    OptimizerSpec,
+    StageAssignment,
+    StageDone,
+    StageFailed,
+    StageReady,
+    StepReport,
+)
+from edge.models.zoo import get_model
+
+__all__ = [
+    "JobFailed",
+    "JobMonitor",
+    "JobResult",
+    "JobSpec",
+    "make_assignments",
+    "new_job_id",
+]
+
+
+class JobSpec(BaseModel):
+    """What to train and how; the plan says where."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    model_options: dict[str, Any] = Field(default_factory=dict)
+    dataset: str | None = None
+    """Defaults to the model's own dataset."""
+    dataset_options: dict[str, Any] | None = None
+    steps: int = Field(ge=1)
+    batch_size: int = Field(ge=1)
+    microbatches: int = Field(default=1, ge=1)
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    optimizer: OptimizerSpec = OptimizerSpec()
+    codec: str = Field(default="fp32", pattern=r"^(?i:fp32|fp16|bf16|int8)$")
+    seed: int = 0
+    recv_timeout_s: float = Field(default=120.0, gt=0)
+
+
+class JobFailed(RuntimeError):
+    """A stage reported a failure, or the job timed out."""
+
+
+def new_job_id() -> str:
+    return "j" + secrets.token_hex(6)
+
+
+def make_assignments(job: str, spec: JobSpec, plan: Plan) -> list[StageAssignment]:
+    """One assignment per stage of ``plan``; every link uses ``spec.codec``."""
+    model = get_model(spec.model, seed=spec.seed, **spec.model_options)
+    dataset = spec.dataset or model.dataset
+    options = spec.dataset_options
+    if options is None:
+        options = model.dataset_options if dataset == model.dataset else {}
+    stages = plan.stages
+    out = []
+    for s, st in enumerate(stages):
+        out.append(
+            StageAssignment(
+                job=job,
+                stage=s,
+                num_stages=len(stages),
+                start=st.start,
+                end=st.end,
+                model=spec.model,
+                model_options=spec.model_options,
+                dataset=dataset,
+                dataset_options=options,
+                seed=spec.seed,
+                batch_size=spec.batch_size,
+                microbatches=spec.microbatches,
+                steps=spec.steps,
+                schedule=spec.schedule,
+                optimizer=spec.optimizer,
+                codec_in=spec.codec,
+                codec_out=spec.codec,
+                prev_device=stages[s - 1].device if s > 0 else None,
+                next_device=stages[s + 1].device if s + 1 < len(stages) else None,
+                recv_timeout_s=spec.recv_timeout_s,
+            )
+        )
+    return out
+
+
+@dataclass
+class JobResult:
+    job: str
+    plan: Plan
+    spec: JobSpec
+    losses: list[float]
+    reports: list[StepReport]
+    wall_s: float
+    """From the start of the first step to the end of the last."""
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.spec.steps * self.spec.batch_size / self.wall_s if self.wall_s > 0 else 0.0
+
+    def stage_summary(self) -> list[dict[str, float]]:
+        """Per stage, totals over the job: compute, waiting, sending, bytes."""
+        out = []
+        for s in range(len(self.plan.stages)):
+            rs = [r for r in self.reports if r.stage == s]
+            out.append({
+                "stage": s, "compute_s": sum(r.compute_s for r in rs),
+                "wait_s": sum(r.wait_s for r in rs), "send_s": sum(r.send_s for r in rs),
+                "bytes_sent": sum(r.bytes_sent for r in rs),
+                "bytes_received": sum(r.bytes_received for r in rs),
+                "frames_dropped": max((r.frames_dropped for r in rs), default=0),
+            })  # fmt: skip
+        return out
+
+    def weights_bytes(self) -> bytes:
+        return safetensors.torch.save(self.weights)
+
+
+class JobMonitor:
+    """Folds one job's events into its state; safe to feed from any thread."""
+
+    def __init__(
+        self, job: str, num_stages: int, on_step: Callable[[StepReport], None] | None = None
+    ) -> None:
+        self.job = job
+        self.num_stages = num_stages
+        self.on_step = on_step
+        self.ready: set[int] = set()
+        self.done: set[int] = set()
+        self.failures: list[StageFailed] = []
+        self.reports: list[StepReport] = []
+        self.losses: dict[int, float] = {}
+        self._cond = threading.Condition()
+
+    def on_event(self, event: Any) -> None:
+        if getattr(event, "job", None) != self.job:
+            return
+        with self._cond:
+            if isinstance(event, StageReady):
+                self.ready.add(event.stage)
+            elif isinstance(event, StepReport):
+                self.reports.append(event)
+                if event.loss is not None:
+                    self.losses[event.step] = event.loss
+            elif isinstance(event, StageDone):
+                self.done.add(event.stage)
+            elif isinstance(event, StageFailed):
+                self.failures.append(event)
+            self._cond.notify_all()
+        if isinstance(event, StepReport) and self.on_step is not None:
+            self.on_step(event)
+
+    def _wait(self, what: Callable[[], bool], timeout: float, label: str) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not what():
+                if self.failures:
+                    f = self.failures[0]
+                    raise JobFailed(f"stage {f.stage} on {f.device} failed: {f.error}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise JobFailed(f"job {self.job}: timed out after {timeout:.0f} s {label}")
+                self._cond.wait(remaining)
+
+    def wait_ready(self, timeout: float) -> None:
+        self._wait(lambda: len(self.ready) == self.num_stages, timeout, "waiting for stages")
+
+    def wait_done(self, timeout: float) -> None:
+        self._wait(lambda: len(self.done) == self.num_stages, timeout, "waiting for the end")
+
+    def loss_list(self, steps: int) -> list[float]:
+        with self._cond:
+            return [self.losses[s] for s in range(steps) if s in self.losses]

@@ -1,0 +1,165 @@
+"""Runners: where a job's stages run, and how they are driven.
+
+- :func:`run_inprocess`: every stage in a thread of this process over the
+  in-process transport (tests, single-machine runs, the 1-device reference);
+- :func:`run_on_agents`: every stage on an agent daemon, driven over MQTT by
+  commands on the devices' ``cmd`` topics (:mod:`edge.agent` is the other side):
+  assign every stage, wait until all are built and subscribed (``ready``), then
+  ``start`` them all, so no frame is sent before its receiver listens.
+
+Both take a :class:`~coordinator.jobs.JobSpec` and a plan and return a
+:class:`~coordinator.jobs.JobResult`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import safetensors.torch
+import torch
+
+from coordinator.jobs import JobFailed, JobMonitor, JobResult, JobSpec, make_assignments, new_job_id
+from coordinator.planner.score import Plan
+from edge.messages import (
+    CancelJob,
+    MessageError,
+    StageDone,
+    StageFailed,
+    StartJob,
+    StepReport,
+    parse_event,
+)
+from edge.protocol import TOPIC_ROOT, device_cmd, job_events
+from edge.runtime.stage import StageRuntime
+from edge.transport.inprocess import InProcessTransport
+from edge.transport.mqtt import MqttTransport
+
+__all__ = ["run_inprocess", "run_on_agents"]
+
+log = logging.getLogger(__name__)
+
+
+def run_inprocess(
+    spec: JobSpec,
+    plan: Plan,
+    *,
+    job: str | None = None,
+    on_step: Callable[[StepReport], None] | None = None,
+    timeout_s: float = 3600.0,
+) -> JobResult:
+    """Run every stage of ``plan`` in a thread of this process."""
+    job = job or new_job_id()
+    assignments = make_assignments(job, spec, plan)
+    monitor = JobMonitor(job, len(assignments), on_step)
+    transport = InProcessTransport()
+    runtimes = [
+        StageRuntime(a, transport, device=plan.stages[a.stage].device, report=monitor.on_event)
+        for a in assignments
+    ]
+
+    def work(rt: StageRuntime) -> None:
+        try:
+            rt.run()
+        except Exception as exc:  # a stage's failure becomes the job's, with its reason
+            monitor.on_event(StageFailed(job=job, stage=rt.a.stage, device=rt.device,
+                                         error=f"{type(exc).__name__}: {exc}"))  # fmt: skip
+            for other in runtimes:
+                other.cancel()
+            return
+        if not rt.cancelled:
+            monitor.on_event(StageDone(job=job, stage=rt.a.stage, device=rt.device,
+                                       steps=spec.steps))  # fmt: skip
+
+    # One stage (the single-device reference) runs in the caller's thread: no pipeline,
+    # and torch's intra-op thread pool stays the caller's own.
+    threads = [threading.Thread(target=work, args=(rt,), daemon=True) for rt in runtimes]
+    started = time.perf_counter()
+    if len(runtimes) == 1:
+        work(runtimes[0])
+        threads = []
+    for t in threads:
+        t.start()
+    try:
+        monitor.wait_done(timeout_s)
+    finally:
+        for rt in runtimes:
+            if rt.a.stage not in monitor.done:
+                rt.cancel()
+        for t in threads:
+            t.join(timeout=10)
+        transport.close()
+    wall = time.perf_counter() - started
+    weights: dict[str, torch.Tensor] = {}
+    for rt in runtimes:
+        weights.update({k: v.detach().clone() for k, v in rt.segment.state_dict().items()})
+    return JobResult(job, plan, spec, monitor.loss_list(spec.steps), monitor.reports, wall,
+                     weights)  # fmt: skip
+
+
+def run_on_agents(
+    spec: JobSpec,
+    plan: Plan,
+    control: MqttTransport,
+    *,
+    job: str | None = None,
+    on_step: Callable[[StepReport], None] | None = None,
+    ready_timeout_s: float = 120.0,
+    timeout_s: float = 3600.0,
+) -> JobResult:
+    """Run ``plan`` on the agents named by its stages, through the connected ``control``."""
+    job = job or new_job_id()
+    assignments = make_assignments(job, spec, plan)
+    monitor = JobMonitor(job, len(assignments), on_step)
+    weights: dict[int, bytes] = {}
+    got_weights = threading.Condition()
+
+    def on_event(_topic: str, payload: bytes) -> None:
+        try:
+            monitor.on_event(parse_event(payload))
+        except MessageError as exc:
+            log.warning("job %s: ignored an event: %s", job, exc)
+
+    def on_weights(topic: str, payload: bytes) -> None:
+        stage = int(topic.rsplit("/", 1)[1])
+        with got_weights:
+            weights[stage] = payload
+            got_weights.notify_all()
+
+    events_topic, weights_topic = job_events(job), f"{TOPIC_ROOT}/jobs/{job}/weights/+"
+    control.subscribe(events_topic, on_event)
+    control.subscribe(weights_topic, on_weights)
+    devices = [st.device for st in plan.stages]
+    try:
+        for a in assignments:
+            control.publish(device_cmd(devices[a.stage]), a.model_dump_json(), 1)
+        monitor.wait_ready(ready_timeout_s)
+        started = time.perf_counter()
+        for device in devices:
+            control.publish(device_cmd(device), StartJob(job=job).model_dump_json(), 1)
+        monitor.wait_done(timeout_s)
+        wall = time.perf_counter() - started
+        with got_weights:
+            got_weights.wait_for(lambda: len(weights) == len(devices), timeout=60)
+        merged: dict[str, torch.Tensor] = {}
+        for stage in sorted(weights):
+            merged.update(safetensors.torch.load(weights[stage]))
+        if len(weights) != len(devices):
+            missing = sorted(set(range(len(devices))) - set(weights))
+            raise JobFailed(f"job {job}: the weights of stages {missing} never arrived")
+        return JobResult(
+            job, plan, spec, monitor.loss_list(spec.steps), monitor.reports, wall, merged
+        )
+    except BaseException:
+        for device in devices:
+            control.publish(
+                device_cmd(device),
+                CancelJob(job=job, reason="coordinator gave up").model_dump_json(),
+                1,
+            )
+        raise
+    finally:
+        control.unsubscribe(events_topic)
+        control.unsubscribe(weights_topic)

@@ -1,0 +1,266 @@
+"""The agent daemon: one per device, it connects, registers, and runs stages it is given.
+
+Lifecycle:
+
+1. Connect to the broker with a last-will that marks the device ``offline``
+   (retained), then publish ``online`` and the device's profile (both
+   retained), and again after every reconnect (noticed at the next heartbeat),
+   so a coordinator that starts later, or a broker that restarted, still
+   learns about the device.
+2. Publish a heartbeat every ``heartbeat_s``.
+3. Obey commands on the device's ``cmd`` topic: ``assign`` builds the stage
+   (only its units) and attaches it to the transport, then reports ``ready``;
+   ``start`` runs it in a thread, reporting every step on the job's ``events``
+   topic and, at the end, the stage's weights (safetensors) and ``done``;
+   ``cancel`` stops it. A command that cannot be parsed is logged and counted,
+   never fatal. One job at a time: an assignment for another job while busy is
+   answered with ``failed`` (reason ``busy``).
+4. SIGTERM (or :meth:`Agent.stop`) cancels the running stage, publishes
+   ``offline`` and disconnects.
+
+Commands arrive on paho's network thread and are handed to a worker thread,
+which builds stages (building waits for subscriptions, which needs the
+network thread free).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from edge.errors import UserError
+from edge.logs import bind
+from edge.messages import (
+    CancelJob,
+    DeviceStatus,
+    Heartbeat,
+    MessageError,
+    StageAssignment,
+    StageDone,
+    StageFailed,
+    StageReady,
+    StartJob,
+    StepReport,
+    parse_command,
+)
+from edge.problem import DeviceSpec
+from edge.protocol import (
+    device_cmd,
+    device_heartbeat,
+    device_profile,
+    device_status,
+    job_events,
+    job_weights,
+)
+from edge.runtime.stage import StageRuntime
+from edge.transport.mqtt import MqttTransport
+from edge.transport.settings import MqttSettings
+
+__all__ = ["Agent"]
+
+log = logging.getLogger("edgetrain.agent")
+
+
+class Agent:
+    """One device's daemon (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: MqttSettings,
+        device_id: str,
+        profile: Callable[[], DeviceSpec],
+        *,
+        data_dir: Path,
+        heartbeat_s: float = 1.0,
+        version: str = "",
+    ) -> None:
+        self.device_id = device_id
+        self.data_dir = data_dir
+        self.heartbeat_s = heartbeat_s
+        self.version = version
+        self._profile_fn = profile
+        self._profile: DeviceSpec | None = None
+        self._stop = threading.Event()
+        self._commands: queue.Queue[StageAssignment | StartJob | CancelJob | None] = queue.Queue()
+        self._runtime: StageRuntime | None = None
+        self._job_thread: threading.Thread | None = None
+        self._step: int | None = None
+        self.bad_commands = 0
+        self.transport = MqttTransport(
+            settings.model_copy(update={"client_id": settings.client_id or f"agent-{device_id}"})
+        )
+        offline = DeviceStatus(device=device_id, state="offline", version=version)
+        self.transport.will_set(device_status(device_id), offline.model_dump_json(), 1, True)
+
+    # -- connection ------------------------------------------------------------------
+
+    def _status(self, state: str) -> DeviceStatus:
+        rt = self._runtime
+        return DeviceStatus(
+            device=self.device_id, state=state, version=self.version,  # type: ignore[arg-type]
+            job=rt.a.job if rt else None, stage=rt.a.stage if rt else None,
+        )  # fmt: skip
+
+    def _announce(self) -> None:
+        """On every (re)connect: status and profile, retained."""
+        state = "busy" if self._runtime is not None else "online"
+        self.transport.publish(
+            device_status(self.device_id), self._status(state).model_dump_json(), 1, True
+        )
+        if self._profile is not None:
+            self.transport.publish(
+                device_profile(self.device_id), self._profile.model_dump_json(), 1, True
+            )
+
+    def _connect(self) -> bool:
+        """Connect, retrying with backoff until connected or stopped."""
+        delay = 0.5
+        while not self._stop.is_set():
+            try:
+                self.transport.connect(timeout=10.0)
+                return True
+            except UserError as exc:
+                log.warning("cannot reach the broker yet: %s; retrying in %.1f s", exc, delay)
+                self._stop.wait(delay)
+                delay = min(delay * 2, 30.0)
+        return False
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Serve until :meth:`stop`; returns the process exit status."""
+        self._profile = self._profile_fn()
+        if not self._connect():
+            return 0
+        self.transport.subscribe(device_cmd(self.device_id), self._on_command)
+        self._announce()
+        log.info("agent online on %s", self.transport.url)
+        worker = threading.Thread(target=self._work, name="agent-worker", daemon=True)
+        worker.start()
+        announced = self.transport.reconnects
+        while not self._stop.wait(self.heartbeat_s):
+            if self.transport.reconnects != announced and self.transport.connected:
+                # A broker that restarted lost our retained status and profile.
+                announced = self.transport.reconnects
+                with contextlib.suppress(ConnectionError):
+                    self._announce()
+            rt = self._runtime
+            beat = Heartbeat(device=self.device_id, job=rt.a.job if rt else None,
+                             stage=rt.a.stage if rt else None, step=self._step)  # fmt: skip
+            # While the broker is away publishing fails; paho reconnects, _announce runs again.
+            with contextlib.suppress(ConnectionError):
+                self.transport.publish(device_heartbeat(self.device_id), beat.model_dump_json(), 0)
+        self._shutdown(worker)
+        return 0
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _shutdown(self, worker: threading.Thread) -> None:
+        if self._runtime is not None:
+            self._runtime.cancel()
+        self._commands.put(None)
+        worker.join(timeout=5)
+        if self._job_thread is not None:
+            self._job_thread.join(timeout=5)
+        with contextlib.suppress(ConnectionError):
+            offline = self._status("offline").model_dump_json()
+            self.transport.publish(device_status(self.device_id), offline, 1, True)
+        self.transport.close()
+        log.info("agent stopped")
+
+    # -- commands --------------------------------------------------------------------
+
+    def _on_command(self, _topic: str, payload: bytes) -> None:
+        try:
+            self._commands.put(parse_command(payload))
+        except MessageError as exc:
+            self.bad_commands += 1
+            log.warning("ignored a command: %s", exc)
+
+    def _work(self) -> None:
+        while True:
+            cmd = self._commands.get()
+            if cmd is None:
+                return
+            try:
+                if isinstance(cmd, StageAssignment):
+                    self._assign(cmd)
+                elif isinstance(cmd, StartJob):
+                    self._start(cmd.job)
+                elif (
+                    isinstance(cmd, CancelJob) and self._runtime and self._runtime.a.job == cmd.job
+                ):
+                    log.info("cancelling: %s", cmd.reason, extra={"job": cmd.job})
+                    self._runtime.cancel()
+            except Exception as exc:  # a command must never kill the daemon
+                log.exception("command %s failed", type(cmd).__name__)
+                job = getattr(cmd, "job", "unknown")
+                stage = getattr(cmd, "stage", 0)
+                self._event(StageFailed(job=job, stage=stage, device=self.device_id,
+                                        error=f"{type(exc).__name__}: {exc}"))  # fmt: skip
+
+    def _event(self, event: StageReady | StepReport | StageDone | StageFailed) -> None:
+        if isinstance(event, StepReport):
+            self._step = event.step
+            bind(log, job=event.job, stage=event.stage, step=event.step).info(
+                "step done in %.3f s (compute %.3f, wait %.3f)",
+                event.step_s, event.compute_s, event.wait_s,
+            )  # fmt: skip
+        try:
+            self.transport.publish(job_events(event.job), event.model_dump_json(), 1)
+        except ConnectionError as exc:
+            log.warning("could not report %s: %s", event.type, exc, extra={"job": event.job})
+
+    def _assign(self, a: StageAssignment) -> None:
+        busy = self._runtime
+        if busy is not None and busy.a.job != a.job:
+            self._event(StageFailed(job=a.job, stage=a.stage, device=self.device_id,
+                                    error=f"busy with job {busy.a.job}"))  # fmt: skip
+            return
+        bind(log, job=a.job, stage=a.stage).info(
+            "assigned units [%d, %d) of %s", a.start, a.end, a.model
+        )
+        self._runtime = StageRuntime(a, self.transport, device=self.device_id, report=self._event)
+        self._announce()
+        self._event(StageReady(job=a.job, stage=a.stage, device=self.device_id,
+                               parameters=self._runtime.parameters))  # fmt: skip
+
+    def _start(self, job: str) -> None:
+        rt = self._runtime
+        if rt is None or rt.a.job != job:
+            log.warning("start for job %s, which is not assigned here", job, extra={"job": job})
+            return
+        self._job_thread = threading.Thread(target=self._run_job, args=(rt,), daemon=True)
+        self._job_thread.start()
+
+    def _run_job(self, rt: StageRuntime) -> None:
+        a = rt.a
+        started = time.perf_counter()
+        try:
+            steps = rt.run()
+            if not rt.cancelled:
+                weights = rt.weights()
+                out = self.data_dir / a.job
+                out.mkdir(parents=True, exist_ok=True)
+                (out / f"stage{a.stage}.safetensors").write_bytes(weights)
+                self.transport.publish(job_weights(a.job, a.stage), weights, 1)
+                self._event(StageDone(job=a.job, stage=a.stage, device=self.device_id,
+                                      steps=steps))  # fmt: skip
+                bind(log, job=a.job, stage=a.stage).info(
+                    "job done: %d steps in %.1f s", steps, time.perf_counter() - started
+                )
+        except Exception as exc:
+            bind(log, job=a.job, stage=a.stage).exception("stage failed")
+            self._event(StageFailed(job=a.job, stage=a.stage, device=self.device_id,
+                                    error=f"{type(exc).__name__}: {exc}"))  # fmt: skip
+        finally:
+            self._runtime = None
+            self._step = None
+            with contextlib.suppress(ConnectionError):
+                self._announce()

@@ -1,0 +1,129 @@
+"""Frames between stages that run as threads of one process: tests and local runs.
+
+This module owns :class:`InProcessTransport`, one object shared by every stage
+in the process. :meth:`~InProcessTransport.send` hands the encoded bytes to the
+destination's :meth:`Inbox.deliver <edge.transport.base.Inbox.deliver>` in the
+sender's thread, so every frame is decoded and checked exactly as one that came
+over the wire, and codecs behave as they do between devices.
+
+Stages may attach in any order. A frame for a stage nobody has attached yet is
+not an error: it is kept (at most ``buffer_frames`` per ``(job, stage)``, the
+oldest dropped with a warning) and delivered when that stage attaches. This is
+stronger than MQTT gives (see :mod:`edge.transport.mqtt`); the runtime must not
+rely on it, it only makes local runs forgiving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter, deque
+
+from edge.transport.base import Channel, Inbox
+
+__all__ = ["DEFAULT_BUFFER_FRAMES", "InProcessTransport"]
+
+DEFAULT_BUFFER_FRAMES = 1024
+"""Frames kept per ``(job, stage)`` that nobody has attached yet."""
+
+log = logging.getLogger(__name__)
+
+_Key = tuple[str, int]
+
+
+class InProcessTransport:
+    """Delivers frames between stages in one process; thread-safe."""
+
+    name = "inprocess"
+
+    def __init__(self, *, buffer_frames: int = DEFAULT_BUFFER_FRAMES) -> None:
+        if buffer_frames < 1:
+            raise ValueError(f"buffer_frames must be at least 1, got {buffer_frames}")
+        self.buffer_frames = buffer_frames
+        self._lock = threading.Lock()
+        self._inboxes: dict[_Key, Inbox] = {}
+        self._waiting: dict[_Key, deque[tuple[bytes, Channel]]] = {}
+        self._closed = False
+        self.frames_sent = 0
+        self.bytes_sent = 0
+        self.dropped: Counter[str] = Counter()
+        """Frames this transport dropped before any inbox saw them (``buffer-full``)."""
+
+    def attach(self, job: str, stage: int) -> Inbox:
+        """The inbox of ``stage`` of ``job``; frames sent to it earlier are delivered now."""
+        key = (job, stage)
+        with self._lock:
+            self._check_open()
+            if key in self._inboxes:
+                raise ValueError(f"job {job} stage {stage} is already attached")
+            inbox = self._inboxes[key] = Inbox(job, stage)
+            early = self._waiting.pop(key, deque())
+        # Outside the lock: decoding a large frame must not hold up other stages.
+        # Frames sent meanwhile go straight to the inbox; order does not matter.
+        for data, channel in early:
+            inbox.deliver(data, channel)
+        return inbox
+
+    def detach(self, job: str, stage: int) -> None:
+        """Stop delivering to ``stage`` of ``job`` and close its inbox (a no-op if not attached)."""
+        with self._lock:
+            inbox = self._inboxes.pop((job, stage), None)
+        if inbox is not None:
+            inbox.close()
+
+    def send(self, job: str, stage: int, channel: Channel, frame: bytes) -> None:
+        """Deliver ``frame`` to ``stage`` of ``job`` now, or keep it until that stage attaches."""
+        # An immutable copy: the inbox decodes without copying (see [Note: zero-copy
+        # decoding] in edge.protocol), so the sender must not be able to change it later.
+        data = frame if isinstance(frame, bytes) else bytes(frame)
+        key = (job, stage)
+        with self._lock:
+            self._check_open()
+            self.frames_sent += 1
+            self.bytes_sent += len(data)
+            inbox = self._inboxes.get(key)
+            if inbox is None:
+                self._keep(key, data, channel)
+                return
+        inbox.deliver(data, channel)
+
+    def _keep(self, key: _Key, data: bytes, channel: Channel) -> None:
+        waiting = self._waiting.setdefault(key, deque())
+        if len(waiting) >= self.buffer_frames:
+            waiting.popleft()
+            self.dropped["buffer-full"] += 1
+            log.warning(
+                "job %s stage %d is not attached and already has %d frames waiting: "
+                "dropped the oldest",
+                key[0],
+                key[1],
+                self.buffer_frames,
+                extra={"job": key[0], "stage": key[1], "reason": "buffer-full"},
+            )
+        waiting.append((data, channel))
+
+    def waiting(self, job: str, stage: int) -> int:
+        """Frames kept for ``stage`` of ``job`` until it attaches."""
+        with self._lock:
+            return len(self._waiting.get((job, stage), ()))
+
+    def stats(self) -> dict[str, int]:
+        """Counters: frames and bytes sent, and drops by reason (``dropped.<reason>``)."""
+        with self._lock:
+            out = {"frames_sent": self.frames_sent, "bytes_sent": self.bytes_sent}
+            out.update({f"dropped.{k}": v for k, v in self.dropped.items()})
+            return out
+
+    def close(self) -> None:
+        """Close every inbox and forget kept frames; later sends and attaches raise."""
+        with self._lock:
+            self._closed = True
+            inboxes = list(self._inboxes.values())
+            self._inboxes.clear()
+            self._waiting.clear()
+        for inbox in inboxes:
+            inbox.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the in-process transport is closed")

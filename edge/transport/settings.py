@@ -1,0 +1,85 @@
+"""How to reach an MQTT broker: the URL forms edgetrain accepts and the client settings.
+
+Shared by the MQTT transport (:mod:`edge.transport.mqtt`), the device
+profiler's link probe and the command line, so a broker is named the same way
+everywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+from edge.errors import UserError
+
+__all__ = ["DEFAULT_PORTS", "MqttSettings", "parse_broker_url"]
+
+DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
+_SCHEMES = {"mqtt": "mqtt", "tcp": "mqtt", "mqtts": "mqtts", "ssl": "mqtts"}
+
+
+def parse_broker_url(url: str) -> tuple[str, str, int]:
+    """``(scheme, host, port)`` of ``mqtt://host[:1883]`` or ``mqtts://host[:8883]`` (TLS).
+
+    ``tcp://`` and ``ssl://`` are aliases; the scheme returned is ``"mqtt"`` or
+    ``"mqtts"``. Anything else raises a one-line :class:`UserError`.
+    """
+    expected = "expected mqtt://host:1883 or mqtts://host:8883"
+    parts = urlsplit(url)
+    scheme = _SCHEMES.get(parts.scheme.lower())
+    try:
+        port = parts.port
+    except ValueError:
+        raise UserError(f"broker {url!r}: bad port ({expected})") from None
+    if scheme is None or not parts.hostname or port == 0:
+        raise UserError(f"broker {url!r}: not a broker URL ({expected})")
+    if parts.username is not None or parts.password is not None:
+        raise UserError(f"broker {url!r}: give credentials as username and password settings")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise UserError(f"broker {url!r}: unexpected path or query ({expected})")
+    return scheme, parts.hostname, port or DEFAULT_PORTS[scheme]
+
+
+class MqttSettings(BaseModel):
+    """How to reach the broker."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    url: str = "mqtt://127.0.0.1:1883"
+    """Broker: mqtt://host[:port] (1883 by default) or mqtts://host[:port] (TLS, 8883)."""
+    username: str | None = None
+    """User name the broker authenticates; none for an anonymous broker."""
+    password: SecretStr | None = None
+    """Password for ``username`` (never shown in logs or reprs)."""
+    tls_ca: Path | None = None
+    """CA bundle that signed the broker's certificate (mqtts); the system's when unset."""
+    tls_cert: Path | None = None
+    """Client certificate (PEM) for brokers that require one (mqtts)."""
+    tls_key: Path | None = None
+    """Private key of ``tls_cert`` when it is not in the same file."""
+    tls_insecure: bool = False
+    """Skip the check that the certificate names the broker's host (testing only)."""
+    client_id: str | None = None
+    """MQTT client id, unique per connection; default ``edgetrain-`` and random hex."""
+    keepalive: int = Field(default=30, ge=5, le=65535)
+    """Seconds between pings when idle; a dead link is noticed within 1.5x this."""
+    reconnect_min_s: float = Field(default=0.5, gt=0)
+    """First wait before reconnecting after the link drops; doubles on each failure."""
+    reconnect_max_s: float = Field(default=30.0, gt=0)
+    """Longest wait between reconnection attempts."""
+    max_inflight: int = Field(default=100, ge=1)
+    """QoS-1 messages sent and not yet acknowledged by the broker at once."""
+    max_queued: int = Field(default=256, ge=1)
+    """QoS-1 messages held (in flight or waiting for a connection); more raise at send."""
+    subscribe_timeout_s: float = Field(default=10.0, gt=0)
+    """How long attach and subscribe wait for the broker to acknowledge a subscription."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MqttSettings:
+        if self.reconnect_min_s > self.reconnect_max_s:
+            raise ValueError("reconnect_min_s must not exceed reconnect_max_s")
+        if self.tls_key is not None and self.tls_cert is None:
+            raise ValueError("tls_key needs tls_cert")
+        return self

@@ -1,0 +1,135 @@
+"""The agent daemon as a process: announce, obey, ride out the broker, stop cleanly."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import psutil
+import pytest
+from support.mosquitto import find_mosquitto, mosquitto_broker
+
+from coordinator.jobs import JobFailed, JobSpec
+from coordinator.localfleet import LocalFleet
+from coordinator.planner.score import Plan
+from coordinator.runners import run_on_agents
+from edge.messages import DeviceStatus
+from edge.protocol import device_cmd, device_status
+from edge.transport.mqtt import MqttSettings, MqttTransport
+
+pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+
+
+def _watch_status(control: MqttTransport, device: str) -> Callable[[], DeviceStatus | None]:
+    seen: list[DeviceStatus] = []
+    control.subscribe(device_status(device),
+                      lambda _t, p: seen.append(DeviceStatus.model_validate_json(p)))  # fmt: skip
+    return lambda: seen[-1] if seen else None
+
+
+def _until(check: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return check()
+
+
+@pytest.fixture
+def one_agent() -> Iterator[tuple[str, MqttTransport, LocalFleet]]:
+    with mosquitto_broker() as broker:
+        control = MqttTransport(MqttSettings(url=broker.url))
+        control.connect(timeout=10)
+        fleet = LocalFleet(1, broker.url, threads=1).start()
+        try:
+            fleet.wait_online(control, timeout=60)
+            yield broker.url, control, fleet
+        finally:
+            fleet.stop()
+            control.close()
+
+
+def test_sigterm_publishes_offline_and_exits_zero(one_agent) -> None:  # type: ignore[no-untyped-def]
+    _url, control, fleet = one_agent
+    device = fleet.ids[0]
+    status = _watch_status(control, device)
+    assert _until(lambda: status() is not None and status().state == "online", 10)
+    fleet.kill(device, signal.SIGTERM)
+    assert fleet.procs[device].wait(15) == 0
+    assert _until(lambda: status().state == "offline", 10)  # type: ignore[union-attr]
+
+
+def test_sigkill_leaves_last_will_and_no_process(one_agent) -> None:  # type: ignore[no-untyped-def]
+    _url, control, fleet = one_agent
+    device = fleet.ids[0]
+    pid = fleet.procs[device].pid
+    status = _watch_status(control, device)
+    fleet.kill(device, signal.SIGKILL)
+    fleet.procs[device].wait(10)
+    # The broker notices the dead connection (keepalive or socket close) and publishes the will.
+    assert _until(lambda: status() is not None and status().state == "offline", 60)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_bad_commands_are_ignored_and_a_busy_agent_refuses_a_second_job(one_agent) -> None:  # type: ignore[no-untyped-def]
+    _url, control, fleet = one_agent
+    device = fleet.ids[0]
+    for junk in (b"not json", b'{"type": "assign"}', b'{"type": "launch-missiles"}', b"\xff" * 9):
+        control.publish(device_cmd(device), junk, 1)
+    spec = JobSpec(model="mlp", steps=3, batch_size=8, microbatches=2)
+    result = run_on_agents(spec, Plan.of((device, 0, 3)), control, timeout_s=120)
+    assert len(result.losses) == 3
+    assert fleet.procs[device].poll() is None
+    assert "ignored a command" in fleet.log_path(device).read_text()
+
+    # A long job keeps it busy; a second job on the same device is refused, not queued.
+    long = JobSpec(model="gpt-mini", steps=400, batch_size=8, microbatches=2)
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            run_on_agents(long, Plan.of((device, 0, 6)), control, job="longjob", timeout_s=20)
+        except BaseException as exc:  # the test cancels it by timing out
+            errors.append(exc)
+        done.set()
+
+    threading.Thread(target=first, daemon=True).start()
+    time.sleep(3)
+    with pytest.raises(JobFailed, match="busy"):
+        run_on_agents(spec, Plan.of((device, 0, 3)), control, job="second", timeout_s=30)
+    done.wait(60)
+    assert fleet.procs[device].poll() is None
+
+
+def test_agent_rides_out_a_broker_restart() -> None:
+    with mosquitto_broker() as first:
+        port, url = first.port, first.url
+        fleet = LocalFleet(1, url, threads=1).start()
+        try:
+            control = MqttTransport(MqttSettings(url=url))
+            control.connect(timeout=10)
+            fleet.wait_online(control, timeout=60)
+            control.close()
+            first.stop()
+            time.sleep(1.0)
+            with mosquitto_broker(port=port) as second:
+                control = MqttTransport(MqttSettings(url=second.url))
+                control.connect(timeout=10)
+                try:
+                    status = _watch_status(control, fleet.ids[0])
+                    # The new broker has no retained state: the agent must announce again.
+                    assert _until(lambda: status() is not None and status().state == "online", 30)
+                    result = run_on_agents(
+                        JobSpec(model="mlp", steps=2, batch_size=8, microbatches=2),
+                        Plan.of((fleet.ids[0], 0, 3)), control, timeout_s=60,
+                    )  # fmt: skip
+                    assert len(result.losses) == 2
+                finally:
+                    control.close()
+            assert fleet.procs[fleet.ids[0]].poll() is None
+        finally:
+            fleet.stop()

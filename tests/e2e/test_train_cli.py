@@ -1,0 +1,69 @@
+"""``edgetrain train`` end to end: its own broker, real agents, one JSON object."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+from support.mosquitto import find_mosquitto
+
+ROOT = Path(__file__).resolve().parents[2]
+# One torch thread per agent whatever the number of devices: equal thread counts make
+# the single-device reference and the pipeline agree bit for bit.
+ARGS = ["--model", "mlp", "--steps", "4", "--batch-size", "16", "--microbatches", "4",
+        "--seed", "1", "--threads", "1"]  # fmt: skip
+
+
+def train(*extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "edgetrain.cli", "train", *ARGS, *extra],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, check=False,
+    )  # fmt: skip
+
+
+def ok_json(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+def test_three_agents_over_mqtt_match_one_device_and_in_process(tmp_path: Path) -> None:
+    three = ok_json(train("--devices", "3", "--partition", "even", "--json",
+                          "--save-weights", str(tmp_path / "three.safetensors")))  # fmt: skip
+    assert three["transport"] == "mqtt" and three["broker"] == "mosquitto"
+    assert len(three["plan"]["stages"]) == 3 and three["plan"]["feasible"] is True
+    assert len(three["losses"]) == 4 and three["samples_per_s"] > 0
+    assert [s["stage"] for s in three["stages"]] == [0, 1, 2]
+    one = ok_json(train("--devices", "1", "--json",
+                        "--save-weights", str(tmp_path / "one.safetensors")))  # fmt: skip
+    assert len(one["plan"]["stages"]) == 1
+    assert one["losses"] == three["losses"]
+    a = safetensors.torch.load_file(str(tmp_path / "three.safetensors"))
+    b = safetensors.torch.load_file(str(tmp_path / "one.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    local = ok_json(train("--devices", "3", "--partition", "even", "--transport", "inprocess",
+                          "--json"))  # fmt: skip
+    assert local["transport"] == "inprocess" and local["losses"] == three["losses"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "names"),
+    [
+        (["--codec", "fp8"], "codec"),
+        (["--batch-size", "10"], "multiple of --microbatches"),
+        (["--transport", "pigeon"], "--transport"),
+        (["--model", "resnet19"], "resnet19"),
+        (["--schedule", "zigzag"], "schedule"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(extra: list[str], names: str) -> None:
+    done = train("--transport", "inprocess", *extra)
+    assert done.returncode == 2, done.stderr
+    assert names in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
