@@ -43,7 +43,7 @@ class EpochSampler:
 
 def _stack(items: tuple[Any, ...]) -> torch.Tensor:
     if isinstance(items[0], torch.Tensor):
-        return torch.stack(items)  # type: ignore[arg-type]
+        return torch.stack(items)
     return torch.stack([torch.as_tensor(x) for x in items])
 
 

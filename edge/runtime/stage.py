@@ -159,8 +159,8 @@ class StageRuntime:
                         target = self.inbox.take(Kind.LABELS, step, mb, timeout).tensor
                         wait += time.perf_counter() - t0
                     t0 = time.perf_counter()
-                    loss = loss_fn(out, target)
-                    losses[mb] = loss / m if m > 1 else loss  # dividing by 1 is exact: skip it
+                    mb_loss = loss_fn(out, target)
+                    losses[mb] = mb_loss / m if m > 1 else mb_loss  # /1 is exact: skip it
                     compute += time.perf_counter() - t0
                 else:
                     t0 = time.perf_counter()
