@@ -160,6 +160,7 @@ def _run_mqtt(
             progress.note(f"started {running.describe()}")
         else:
             url, name = broker, broker
+            progress.note(f"using the broker at {broker}")
         control = MqttTransport(MqttSettings(url=url))
         control.connect(timeout=15)
         stack.callback(control.close)
@@ -199,8 +200,11 @@ class _Progress:
             self._bar.stop()
 
     def note(self, text: str) -> None:
+        """A line for the user: above the bar, or on standard error under ``--json``."""
         if self._bar is not None:
             self._bar.console.print(text)
+        else:
+            typer.echo(text, err=True)
 
     def update(self, report: StepReport) -> None:
         import time
