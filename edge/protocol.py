@@ -35,6 +35,7 @@ inputs and round differently, which would break bit-exact pipeline parity.
 
 from __future__ import annotations
 
+import math
 import re
 import struct
 import warnings
@@ -75,7 +76,7 @@ MAX_NDIM = 8
 MAX_ELEMENTS = 1 << 31
 """A frame declaring more elements than this is refused before anything is allocated."""
 
-_JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,16}$")
+_JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,16}")  # fullmatch: "$" would allow a final "\n"
 
 
 class Kind(IntEnum):
@@ -125,9 +126,25 @@ def _padding(ndim: int) -> int:
     return -(HEADER.size + 8 * ndim) % _ALIGN
 
 
+# Per ndim: the shape and its zero padding, alone and after the header (one pack per frame).
+_SHAPES = [struct.Struct(f"<{n}Q{_padding(n)}x") for n in range(MAX_NDIM + 1)]
+_PREFIXES = [struct.Struct(HEADER.format + f"{n}Q{_padding(n)}x") for n in range(MAX_NDIM + 1)]
+_KINDS = {int(k): k for k in Kind}
+_CODECS = {int(c): c for c in Codec}
+
+# Decoding a received ``bytes`` frame makes a tensor over a read-only buffer, on purpose
+# (see [Note: zero-copy decoding]). torch warns about that once per process: have it
+# here, silenced, and filter it, rather than ``catch_warnings`` on every frame (slower,
+# and not thread-safe: it can leave another thread's filters behind).
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.frombuffer(b"\0", dtype=torch.uint8)
+warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+
+
 def valid_job_id(job: str) -> bool:
     """Job ids are 1-16 characters of ``[A-Za-z0-9_-]``: they fit the frame header."""
-    return bool(_JOB_ID.match(job))
+    return _JOB_ID.fullmatch(job) is not None
 
 
 def device_status(device: str) -> str:
@@ -160,12 +177,12 @@ def job_weights(job: str, stage: int) -> str:
     return f"{TOPIC_ROOT}/jobs/{job}/weights/{stage}"
 
 
-_STAGE_TOPIC = re.compile(rf"^{TOPIC_ROOT}/jobs/([A-Za-z0-9_-]{{1,16}})/stage/(\d+)/(fwd|bwd)$")
+_STAGE_TOPIC = re.compile(rf"{TOPIC_ROOT}/jobs/({_JOB_ID.pattern})/stage/(0|[1-9][0-9]*)/(fwd|bwd)")
 
 
 def parse_stage_topic(topic: str) -> tuple[str, int, str] | None:
     """``(job, stage, channel)`` of a stage topic, or ``None`` for any other topic."""
-    m = _STAGE_TOPIC.match(topic)
+    m = _STAGE_TOPIC.fullmatch(topic)
     return (m.group(1), int(m.group(2)), m.group(3)) if m else None
 
 
@@ -196,42 +213,60 @@ class Frame:
 def encode_frame(
     kind: Kind, job: str, step: int, microbatch: int, tensor: torch.Tensor, codec: Codec
 ) -> bytes:
-    """One frame: header, shape, payload. Integer tensors are always sent raw."""
+    """One frame: header, shape, payload. Integer tensors are always sent raw.
+
+    The payload is checksummed once and copied once, straight into the frame.
+    """
     if not valid_job_id(job):
         raise ValueError(f"job id {job!r} must be 1-16 characters of [A-Za-z0-9_-]")
-    t = tensor.detach()
-    if t.device.type != "cpu":
+    dtype_code = _DTYPE_CODES.get(tensor.dtype)
+    if dtype_code is None:
+        raise ValueError(f"dtype {tensor.dtype} cannot be sent")
+    if tensor.ndim > MAX_NDIM:
+        raise ValueError(f"tensor has {tensor.ndim} dimensions; at most {MAX_NDIM} can be sent")
+    codec = Codec(codec)
+    # Attributes are cheap; each torch call that does work is a dispatch and a GIL release.
+    t = tensor.detach() if tensor.requires_grad else tensor
+    if not t.is_cpu:
         t = t.cpu()
-    if t.dtype not in _DTYPE_CODES:
-        raise ValueError(f"dtype {t.dtype} cannot be sent")
-    if t.ndim > MAX_NDIM:
-        raise ValueError(f"tensor has {t.ndim} dimensions; at most {MAX_NDIM} can be sent")
     scale = 0.0
-    if not t.is_floating_point():
+    if not t.dtype.is_floating_point:
         codec = Codec.RAW
-        wire = t
-    elif codec is Codec.RAW:
-        wire = t
     elif codec is Codec.INT8:
-        peak = float(t.abs().max()) if t.numel() else 0.0
-        scale = peak / 127.0 if peak > 0 else 1.0
-        wire = torch.round(t.float() / scale).clamp_(-127, 127).to(torch.int8)
-    else:
-        wire = t.to(_WIRE_DTYPE[codec])
-    payload: bytes | memoryview = b""
-    if wire.numel():
-        payload = memoryview(wire.contiguous().view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
-    header = HEADER.pack(
-        MAGIC, VERSION, int(kind), int(codec), _DTYPE_CODES[t.dtype], t.ndim,
-        job.encode(), step, microbatch, scale, len(payload), zlib.crc32(payload),
+        t, scale = _quantize(t)
+    elif codec is not Codec.RAW and t.dtype is not _WIRE_DTYPE[codec]:
+        t = t.to(_WIRE_DTYPE[codec])
+    payload = _bytes_of(t)
+    prefix = _PREFIXES[t.ndim].pack(
+        MAGIC, VERSION, int(kind), int(codec), dtype_code, t.ndim, job.encode(),
+        step, microbatch, scale, payload.nbytes, zlib.crc32(payload), *t.shape,
     )  # fmt: skip
-    shape = struct.pack(f"<{t.ndim}Q", *t.shape) + bytes(_padding(t.ndim))
-    # One copy of the payload, straight into the frame.
-    return b"".join((header, shape, payload))
+    return b"".join((prefix, payload))
+
+
+def _quantize(t: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The int8 codec: ``round(t / scale)`` where ``scale = max |t| / 127`` (1 if that is 0)."""
+    peak = float(t.abs().amax()) if t.numel() else 0.0
+    scale = peak / 127.0 if peak > 0 else 1.0
+    return torch.div(t.float(), scale).round_().clamp_(-127, 127).to(torch.int8), scale
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes, without a copy when it is contiguous."""
+    if not t.numel():
+        return memoryview(b"")  # a view with a 0 in its shape cannot be cast
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype is torch.bfloat16:
+        t = t.view(torch.int16)  # numpy has no bfloat16; the bytes are the same
+    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def decode_frame(data: bytes | bytearray | memoryview) -> Frame:
-    """Check and decode one frame; anything wrong raises :class:`FrameError`."""
+    """Check and decode one frame; anything wrong raises :class:`FrameError`.
+
+    Every field is checked before anything is allocated; the checksum is computed once.
+    """
     view = memoryview(data)
     if len(view) < HEADER.size:
         raise FrameError("truncated", f"{len(view)} bytes is shorter than the header")
@@ -241,24 +276,24 @@ def decode_frame(data: bytes | bytearray | memoryview) -> Frame:
         raise FrameError("bad-magic", f"magic {magic!r}")
     if version != VERSION:
         raise FrameError("bad-version", f"version {version}")
-    try:
-        kind_v, codec_v, dtype_v = Kind(kind), Codec(codec), DTYPES[dtype]
-    except (ValueError, KeyError):
-        raise FrameError("bad-field", f"kind {kind}, codec {codec} or dtype {dtype}") from None
+    kind_v, codec_v, dtype_v = _KINDS.get(kind), _CODECS.get(codec), DTYPES.get(dtype)
+    if kind_v is None or codec_v is None or dtype_v is None:
+        raise FrameError("bad-field", f"kind {kind}, codec {codec} or dtype {dtype}")
+    if codec_v is not Codec.RAW and not dtype_v.is_floating_point:
+        raise FrameError("bad-field", f"codec {codec_v.name} for {dtype_v}: integers travel raw")
     if ndim > MAX_NDIM:
         raise FrameError("bad-shape", f"{ndim} dimensions")
     job = job_raw.rstrip(b"\0").decode("ascii", errors="replace")
     if not valid_job_id(job):
         raise FrameError("bad-job", f"job {job!r}")
-    start = HEADER.size + 8 * ndim + _padding(ndim)
+    start = HEADER.size + _SHAPES[ndim].size
     if len(view) < start:
         raise FrameError("truncated", "frame ends inside the shape")
-    shape = struct.unpack_from(f"<{ndim}Q", view, HEADER.size)
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    if numel > MAX_ELEMENTS:
-        raise FrameError("too-large", f"shape {shape} declares {numel} elements")
+    shape = _SHAPES[ndim].unpack_from(view, HEADER.size)
+    numel = math.prod(shape)
+    # An empty tensor's other dimensions count too: torch cannot make (0, 2**40, 2**40).
+    if numel > MAX_ELEMENTS or (numel == 0 and math.prod(d or 1 for d in shape) > MAX_ELEMENTS):
+        raise FrameError("too-large", f"shape {shape} declares more than {MAX_ELEMENTS} elements")
     if len(view) - start != length:
         raise FrameError(
             "bad-length", f"declares {length} payload bytes, carries {len(view) - start}"
@@ -267,20 +302,19 @@ def decode_frame(data: bytes | bytearray | memoryview) -> Frame:
     if numel * wire_dtype.itemsize != length:
         need = numel * wire_dtype.itemsize
         raise FrameError("bad-shape", f"shape {shape} needs {need} bytes, payload has {length}")
-    payload = view[start:]
-    if zlib.crc32(payload) != checksum:
+    if zlib.crc32(view[start:]) != checksum:
         raise FrameError("bad-checksum", "payload checksum does not match")
     if numel == 0:
         tensor = torch.empty(shape, dtype=dtype_v)
     else:
-        with warnings.catch_warnings():
-            # The buffer is read-only bytes; see [Note: zero-copy decoding].
-            warnings.simplefilter("ignore", UserWarning)
-            tensor = torch.frombuffer(payload, dtype=wire_dtype).view(shape)
-        if tensor.data_ptr() % _ALIGN:
-            tensor = tensor.clone()
+        # A view of the frame; see [Note: zero-copy decoding].
+        tensor = torch.frombuffer(view, dtype=wire_dtype, count=numel, offset=start)
+        if ndim != 1:
+            tensor = tensor.view(shape)
         if codec_v is Codec.INT8:
-            tensor = tensor.to(dtype_v) * scale
-        elif wire_dtype != dtype_v:
-            tensor = tensor.to(dtype_v)
+            tensor = tensor.to(dtype_v).mul_(scale)
+        elif wire_dtype is not dtype_v:
+            tensor = tensor.to(dtype_v)  # a new tensor, aligned like any other
+        elif tensor.data_ptr() % _ALIGN:
+            tensor = tensor.clone()
     return Frame(kind_v, job, step, mb, codec_v, tensor, len(view))
