@@ -19,7 +19,8 @@ Frame layout (``<`` little-endian, :data:`HEADER` then ``ndim`` dimensions)::
     microbatch I
     scale      f   int8 codec: the per-tensor scale; 0 otherwise
     length     Q   payload bytes
-    checksum   I   CRC-32 of the payload
+    checksum   I   CRC-32C (Castagnoli) of the payload: hardware-accelerated on x86
+                   (SSE 4.2) and ARMv8, several times cheaper than zlib's CRC-32
     shape      ndim x Q
     padding    zero bytes up to a multiple of 16, so the payload is 16-byte aligned
 
@@ -39,11 +40,11 @@ import math
 import re
 import struct
 import warnings
-import zlib
 from dataclasses import dataclass
 from enum import IntEnum
 
 import torch
+from crc32c import crc32c
 
 __all__ = [
     "DTYPES",
@@ -239,7 +240,7 @@ def encode_frame(
     payload = _bytes_of(t)
     prefix = _PREFIXES[t.ndim].pack(
         MAGIC, VERSION, int(kind), int(codec), dtype_code, t.ndim, job.encode(),
-        step, microbatch, scale, payload.nbytes, zlib.crc32(payload), *t.shape,
+        step, microbatch, scale, payload.nbytes, crc32c(payload), *t.shape,
     )  # fmt: skip
     return b"".join((prefix, payload))
 
@@ -302,7 +303,7 @@ def decode_frame(data: bytes | bytearray | memoryview) -> Frame:
     if numel * wire_dtype.itemsize != length:
         need = numel * wire_dtype.itemsize
         raise FrameError("bad-shape", f"shape {shape} needs {need} bytes, payload has {length}")
-    if zlib.crc32(view[start:]) != checksum:
+    if crc32c(view[start:]) != checksum:
         raise FrameError("bad-checksum", "payload checksum does not match")
     if numel == 0:
         tensor = torch.empty(shape, dtype=dtype_v)
