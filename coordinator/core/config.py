@@ -1,0 +1,119 @@
+"""The coordinator's settings: one pydantic-settings class read from the environment.
+
+Every field is read from ``EDGETRAIN_<NAME>`` (``EDGETRAIN_PORT``,
+``EDGETRAIN_API_TOKEN``, ...); an empty variable counts as unset. The one-line
+docstring under each field is its description, so it doubles as help text.
+Outside ``development`` a placeholder API token (``changethis``, ``secret``,
+anything shorter than 16 characters) is refused, as full-stack-fastapi-template
+refuses its default secrets; in development it is only warned about.
+
+No instance is cached at module level: :func:`get_settings` reads the
+environment each time it is called, and tests construct :class:`Settings`
+directly with the values they need.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from edge.errors import UserError, describe_validation_error
+
+__all__ = ["MIN_TOKEN_LENGTH", "PLACEHOLDER_SECRETS", "Environment", "Settings", "get_settings"]
+
+Environment = Literal["development", "production"]
+
+MIN_TOKEN_LENGTH = 16
+PLACEHOLDER_SECRETS = frozenset(
+    {"changeme", "changethis", "change-me", "change_me", "secret", "password", "token", "test"}
+)
+
+
+class Settings(BaseSettings):
+    """Everything the coordinator service can be told, from ``EDGETRAIN_*`` variables."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="EDGETRAIN_",
+        env_ignore_empty=True,
+        extra="ignore",
+        use_attribute_docstrings=True,
+        validate_default=True,
+        # A refused token must not appear in the error text (or in a log of it).
+        hide_input_in_errors=True,
+    )
+
+    host: str = "127.0.0.1"
+    """Address the API listens on."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """TCP port the API listens on (0: any free port)."""
+    broker_url: str | None = None
+    """MQTT broker, e.g. mqtt://host:1883; unset starts the embedded default broker."""
+    data_dir: Path = Path("~/.edgetrain/coordinator")
+    """Folder for the database (edgetrain.db) and the trained models."""
+    api_token: SecretStr | None = None
+    """Bearer token that mutating endpoints require; unset leaves the API open."""
+    api_read_auth: bool = False
+    """Require the token on reads too (EDGETRAIN_API_READ_AUTH=1)."""
+    heartbeat_timeout_s: float = Field(default=3.0, gt=0, allow_inf_nan=False)
+    """Seconds without a heartbeat after which a device counts as offline."""
+    environment: Environment = "development"
+    """development or production; production refuses placeholder secrets."""
+
+    @field_validator("data_dir")
+    @classmethod
+    def _expand_home(cls, value: Path) -> Path:
+        return value.expanduser()
+
+    @model_validator(mode="after")
+    def _check_token(self) -> Settings:
+        problem = _weak_secret(self.api_token)
+        if problem is None:
+            return self
+        # The message names the field and its variable and never echoes the secret.
+        message = (
+            f"api_token: EDGETRAIN_API_TOKEN {problem}; "
+            "set a random one, e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+        )
+        if self.environment == "development":
+            warnings.warn(message, stacklevel=2)
+            return self
+        raise ValueError(f"{message} (refused because environment is {self.environment})")
+
+    @property
+    def token(self) -> str | None:
+        """The API token in clear, or ``None`` when the API is open."""
+        return None if self.api_token is None else self.api_token.get_secret_value()
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "edgetrain.db"
+
+
+def _weak_secret(secret: SecretStr | None) -> str | None:
+    """Why ``secret`` is a placeholder, or ``None`` when it is unset or good enough."""
+    if secret is None:
+        return None
+    value = secret.get_secret_value().strip().lower()
+    if value in PLACEHOLDER_SECRETS or "changeme" in value or "changethis" in value:
+        return "is a placeholder value"
+    if len(value) < MIN_TOKEN_LENGTH:
+        return f"is shorter than {MIN_TOKEN_LENGTH} characters"
+    return None
+
+
+def get_settings(**overrides: Any) -> Settings:
+    """Settings from the environment, with ``overrides`` (e.g. command-line flags) on top.
+
+    An override of ``None`` is dropped, so a flag that was not given leaves the
+    environment's value in place. An invalid value raises
+    :class:`~edge.errors.UserError` with one line naming the field. Nothing is
+    cached: each call reads the environment anew.
+    """
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        raise UserError(describe_validation_error(exc, "settings")) from None

@@ -1,0 +1,196 @@
+"""The job manager: accepts jobs, plans them over the fleet, drives them, stores everything.
+
+A job moves through the states of :mod:`coordinator.store`: ``pending`` when
+submitted; ``planning`` while a plan over the online devices it may use is
+searched; ``running`` while its stages run on the agents
+(:func:`coordinator.runners.run_on_agents`); then ``completed``, ``failed``
+(with the reason) or ``cancelled``. One job runs at a time, in submission
+order, on a worker thread; every step report is stored and announced on the
+event bus as it arrives, and the trained weights are kept as safetensors in
+the data directory. On start, jobs a previous coordinator left planning or
+running are marked failed (``coordinator restarted``) and pending ones are
+queued again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from coordinator.events import EventBus
+from coordinator.jobs import JobFailed, JobSpec, new_job_id
+from coordinator.planner import plan_problem
+from coordinator.planner.baselines import run_baselines
+from coordinator.planner.build import build_problem
+from coordinator.planner.simulator import simulate
+from coordinator.registry import DeviceRegistry
+from coordinator.runners import run_on_agents
+from edge.errors import UserError
+from edge.messages import CancelJob, StepReport
+from edge.protocol import device_cmd
+from edge.transport.mqtt import MqttTransport
+
+__all__ = ["JobManager"]
+
+log = logging.getLogger(__name__)
+
+
+class JobManager:
+    """Runs submitted jobs one at a time (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: Any,
+        bus: EventBus,
+        registry: DeviceRegistry,
+        control: MqttTransport,
+        *,
+        ready_timeout_s: float = 120.0,
+        on_step: Callable[[str, StepReport], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.bus = bus
+        self.registry = registry
+        self.control = control
+        self.ready_timeout_s = ready_timeout_s
+        self.on_step = on_step
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._cancelled: set[str] = set()
+        self._running: dict[str, list[str]] = {}
+        self._lock = threading.Lock()
+        self._worker = threading.Thread(target=self._work, name="job-worker", daemon=True)
+
+    def start(self) -> None:
+        for job in self.store.mark_interrupted("coordinator restarted"):
+            log.warning("job %s was running when the coordinator stopped: failed", job)
+        for job in reversed(self.store.list_jobs(limit=10_000, offset=0, state="pending")):
+            self._queue.put(job.id)
+        self._worker.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            running = list(self._running)
+        for job in running:
+            self.cancel(job)
+        self._queue.put(None)
+        self._worker.join(timeout=10)
+
+    def submit(self, spec: JobSpec, devices_allowed: list[str] | None = None) -> str:
+        job = new_job_id()
+        self.store.create_job(job, spec.model_dump(mode="json"), devices_allowed)
+        self._announce(job)
+        self._queue.put(job)
+        return job
+
+    def cancel(self, job: str) -> bool:
+        """Cancel a pending or running job; ``False`` if it had already ended."""
+        record = self.store.get_job(job)
+        if record is None or record.state in ("completed", "failed", "cancelled"):
+            return False
+        with self._lock:
+            self._cancelled.add(job)
+            devices = self._running.get(job, [])
+        for device in devices:
+            self.control.publish(device_cmd(device), CancelJob(job=job).model_dump_json(), 1)
+        if record.state == "pending":
+            with contextlib.suppress(ValueError):  # the worker may have just taken it
+                self.store.set_job_state(job, "cancelled", reason="cancelled by the user")
+            self._announce(job)
+        return True
+
+    def _announce(self, job: str) -> None:
+        record = self.store.get_job(job)
+        if record is not None:
+            self.bus.publish("job", {"id": job, "state": record.state, "reason": record.reason})
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            record = self.store.get_job(job)
+            if record is None or record.state != "pending":
+                continue
+            try:
+                self._run(job, JobSpec.model_validate(record.spec), record.devices_allowed)
+            except Exception as exc:  # never let one job end the worker
+                log.exception("job %s failed", job)
+                self._finish(job, "failed", f"{type(exc).__name__}: {exc}")
+
+    def _finish(self, job: str, state: str, reason: str | None = None, **fields: Any) -> None:
+        with self._lock:
+            self._running.pop(job, None)
+            if job in self._cancelled and state == "failed":
+                state, reason = "cancelled", "cancelled by the user"
+            self._cancelled.discard(job)
+        try:
+            self.store.set_job_state(job, state, reason=reason, **fields)
+        except ValueError:  # it reached a final state meanwhile (a cancel won the race)
+            log.info("job %s already ended; not marking it %s", job, state)
+        self._announce(job)
+
+    def _plan(self, job: str, spec: JobSpec, allowed: list[str] | None) -> Any:
+        devices = self.registry.available(allowed)
+        if not devices:
+            raise UserError("no online device may run this job")
+        problem = build_problem(
+            spec.model, devices, batch_size=spec.batch_size, microbatches=spec.microbatches,
+            model_options=spec.model_options,
+        )  # fmt: skip
+        found = plan_problem(problem)
+        if found.score is None:
+            raise UserError(f"no plan fits the online devices: {found.reason}")
+        sim = simulate(problem, found.score.plan, spec.schedule)
+        self.store.set_job_plan(job, {
+            **found.score.to_json(), "method": found.method, "exact": found.exact,
+            "compute_s": found.score.compute_s, "link_s": found.score.link_s,
+            "units": [la.name for la in problem.layers],
+            "baselines": {k: {"throughput_sps": b.throughput_sps, "feasible": b.feasible}
+                          for k, b in run_baselines(problem).items()},
+            "simulation": sim.to_json(),
+        })  # fmt: skip
+        return found.score.plan
+
+    def _run(self, job: str, spec: JobSpec, allowed: list[str] | None) -> None:
+        try:
+            self.store.set_job_state(job, "planning")
+        except ValueError:  # cancelled between the queue and here
+            return
+        self._announce(job)
+        try:
+            plan = self._plan(job, spec, allowed)
+        except UserError as exc:
+            self._finish(job, "failed", exc.message)
+            return
+        with self._lock:
+            cancelled = job in self._cancelled
+            if not cancelled:
+                self._running[job] = [st.device for st in plan.stages]
+        if cancelled:
+            self._finish(job, "cancelled", "cancelled by the user")
+            return
+        self.store.set_job_state(job, "running", started=time.time())
+        self._announce(job)
+
+        def on_step(report: StepReport) -> None:
+            self.store.add_step(job, report)
+            self.bus.publish("step", {"job": job, **report.model_dump(mode="json")})
+            if self.on_step is not None:
+                self.on_step(job, report)
+
+        try:
+            result = run_on_agents(spec, plan, self.control, job=job, on_step=on_step,
+                                   ready_timeout_s=self.ready_timeout_s)  # fmt: skip
+        except JobFailed as exc:
+            self._finish(job, "failed", str(exc), finished=time.time())
+            return
+        path = self.store.model_path(job)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(result.weights_bytes())
+        self._finish(job, "completed", None, finished=time.time(),
+                     samples_per_s=result.samples_per_s)  # fmt: skip

@@ -1,0 +1,74 @@
+"""The coordinator's core without HTTP: registry, job manager and store, real agents."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import safetensors.torch
+from support.mosquitto import mosquitto_broker
+
+from coordinator.events import EventBus
+from coordinator.jobs import JobSpec
+from coordinator.localfleet import LocalFleet
+from coordinator.registry import DeviceRegistry
+from coordinator.service import JobManager
+from coordinator.store import Store
+from edge.models.zoo import get_model
+from edge.transport.mqtt import MqttTransport
+from edge.transport.settings import MqttSettings
+
+
+def _until(check, timeout: float) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return bool(check())
+
+
+def test_a_submitted_job_is_planned_run_and_stored_and_survives_a_restart(tmp_path: Path) -> None:
+    with mosquitto_broker() as broker:
+        control = MqttTransport(MqttSettings(url=broker.url))
+        control.connect(timeout=10)
+        store = Store(tmp_path)
+        bus = EventBus()
+        events = bus.subscribe()
+        registry = DeviceRegistry(store, bus, control, heartbeat_timeout_s=3.0)
+        registry.start()
+        manager = JobManager(store, bus, registry, control)
+        manager.start()
+        try:
+            with LocalFleet(2, broker.url, threads=1) as fleet:
+                assert _until(lambda: len(registry.available()) == 2, 60)
+                spec = JobSpec(model="cnn-digits", steps=8, batch_size=16, microbatches=4)
+                job = manager.submit(spec)
+                assert _until(lambda: store.get_job(job).state in ("completed", "failed"), 120)
+                record = store.get_job(job)
+                assert record.state == "completed", record.reason
+                assert record.plan is not None and record.plan["feasible"] is True
+                steps = store.job_steps(job)
+                assert {s.step for s in steps} == set(range(8))
+                weights = safetensors.torch.load_file(str(store.model_path(job)))
+                assert set(weights) == set(get_model("cnn-digits").build().state_dict())
+                kinds = {e.kind for e in events.get(0.1)}
+                assert {"device", "job", "step"} <= kinds
+
+                # A device that vanishes is marked offline.
+                victim = fleet.ids[0]
+                fleet.kill(victim)
+                assert _until(lambda: registry.get(victim).state == "offline", 20)
+        finally:
+            manager.stop()
+            registry.stop()
+            control.close()
+            store.close()
+    # A new coordinator on the same data directory still knows the devices and the job.
+    again = Store(tmp_path)
+    try:
+        assert again.get_job(job).state == "completed"
+        assert len(again.job_steps(job)) == len(steps)
+        assert {d.id for d in again.list_devices()} >= set(fleet.ids)
+    finally:
+        again.close()
