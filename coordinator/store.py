@@ -35,13 +35,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import EllipsisType
-from typing import Any, ClassVar, Literal, cast
+from typing import Any, cast
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 from sqlalchemy import (
-    JSON,
     Connection,
-    ForeignKey,
     create_engine,
     event,
     func,
@@ -51,8 +49,23 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.sqlite import insert
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 
+from coordinator.store_schema import (
+    TERMINAL,
+    TRANSITIONS,
+    DeviceRecord,
+    DeviceState,
+    JobEventRecord,
+    JobRecord,
+    JobState,
+    _Base,
+    _Device,
+    _Job,
+    _JobEvent,
+    _JobStep,
+    _SchemaVersion,
+)
 from edge.messages import StepReport
 
 __all__ = [
@@ -66,17 +79,6 @@ Migration = Callable[[Connection], None]
 MIGRATIONS: dict[int, Migration] = {}
 """``MIGRATIONS[v]`` upgrades a version ``v`` database to ``v + 1``; none yet."""
 
-DeviceState = Literal["online", "offline", "busy"]
-JobState = Literal["pending", "planning", "running", "completed", "failed", "cancelled"]
-TERMINAL: frozenset[JobState] = frozenset({"completed", "failed", "cancelled"})
-TRANSITIONS: dict[JobState, frozenset[JobState]] = {
-    "pending": frozenset({"planning", "failed", "cancelled"}),
-    "planning": frozenset({"running", "failed", "cancelled"}),
-    "running": frozenset({"planning", "completed", "failed", "cancelled"}),
-    "completed": frozenset(),
-    "failed": frozenset(),
-    "cancelled": frozenset(),
-}
 _JOB_ID = re.compile(r"^[A-Za-z0-9_-]{1,16}$")  # as edge.messages.JobId: safe in a path
 
 
@@ -86,110 +88,6 @@ class StoreError(RuntimeError):
 
 class NotFoundError(LookupError):
     """No job (or device) with that id."""
-
-
-# ---- schema -------------------------------------------------------------------------------
-
-
-class _Base(DeclarativeBase):
-    type_annotation_map: ClassVar = {dict[str, Any]: JSON, list[str]: JSON}
-
-
-class _SchemaVersion(_Base):
-    __tablename__ = "schema_version"
-    version: Mapped[int] = mapped_column(primary_key=True)
-
-
-class _Device(_Base):
-    __tablename__ = "devices"
-    id: Mapped[str] = mapped_column(primary_key=True)
-    state: Mapped[str]
-    last_seen: Mapped[float]
-    first_seen: Mapped[float]
-    profile: Mapped[dict[str, Any] | None]
-    job: Mapped[str | None]
-    stage: Mapped[int | None]
-
-
-class _Job(_Base):
-    __tablename__ = "jobs"
-    id: Mapped[str] = mapped_column(primary_key=True)
-    spec: Mapped[dict[str, Any]]
-    state: Mapped[str] = mapped_column(index=True)
-    reason: Mapped[str | None]
-    plan: Mapped[dict[str, Any] | None]
-    created: Mapped[float] = mapped_column(index=True)
-    started: Mapped[float | None]
-    finished: Mapped[float | None]
-    steps_done: Mapped[int] = mapped_column(default=0)
-    samples_per_s: Mapped[float | None]
-    devices_allowed: Mapped[list[str] | None]
-
-
-class _JobStep(_Base):
-    __tablename__ = "job_steps"
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
-    step: Mapped[int] = mapped_column(primary_key=True)
-    stage: Mapped[int] = mapped_column(primary_key=True)
-    device: Mapped[str]
-    loss: Mapped[float | None]  # SQLite stores NaN as NULL: a diverged loss reads back as None
-    compute_s: Mapped[float]
-    wait_s: Mapped[float]
-    send_s: Mapped[float]
-    step_s: Mapped[float]
-    bytes_sent: Mapped[int]
-    bytes_received: Mapped[int]
-    frames_dropped: Mapped[int] = mapped_column(default=0)
-    ts: Mapped[float]
-
-
-class _JobEvent(_Base):
-    __tablename__ = "job_events"
-    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
-    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
-    ts: Mapped[float]
-    kind: Mapped[str]
-    detail: Mapped[dict[str, Any] | None]
-
-
-# ---- records ------------------------------------------------------------------------------
-
-
-class _Record(BaseModel):
-    model_config = ConfigDict(frozen=True, from_attributes=True)
-
-
-class DeviceRecord(_Record):
-    id: str
-    state: DeviceState
-    last_seen: float
-    first_seen: float
-    profile: dict[str, Any] | None
-    """The device's last published profile (a :class:`~edge.problem.DeviceSpec` as JSON)."""
-    job: str | None
-    stage: int | None
-
-
-class JobRecord(_Record):
-    id: str
-    spec: dict[str, Any]
-    state: JobState
-    reason: str | None
-    plan: dict[str, Any] | None
-    created: float
-    started: float | None
-    finished: float | None
-    steps_done: int
-    samples_per_s: float | None
-    devices_allowed: list[str] | None
-
-
-class JobEventRecord(_Record):
-    id: int
-    job_id: str
-    ts: float
-    kind: str
-    detail: dict[str, Any] | None
 
 
 # ---- the store ----------------------------------------------------------------------------
