@@ -62,6 +62,7 @@ class JobManager:
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._cancelled: set[str] = set()
         self._running: dict[str, list[str]] = {}
+        self._stopping = False
         self._lock = threading.Lock()
         self._worker = threading.Thread(target=self._work, name="job-worker", daemon=True)
 
@@ -73,10 +74,16 @@ class JobManager:
         self._worker.start()
 
     def stop(self) -> None:
+        """Stop the agents' stages and the worker; a running job stays ``running`` in the
+        store, so the next coordinator marks it failed (``coordinator restarted``)."""
         with self._lock:
-            running = list(self._running)
-        for job in running:
-            self.cancel(job)
+            self._stopping = True
+            running = dict(self._running)
+        for job, devices in running.items():
+            for device in devices:
+                cancel = CancelJob(job=job, reason="coordinator stopping")
+                with contextlib.suppress(ConnectionError):
+                    self.control.publish(device_cmd(device), cancel.model_dump_json(), 1)
         self._queue.put(None)
         self._worker.join(timeout=10)
 
@@ -125,6 +132,8 @@ class JobManager:
     def _finish(self, job: str, state: str, reason: str | None = None, **fields: Any) -> None:
         with self._lock:
             self._running.pop(job, None)
+            if self._stopping and state != "completed":
+                return  # the next start marks it failed: "coordinator restarted"
             if job in self._cancelled and state == "failed":
                 state, reason = "cancelled", "cancelled by the user"
             self._cancelled.discard(job)
@@ -179,6 +188,9 @@ class JobManager:
 
         def on_step(report: StepReport) -> None:
             self.store.add_step(job, report)
+            if report.loss is not None:  # the last stage's report closes the step
+                with contextlib.suppress(ValueError):
+                    self.store.set_job_state(job, "running", steps_done=report.step + 1)
             self.bus.publish("step", {"job": job, **report.model_dump(mode="json")})
             if self.on_step is not None:
                 self.on_step(job, report)

@@ -12,7 +12,7 @@ import sys
 
 import typer
 
-from coordinator.commands import plan, train
+from coordinator.commands import coordinator, plan, train
 from edge.commands import agent, devices, models, profile
 from edge.errors import UserError
 from edgetrain import __version__
@@ -38,6 +38,7 @@ app.command("agent")(agent.agent_command)
 app.command("demo")(demo_command)
 app.command("plan")(plan.plan_command)
 app.command("train")(train.train_command)
+app.command("coordinator")(coordinator.coordinator_command)
 app.add_typer(devices.app, name="devices")
 app.add_typer(models.app, name="models")
 

@@ -1,3 +1,3 @@
 """Coordinator-side subcommands of ``edgetrain``; importing them never imports FastAPI."""
 
-__all__ = ["plan", "train"]
+__all__ = ["coordinator", "plan", "train"]

@@ -1,0 +1,176 @@
+"""``/api/v1/jobs``: submit, list, inspect, cancel; metrics, weights and ONNX of a job."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter, HTTPException, Response
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from coordinator.api.deps import ManagerDep, ReadAuth, StoreDep, WriteAuth
+from coordinator.jobs import JobSpec
+from coordinator.store import JobRecord
+from edge.errors import UserError
+from edge.messages import OptimizerSpec
+from edge.models.datasets import build_dataset
+from edge.models.zoo import get_model
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+
+class JobCreate(BaseModel):
+    """A training job; give ``steps`` or ``epochs``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, examples=["cnn-digits"])
+    model_options: dict[str, Any] = Field(default_factory=dict)
+    dataset: str | None = None
+    steps: int | None = Field(default=None, ge=1, le=1_000_000)
+    epochs: float | None = Field(default=None, gt=0, le=10_000)
+    batch_size: int = Field(default=32, ge=1, le=65_536)
+    microbatches: int = Field(default=4, ge=1, le=1024)
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    optimizer: OptimizerSpec = OptimizerSpec()
+    codec: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
+    seed: int = Field(default=0, ge=0, le=2**31)
+    devices: list[str] | None = None
+    """Devices the job may use (all online devices when absent)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> JobCreate:
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of steps and epochs")
+        if self.batch_size % self.microbatches:
+            raise ValueError("batch_size must be a multiple of microbatches")
+        return self
+
+
+class JobPublic(BaseModel):
+    id: str
+    state: str
+    reason: str | None
+    spec: dict[str, Any]
+    plan: dict[str, Any] | None
+    created: float
+    started: float | None
+    finished: float | None
+    steps_done: int
+    samples_per_s: float | None
+    devices_allowed: list[str] | None
+    latest: dict[str, Any] | None = None
+
+
+class JobsPublic(BaseModel):
+    data: list[JobPublic]
+    count: int
+
+
+def _public(record: JobRecord, latest: dict[str, Any] | None = None) -> JobPublic:
+    return JobPublic(**record.model_dump(), latest=latest)
+
+
+def _job_or_404(store: Any, job_id: str) -> JobRecord:
+    record = store.get_job(job_id) if len(job_id) <= 16 else None
+    if record is None:
+        raise HTTPException(404, f"no job {job_id!r}")
+    return record
+
+
+@router.post("", response_model=JobPublic, status_code=201, dependencies=[WriteAuth],
+             responses={422: {}})  # fmt: skip
+def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPublic:
+    """Queue a job; it is planned over the online devices when its turn comes."""
+    try:
+        model = get_model(body.model, **body.model_options)
+        dataset = body.dataset or model.dataset
+        options = model.dataset_options if dataset == model.dataset else {}
+        steps = body.steps
+        if steps is None:
+            size = len(build_dataset(dataset, "train", **options))  # type: ignore[arg-type]
+            steps = max(1, round((body.epochs or 1) * size / body.batch_size))
+        spec = JobSpec(model=body.model, model_options=body.model_options, dataset=dataset,
+                       dataset_options=options, steps=steps, batch_size=body.batch_size,
+                       microbatches=body.microbatches, schedule=body.schedule,
+                       optimizer=body.optimizer, codec=body.codec, seed=body.seed)  # fmt: skip
+    except UserError as exc:
+        raise HTTPException(422, [{"loc": ["body", "model"], "msg": exc.message}]) from None
+    job = manager.submit(spec, body.devices)
+    return _public(_job_or_404(store, job))
+
+
+@router.get("", response_model=JobsPublic, dependencies=[ReadAuth])
+def list_jobs(store: StoreDep, limit: int = 100, offset: int = 0) -> JobsPublic:
+    limit, offset = max(1, min(limit, 1000)), max(0, offset)
+    data = [_public(r) for r in store.list_jobs(limit=limit, offset=offset)]
+    return JobsPublic(data=data, count=store.count_jobs())
+
+
+@router.get("/{job_id}", response_model=JobPublic, dependencies=[ReadAuth], responses={404: {}})
+def get_job(job_id: str, store: StoreDep) -> JobPublic:
+    record = _job_or_404(store, job_id)
+    steps = store.job_steps(job_id, since_step=max(0, record.steps_done - 1))
+    latest = max(steps, key=lambda r: (r.step, r.stage)).model_dump() if steps else None
+    return _public(record, latest)
+
+
+@router.post("/{job_id}/cancel", response_model=JobPublic, dependencies=[WriteAuth],
+             responses={404: {}, 409: {}})  # fmt: skip
+def cancel_job(job_id: str, store: StoreDep, manager: ManagerDep) -> JobPublic:
+    _job_or_404(store, job_id)
+    if not manager.cancel(job_id):
+        raise HTTPException(409, f"job {job_id} has already ended")
+    return _public(_job_or_404(store, job_id))
+
+
+@router.get("/{job_id}/metrics", dependencies=[ReadAuth], responses={404: {}})
+def job_metrics(job_id: str, store: StoreDep) -> dict[str, Any]:
+    """Per step: loss, samples/s, and per stage compute, wait and bytes."""
+    record = _job_or_404(store, job_id)
+    batch = int(record.spec.get("batch_size", 0))
+    steps: dict[int, dict[str, Any]] = {}
+    for r in store.job_steps(job_id):
+        row = steps.setdefault(r.step, {"step": r.step, "loss": None, "stages": []})
+        if r.loss is not None:
+            row["loss"] = r.loss
+            row["samples_per_s"] = batch / r.step_s if r.step_s > 0 else None
+        row["stages"].append({
+            "stage": r.stage, "device": r.device, "compute_s": r.compute_s, "wait_s": r.wait_s,
+            "send_s": r.send_s, "step_s": r.step_s, "bytes_sent": r.bytes_sent,
+            "bytes_received": r.bytes_received,
+        })  # fmt: skip
+    return {"job": job_id, "steps": [steps[k] for k in sorted(steps)]}
+
+
+def _download(data: bytes, filename: str) -> Response:
+    disposition = f'attachment; filename="{filename}"'
+    return Response(data, media_type="application/octet-stream",
+                    headers={"Content-Disposition": disposition})  # fmt: skip
+
+
+def _weights(store: Any, job_id: str) -> bytes:
+    record = _job_or_404(store, job_id)
+    path = store.model_path(job_id)
+    if record.state != "completed" or not path.exists():
+        raise HTTPException(409, f"job {job_id} has no trained model (state {record.state})")
+    data: bytes = path.read_bytes()
+    return data
+
+
+@router.get("/{job_id}/model", dependencies=[ReadAuth], responses={404: {}, 409: {}})
+def job_model(job_id: str, store: StoreDep) -> Response:
+    """The trained weights (safetensors; keys are unit-prefixed)."""
+    return _download(_weights(store, job_id), f"{job_id}.safetensors")
+
+
+@router.get("/{job_id}/model.onnx", dependencies=[ReadAuth], responses={404: {}, 409: {}})
+def job_model_onnx(job_id: str, store: StoreDep) -> Response:
+    """The trained model exported to ONNX (checked by onnx.checker)."""
+    from coordinator.export import export_onnx
+
+    spec = _job_or_404(store, job_id).spec
+    onnx = export_onnx(spec["model"], _weights(store, job_id),
+                       model_options=spec.get("model_options") or {})  # fmt: skip
+    return _download(onnx, f"{job_id}.onnx")

@@ -1,0 +1,120 @@
+"""The REST API over a real broker and real agents: submit, run, fetch metrics, model and ONNX."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import onnx
+import pytest
+import safetensors.torch
+from fastapi.testclient import TestClient
+from support.mosquitto import find_mosquitto, mosquitto_broker
+
+from coordinator.app import create_app
+from coordinator.core.config import Settings
+from coordinator.export import check_onnx
+from coordinator.localfleet import LocalFleet
+
+pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+TOKEN = "s3cret-token-for-the-tests"
+
+
+def _until(check, timeout: float) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.2)
+    return bool(check())
+
+
+def test_job_over_http_runs_on_two_agents(tmp_path: Path) -> None:
+    with mosquitto_broker() as broker:
+        settings = Settings(broker_url=broker.url, data_dir=tmp_path / "coord", api_token=TOKEN)
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        with TestClient(create_app(settings)) as client, LocalFleet(2, broker.url, threads=1):
+            assert client.get("/healthz").json()["status"] == "ok"
+
+            def online() -> int:
+                return sum(
+                    d["state"] == "online" for d in client.get("/api/v1/devices").json()["data"]
+                )
+
+            assert _until(lambda: online() == 2, 60)
+            body = {"model": "cnn-digits", "steps": 6, "batch_size": 16, "microbatches": 4}
+            assert client.post("/api/v1/jobs", json=body).status_code == 401
+            bad = client.post("/api/v1/jobs", json={**body, "microbatches": 5}, headers=auth)
+            assert bad.status_code == 422
+            assert client.post("/api/v1/jobs", json={**body, "model": "nope"},
+                               headers=auth).status_code == 422  # fmt: skip
+            assert client.get("/api/v1/jobs/doesnotexist").status_code == 404
+            created = client.post("/api/v1/jobs", json=body, headers=auth)
+            assert created.status_code == 201, created.text
+            job = created.json()["id"]
+            assert _until(lambda: client.get(f"/api/v1/jobs/{job}").json()["state"]
+                          in ("completed", "failed"), 120)  # fmt: skip
+            record = client.get(f"/api/v1/jobs/{job}").json()
+            assert record["state"] == "completed", record["reason"]
+            assert record["plan"]["feasible"] is True
+            metrics = client.get(f"/api/v1/jobs/{job}/metrics").json()["steps"]
+            assert [m["step"] for m in metrics] == list(range(6))
+            assert all(m["loss"] is not None for m in metrics)
+            weights = client.get(f"/api/v1/jobs/{job}/model")
+            assert weights.status_code == 200
+            tensors = safetensors.torch.load(weights.content)
+            exported = client.get(f"/api/v1/jobs/{job}/model.onnx")
+            assert exported.status_code == 200
+            onnx.checker.check_model(onnx.load_from_string(exported.content))
+            assert check_onnx(exported.content, "cnn-digits", tensors) < 1e-4
+            prom = client.get("/metrics").text
+            assert "edgetrain_devices_online 2.0" in prom
+            assert client.get("/openapi.json").status_code == 200
+
+
+def test_what_if_plan_needs_no_devices_online(tmp_path: Path) -> None:
+    with mosquitto_broker() as broker:
+        settings = Settings(broker_url=broker.url, data_dir=tmp_path / "coord")
+        with TestClient(create_app(settings)) as client:
+            body = {"model": "vgg11", "devices": ["rpi4-4gb:2", "jetson-nano", "laptop"],
+                    "batch_size": 64, "microbatches": 8}  # fmt: skip
+            plan = client.post("/api/v1/plans", json=body)
+            assert plan.status_code == 200, plan.text
+            out = plan.json()
+            assert out["feasible"] is True and out["throughput_sps"] > 0
+            assert set(out["baselines"]) == {"single", "even", "pipedream", "ftpipehd"}
+            assert all(out["step_time_s"] <= b["step_time_s"] * (1 + 1e-9)
+                       for b in out["baselines"].values() if b["feasible"])  # fmt: skip
+            assert out["simulation"]["timeline"]
+            bad = client.post("/api/v1/plans", json={**body, "devices": ["rpi9"]})
+            assert bad.status_code == 422 and "rpi9" in bad.text
+            assert client.post("/api/v1/plans", json={**body, "batch_size": -1}).status_code == 422
+
+
+def test_restart_keeps_devices_jobs_and_metrics_and_fails_the_interrupted_job(
+    tmp_path: Path,
+) -> None:
+    data = tmp_path / "coord"
+    with mosquitto_broker() as broker, LocalFleet(1, broker.url, threads=1) as fleet:
+        settings = Settings(broker_url=broker.url, data_dir=data)
+        with TestClient(create_app(settings)) as client:
+            assert _until(lambda: client.get("/api/v1/devices").json()["count"] == 1, 60)
+            assert _until(lambda: client.get(f"/api/v1/devices/{fleet.ids[0]}")
+                          .json()["state"] == "online", 30)  # fmt: skip
+            short = {"model": "mlp", "steps": 3, "batch_size": 8, "microbatches": 2}
+            done = client.post("/api/v1/jobs", json=short).json()["id"]
+            assert _until(lambda: client.get(f"/api/v1/jobs/{done}").json()["state"]
+                          == "completed", 60)  # fmt: skip
+            long = {"model": "gpt-mini", "steps": 5000, "batch_size": 8, "microbatches": 2}
+            running = client.post("/api/v1/jobs", json=long).json()["id"]
+            assert _until(lambda: client.get(f"/api/v1/jobs/{running}").json()["steps_done"]
+                          >= 2, 90)  # fmt: skip
+        # The coordinator is gone mid-job; a new one opens the same data directory.
+        with TestClient(create_app(settings)) as client:
+            interrupted = client.get(f"/api/v1/jobs/{running}").json()
+            assert interrupted["state"] == "failed"
+            assert interrupted["reason"] == "coordinator restarted"
+            assert client.get(f"/api/v1/jobs/{done}").json()["state"] == "completed"
+            steps = client.get(f"/api/v1/jobs/{done}/metrics").json()["steps"]
+            assert len(steps) == 3
+            assert client.get(f"/api/v1/devices/{fleet.ids[0]}").status_code == 200
