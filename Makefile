@@ -10,12 +10,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.edgetrain-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck setup mosquitto clean
+.PHONY: demo test lint typecheck setup system-deps clean
 
 demo: $(STAMP)
 	$(BIN)/edgetrain demo
 
-test: $(STAMP) mosquitto
+test: $(STAMP) system-deps
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
@@ -39,15 +39,23 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e ".[coordinator,dev]"
 	touch $@
 
-# Mosquitto for the integration tests: installed with apt-get when missing and
-# we are root; otherwise those tests are skipped with a reason.
-mosquitto:
-	@if command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ]; then :; \
+# System packages the tests use: Mosquitto (integration and end-to-end tests) and
+# Chromium (the dashboard's browser test, driven by Playwright; never
+# `playwright install`, which downloads a browser). Installed with apt-get when
+# missing and we are root; otherwise those tests are skipped with a reason.
+SYSTEM_PACKAGES := mosquitto:/usr/sbin/mosquitto chromium:/usr/bin/chromium
+
+system-deps:
+	@missing=""; for entry in $(SYSTEM_PACKAGES); do \
+		pkg=$${entry%%:*}; bin=$${entry#*:}; \
+		if ! command -v $$pkg >/dev/null 2>&1 && [ ! -x $$bin ]; then missing="$$missing $$pkg"; fi; \
+	done; \
+	if [ -z "$$missing" ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "installing mosquitto with apt-get"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends mosquitto >/dev/null; \
+		echo "installing$$missing with apt-get"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	else \
-		echo "warning: mosquitto is not installed and we are not root; broker tests will be skipped"; \
+		echo "warning:$$missing not installed and we are not root; their tests will be skipped"; \
 	fi
 
 clean:

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 
 from coordinator.api.deps import Services
 from coordinator.api.routes import devices, jobs, plans, system
+from coordinator.api.routes.errors import validation_detail
 from coordinator.core.config import Settings
 from coordinator.events import EventBus
 from coordinator.registry import DeviceRegistry
@@ -85,8 +86,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(plans.router, prefix="/api/v1")
     app.include_router(system.router)
 
+    from fastapi.responses import FileResponse
+    from fastapi.staticfiles import StaticFiles
+
+    from coordinator.dashboard import INDEX_HTML, STATIC_DIR
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/", include_in_schema=False)
+    def dashboard() -> FileResponse:
+        """The dashboard (static HTML, CSS and JavaScript; see coordinator.dashboard)."""
+        return FileResponse(INDEX_HTML, headers={"Cache-Control": "no-cache"})
+
     @app.exception_handler(UserError)
     async def user_error(_request: Request, exc: UserError) -> JSONResponse:
-        return JSONResponse({"detail": exc.message}, status_code=422)
+        return JSONResponse({"detail": validation_detail([], exc.message)}, status_code=422)
 
     return app

@@ -60,6 +60,8 @@ class JobSpec(BaseModel):
     codec: str = Field(default="fp32", pattern=r"^(?i:fp32|fp16|bf16|int8)$")
     seed: int = 0
     recv_timeout_s: float = Field(default=120.0, gt=0)
+    pin_first: str | None = None
+    """The device that must run stage 0 (it holds the data); planning only."""
 
 
 class JobFailed(RuntimeError):

@@ -40,13 +40,19 @@ class LocalFleet:
         profile: str | None = None,
         measure_seconds: float = 0.3,
         work_dir: Path | None = None,
+        profiles: list[str] | None = None,
+        slowdowns: list[float] | None = None,
     ) -> None:
         self.n = n
         self.broker_url = broker_url
         self.prefix = f"local-{secrets.token_hex(2)}-"
         self.ids = [f"{self.prefix}{i}" for i in range(n)]
         self.threads = threads or max(1, (os.cpu_count() or 1) // n)
-        self.profile = profile
+        # Per agent: the catalogue profile it announces and how much slower it runs.
+        self.profiles: list[str | None] = list(profiles) if profiles else [profile] * n
+        self.slowdowns = slowdowns or [1.0] * n
+        if len(self.profiles) != n or len(self.slowdowns) != n:
+            raise ValueError("profiles and slowdowns need one entry per agent")
         self.measure_seconds = measure_seconds
         self._tmp = (
             tempfile.TemporaryDirectory(prefix="edgetrain-fleet-") if work_dir is None else None
@@ -60,15 +66,15 @@ class LocalFleet:
 
     def start(self) -> LocalFleet:
         self.started_at = time.time()
-        for device in self.ids:
+        for device, profile, slowdown in zip(self.ids, self.profiles, self.slowdowns, strict=True):
             cmd = [
                 sys.executable, "-m", "edgetrain.cli", "agent", "--broker", self.broker_url,
                 "--device-id", device, "--data-dir", str(self.work_dir / device),
                 "--threads", str(self.threads), "--measure-seconds", str(self.measure_seconds),
-                "--heartbeat-s", "0.5",
+                "--heartbeat-s", "0.5", "--slowdown", str(slowdown),
             ]  # fmt: skip
-            if self.profile:
-                cmd += ["--profile", self.profile]
+            if profile:
+                cmd += ["--profile", profile]
             log = self.log_path(device).open("wb")
             self.procs[device] = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL

@@ -147,9 +147,11 @@ class JobManager:
         devices = self.registry.available(allowed)
         if not devices:
             raise UserError("no online device may run this job")
+        if spec.pin_first is not None and spec.pin_first not in {d.id for d in devices}:
+            raise UserError(f"pin_first device {spec.pin_first} is not online")
         problem = build_problem(
             spec.model, devices, batch_size=spec.batch_size, microbatches=spec.microbatches,
-            model_options=spec.model_options,
+            model_options=spec.model_options, pin_first=spec.pin_first,
         )  # fmt: skip
         found = plan_problem(problem)
         if found.score is None:

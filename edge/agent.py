@@ -78,8 +78,10 @@ class Agent:
         data_dir: Path,
         heartbeat_s: float = 1.0,
         version: str = "",
+        slowdown: float = 1.0,
     ) -> None:
         self.device_id = device_id
+        self.slowdown = slowdown
         self.data_dir = data_dir
         self.heartbeat_s = heartbeat_s
         self.version = version
@@ -226,7 +228,9 @@ class Agent:
         bind(log, job=a.job, stage=a.stage).info(
             "assigned units [%d, %d) of %s", a.start, a.end, a.model
         )
-        self._runtime = StageRuntime(a, self.transport, device=self.device_id, report=self._event)
+        self._runtime = StageRuntime(
+            a, self.transport, device=self.device_id, report=self._event, slowdown=self.slowdown
+        )
         self._announce()
         self._event(StageReady(job=a.job, stage=a.stage, device=self.device_id,
                                parameters=self._runtime.parameters))  # fmt: skip

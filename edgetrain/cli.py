@@ -12,7 +12,7 @@ import sys
 
 import typer
 
-from coordinator.commands import coordinator, plan, train
+from coordinator.commands import client, coordinator, plan, train
 from edge.commands import agent, devices, models, profile
 from edge.errors import UserError
 from edgetrain import __version__
@@ -39,6 +39,9 @@ app.command("demo")(demo_command)
 app.command("plan")(plan.plan_command)
 app.command("train")(train.train_command)
 app.command("coordinator")(coordinator.coordinator_command)
+app.command("submit")(client.submit_command)
+app.command("jobs")(client.jobs_command)
+app.command("fleet")(client.fleet_command)
 app.add_typer(devices.app, name="devices")
 app.add_typer(models.app, name="models")
 

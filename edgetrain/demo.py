@@ -1,47 +1,41 @@
-"""``edgetrain demo``: the main job end to end, on embedded defaults.
+"""``edgetrain demo``: the product end to end, on embedded defaults.
 
-It measures this machine, profiles the units of a zoo model, plans the model
-over a sample fleet from the device catalogue (plus this machine), and then
-trains it as a real pipeline: a broker (Mosquitto, or the embedded amqtt), one
-``edgetrain agent`` process per stage of the plan, activations forward and
-gradients backward over MQTT, and the trained model checked on held-out data.
-The agents are local processes standing in for the sample fleet's devices;
-they run at this machine's speed (emulating each device's speed and link is
-the testbed's job). The coordinator service is not built yet: the demo drives
-the agents itself, as the service will.
+It starts a broker (Mosquitto, or the embedded amqtt), the coordinator (REST
+API and dashboard) with a freshly generated API token, and three agent
+processes emulating catalogue devices: each announces its catalogue profile
+and is slowed in software to that device's speed relative to the fastest.
+It then submits a ``cnn-digits`` job on ``digits`` through the REST API (the
+first device holds the data), follows it with a progress bar, checks the
+trained model on held-out digits, measures the best single device on the same
+job for comparison, and prints the plan, the accuracy, both samples/s and the
+dashboard URL. It keeps serving until Ctrl-C unless ``--exit``.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
+import threading
 import time
-from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 import typer
+from pydantic import SecretStr
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 from torch.utils.data import DataLoader
 
-from coordinator.broker import start_broker
-from coordinator.jobs import JobSpec
+from coordinator.broker import free_port, start_broker
 from coordinator.localfleet import LocalFleet
-from coordinator.planner import Plan, Stage, plan_problem
-from coordinator.runners import run_on_agents
 from edge.catalog import resolve
-from edge.messages import StepReport
-from edge.models.costs import profile_model
+from edge.errors import UserError
 from edge.models.datasets import build_dataset
 from edge.models.zoo import ModelSpec, get_model
-from edge.problem import PlanningProblem
-from edge.profiler import profile_device
-from edge.transport.mqtt import MqttTransport
-from edge.transport.settings import MqttSettings
 
-__all__ = ["demo_command"]
-
-console = Console()
+__all__ = ["demo_command", "test_accuracy"]
 
 
 @torch.no_grad()
@@ -58,111 +52,168 @@ def test_accuracy(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> float:
     return correct / total
 
 
-def _plan_table(problem: PlanningProblem, plan: Any, names: list[str]) -> Table:
-    table = Table("stage", "device", "units", "compute ms", "link ms", "memory MB")
-    for s, st in enumerate(plan.plan.stages):
-        link = f"{plan.link_s[s] * 1e3:.3f}" if s < len(plan.link_s) else "-"
-        table.add_row(
-            str(s), st.device, ",".join(names[st.start : st.end]),
-            f"{plan.compute_s[s] * 1e3:.3f}", link, f"{plan.memory_bytes[s] / 1e6:.2f}",
-        )  # fmt: skip
-    return table
+class _Coordinator:
+    """The coordinator app served by uvicorn in a thread of this process."""
+
+    def __init__(self, settings: Any) -> None:
+        import uvicorn
+
+        from coordinator.app import create_app
+
+        config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
+                                log_level="warning")  # fmt: skip
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> _Coordinator:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise UserError("the coordinator did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def _wait_job(api: httpx.Client, job: str, progress: Progress | None, steps: int) -> dict[str, Any]:
+    task = progress.add_task("train", total=steps, loss="-", sps="-") if progress else None
+    while True:
+        record = api.get(f"/api/v1/jobs/{job}").json()
+        if progress is not None and task is not None and record["latest"]:
+            latest = record["latest"]
+            sps = (record["spec"]["batch_size"] / latest["step_s"]) if latest["step_s"] else 0
+            progress.update(task, completed=record["steps_done"],
+                            loss=f"{latest['loss']:.4f}" if latest["loss"] else "-",
+                            sps=f"{sps:.0f}")  # fmt: skip
+        if record["state"] in ("completed", "failed", "cancelled"):
+            return dict(record)
+        time.sleep(0.3)
 
 
 def demo_command(
-    model: str = typer.Option("cnn-digits", help="Zoo model to profile and train."),
     fleet: str = typer.Option(
-        "rpi4-4gb,jetson-nano,laptop", help="Catalogue devices of the sample fleet."
+        "rpi5-8gb,jetson-nano,laptop",
+        help="Catalogue devices to emulate (the first holds the data).",
     ),
     steps: int = typer.Option(300, min=1, help="Training steps."),
     batch_size: int = typer.Option(32, min=1, help="Samples per step."),
     microbatches: int = typer.Option(4, min=1, help="Microbatches per step."),
     lr: float = typer.Option(0.05, help="SGD learning rate."),
-    seed: int = typer.Option(0, help="Seed of the weights and the data order."),
-    out: Path = typer.Option(Path("demo-out"), help="Where the problem, plan and model go."),
+    port: int = typer.Option(0, help="Coordinator port (0: a free one)."),
+    exit_after: bool = typer.Option(False, "--exit", help="Stop when the job is done."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object (with --exit)."),
 ) -> None:
-    """Profile, plan over a sample fleet, and train the model as a pipeline over MQTT."""
-    console.print(
-        "[bold]edgetrain demo[/bold]: profile this machine and a model, plan it over a sample "
-        "fleet, and train it as a pipeline of agent processes over MQTT (local agents stand "
-        "in for the fleet's devices; the coordinator service is not built yet)."
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
+    """Broker, coordinator and three emulated devices; train cnn-digits through the REST API."""
+    from coordinator.core.config import Settings
 
-    console.rule("1. this machine")
-    me = profile_device(device_id="this-machine", seconds=1.0)
-    console.print(
-        f"{me.gflops:.1f} GFLOP/s fp32 matmul, {me.memory_bytes / 2**30:.1f} GiB usable, "
-        f"link {me.bandwidth_mbps:.0f} Mb/s ({me.details.get('link_source')})"
-    )
-
-    console.rule(f"2. the units of {model}")
-    spec = get_model(model, seed=seed)
-    prof = profile_model(spec, batch_size, repeats=3, seed=seed)
-    table = Table("unit", "fwd+bwd MFLOP/sample", "params KiB", "out KiB", "saved KiB", "ms")
-    for u in prof.units:
-        ms = ((u.fwd_time_s or 0) + (u.bwd_time_s or 0)) * 1e3
-        table.add_row(
-            u.name, f"{(u.fwd_flops + u.bwd_flops) / 1e6:.3f}", f"{u.param_bytes / 1024:.1f}",
-            f"{u.out_bytes / 1024:.2f}", f"{u.act_bytes / 1024:.2f}", f"{ms:.2f}",
-        )  # fmt: skip
-    console.print(table)
-
-    console.rule("3. the plan over a sample fleet")
-    devices = [resolve(name).to_device_spec() for name in fleet.split(",") if name]
-    devices.append(me.to_device_spec())
-    problem = PlanningProblem(
-        version=1, batch_size=batch_size, microbatches=microbatches, pin_first=devices[0].id,
-        layers=prof.to_layers(), devices=devices,
-    )  # fmt: skip
-    (out / "problem.json").write_text(json.dumps(problem.to_json(), indent=2))
-    found = plan_problem(problem)
-    if found.score is None:
-        raise typer.Exit(f"no plan fits the sample fleet: {found.reason}")  # type: ignore[arg-type]
-    console.print(_plan_table(problem, found.score, spec.unit_names))
-    console.print(
-        f"predicted {found.score.throughput_sps:.0f} samples/s on the sample fleet "
-        f"({found.method}, planned in {found.wall_s:.2f} s); written to {out}/"
-    )
-    (out / "plan.json").write_text(json.dumps(found.score.to_json(), indent=2))
-
-    console.rule("4. pipelined training over MQTT")
-    job = JobSpec.model_validate({
-        "model": model, "steps": steps, "batch_size": batch_size, "microbatches": microbatches,
-        "seed": seed, "optimizer": {"name": "sgd", "lr": lr, "momentum": 0.9},
-    })  # fmt: skip
-    stages = found.score.plan.stages
+    console = Console(stderr=json_out, soft_wrap=True)
+    names = [n for n in fleet.split(",") if n]
+    profiles = [resolve(n) for n in names]
+    specs = [p.to_device_spec() for p in profiles]
+    fastest = max(d.gflops for d in specs)
+    slowdowns = [fastest / d.gflops for d in specs]
+    token = secrets.token_urlsafe(24)
     with start_broker() as broker:
         console.print(f"broker: {broker.describe()}")
-        control = MqttTransport(MqttSettings(url=broker.url))
-        control.connect(timeout=15)
-        try:
-            with LocalFleet(len(stages), broker.url) as agents:
-                agents.wait_online(control, timeout=120)
-                local = Plan(tuple(Stage(agents.ids[s], st.start, st.end)
-                                   for s, st in enumerate(stages)))  # fmt: skip
-                for s, st in enumerate(stages):
-                    console.print(f"  stage {s}: agent {agents.ids[s]} stands in for {st.device}")
+        import tempfile
 
-                def show(report: StepReport) -> None:
-                    if report.loss is not None and (report.step + 1) % 50 == 0:
-                        console.print(f"  step {report.step + 1}: loss {report.loss:.4f}")
+        with tempfile.TemporaryDirectory(prefix="edgetrain-demo-") as tmp:
+            from pathlib import Path
 
-                result = run_on_agents(job, local, control, on_step=show, timeout_s=1800)
-        finally:
-            control.close()
-    console.print(
-        f"{steps} steps in {result.wall_s:.1f} s, {result.samples_per_s:.0f} samples/s, "
-        f"final loss {result.losses[-1]:.4f}"
-    )
-    summary: dict[str, Any] = {
-        "model": model, "plan": found.score.to_json(), "losses": result.losses,
-        "samples_per_s": result.samples_per_s, "stages": result.stage_summary(),
-    }  # fmt: skip
-    if spec.dataset == "digits":
-        summary["test_accuracy"] = acc = test_accuracy(spec, result.weights)
-        console.print(f"test accuracy of the trained model: {acc:.3f}")
-    (out / "model.safetensors").write_bytes(result.weights_bytes())
-    (out / "result.json").write_text(json.dumps(summary, indent=2))
-    console.print(f"done in {time.perf_counter() - started:.1f} s; results in {out}/")
+            settings = Settings(broker_url=broker.url, data_dir=Path(tmp),
+                                api_token=SecretStr(token), port=port or free_port())  # fmt: skip
+            url = f"http://{settings.host}:{settings.port}"
+            with (
+                _Coordinator(settings),
+                LocalFleet(
+                    len(names),
+                    broker.url,
+                    threads=1,
+                    profiles=[p.name for p in profiles],
+                    slowdowns=slowdowns,
+                ) as agents,
+                httpx.Client(
+                    base_url=url, timeout=30, headers={"Authorization": f"Bearer {token}"}
+                ) as api,
+            ):
+                console.print(f"coordinator: {url}  (dashboard {url}/, API token {token})")
+                for device, name, slow in zip(agents.ids, names, slowdowns, strict=True):
+                    console.print(
+                        f"  agent {device}: emulates {name}, {slow:.1f}x slower than the fastest"
+                    )
+                deadline = time.monotonic() + 120
+                while sum(
+                    d["state"] == "online" for d in api.get("/api/v1/devices").json()["data"]
+                ) < len(names):
+                    if time.monotonic() > deadline:
+                        raise UserError("the emulated devices did not come online")
+                    time.sleep(0.2)
+                body = {"model": "cnn-digits", "dataset": "digits", "steps": steps,
+                        "batch_size": batch_size, "microbatches": microbatches,
+                        "optimizer": {"name": "sgd", "lr": lr, "momentum": 0.9},
+                        "pin_first": agents.ids[0]}  # fmt: skip
+                created = api.post("/api/v1/jobs", json=body)
+                created.raise_for_status()
+                job = created.json()["id"]
+                bar = None if json_out else Progress(
+                    TextColumn("training"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("loss {task.fields[loss]}"),
+                    TextColumn("{task.fields[sps]} samples/s"), console=console,
+                )  # fmt: skip
+                if bar is not None:
+                    bar.start()
+                try:
+                    record = _wait_job(api, job, bar, steps)
+                finally:
+                    if bar is not None:
+                        bar.stop()
+                if record["state"] != "completed":
+                    raise UserError(f"job {job} {record['state']}: {record['reason']}")
+                import safetensors.torch
+
+                weights = safetensors.torch.load(api.get(f"/api/v1/jobs/{job}/model").content)
+                accuracy = test_accuracy(get_model("cnn-digits"), weights)
+                # The same job on the fastest device alone, for comparison.
+                best = agents.ids[slowdowns.index(min(slowdowns))]
+                single_body = {
+                    **body,
+                    "steps": min(steps, 100),
+                    "devices": [best],
+                    "pin_first": best,
+                }
+                single = api.post("/api/v1/jobs", json=single_body).json()["id"]
+                single_record = _wait_job(api, single, None, min(steps, 100))
+                plan = record["plan"]
+                table = Table("stage", "device", "emulates", "units", "compute ms", "link ms")
+                for s, st in enumerate(plan["stages"]):
+                    a, b = st["layers"]
+                    link = f"{plan['link_s'][s] * 1e3:.2f}" if s < len(plan["link_s"]) else "-"
+                    emulates = names[agents.ids.index(st["device"])]
+                    compute = f"{plan['compute_s'][s] * 1e3:.3f}"
+                    units = ",".join(plan["units"][a:b])
+                    table.add_row(str(s), st["device"], emulates, units, compute, link)
+                console.print(table)
+                summary = {
+                    "accuracy": accuracy, "samples_per_s": record["samples_per_s"],
+                    "single_device_samples_per_s": single_record["samples_per_s"],
+                    "plan": {k: plan[k] for k in ("stages", "step_time_s", "bottleneck_s",
+                                                  "throughput_sps", "feasible")},
+                }  # fmt: skip
+                console.print(
+                    f"test accuracy {accuracy:.3f}; {record['samples_per_s']:.0f} samples/s "
+                    f"on the plan, {single_record['samples_per_s']:.0f} on the fastest device "
+                    f"alone; dashboard {url}/"
+                )
+                if json_out:
+                    typer.echo(json.dumps(summary))
+                if not exit_after:
+                    console.print("serving until Ctrl-C")
+                    try:
+                        while True:
+                            time.sleep(1)
+                    except KeyboardInterrupt:
+                        pass

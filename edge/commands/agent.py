@@ -32,6 +32,12 @@ def agent_command(
     measure_seconds: float = typer.Option(
         1.0, "--measure-seconds", min=0.05, help="How long to time matmuls when measuring."
     ),
+    slowdown: float = typer.Option(
+        1.0,
+        "--slowdown",
+        min=1.0,
+        help="Emulate a device this many times slower (software duty-cycling of compute).",
+    ),
     username: str | None = typer.Option(None, "--username", help="Broker user name."),
     password: str | None = typer.Option(
         None, "--password", envvar="EDGETRAIN_MQTT_PASSWORD", help="Broker password."
@@ -73,7 +79,7 @@ def agent_command(
         return profile_device(device_id, seconds=measure_seconds).to_device_spec()
 
     agent = Agent(settings, device_id, measure, data_dir=data_dir, heartbeat_s=heartbeat_s,
-                  version=__version__)  # fmt: skip
+                  version=__version__, slowdown=slowdown)  # fmt: skip
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())
     raise typer.Exit(agent.run())

@@ -77,7 +77,13 @@ class StageRuntime:
         *,
         device: str = "local",
         report: Reporter | None = None,
+        slowdown: float = 1.0,
     ) -> None:
+        if slowdown < 1:
+            raise ValueError(f"slowdown must be at least 1 (got {slowdown})")
+        # Emulate a device this many times slower: each compute block is followed by a
+        # sleep of (slowdown - 1) times its duration (duty-cycling: the software throttle).
+        self.slowdown = slowdown
         self.a = assignment
         self.transport = transport
         self.device = device
@@ -97,6 +103,14 @@ class StageRuntime:
             self.dataset = build_dataset(a.dataset, "train", **a.dataset_options)
             self.sampler = EpochSampler(len(self.dataset), a.batch_size, a.seed)  # type: ignore[arg-type]
         self.inbox = transport.attach(a.job, a.stage)
+
+    def _throttle(self, t0: float) -> float:
+        """Time since ``t0``, stretched by the slowdown (see ``slowdown``)."""
+        spent = time.perf_counter() - t0
+        if self.slowdown > 1:
+            time.sleep(spent * (self.slowdown - 1))
+            return time.perf_counter() - t0
+        return spent
 
     @property
     def parameters(self) -> int:
@@ -150,7 +164,7 @@ class StageRuntime:
                 inputs[mb] = inp
                 t0 = time.perf_counter()
                 out = self.segment(inp)
-                compute += time.perf_counter() - t0
+                compute += self._throttle(t0)
                 if a.is_last:
                     if a.is_first:
                         target = ys[mb]
@@ -161,7 +175,7 @@ class StageRuntime:
                     t0 = time.perf_counter()
                     mb_loss = loss_fn(out, target)
                     losses[mb] = mb_loss / m if m > 1 else mb_loss  # /1 is exact: skip it
-                    compute += time.perf_counter() - t0
+                    compute += self._throttle(t0)
                 else:
                     t0 = time.perf_counter()
                     sent += self._send(a.stage + 1, "fwd", Kind.ACTIVATION, step, mb, out,
@@ -178,7 +192,7 @@ class StageRuntime:
                     wait += time.perf_counter() - t0
                     t0 = time.perf_counter()
                     outputs.pop(mb).backward(grad)
-                compute += time.perf_counter() - t0
+                compute += self._throttle(t0)
                 inp = inputs.pop(mb)
                 if not a.is_first and inp.grad is not None:
                     t0 = time.perf_counter()
@@ -189,7 +203,7 @@ class StageRuntime:
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        compute += time.perf_counter() - t0
+        compute += self._throttle(t0)
         self.inbox.forget_before(step + 1)
         loss = float(sum(v.item() for v in losses.values())) if a.is_last else None
         return StepReport(

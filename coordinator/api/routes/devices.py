@@ -8,10 +8,11 @@ from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel
 
 from coordinator.api.deps import ReadAuth, RegistryDep
+from coordinator.api.routes.errors import AUTH, NOT_FOUND
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/devices", tags=["devices"], dependencies=[ReadAuth])
+router = APIRouter(prefix="/devices", tags=["devices"], dependencies=[ReadAuth], responses=AUTH)
 
 
 class DevicePublic(BaseModel):
@@ -35,7 +36,7 @@ def list_devices(registry: RegistryDep) -> DevicesPublic:
     return DevicesPublic(data=data, count=len(data))
 
 
-@router.get("/{device_id}", response_model=DevicePublic, responses={404: {}})
+@router.get("/{device_id}", response_model=DevicePublic, responses=NOT_FOUND)
 def get_device(device_id: str, registry: RegistryDep) -> DevicePublic:
     device = registry.get(device_id)
     if device is None:

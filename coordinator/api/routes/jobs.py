@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, HTTPException, Response
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from fastapi import APIRouter, HTTPException, Query, Response
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from coordinator.api.deps import ManagerDep, ReadAuth, StoreDep, WriteAuth
+from coordinator.api.routes.errors import AUTH, CONFLICT, NOT_FOUND, unprocessable
 from coordinator.jobs import JobSpec
 from coordinator.store import JobRecord
 from edge.errors import UserError
@@ -17,7 +18,7 @@ from edge.models.zoo import get_model
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/jobs", tags=["jobs"])
+router = APIRouter(prefix="/jobs", tags=["jobs"], responses=AUTH)
 
 
 class JobCreate(BaseModel):
@@ -38,6 +39,13 @@ class JobCreate(BaseModel):
     seed: int = Field(default=0, ge=0, le=2**31)
     devices: list[str] | None = None
     """Devices the job may use (all online devices when absent)."""
+    pin_first: str | None = None
+    """The device that holds the data and must run stage 0."""
+
+    @field_validator("model")
+    @classmethod
+    def _zoo_only(cls, value: str) -> str:
+        return zoo_model_name(value)
 
     @model_validator(mode="after")
     def _check(self) -> JobCreate:
@@ -68,6 +76,15 @@ class JobsPublic(BaseModel):
     count: int
 
 
+def zoo_model_name(value: str) -> str:
+    """A model named over the API must be from the zoo: ``package.module:function``
+    would import and call code the client chose, so it is for the command line only."""
+    if ":" in value:
+        raise ValueError("user models (package.module:function) are accepted only from the "
+                         "command line; name a zoo model")  # fmt: skip
+    return value
+
+
 def _public(record: JobRecord, latest: dict[str, Any] | None = None) -> JobPublic:
     return JobPublic(**record.model_dump(), latest=latest)
 
@@ -79,8 +96,7 @@ def _job_or_404(store: Any, job_id: str) -> JobRecord:
     return record
 
 
-@router.post("", response_model=JobPublic, status_code=201, dependencies=[WriteAuth],
-             responses={422: {}})  # fmt: skip
+@router.post("", response_model=JobPublic, status_code=201, dependencies=[WriteAuth])
 def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPublic:
     """Queue a job; it is planned over the online devices when its turn comes."""
     try:
@@ -94,21 +110,25 @@ def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPubl
         spec = JobSpec(model=body.model, model_options=body.model_options, dataset=dataset,
                        dataset_options=options, steps=steps, batch_size=body.batch_size,
                        microbatches=body.microbatches, schedule=body.schedule,
-                       optimizer=body.optimizer, codec=body.codec, seed=body.seed)  # fmt: skip
+                       optimizer=body.optimizer, codec=body.codec, seed=body.seed,
+                       pin_first=body.pin_first)  # fmt: skip
     except UserError as exc:
-        raise HTTPException(422, [{"loc": ["body", "model"], "msg": exc.message}]) from None
+        raise unprocessable(["body", "model"], exc.message) from None
     job = manager.submit(spec, body.devices)
     return _public(_job_or_404(store, job))
 
 
 @router.get("", response_model=JobsPublic, dependencies=[ReadAuth])
-def list_jobs(store: StoreDep, limit: int = 100, offset: int = 0) -> JobsPublic:
-    limit, offset = max(1, min(limit, 1000)), max(0, offset)
+def list_jobs(
+    store: StoreDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0, le=2**62)] = 0,
+) -> JobsPublic:
     data = [_public(r) for r in store.list_jobs(limit=limit, offset=offset)]
     return JobsPublic(data=data, count=store.count_jobs())
 
 
-@router.get("/{job_id}", response_model=JobPublic, dependencies=[ReadAuth], responses={404: {}})
+@router.get("/{job_id}", response_model=JobPublic, dependencies=[ReadAuth], responses=NOT_FOUND)
 def get_job(job_id: str, store: StoreDep) -> JobPublic:
     record = _job_or_404(store, job_id)
     steps = store.job_steps(job_id, since_step=max(0, record.steps_done - 1))
@@ -117,7 +137,7 @@ def get_job(job_id: str, store: StoreDep) -> JobPublic:
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic, dependencies=[WriteAuth],
-             responses={404: {}, 409: {}})  # fmt: skip
+             responses={**NOT_FOUND, **CONFLICT})  # fmt: skip
 def cancel_job(job_id: str, store: StoreDep, manager: ManagerDep) -> JobPublic:
     _job_or_404(store, job_id)
     if not manager.cancel(job_id):
@@ -125,7 +145,7 @@ def cancel_job(job_id: str, store: StoreDep, manager: ManagerDep) -> JobPublic:
     return _public(_job_or_404(store, job_id))
 
 
-@router.get("/{job_id}/metrics", dependencies=[ReadAuth], responses={404: {}})
+@router.get("/{job_id}/metrics", dependencies=[ReadAuth], responses=NOT_FOUND)
 def job_metrics(job_id: str, store: StoreDep) -> dict[str, Any]:
     """Per step: loss, samples/s, and per stage compute, wait and bytes."""
     record = _job_or_404(store, job_id)
@@ -159,13 +179,13 @@ def _weights(store: Any, job_id: str) -> bytes:
     return data
 
 
-@router.get("/{job_id}/model", dependencies=[ReadAuth], responses={404: {}, 409: {}})
+@router.get("/{job_id}/model", dependencies=[ReadAuth], responses={**NOT_FOUND, **CONFLICT})
 def job_model(job_id: str, store: StoreDep) -> Response:
     """The trained weights (safetensors; keys are unit-prefixed)."""
     return _download(_weights(store, job_id), f"{job_id}.safetensors")
 
 
-@router.get("/{job_id}/model.onnx", dependencies=[ReadAuth], responses={404: {}, 409: {}})
+@router.get("/{job_id}/model.onnx", dependencies=[ReadAuth], responses={**NOT_FOUND, **CONFLICT})
 def job_model_onnx(job_id: str, store: StoreDep) -> Response:
     """The trained model exported to ONNX (checked by onnx.checker)."""
     from coordinator.export import export_onnx

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, HTTPException
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from coordinator.api.deps import ReadAuth, RegistryDep
+from coordinator.api.routes.errors import AUTH, unprocessable
+from coordinator.api.routes.jobs import zoo_model_name
 from coordinator.planner import plan_problem
 from coordinator.planner.baselines import run_baselines
 from coordinator.planner.build import build_problem, parse_fleet
@@ -17,7 +19,7 @@ from edge.problem import DeviceSpec
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/plans", tags=["plans"], dependencies=[ReadAuth])
+router = APIRouter(prefix="/plans", tags=["plans"], dependencies=[ReadAuth], responses=AUTH)
 
 
 class PlanCreate(BaseModel):
@@ -33,6 +35,11 @@ class PlanCreate(BaseModel):
     pin_first: str | None = None
     schedule: str = Field(default="1f1b", pattern="^(1f1b|gpipe)$")
 
+    @field_validator("model")
+    @classmethod
+    def _zoo_only(cls, value: str) -> str:
+        return zoo_model_name(value)
+
     @model_validator(mode="after")
     def _check(self) -> PlanCreate:
         if self.batch_size % self.microbatches:
@@ -40,7 +47,7 @@ class PlanCreate(BaseModel):
         return self
 
 
-@router.post("", responses={422: {}})
+@router.post("")
 def create_plan(body: PlanCreate, registry: RegistryDep) -> dict[str, Any]:
     """The plan, its predicted samples/s, the baselines' predictions and the simulated step."""
     fleet: list[DeviceSpec] = []
@@ -57,7 +64,7 @@ def create_plan(body: PlanCreate, registry: RegistryDep) -> dict[str, Any]:
                                 microbatches=body.microbatches, pin_first=body.pin_first,
                                 model_options=body.model_options)  # fmt: skip
     except UserError as exc:
-        raise HTTPException(422, [{"loc": ["body"], "msg": exc.message}]) from None
+        raise unprocessable(["body"], exc.message) from None
     found = plan_problem(problem, time_budget_s=5.0)
     if found.score is None:
         return {"feasible": False, "reason": found.reason}

@@ -11,6 +11,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from coordinator.api.deps import ReadAuth, Services, ServicesDep
+from coordinator.api.routes.errors import AUTH
 from edge.messages import StepReport
 
 __all__ = ["FleetCollector", "router"]
@@ -23,7 +24,7 @@ def healthz(services: ServicesDep) -> dict[str, object]:
     return {"status": "ok", "devices": len(services.registry.devices())}
 
 
-@router.get("/api/v1/events", dependencies=[ReadAuth])
+@router.get("/api/v1/events", dependencies=[ReadAuth], responses=AUTH)
 def events(services: ServicesDep) -> StreamingResponse:
     """Live updates as Server-Sent Events: ``device``, ``job`` and ``step`` events."""
     sub = services.bus.subscribe()
@@ -80,7 +81,7 @@ class FleetCollector(Collector):
         yield from (step, wait, link, loss)
 
 
-@router.get("/metrics", dependencies=[ReadAuth])
+@router.get("/metrics", dependencies=[ReadAuth], responses=AUTH)
 def metrics(services: ServicesDep) -> Response:
     """Prometheus text format."""
     registry = CollectorRegistry()

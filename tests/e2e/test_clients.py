@@ -1,0 +1,148 @@
+"""``edgetrain submit``, ``jobs`` and ``fleet`` as subprocesses against a live coordinator.
+
+The coordinator is uvicorn on a free loopback port in a thread, over a real
+Mosquitto, with one real agent; the commands run as ``python -m edgetrain.cli``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from pydantic import SecretStr
+from support.mosquitto import find_mosquitto, mosquitto_broker
+
+from coordinator.localfleet import LocalFleet
+
+pytestmark = [
+    pytest.mark.broker,
+    pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "client-test-token-0123456789"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _cli(
+    *args: str, token: str | None = TOKEN, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGETRAIN_")}
+    if token is not None:
+        env["EDGETRAIN_API_TOKEN"] = token
+    return subprocess.run(
+        [sys.executable, "-m", "edgetrain.cli", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, LocalFleet]]:
+    """The coordinator's URL, with one agent online."""
+    import uvicorn
+
+    from coordinator.app import create_app
+    from coordinator.core.config import Settings
+
+    data = tmp_path_factory.mktemp("coord")
+    with mosquitto_broker() as broker:
+        settings = Settings(broker_url=broker.url, data_dir=data, api_token=SecretStr(TOKEN))
+        port = _free_port()
+        server = uvicorn.Server(
+            uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
+        )
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 60
+            while not server.started:
+                assert thread.is_alive() and time.monotonic() < deadline, "no coordinator"
+                time.sleep(0.05)
+            url = f"http://127.0.0.1:{port}"
+            with LocalFleet(1, broker.url, threads=1) as fleet:
+                deadline = time.monotonic() + 90
+                while True:
+                    devices = httpx.get(f"{url}/api/v1/devices", timeout=10).json()["data"]
+                    if any(d["id"] == fleet.ids[0] and d["state"] == "online" for d in devices):
+                        break
+                    assert time.monotonic() < deadline, f"the agent never came online: {devices}"
+                    time.sleep(0.2)
+                yield url, fleet
+        finally:
+            server.should_exit = True
+            thread.join(timeout=30)
+
+
+def _job_file(tmp_path: Path) -> Path:
+    """examples/job.toml, shortened to a few steps."""
+    text = (ROOT / "examples" / "job.toml").read_text()
+    assert "steps = 200" in text
+    path = tmp_path / "job.toml"
+    path.write_text(
+        text.replace("steps = 200", "steps = 4").replace("batch_size = 32", "batch_size = 16")
+    )
+    return path
+
+
+def test_submit_wait_then_jobs_and_fleet(
+    coordinator: tuple[str, LocalFleet], tmp_path: Path
+) -> None:
+    url, fleet = coordinator
+    job_file = _job_file(tmp_path)
+
+    refused = _cli("submit", str(job_file), "--coordinator", url, token=None)
+    assert refused.returncode == 2
+    assert len(refused.stderr.strip().splitlines()) == 1 and "401" in refused.stderr
+
+    done = _cli("submit", str(job_file), "--coordinator", url, "--wait", "--json")
+    assert done.returncode == 0, done.stderr
+    job = json.loads(done.stdout)
+    assert job["state"] == "completed" and job["steps_done"] == 4
+    assert job["spec"]["model"] == "cnn-digits" and job["spec"]["optimizer"]["lr"] == 0.05
+
+    listed = _cli("jobs", "--coordinator", url, "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert job["id"] in [j["id"] for j in json.loads(listed.stdout)["data"]]
+    one = _cli("jobs", job["id"], "--coordinator", url, "--json")
+    assert one.returncode == 0 and json.loads(one.stdout)["state"] == "completed"
+    table = _cli("jobs", "--coordinator", url)
+    assert table.returncode == 0 and job["id"] in table.stdout
+    missing = _cli("jobs", "nosuchjob", "--coordinator", url)
+    assert missing.returncode == 2 and "404" in missing.stderr
+
+    devices = _cli("fleet", "--coordinator", url, "--json")
+    assert devices.returncode == 0, devices.stderr
+    assert fleet.ids[0] in [d["id"] for d in json.loads(devices.stdout)["data"]]
+    table = _cli("fleet", "--coordinator", url)
+    assert table.returncode == 0 and fleet.ids[0] in table.stdout
+
+
+def test_unreachable_coordinator_and_bad_toml_exit_2_with_one_line(tmp_path: Path) -> None:
+    port = _free_port()  # nothing listens on it
+    job_file = tmp_path / "job.toml"
+    job_file.write_text('model = "cnn-digits"\nsteps = 4\n')
+    for args in (("submit", str(job_file)), ("jobs",), ("fleet",)):
+        out = _cli(*args, "--coordinator", f"http://127.0.0.1:{port}", timeout=60)
+        assert out.returncode == 2, out
+        assert len(out.stderr.strip().splitlines()) == 1 and "cannot reach" in out.stderr
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text('model = "cnn-digits\nsteps = = 4\n')
+    out = _cli("submit", str(bad), "--coordinator", f"http://127.0.0.1:{port}", timeout=60)
+    assert out.returncode == 2
+    assert len(out.stderr.strip().splitlines()) == 1 and "TOML" in out.stderr

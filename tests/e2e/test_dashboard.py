@@ -1,0 +1,149 @@
+"""The dashboard in headless Chromium during a real job: fleet, timeline and a growing loss curve.
+
+Needs Debian's ``chromium`` at ``/usr/bin/chromium`` and the ``playwright``
+Python package (its own browser download is not used).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from support.mosquitto import find_mosquitto, mosquitto_broker
+
+from coordinator.app import create_app
+from coordinator.core.config import Settings
+from coordinator.localfleet import LocalFleet
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
+
+try:
+    from playwright.sync_api import sync_playwright
+except ImportError:  # pragma: no cover - depends on the environment
+    sync_playwright = None  # type: ignore[assignment]
+
+pytestmark = [
+    pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed"),
+    pytest.mark.skipif(not CHROMIUM.exists(), reason="/usr/bin/chromium not installed"),
+    pytest.mark.skipif(sync_playwright is None, reason="playwright not installed"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def _serve(settings: Settings) -> Iterator[str]:
+    """The coordinator under uvicorn in a background thread; yields its base URL."""
+    port = _free_port()
+    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
+                            log_level="warning", timeout_graceful_shutdown=3)  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="coordinator", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the coordinator did not start")
+        time.sleep(0.1)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def _call(url: str, method: str = "GET", body: dict[str, Any] | None = None) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def _until(check: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.2)
+    return bool(check())
+
+
+def test_dashboard_shows_fleet_timeline_and_a_growing_loss_curve(tmp_path: Path) -> None:
+    assert sync_playwright is not None
+    with mosquitto_broker() as broker:
+        settings = Settings(broker_url=broker.url, data_dir=tmp_path / "coord")
+        with _serve(settings) as base, LocalFleet(2, broker.url, threads=1) as fleet:
+            api = f"{base}/api/v1"
+
+            def online() -> int:
+                devices = _call(f"{api}/devices")["data"]
+                return sum(d["state"] == "online" for d in devices)
+
+            assert _until(lambda: online() == 2, 90)
+            body = {"model": "cnn-digits", "steps": 5000, "batch_size": 16, "microbatches": 4}
+            job = _call(f"{api}/jobs", "POST", body)["id"]
+            try:
+                assert _until(lambda: _call(f"{api}/jobs/{job}")["steps_done"] >= 3, 120)
+                with sync_playwright() as pw:
+                    browser = pw.chromium.launch(executable_path=str(CHROMIUM),
+                                                 args=CHROMIUM_ARGS)  # fmt: skip
+                    try:
+                        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                        errors: list[str] = []
+                        page.on("pageerror", lambda exc: errors.append(str(exc)))
+                        page.goto(base + "/")
+                        for device in fleet.ids:
+                            page.wait_for_selector(f'#fleet tr[data-device="{device}"]',
+                                                   timeout=15_000)  # fmt: skip
+                        page.wait_for_selector(f'#jobs tr[data-job="{job}"]', timeout=15_000)
+                        page.click(f'#jobs a[href="#/jobs/{job}"]')
+                        page.wait_for_selector("#timeline .tl-row", timeout=15_000)
+                        stages = len(_call(f"{api}/jobs/{job}")["plan"]["stages"])
+                        assert page.locator("#timeline .tl-row").count() == stages
+                        page.wait_for_selector("#loss-chart polyline", timeout=15_000)
+
+                        def points() -> int:
+                            value = page.get_attribute("#loss-chart polyline", "data-points")
+                            return int(value or 0)
+
+                        first = points()
+                        assert first >= 1
+                        page.wait_for_timeout(4_000)
+                        grew = _until(lambda: points() > first, 20)
+                        page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+                        record = _call(f"{api}/jobs/{job}")
+                        assert grew, (first, points(), record["state"], record["steps_done"],
+                                      page.inner_text("#live"))  # fmt: skip
+                        page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+                        assert not errors, errors
+                    finally:
+                        browser.close()
+            finally:
+                try:
+                    _call(f"{api}/jobs/{job}/cancel", "POST")
+                except urllib.error.HTTPError as exc:  # it may have finished already
+                    assert exc.code == 409

@@ -1,0 +1,28 @@
+"""``edgetrain demo --exit --json``: the whole product on embedded defaults."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.mosquitto import find_mosquitto
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+def test_demo_trains_digits_to_90_percent_through_the_api() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "edgetrain.cli", "demo", "--exit", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["accuracy"] >= 0.90
+    assert out["samples_per_s"] > 0 and out["single_device_samples_per_s"] > 0
+    assert out["plan"]["feasible"] is True and out["plan"]["stages"]
+    assert "coordinator: http://127.0.0.1:" in done.stderr
+    assert "API token" in done.stderr
