@@ -8,13 +8,15 @@ It then submits a ``cnn-digits`` job on ``digits`` through the REST API (the
 first device holds the data), follows it with a progress bar, checks the
 trained model on held-out digits, measures the best single device on the same
 job for comparison, and prints the plan, the accuracy, both samples/s and the
-dashboard URL. It keeps serving until Ctrl-C unless ``--exit``.
+dashboard URL. It keeps serving until Ctrl-C unless ``--exit`` (or when no one is
+at a terminal to press Ctrl-C, as in CI).
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+import sys
 import threading
 import time
 from typing import Any
@@ -210,7 +212,7 @@ def demo_command(
                 )
                 if json_out:
                     typer.echo(json.dumps(summary))
-                if not exit_after:
+                if not exit_after and sys.stdin.isatty():
                     console.print("serving until Ctrl-C")
                     try:
                         while True:
