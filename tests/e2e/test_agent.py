@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 import psutil
 import pytest
 from support.mosquitto import find_mosquitto, mosquitto_broker
+from support.waiting import until
 
 from coordinator.jobs import JobFailed, JobSpec
 from coordinator.localfleet import LocalFleet
@@ -27,15 +28,6 @@ def _watch_status(control: MqttTransport, device: str) -> Callable[[], DeviceSta
     control.subscribe(device_status(device),
                       lambda _t, p: seen.append(DeviceStatus.model_validate_json(p)))  # fmt: skip
     return lambda: seen[-1] if seen else None
-
-
-def _until(check: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return check()
 
 
 @pytest.fixture
@@ -56,10 +48,10 @@ def test_sigterm_publishes_offline_and_exits_zero(one_agent) -> None:  # type: i
     _url, control, fleet = one_agent
     device = fleet.ids[0]
     status = _watch_status(control, device)
-    assert _until(lambda: status() is not None and status().state == "online", 10)
+    assert until(lambda: status() is not None and status().state == "online", 10)
     fleet.kill(device, signal.SIGTERM)
     assert fleet.procs[device].wait(15) == 0
-    assert _until(lambda: status().state == "offline", 10)  # type: ignore[union-attr]
+    assert until(lambda: status().state == "offline", 10)  # type: ignore[union-attr]
 
 
 def test_sigkill_leaves_last_will_and_no_process(one_agent) -> None:  # type: ignore[no-untyped-def]
@@ -70,7 +62,7 @@ def test_sigkill_leaves_last_will_and_no_process(one_agent) -> None:  # type: ig
     fleet.kill(device, signal.SIGKILL)
     fleet.procs[device].wait(10)
     # The broker notices the dead connection (keepalive or socket close) and publishes the will.
-    assert _until(lambda: status() is not None and status().state == "offline", 60)
+    assert until(lambda: status() is not None and status().state == "offline", 60)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
@@ -122,7 +114,7 @@ def test_agent_rides_out_a_broker_restart() -> None:
                 try:
                     status = _watch_status(control, fleet.ids[0])
                     # The new broker has no retained state: the agent must announce again.
-                    assert _until(lambda: status() is not None and status().state == "online", 30)
+                    assert until(lambda: status() is not None and status().state == "online", 30)
                     result = run_on_agents(
                         JobSpec(model="mlp", steps=2, batch_size=8, microbatches=2),
                         Plan.of((fleet.ids[0], 0, 3)), control, timeout_s=60,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import onnx
@@ -10,6 +9,7 @@ import pytest
 import safetensors.torch
 from fastapi.testclient import TestClient
 from support.mosquitto import find_mosquitto, mosquitto_broker
+from support.waiting import until
 
 from coordinator.app import create_app
 from coordinator.core.config import Settings
@@ -18,15 +18,6 @@ from coordinator.localfleet import LocalFleet
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 TOKEN = "s3cret-token-for-the-tests"
-
-
-def _until(check, timeout: float) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.2)
-    return bool(check())
 
 
 def test_job_over_http_runs_on_two_agents(tmp_path: Path) -> None:
@@ -41,7 +32,7 @@ def test_job_over_http_runs_on_two_agents(tmp_path: Path) -> None:
                     d["state"] == "online" for d in client.get("/api/v1/devices").json()["data"]
                 )
 
-            assert _until(lambda: online() == 2, 60)
+            assert until(lambda: online() == 2, 60)
             body = {"model": "cnn-digits", "steps": 6, "batch_size": 16, "microbatches": 4}
             assert client.post("/api/v1/jobs", json=body).status_code == 401
             bad = client.post("/api/v1/jobs", json={**body, "microbatches": 5}, headers=auth)
@@ -52,7 +43,7 @@ def test_job_over_http_runs_on_two_agents(tmp_path: Path) -> None:
             created = client.post("/api/v1/jobs", json=body, headers=auth)
             assert created.status_code == 201, created.text
             job = created.json()["id"]
-            assert _until(lambda: client.get(f"/api/v1/jobs/{job}").json()["state"]
+            assert until(lambda: client.get(f"/api/v1/jobs/{job}").json()["state"]
                           in ("completed", "failed"), 120)  # fmt: skip
             record = client.get(f"/api/v1/jobs/{job}").json()
             assert record["state"] == "completed", record["reason"]
@@ -98,16 +89,16 @@ def test_restart_keeps_devices_jobs_and_metrics_and_fails_the_interrupted_job(
     with mosquitto_broker() as broker, LocalFleet(1, broker.url, threads=1) as fleet:
         settings = Settings(broker_url=broker.url, data_dir=data)
         with TestClient(create_app(settings)) as client:
-            assert _until(lambda: client.get("/api/v1/devices").json()["count"] == 1, 60)
-            assert _until(lambda: client.get(f"/api/v1/devices/{fleet.ids[0]}")
+            assert until(lambda: client.get("/api/v1/devices").json()["count"] == 1, 60)
+            assert until(lambda: client.get(f"/api/v1/devices/{fleet.ids[0]}")
                           .json()["state"] == "online", 30)  # fmt: skip
             short = {"model": "mlp", "steps": 3, "batch_size": 8, "microbatches": 2}
             done = client.post("/api/v1/jobs", json=short).json()["id"]
-            assert _until(lambda: client.get(f"/api/v1/jobs/{done}").json()["state"]
+            assert until(lambda: client.get(f"/api/v1/jobs/{done}").json()["state"]
                           == "completed", 60)  # fmt: skip
             long = {"model": "gpt-mini", "steps": 5000, "batch_size": 8, "microbatches": 2}
             running = client.post("/api/v1/jobs", json=long).json()["id"]
-            assert _until(lambda: client.get(f"/api/v1/jobs/{running}").json()["steps_done"]
+            assert until(lambda: client.get(f"/api/v1/jobs/{running}").json()["steps_done"]
                           >= 2, 90)  # fmt: skip
         # The coordinator is gone mid-job; a new one opens the same data directory.
         with TestClient(create_app(settings)) as client:

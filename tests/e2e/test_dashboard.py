@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import uvicorn
 from support.mosquitto import find_mosquitto, mosquitto_broker
+from support.waiting import until
 
 from coordinator.app import create_app
 from coordinator.core.config import Settings
@@ -83,15 +84,6 @@ def _call(url: str, method: str = "GET", body: dict[str, Any] | None = None) -> 
         return json.loads(response.read())
 
 
-def _until(check: Any, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.2)
-    return bool(check())
-
-
 def test_dashboard_shows_fleet_timeline_and_a_growing_loss_curve(tmp_path: Path) -> None:
     assert sync_playwright is not None
     with mosquitto_broker() as broker:
@@ -103,11 +95,11 @@ def test_dashboard_shows_fleet_timeline_and_a_growing_loss_curve(tmp_path: Path)
                 devices = _call(f"{api}/devices")["data"]
                 return sum(d["state"] == "online" for d in devices)
 
-            assert _until(lambda: online() == 2, 90)
+            assert until(lambda: online() == 2, 90)
             body = {"model": "cnn-digits", "steps": 5000, "batch_size": 16, "microbatches": 4}
             job = _call(f"{api}/jobs", "POST", body)["id"]
             try:
-                assert _until(lambda: _call(f"{api}/jobs/{job}")["steps_done"] >= 3, 120)
+                assert until(lambda: _call(f"{api}/jobs/{job}")["steps_done"] >= 3, 120)
                 with sync_playwright() as pw:
                     browser = pw.chromium.launch(executable_path=str(CHROMIUM),
                                                  args=CHROMIUM_ARGS)  # fmt: skip
@@ -133,7 +125,7 @@ def test_dashboard_shows_fleet_timeline_and_a_growing_loss_curve(tmp_path: Path)
                         first = points()
                         assert first >= 1
                         page.wait_for_timeout(4_000)
-                        grew = _until(lambda: points() > first, 20)
+                        grew = until(lambda: points() > first, 20)
                         page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
                         record = _call(f"{api}/jobs/{job}")
                         assert grew, (first, points(), record["state"], record["steps_done"],

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import safetensors.torch
 from support.mosquitto import mosquitto_broker
+from support.waiting import until
 
 from coordinator.events import EventBus
 from coordinator.jobs import JobSpec
@@ -17,15 +17,6 @@ from coordinator.store import Store
 from edge.models.zoo import get_model
 from edge.transport.mqtt import MqttTransport
 from edge.transport.settings import MqttSettings
-
-
-def _until(check, timeout: float) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.1)
-    return bool(check())
 
 
 def test_a_submitted_job_is_planned_run_and_stored_and_survives_a_restart(tmp_path: Path) -> None:
@@ -41,10 +32,10 @@ def test_a_submitted_job_is_planned_run_and_stored_and_survives_a_restart(tmp_pa
         manager.start()
         try:
             with LocalFleet(2, broker.url, threads=1) as fleet:
-                assert _until(lambda: len(registry.available()) == 2, 60)
+                assert until(lambda: len(registry.available()) == 2, 60)
                 spec = JobSpec(model="cnn-digits", steps=8, batch_size=16, microbatches=4)
                 job = manager.submit(spec)
-                assert _until(lambda: store.get_job(job).state in ("completed", "failed"), 120)
+                assert until(lambda: store.get_job(job).state in ("completed", "failed"), 120)
                 record = store.get_job(job)
                 assert record.state == "completed", record.reason
                 assert record.plan is not None and record.plan["feasible"] is True
@@ -58,7 +49,7 @@ def test_a_submitted_job_is_planned_run_and_stored_and_survives_a_restart(tmp_pa
                 # A device that vanishes is marked offline.
                 victim = fleet.ids[0]
                 fleet.kill(victim)
-                assert _until(lambda: registry.get(victim).state == "offline", 20)
+                assert until(lambda: registry.get(victim).state == "offline", 20)
         finally:
             manager.stop()
             registry.stop()

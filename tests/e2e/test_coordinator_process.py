@@ -1,0 +1,72 @@
+"""The coordinator as its own process: ``edgetrain coordinator``, a real Mosquitto, two agents."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import onnx
+import pytest
+import safetensors.torch
+from support.mosquitto import find_mosquitto, mosquitto_broker
+from support.waiting import until
+
+from coordinator.broker import free_port
+from coordinator.export import check_onnx
+from coordinator.localfleet import LocalFleet
+
+pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+TOKEN = "another-long-test-token-123"
+
+
+def test_job_submitted_over_http_to_a_coordinator_process(tmp_path: Path) -> None:
+    port = free_port()
+    with mosquitto_broker() as broker, LocalFleet(2, broker.url, threads=1):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "edgetrain.cli", "coordinator", "--port", str(port),
+             "--broker", broker.url, "--data-dir", str(tmp_path / "coord")],
+            env={**os.environ, "EDGETRAIN_API_TOKEN": TOKEN},
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
+                           headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+        try:
+
+            def ready() -> bool:
+                try:
+                    return api.get("/healthz").status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            assert until(ready, 60), proc.stderr.read().decode() if proc.poll() else "no answer"
+
+            def online() -> int:
+                return sum(
+                    d["state"] == "online" for d in api.get("/api/v1/devices").json()["data"]
+                )
+
+            assert until(lambda: online() == 2, 60)
+            body = {"model": "mlp", "steps": 5, "batch_size": 16, "microbatches": 4}
+            job = api.post("/api/v1/jobs", json=body).json()["id"]
+            assert until(lambda: api.get(f"/api/v1/jobs/{job}").json()["state"]
+                         in ("completed", "failed"), 120)  # fmt: skip
+            record = api.get(f"/api/v1/jobs/{job}").json()
+            assert record["state"] == "completed", record["reason"]
+            steps = api.get(f"/api/v1/jobs/{job}/metrics").json()["steps"]
+            assert [s["step"] for s in steps] == list(range(5))
+            weights = safetensors.torch.load(api.get(f"/api/v1/jobs/{job}/model").content)
+            exported = api.get(f"/api/v1/jobs/{job}/model.onnx").content
+            onnx.checker.check_model(onnx.load_from_string(exported))
+            assert check_onnx(exported, "mlp", weights) < 1e-4
+        finally:
+            api.close()
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
