@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import secrets
 import sys
-import threading
 import time
 from typing import Any
 
@@ -32,6 +31,7 @@ from torch.utils.data import DataLoader
 
 from coordinator.broker import free_port, start_broker
 from coordinator.localfleet import LocalFleet
+from coordinator.serve import serve_in_thread
 from edge.catalog import resolve
 from edge.errors import UserError
 from edge.models.datasets import build_dataset
@@ -52,33 +52,6 @@ def test_accuracy(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> float:
         correct += int((model(x).argmax(-1) == y).sum())
         total += len(y)
     return correct / total
-
-
-class _Coordinator:
-    """The coordinator app served by uvicorn in a thread of this process."""
-
-    def __init__(self, settings: Any) -> None:
-        import uvicorn
-
-        from coordinator.app import create_app
-
-        config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
-                                log_level="warning")  # fmt: skip
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> _Coordinator:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise UserError("the coordinator did not start")
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 def _wait_job(api: httpx.Client, job: str, progress: Progress | None, steps: int) -> dict[str, Any]:
@@ -130,7 +103,7 @@ def demo_command(
                                 api_token=SecretStr(token), port=port or free_port())  # fmt: skip
             url = f"http://{settings.host}:{settings.port}"
             with (
-                _Coordinator(settings),
+                serve_in_thread(settings),
                 LocalFleet(
                     len(names),
                     broker.url,

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,8 +17,12 @@ import httpx
 import pytest
 from pydantic import SecretStr
 from support.mosquitto import find_mosquitto, mosquitto_broker
+from support.waiting import until
 
+from coordinator.broker import free_port
+from coordinator.core.config import Settings
 from coordinator.localfleet import LocalFleet
+from coordinator.serve import serve_in_thread
 
 pytestmark = [
     pytest.mark.broker,
@@ -30,13 +31,6 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "client-test-token-0123456789"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _cli(
@@ -54,38 +48,18 @@ def _cli(
 @pytest.fixture(scope="module")
 def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, LocalFleet]]:
     """The coordinator's URL, with one agent online."""
-    import uvicorn
-
-    from coordinator.app import create_app
-    from coordinator.core.config import Settings
-
     data = tmp_path_factory.mktemp("coord")
     with mosquitto_broker() as broker:
-        settings = Settings(broker_url=broker.url, data_dir=data, api_token=SecretStr(TOKEN))
-        port = _free_port()
-        server = uvicorn.Server(
-            uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
-        )
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        try:
-            deadline = time.monotonic() + 60
-            while not server.started:
-                assert thread.is_alive() and time.monotonic() < deadline, "no coordinator"
-                time.sleep(0.05)
-            url = f"http://127.0.0.1:{port}"
-            with LocalFleet(1, broker.url, threads=1) as fleet:
-                deadline = time.monotonic() + 90
-                while True:
-                    devices = httpx.get(f"{url}/api/v1/devices", timeout=10).json()["data"]
-                    if any(d["id"] == fleet.ids[0] and d["state"] == "online" for d in devices):
-                        break
-                    assert time.monotonic() < deadline, f"the agent never came online: {devices}"
-                    time.sleep(0.2)
-                yield url, fleet
-        finally:
-            server.should_exit = True
-            thread.join(timeout=30)
+        settings = Settings(broker_url=broker.url, data_dir=data, api_token=SecretStr(TOKEN),
+                            port=free_port())  # fmt: skip
+        with serve_in_thread(settings) as url, LocalFleet(1, broker.url, threads=1) as fleet:
+
+            def online() -> bool:
+                devices = httpx.get(f"{url}/api/v1/devices", timeout=10).json()["data"]
+                return any(d["id"] == fleet.ids[0] and d["state"] == "online" for d in devices)
+
+            assert until(online, 90, 0.2), "the agent never came online"
+            yield url, fleet
 
 
 def _job_file(tmp_path: Path) -> Path:
@@ -133,7 +107,7 @@ def test_submit_wait_then_jobs_and_fleet(
 
 
 def test_unreachable_coordinator_and_bad_toml_exit_2_with_one_line(tmp_path: Path) -> None:
-    port = _free_port()  # nothing listens on it
+    port = free_port()  # nothing listens on it
     job_file = tmp_path / "job.toml"
     job_file.write_text('model = "cnn-digits"\nsteps = 4\n')
     for args in (("submit", str(job_file)), ("jobs",), ("fleet",)):

@@ -7,24 +7,19 @@ Python package (its own browser download is not used).
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from support.mosquitto import find_mosquitto, mosquitto_broker
 from support.waiting import until
 
-from coordinator.app import create_app
+from coordinator.broker import free_port
 from coordinator.core.config import Settings
 from coordinator.localfleet import LocalFleet
+from coordinator.serve import serve_in_thread
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -48,34 +43,6 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@contextmanager
-def _serve(settings: Settings) -> Iterator[str]:
-    """The coordinator under uvicorn in a background thread; yields its base URL."""
-    port = _free_port()
-    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
-                            log_level="warning", timeout_graceful_shutdown=3)  # fmt: skip
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name="coordinator", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the coordinator did not start")
-        time.sleep(0.1)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-
-
 def _call(url: str, method: str = "GET", body: dict[str, Any] | None = None) -> Any:
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url, data=data, method=method,
@@ -87,8 +54,8 @@ def _call(url: str, method: str = "GET", body: dict[str, Any] | None = None) -> 
 def test_dashboard_shows_fleet_timeline_and_a_growing_loss_curve(tmp_path: Path) -> None:
     assert sync_playwright is not None
     with mosquitto_broker() as broker:
-        settings = Settings(broker_url=broker.url, data_dir=tmp_path / "coord")
-        with _serve(settings) as base, LocalFleet(2, broker.url, threads=1) as fleet:
+        settings = Settings(broker_url=broker.url, data_dir=tmp_path / "coord", port=free_port())
+        with serve_in_thread(settings) as base, LocalFleet(2, broker.url, threads=1) as fleet:
             api = f"{base}/api/v1"
 
             def online() -> int:

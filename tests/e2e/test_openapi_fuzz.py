@@ -7,9 +7,6 @@ event stream (``/api/v1/events``) never ends, so it is the one operation left ou
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,41 +27,21 @@ from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi.checks import response_schema_conformance  # noqa: E402
 
+from coordinator.broker import free_port  # noqa: E402
+from coordinator.core.config import Settings  # noqa: E402
+from coordinator.serve import serve_in_thread  # noqa: E402
+
 TOKEN = "fuzzing-token-0123456789"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    import uvicorn
-
-    from coordinator.app import create_app
-    from coordinator.core.config import Settings
-
     data: Path = tmp_path_factory.mktemp("coord")
     with mosquitto_broker() as broker:
-        cfg = Settings(broker_url=broker.url, data_dir=data, api_token=SecretStr(TOKEN))
-        port = _free_port()
-        server = uvicorn.Server(
-            uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_level="warning")
-        )
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 60
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "coordinator did not start"
-            time.sleep(0.05)
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            server.should_exit = True
-            thread.join(timeout=30)
+        cfg = Settings(broker_url=broker.url, data_dir=data, api_token=SecretStr(TOKEN),
+                       port=free_port())  # fmt: skip
+        with serve_in_thread(cfg) as url:
+            yield url
 
 
 def test_no_server_errors_and_responses_match_the_schema(base_url: str) -> None:
