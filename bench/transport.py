@@ -14,14 +14,16 @@ order, so none always follows another (the median is reported):
   transport, so ``edgetrain`` / ``paho+frame`` is the transport's own overhead;
 - ``tcp``: length-prefixed ``sendall`` on one loopback socket, read with ``recv_into``.
 
-The MQTT ways use two clients (a sender and a receiver, as two devices would)
-and the same window: at most ``--window-mib`` (and 64 messages) sent but not yet
-received. Each measurement sends about ``--mib`` MiB (at least 8 messages) and
-stops after ``--max-s`` seconds whatever arrived. The bench starts its own
-Mosquitto on a free 127.0.0.1 port and stops it by its pid. MB/s counts tensor
-bytes (10^6 bytes per MB). ``x paho`` is edgetrain / paho (the target is >= 0.8),
-``x +frame`` is edgetrain / paho+frame: each the median of the per-round ratios,
-as the two ways of one round ran seconds apart, under the same load.
+Sender and receiver run in two processes, as on two devices: the receiver in a
+child process the bench starts once, the sender in the bench's own. The MQTT
+ways use two clients and the same window: at most ``--window-mib`` (and 64
+messages) sent but not yet received. Each measurement sends about ``--mib`` MiB
+(at least 8 messages) and stops after ``--max-s`` seconds whatever arrived. The
+bench starts its own Mosquitto on a free 127.0.0.1 port and stops it by its pid.
+MB/s counts tensor bytes (10^6 bytes per MB). ``x paho`` is edgetrain / paho
+(the target is >= 0.8), ``x +frame`` is edgetrain / paho+frame: each the median
+of the per-round ratios, as the two ways of one round ran seconds apart, under
+the same load.
 
     .venv/bin/python bench/transport.py [--rounds 5] [--mib 256] [--json]
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import multiprocessing
 import os
 import queue
 import shutil
@@ -42,6 +45,8 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -95,174 +100,250 @@ def mosquitto() -> Iterator[int]:
                 proc.wait(timeout=5)
 
 
-def _timed(
-    n: int,
-    size: int,
-    max_s: float,
-    send: Callable[[int], None],
-    recv: Callable[[int], bool],
-    window: int,
-) -> dict[str, float]:
-    """Send ``n`` messages from a thread, receive them here; at most ``window`` outstanding."""
-    slots = threading.Semaphore(window)
-    stop = threading.Event()
-    error: list[BaseException] = []
+@dataclass
+class Receiver:
+    """The receiving end of one way, in the receiver process."""
 
-    def sender() -> None:
+    recv: Callable[[int], bool]  # wait for message i; False when it did not come in time
+    close: Callable[[], None]
+
+
+@dataclass
+class Sender:
+    """The sending end of one way, in the bench's own process."""
+
+    send: Callable[[int], None]
+    close: Callable[[], None]
+    ready: Callable[[], None] = lambda: None  # after the receiver is set up
+    port: int | None = None  # where the receiver connects, when not to the broker
+
+
+def _edgetrain_settings(port: int) -> MqttSettings:
+    return MqttSettings.model_validate({"url": f"mqtt://{HOST}:{port}", "max_queued": 1024})
+
+
+def _edgetrain_receiver(port: int, _size: int, max_s: float) -> Receiver:
+    receiver = MqttTransport(_edgetrain_settings(port))
+    receiver.connect(10)
+    inbox = receiver.attach(JOB, 1)
+
+    def recv(i: int) -> bool:
+        step, mb = divmod(i, MICROBATCHES)
         try:
-            for i in range(n):
-                while not slots.acquire(timeout=0.1):
-                    if stop.is_set():
-                        return
-                send(i)
-        except BaseException as exc:
-            error.append(exc)
+            inbox.take(Kind.ACTIVATION, step, mb, timeout=max_s)
+        except TimeoutError:
+            return False
+        if mb == MICROBATCHES - 1:
+            inbox.forget_before(step + 1)  # what the runtime does once a step is done
+        return True
 
-    thread = threading.Thread(target=sender, daemon=True)
-    start = time.perf_counter()
-    deadline = start + max_s
-    thread.start()
-    got = 0
-    for i in range(n):
-        if not recv(i) or time.perf_counter() > deadline or error:
-            break
-        got += 1
-        slots.release()
-    elapsed = time.perf_counter() - start
-    stop.set()
-    thread.join(10)
-    if error:
-        raise error[0]
-    mb_s, frames_s = got * size / elapsed / 1e6, got / elapsed
-    return {"messages": got, "seconds": elapsed, "mb_s": mb_s, "frames_s": frames_s}
+    return Receiver(recv, receiver.close)
 
 
-def run_edgetrain(port: int, n: int, size: int, max_s: float, window: int) -> dict[str, float]:
-    settings = {"url": f"mqtt://{HOST}:{port}", "max_queued": 1024}
-    sender = MqttTransport(MqttSettings.model_validate(settings))
-    receiver = MqttTransport(MqttSettings.model_validate(settings))
-    try:
-        sender.connect(10)
-        receiver.connect(10)
-        inbox = receiver.attach(JOB, 1)
-        tensor = torch.randn(size // 4)
+def _edgetrain_sender(port: int, size: int) -> Sender:
+    sender = MqttTransport(_edgetrain_settings(port))
+    sender.connect(10)
+    tensor = torch.randn(size // 4)
 
-        def send(i: int) -> None:
-            step, mb = divmod(i, MICROBATCHES)
-            frame = encode_frame(Kind.ACTIVATION, JOB, step, mb, tensor, Codec.FP32)
-            sender.send(JOB, 1, "fwd", frame)
+    def send(i: int) -> None:
+        step, mb = divmod(i, MICROBATCHES)
+        sender.send(JOB, 1, "fwd", encode_frame(Kind.ACTIVATION, JOB, step, mb, tensor, Codec.FP32))
 
-        def recv(i: int) -> bool:
-            step, mb = divmod(i, MICROBATCHES)
-            try:
-                inbox.take(Kind.ACTIVATION, step, mb, timeout=max_s)
-            except TimeoutError:
-                return False
-            if mb == MICROBATCHES - 1:
-                inbox.forget_before(step + 1)  # what the runtime does once a step is done
-            return True
-
-        return _timed(n, size, max_s, send, recv, window)
-    finally:
-        sender.close()
-        receiver.close()
+    return Sender(send, sender.close)
 
 
-def _paho_client(port: int, name: str, inflight: int) -> mqtt.Client:
+def _paho_client(port: int, name: str) -> mqtt.Client:
     client = mqtt.Client(
         callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
         client_id=f"bench-{name}-{os.getpid()}",
         protocol=mqtt.MQTTv311,
     )
-    client.max_inflight_messages_set(inflight)
+    client.max_inflight_messages_set(100)  # as MqttSettings.max_inflight
     client.max_queued_messages_set(1024)
     client.connect(HOST, port, 30)
     client.loop_start()
     return client
 
 
-def run_paho(
-    port: int, n: int, size: int, max_s: float, window: int, frames: bool = False
-) -> dict[str, float]:
-    """Plain paho; with ``frames`` it also encodes and decodes the edgetrain frame."""
+def _stop_paho(client: mqtt.Client) -> None:
+    client.disconnect()
+    client.loop_stop()
+
+
+def _paho_receiver(port: int, _size: int, max_s: float, frames: bool = False) -> Receiver:
+    """Plain paho; with ``frames`` it also decodes the edgetrain frame."""
     received: queue.Queue[Any] = queue.Queue()
     subscribed = threading.Event()
-    sub = _paho_client(port, "sub", 100)
-    pub = _paho_client(port, "pub", 100)
-    try:
-        convert = decode_frame if frames else (lambda data: data)
-        sub.on_message = lambda _c, _u, msg: received.put(convert(msg.payload))
-        sub.on_subscribe = lambda *_: subscribed.set()
-        sub.subscribe("bench/plain", qos=1)
-        if not subscribed.wait(10):
-            sys.exit("plain paho: no SUBACK within 10 s")
-        payload, tensor = bytes(size), torch.randn(size // 4)
+    sub = _paho_client(port, "sub")
+    convert = decode_frame if frames else (lambda data: data)
+    sub.on_message = lambda _c, _u, msg: received.put(convert(msg.payload))
+    sub.on_subscribe = lambda *_: subscribed.set()
+    sub.subscribe("bench/plain", qos=1)
+    if not subscribed.wait(10):
+        raise RuntimeError("plain paho: no SUBACK within 10 s")
 
-        def send(i: int) -> None:
-            data = payload
-            if frames:
-                data = encode_frame(Kind.ACTIVATION, JOB, i, 0, tensor, Codec.FP32)
-            if pub.publish("bench/plain", data, qos=1).rc == mqtt.MQTT_ERR_QUEUE_SIZE:
-                raise RuntimeError("paho queue full")
-
-        def recv(_i: int) -> bool:
-            try:
-                received.get(timeout=max_s)
-            except queue.Empty:
-                return False
-            return True
-
-        return _timed(n, size, max_s, send, recv, window)
-    finally:
-        for client in (pub, sub):
-            client.disconnect()
-            client.loop_stop()
-
-
-def run_tcp(_port: int, n: int, size: int, max_s: float, window: int) -> dict[str, float]:
-    with socket.create_server((HOST, 0)) as server:
-        out = socket.create_connection(server.getsockname()[:2], timeout=max_s)
-        conn, _ = server.accept()
-    conn.settimeout(max_s)
-    payload = bytes(size)
-    header = size.to_bytes(8, "little")
-
-    def send(_i: int) -> None:
-        out.sendall(header)
-        out.sendall(payload)
-
-    def read_exactly(buf: memoryview) -> bool:
-        while buf:
-            got = conn.recv_into(buf)
-            if got == 0:
-                return False
-            buf = buf[got:]
+    def recv(_i: int) -> bool:
+        try:
+            received.get(timeout=max_s)
+        except queue.Empty:
+            return False
         return True
+
+    return Receiver(recv, lambda: _stop_paho(sub))
+
+
+def _paho_sender(port: int, size: int, frames: bool = False) -> Sender:
+    """Plain paho of pre-built bytes; with ``frames`` it encodes a frame per message."""
+    pub = _paho_client(port, "pub")
+    payload, tensor = bytes(size), torch.randn(size // 4)
+
+    def send(i: int) -> None:
+        data = payload
+        if frames:
+            data = encode_frame(Kind.ACTIVATION, JOB, i, 0, tensor, Codec.FP32)
+        if pub.publish("bench/plain", data, qos=1).rc == mqtt.MQTT_ERR_QUEUE_SIZE:
+            raise RuntimeError("paho queue full")
+
+    return Sender(send, lambda: _stop_paho(pub))
+
+
+def _read_exactly(conn: socket.socket, buf: memoryview) -> bool:
+    while buf:
+        got = conn.recv_into(buf)
+        if got == 0:
+            return False
+        buf = buf[got:]
+    return True
+
+
+def _tcp_receiver(port: int, _size: int, max_s: float) -> Receiver:
+    conn = socket.create_connection((HOST, port), timeout=max_s)  # the sender listens
 
     def recv(_i: int) -> bool:
         head = bytearray(8)
-        if not read_exactly(memoryview(head)):
+        if not _read_exactly(conn, memoryview(head)):
             return False
         # A fresh buffer per message, as a receiver that keeps what it got.
-        return read_exactly(memoryview(bytearray(int.from_bytes(head, "little"))))
+        return _read_exactly(conn, memoryview(bytearray(int.from_bytes(head, "little"))))
 
-    try:
-        return _timed(n, size, max_s, send, recv, window)
-    finally:
-        out.close()
-        conn.close()
+    return Receiver(recv, conn.close)
 
 
-def run_paho_frames(port: int, n: int, size: int, max_s: float, window: int) -> dict[str, float]:
-    return run_paho(port, n, size, max_s, window, frames=True)
+def _tcp_sender(_port: int, size: int) -> Sender:
+    server = socket.create_server((HOST, 0))
+    payload, header = bytes(size), size.to_bytes(8, "little")
+    conns: list[socket.socket] = []
+
+    def ready() -> None:
+        conn, _ = server.accept()
+        conns.append(conn)
+
+    def send(_i: int) -> None:
+        conns[0].sendall(header)
+        conns[0].sendall(payload)
+
+    def close() -> None:
+        for conn in conns:
+            conn.close()
+        server.close()
+
+    return Sender(send, close, ready, int(server.getsockname()[1]))
 
 
-METHODS = {
-    "edgetrain": run_edgetrain,
-    "paho": run_paho,
-    "paho+frame": run_paho_frames,
-    "tcp": run_tcp,
+SENDERS: dict[str, Callable[[int, int], Sender]] = {
+    "edgetrain": _edgetrain_sender,
+    "paho": _paho_sender,
+    "paho+frame": lambda port, size: _paho_sender(port, size, frames=True),
+    "tcp": _tcp_sender,
 }
+RECEIVERS: dict[str, Callable[[int, int, float], Receiver]] = {
+    "edgetrain": _edgetrain_receiver,
+    "paho": _paho_receiver,
+    "paho+frame": lambda port, size, max_s: _paho_receiver(port, size, max_s, frames=True),
+    "tcp": _tcp_receiver,
+}
+
+
+def _receiver_process(conn: Connection, slots: Any) -> None:
+    """Serve receive requests from the bench until it sends ``None``.
+
+    Each request ``(method, port, n, size, max_s, window)``: set the receiver up,
+    answer ``"ready"``, open the window (release ``window`` slots), then release a
+    slot per message received; answer the count and the ``perf_counter`` time of
+    the last one (CLOCK_MONOTONIC: the same clock in both processes).
+    """
+    while (request := conn.recv()) is not None:
+        method, port, n, size, max_s, window = request
+        receiver = RECEIVERS[method](port, size, max_s)
+        got, end = 0, time.perf_counter()
+        try:
+            conn.send("ready")
+            deadline = time.perf_counter() + max_s + 5
+            for _ in range(window):
+                slots.release()
+            for i in range(n):
+                if not receiver.recv(i) or time.perf_counter() > deadline:
+                    break
+                got, end = got + 1, time.perf_counter()
+                slots.release()
+        finally:
+            receiver.close()
+        conn.send({"messages": got, "end": end})
+
+
+class Bench:
+    """The bench's side: a receiver process, and one measurement at a time."""
+
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")  # no paho threads copied by fork
+        self.slots = ctx.Semaphore(0)
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_receiver_process, args=(child, self.slots), daemon=True)
+        self.proc.start()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()  # the child we started
+
+    def measure(
+        self, method: str, port: int, n: int, size: int, max_s: float, window: int
+    ) -> dict[str, float]:
+        """Send ``n`` messages of ``size`` bytes, at most ``window`` not yet received."""
+        sender = SENDERS[method](port, size)
+        try:
+            self.conn.send((method, sender.port or port, n, size, max_s, window))
+            if not self.conn.poll(30) or self.conn.recv() != "ready":
+                raise RuntimeError(f"{method}: the receiver did not get ready in 30 s")
+            sender.ready()
+            start = time.perf_counter()
+            deadline = start + max_s
+            for i in range(n):
+                while not self.slots.acquire(timeout=0.1):
+                    if time.perf_counter() > deadline:
+                        break
+                else:
+                    sender.send(i)
+                    continue
+                break
+            if not self.conn.poll(max_s + 30):
+                raise RuntimeError(f"{method}: the receiver did not answer")
+            result = self.conn.recv()
+        finally:
+            sender.close()
+        while self.slots.acquire(block=False):  # the window left open, for the next measurement
+            pass
+        got, elapsed = result["messages"], max(1e-9, result["end"] - start)
+        return {
+            "messages": got,
+            "seconds": elapsed,
+            "mb_s": got * size / elapsed / 1e6,
+            "frames_s": got / elapsed,
+        }
+
+
+METHODS = list(RECEIVERS)
 
 
 def main() -> int:
@@ -276,17 +357,20 @@ def main() -> int:
     args = parser.parse_args()
     sizes = {name: SIZES[name.strip()] for name in args.sizes.split(",")}
     results: dict[str, dict[str, Any]] = {}
-    with mosquitto() as port:
+    bench = Bench()
+    with contextlib.ExitStack() as stack:
+        stack.callback(bench.close)
+        port = stack.enter_context(mosquitto())
         for name, size in sizes.items():
             n = max(24, int(args.mib * (1 << 20)) // size)
             window = max(2, min(64, int(args.window_mib * (1 << 20)) // size))
             runs: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
-            for run in METHODS.values():  # warm-up: first connections, allocations, caches
-                run(port, max(8, n // 8), size, args.max_s, window)
+            for method in METHODS:  # warm-up: first connections, allocations, caches
+                bench.measure(method, port, max(8, n // 8), size, args.max_s, window)
             order = list(METHODS)
             for i in range(args.rounds):
                 for method in order[i % len(order) :] + order[: i % len(order)]:
-                    runs[method].append(METHODS[method](port, n, size, args.max_s, window))
+                    runs[method].append(bench.measure(method, port, n, size, args.max_s, window))
             row: dict[str, Any] = {"bytes": size, "messages": n, "window": window}
             for method, got in runs.items():
                 row[method] = {
