@@ -142,6 +142,8 @@ class Agent:
         self.transport.subscribe(device_cmd(self.device_id), self._on_command)
         self._announce()
         log.info("agent online on %s", self.transport.url)
+        if self.transport.link is not None:
+            log.info("emulating a link of %s for stage frames", self.transport.link.describe())
         worker = threading.Thread(target=self._work, name="agent-worker", daemon=True)
         worker.start()
         announced = self.transport.reconnects

@@ -1,17 +1,44 @@
-"""``edgetrain agent``: run the device daemon until SIGTERM or Ctrl-C."""
+"""``edgetrain agent``: run the device daemon until SIGTERM or Ctrl-C.
+
+This module owns the command's options and what the agent announces: a measured
+profile, a catalogue profile, or one read from a JSON file (:func:`load_device_file`).
+"""
 
 from __future__ import annotations
 
+import json
+import math
 import signal
 import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
+from pydantic import ValidationError
 
-from edge.errors import UserError
+from edge.errors import UserError, describe_validation_error
 
-__all__ = ["agent_command"]
+if TYPE_CHECKING:
+    from edge.problem import DeviceSpec
+
+__all__ = ["agent_command", "load_device_file"]
+
+
+def load_device_file(path: Path, device_id: str) -> DeviceSpec:
+    """The device in JSON file ``path`` (as ``edgetrain profile --json`` writes it), named
+    ``device_id`` whatever id the file gives; a one-line :class:`UserError` otherwise."""
+    from edge.problem import DeviceSpec
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"--profile {path}: cannot read a device: {exc}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--profile {path}: expected one JSON object (a device)")
+    try:
+        return DeviceSpec.model_validate({**data, "id": device_id})
+    except ValidationError as exc:
+        raise UserError(describe_validation_error(exc, f"--profile {path}")) from None
 
 
 def agent_command(
@@ -22,7 +49,12 @@ def agent_command(
     profile: str | None = typer.Option(
         None,
         "--profile",
-        help="Announce a catalogue profile (e.g. rpi4-4gb) instead of measuring this machine.",
+        metavar="NAME|FILE.json",
+        help=(
+            "Announce a catalogue profile (e.g. rpi4-4gb), or the device in a JSON file "
+            "(as `edgetrain profile --json` writes; its id becomes --device-id), "
+            "instead of measuring this machine."
+        ),
     ),
     data_dir: Path = typer.Option(
         Path.home() / ".edgetrain" / "agent", "--data-dir", help="Where stage weights are kept."
@@ -38,6 +70,21 @@ def agent_command(
         min=1.0,
         help="Emulate a device this many times slower (software duty-cycling of compute).",
     ),
+    link_mbps: float | None = typer.Option(
+        None,
+        "--link-mbps",
+        metavar="MBPS",
+        help=(
+            "Emulate a link of this many Mbit/s each way for tensor frames (software "
+            "shaping, for emulated devices; control traffic is not slowed)."
+        ),
+    ),
+    link_latency_ms: float = typer.Option(
+        0.0,
+        "--link-latency-ms",
+        metavar="MS",
+        help="Emulate this one-way latency on tensor frames, each way (software shaping).",
+    ),
     username: str | None = typer.Option(None, "--username", help="Broker user name."),
     password: str | None = typer.Option(
         None, "--password", envvar="EDGETRAIN_MQTT_PASSWORD", help="Broker password."
@@ -51,7 +98,15 @@ def agent_command(
     heartbeat, runs assignments from its cmd topic, reports per-step timings on
     the job's events topic, and rides out the broker going away. Logs are JSON
     lines on standard error. SIGTERM stops it cleanly.
+
+    --slowdown, --link-mbps and --link-latency-ms emulate a slower device on
+    this machine without root; a measured profile then announces the link as
+    shaped (its rate capped, the latency added).
     """
+    if link_mbps is not None and not (math.isfinite(link_mbps) and link_mbps > 0):
+        raise UserError(f"--link-mbps: must be a positive number (got {link_mbps:g})")
+    if not (math.isfinite(link_latency_ms) and 0 <= link_latency_ms <= 60_000):
+        raise UserError(f"--link-latency-ms: must be 0 to 60000 (got {link_latency_ms:g})")
     import torch
 
     from edge.agent import Agent
@@ -62,21 +117,37 @@ def agent_command(
     if not device_id.strip() or "/" in device_id or "+" in device_id or "#" in device_id:
         raise UserError(f"--device-id: {device_id!r} must be non-empty without / + #")
     parse_broker_url(broker)
+    announced: DeviceSpec | None = None  # bad input fails here, before connecting
+    if profile is not None and (profile.endswith(".json") or Path(profile).is_file()):
+        announced = load_device_file(Path(profile), device_id)
+    elif profile is not None:
+        from edge.catalog import resolve
+
+        announced = resolve(profile).to_device_spec(device_id)
     setup_logging(log_level, device=device_id)
     if threads is not None:
         torch.set_num_threads(threads)
     data_dir.mkdir(parents=True, exist_ok=True)
-    extra: dict[str, Any] = {"username": username, "password": password, "tls_ca": tls_ca}
-    settings = MqttSettings(url=broker, **{k: v for k, v in extra.items() if v is not None})
+    extra: dict[str, Any] = {"username": username, "password": password, "tls_ca": tls_ca,
+                             "link_mbps": link_mbps}  # fmt: skip
+    settings = MqttSettings(
+        url=broker,
+        link_latency_ms=link_latency_ms,
+        **{k: v for k, v in extra.items() if v is not None},
+    )
 
-    def measure() -> Any:
-        if profile is not None:
-            from edge.catalog import resolve
-
-            return resolve(profile).to_device_spec(device_id)
+    def measure() -> DeviceSpec:
+        if announced is not None:
+            return announced
         from edge.profiler import profile_device
 
-        return profile_device(device_id, seconds=measure_seconds).to_device_spec()
+        spec = profile_device(device_id, seconds=measure_seconds).to_device_spec()
+        if link_mbps is None and not link_latency_ms:
+            return spec
+        # Shaping caps the rate of the real link and adds to its latency.
+        bandwidth = min(spec.bandwidth_mbps, link_mbps or math.inf)
+        latency = spec.latency_ms + link_latency_ms
+        return spec.model_copy(update={"bandwidth_mbps": bandwidth, "latency_ms": latency})
 
     agent = Agent(settings, device_id, measure, data_dir=data_dir, heartbeat_s=heartbeat_s,
                   version=__version__, slowdown=slowdown)  # fmt: skip

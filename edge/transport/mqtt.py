@@ -24,6 +24,14 @@ microbatches outstanding, as it must receive before it sends again. When the
 queue is full, :meth:`MqttTransport.send` raises :class:`ConnectionError` at
 once rather than block. ``max_inflight`` (100) keeps enough frames on the wire
 to fill a fast link.
+
+With ``link_mbps`` or ``link_latency_ms`` in the settings, the transport
+emulates a slower link for its stage frames (the testbed's software method,
+[Note: the emulated link] in :mod:`edge.transport.shaping`): :meth:`send`
+queues the frame on the shaper's up direction, whose thread publishes it when
+the emulated link would have carried it; frames for attached stages wait in
+the down direction before reaching their inbox. Control messages are never
+shaped. Without those settings there is no shaper, thread or copy at all.
 """
 
 from __future__ import annotations
@@ -44,10 +52,14 @@ from edge.errors import UserError
 from edge.protocol import parse_stage_topic, stage_topic
 from edge.transport.base import Channel, Inbox
 from edge.transport.settings import MqttSettings, parse_broker_url
+from edge.transport.shaping import LinkShaper
 
 __all__ = ["ControlCallback", "MqttSettings", "MqttTransport", "parse_broker_url"]
 
 log = logging.getLogger(__name__)
+
+_Up = tuple[str, bytes | bytearray]  # (topic, frame) waiting on the emulated link
+_Down = tuple[Inbox, bytes | bytearray, Channel]  # (inbox, frame, channel) waiting on it
 
 ControlCallback = Callable[[str, bytes], None]
 """``callback(topic, payload)`` for a control subscription; runs on paho's network thread."""
@@ -61,8 +73,10 @@ class MqttTransport:
 
     Counters: ``frames_sent``/``bytes_sent``, ``frames_received``/``bytes_received``
     (messages routed to an attached stage's inbox), ``reconnects`` and ``dropped``
-    by reason (``other-topic``, ``unattached``, ``queue-full``, ``callback-error``;
-    an inbox counts its own drops); :meth:`stats` gives them all at once.
+    by reason (``other-topic``, ``unattached``, ``queue-full``, ``callback-error``,
+    ``link-full``; an inbox counts its own drops); :meth:`stats` gives them all at once. With
+    link shaping, :attr:`link` is the :class:`~edge.transport.shaping.LinkShaper`
+    and ``frames_sent``/``bytes_sent`` count frames once it released them.
     """
 
     name = "mqtt"
@@ -71,9 +85,10 @@ class MqttTransport:
         self.settings = s = settings
         self.url = s.url
         scheme, self.host, self.port = parse_broker_url(s.url)
+        client_id = s.client_id or f"edgetrain-{secrets.token_hex(6)}"
         self._client = c = mqtt.Client(
             callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
-            client_id=s.client_id or f"edgetrain-{secrets.token_hex(6)}",
+            client_id=client_id,
             protocol=mqtt.MQTTv311,
             clean_session=True,  # see [Note: MQTT sessions and lost frames]
         )
@@ -112,6 +127,12 @@ class MqttTransport:
         self.frames_sent = self.bytes_sent = self.frames_received = self.bytes_received = 0
         self.reconnects = self._connects = 0
         self.dropped: Counter[str] = Counter()
+        self.link: LinkShaper[_Up, _Down] | None = None
+        if s.link_mbps is not None or s.link_latency_ms > 0:
+            self.link = LinkShaper(
+                s.link_mbps, s.link_latency_ms, send=self._release_up, deliver=self._release_down,
+                max_queued=s.max_queued, name=client_id,
+            )  # fmt: skip
 
     # -- connection ----------------------------------------------------------------
 
@@ -327,7 +348,13 @@ class MqttTransport:
                 return
             self.frames_received += 1  # only this thread writes the receive counters
             self.bytes_received += len(msg.payload)
-            inbox.deliver(msg.payload, cast(Channel, parsed[2]))
+            if self.link is None:
+                inbox.deliver(msg.payload, cast(Channel, parsed[2]))
+            else:
+                self.link.down.put((inbox, msg.payload, cast(Channel, parsed[2])), len(msg.payload))
+        except ConnectionError as exc:  # the emulated link's queue is full
+            self._count_drop("link-full")
+            log.warning("dropped a frame from broker %s: %s", self.url, exc)
         except Exception:  # a topic that is not UTF-8, or a bug
             log.exception("a message from broker %s could not be routed", self.url)
             self._count_drop("callback-error")
@@ -339,17 +366,46 @@ class MqttTransport:
     # -- sending -------------------------------------------------------------------
 
     def send(self, job: str, stage: int, channel: Channel, frame: bytes) -> None:
-        """Publish ``frame`` to ``stage`` of ``job`` at QoS 1; never waits for the network."""
-        self._publish(stage_topic(job, stage, channel), frame, 1, False, count=True)
+        """Publish ``frame`` to ``stage`` of ``job`` at QoS 1; never waits for the network.
+
+        With link shaping the frame is queued on the emulated link and published
+        later; a full link queue raises :class:`ConnectionError` at once.
+        """
+        if self.link is None:
+            self._publish(stage_topic(job, stage, channel), frame, 1, False, count=True)
+            return
+        if self._closed:
+            raise RuntimeError("the MQTT transport is closed")
+        data = frame if isinstance(frame, bytes | bytearray) else bytes(frame)
+        if len(data) > _MAX_PAYLOAD:
+            raise ValueError(f"{len(data)} bytes exceed MQTT's message limit of 256 MiB")
+        self.link.up.put((stage_topic(job, stage, channel), data), len(data))
+
+    def _release_up(self, item: _Up) -> None:
+        # On the shaper's thread, also while close() drains the link.
+        try:
+            self._publish(item[0], item[1], 1, False, count=True, released=True)
+        except ConnectionError as exc:  # counted as queue-full; the receiver's take times out
+            log.warning("a frame off the emulated link was lost: %s", exc)
+
+    @staticmethod
+    def _release_down(item: _Down) -> None:
+        item[0].deliver(item[1], item[2])
 
     def publish(self, topic: str, payload: bytes | str, qos: int = 1, retain: bool = False) -> None:
         """Publish a control message. QoS 0 messages are lost while disconnected."""
         self._publish(topic, payload, qos, retain)
 
     def _publish(
-        self, topic: str, payload: bytes | str, qos: int, retain: bool, count: bool = False
+        self,
+        topic: str,
+        payload: bytes | bytearray | str,
+        qos: int,
+        retain: bool,
+        count: bool = False,
+        released: bool = False,
     ) -> None:
-        if self._closed:
+        if self._closed and not released:
             raise RuntimeError("the MQTT transport is closed")
         data = payload.encode() if isinstance(payload, str) else payload
         if not isinstance(data, bytes | bytearray):
@@ -388,19 +444,33 @@ class MqttTransport:
             return len(self._unacked)
 
     def flush(self, timeout: float) -> bool:
-        """Wait until the broker acknowledged everything sent; whether it did in time."""
+        """Wait until the broker acknowledged everything sent; whether it did in time.
+
+        With link shaping that includes the frames still on the emulated link.
+        """
         deadline, pause = time.monotonic() + timeout, threading.Event()
-        while self.unacked():
+        while self.unacked() or (self.link is not None and self.link.up.backlog):
             if time.monotonic() >= deadline:
                 return False
             pause.wait(0.005)
         return True
 
     def stats(self) -> dict[str, int]:
-        """Every counter, drops as ``dropped.<reason>``, and ``unacked``."""
+        """Every counter, drops as ``dropped.<reason>``, and ``unacked``.
+
+        With link shaping also ``link.up.*`` and ``link.down.*``: frames, bytes,
+        dropped, backlog, and ``wait_ms``/``held_ms`` (see
+        :class:`~edge.transport.shaping.ShapedDirection`).
+        """
         names = ("frames_sent", "bytes_sent", "frames_received", "bytes_received", "reconnects")
         out = {name: int(getattr(self, name)) for name in names}
         out["unacked"] = self.unacked()
+        if self.link is not None:
+            for key, value in self.link.stats().items():
+                if key.endswith("_s"):
+                    out[f"link.{key[:-2]}_ms"] = round(value * 1000)
+                else:
+                    out[f"link.{key}"] = int(value)
         with self._counts:
             return out | {f"dropped.{k}": v for k, v in self.dropped.items()}
 
@@ -409,7 +479,9 @@ class MqttTransport:
     def close(self, flush_timeout: float = 2.0) -> None:
         """Wait (bounded) for unacknowledged sends, disconnect, stop paho's thread.
 
-        Every inbox is closed; a second call does nothing.
+        Every inbox is closed; a second call does nothing. With link shaping, the
+        frames still on the emulated link go out (shaped) within ``flush_timeout``
+        too, and the shaper's threads stop.
         """
         with self._cond:
             if self._closed:
@@ -420,9 +492,14 @@ class MqttTransport:
         self._stop.set()
         for inbox in inboxes:
             inbox.close()
+        deadline = time.monotonic() + flush_timeout
+        if self.link is not None:
+            self.link.down.close(0.0)  # the inboxes are closed: nobody would take those
+            self.link.up.close(flush_timeout)  # publishes on its own thread, not paho's
         if self._started:
             if self._connected and threading.get_ident() != self._net_thread:
-                self.flush(flush_timeout)  # paho's thread would wait for its own acks
+                # paho's thread would wait for its own acks
+                self.flush(max(0.0, deadline - time.monotonic()))
             self._shutdown_client()
 
     def _shutdown_client(self) -> None:

@@ -2,7 +2,8 @@
 
 Shared by the MQTT transport (:mod:`edge.transport.mqtt`), the device
 profiler's link probe and the command line, so a broker is named the same way
-everywhere.
+everywhere. The ``link_*`` settings turn on software link shaping
+(:mod:`edge.transport.shaping`) for emulated devices.
 """
 
 from __future__ import annotations
@@ -43,7 +44,11 @@ def parse_broker_url(url: str) -> tuple[str, str, int]:
 
 
 class MqttSettings(BaseModel):
-    """How to reach the broker."""
+    """How to reach the broker, and optionally the link to emulate on the way.
+
+    With ``link_mbps`` or ``link_latency_ms`` set, stage frames (not control
+    messages) pass through a software shaper (:mod:`edge.transport.shaping`).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
@@ -75,6 +80,11 @@ class MqttSettings(BaseModel):
     """QoS-1 messages held (in flight or waiting for a connection); more raise at send."""
     subscribe_timeout_s: float = Field(default=10.0, gt=0)
     """How long attach and subscribe wait for the broker to acknowledge a subscription."""
+    link_mbps: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """Emulate a link of this many Mbit/s each way for stage frames (software shaping,
+    for the testbed without root); none: frames go at the speed of the real network."""
+    link_latency_ms: float = Field(default=0.0, ge=0, le=60_000, allow_inf_nan=False)
+    """Emulated one-way latency added to stage frames in each direction, milliseconds."""
 
     @model_validator(mode="after")
     def _consistent(self) -> MqttSettings:
