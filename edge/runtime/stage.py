@@ -81,9 +81,10 @@ class StageRuntime:
     ) -> None:
         if slowdown < 1:
             raise ValueError(f"slowdown must be at least 1 (got {slowdown})")
-        # Emulate a device this many times slower: each compute block is followed by a
-        # sleep of (slowdown - 1) times its duration (duty-cycling: the software throttle).
+        # Emulate a device this many times slower: each compute block is stretched to
+        # slowdown x the CPU time it took (duty-cycling: the software throttle).
         self.slowdown = slowdown
+        self._cpu0 = 0.0
         self.a = assignment
         self.transport = transport
         self.device = device
@@ -104,11 +105,26 @@ class StageRuntime:
             self.sampler = EpochSampler(len(self.dataset), a.batch_size, a.seed)  # type: ignore[arg-type]
         self.inbox = transport.attach(a.job, a.stage)
 
+    def _start(self) -> float:
+        """Start timing a compute block: its wall-clock start (and CPU start, kept here)."""
+        if self.slowdown > 1:
+            self._cpu0 = time.thread_time()
+        return time.perf_counter()
+
     def _throttle(self, t0: float) -> float:
-        """Time since ``t0``, stretched by the slowdown (see ``slowdown``)."""
+        """Wall time since ``t0`` (from :meth:`_start`), stretched by the slowdown.
+
+        The block is made to last ``slowdown`` x the CPU time this thread spent in
+        it, not x its wall time: time lost waiting for a CPU another process holds
+        is not multiplied (that would turn a busy host into a much slower device).
+        With more than one torch thread the work is not all on this thread, so the
+        wall time is stretched instead.
+        """
         spent = time.perf_counter() - t0
         if self.slowdown > 1:
-            time.sleep(spent * (self.slowdown - 1))
+            single = torch.get_num_threads() == 1
+            work = time.thread_time() - self._cpu0 if single else spent
+            time.sleep(max(0.0, work * self.slowdown - spent))
             return time.perf_counter() - t0
         return spent
 
@@ -162,7 +178,7 @@ class StageRuntime:
                     if inp.is_floating_point():
                         inp = inp.detach().requires_grad_()
                 inputs[mb] = inp
-                t0 = time.perf_counter()
+                t0 = self._start()
                 out = self.segment(inp)
                 compute += self._throttle(t0)
                 if a.is_last:
@@ -172,7 +188,7 @@ class StageRuntime:
                         t0 = time.perf_counter()
                         target = self.inbox.take(Kind.LABELS, step, mb, timeout).tensor
                         wait += time.perf_counter() - t0
-                    t0 = time.perf_counter()
+                    t0 = self._start()
                     mb_loss = loss_fn(out, target)
                     losses[mb] = mb_loss / m if m > 1 else mb_loss  # /1 is exact: skip it
                     compute += self._throttle(t0)
@@ -184,13 +200,13 @@ class StageRuntime:
                     outputs[mb] = out
             else:
                 if a.is_last:
-                    t0 = time.perf_counter()
+                    t0 = self._start()
                     losses[mb].backward()
                 else:
                     t0 = time.perf_counter()
                     grad = self.inbox.take(Kind.GRADIENT, step, mb, timeout).tensor
                     wait += time.perf_counter() - t0
-                    t0 = time.perf_counter()
+                    t0 = self._start()
                     outputs.pop(mb).backward(grad)
                 compute += self._throttle(t0)
                 inp = inputs.pop(mb)
@@ -199,7 +215,7 @@ class StageRuntime:
                     sent += self._send(a.stage - 1, "bwd", Kind.GRADIENT, step, mb, inp.grad,
                                        self.codec_in)  # fmt: skip
                     send += time.perf_counter() - t0
-        t0 = time.perf_counter()
+        t0 = self._start()
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

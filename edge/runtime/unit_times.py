@@ -1,0 +1,105 @@
+"""Per-unit seconds of a real training step: the measured layer times a planner can trust.
+
+:func:`edge.models.costs.profile_model` times each unit alone, on one input,
+over and over: warm caches and no loss, no optimizer, no data. A pipeline stage
+does more per microbatch. :func:`measure_unit_times` runs the model the way the
+stage runtime does (:mod:`edge.runtime.stage`), with every unit as its own
+stage: seeded batches from the model's dataset, split into microbatches; for
+each, every unit's forward on a detached input (as a stage receives it), the
+loss on the last; then every unit's backward, last to first; then the
+optimizer step of each unit's parameters. Each piece is timed on its own, and
+over ``steps`` measured steps (after ``warmup``) the median is kept.
+
+A unit's figures are per microbatch: ``fwd_s``, and ``bwd_s`` which includes
+its share of the optimizer step (the step's time / ``microbatches``, as the
+runtime steps once per batch) and, for the last unit, the loss. Their sum over
+units times ``microbatches`` is one single-device step's compute. Inter-stage
+transfers are not included: a plan's links price those.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from edge.messages import OptimizerSpec
+from edge.models.datasets import build_dataset
+from edge.models.zoo import ModelSpec
+from edge.runtime.data import EpochSampler, load_batch
+from edge.runtime.stage import build_optimizer, loss_fn
+
+__all__ = ["UnitTime", "measure_unit_times"]
+
+
+@dataclass(frozen=True)
+class UnitTime:
+    """Median seconds per microbatch of one unit in a training step."""
+
+    name: str
+    fwd_s: float
+    bwd_s: float
+    """Backward, plus the loss (last unit) and its share of the optimizer step."""
+
+
+def measure_unit_times(
+    spec: ModelSpec,
+    batch_size: int,
+    microbatches: int,
+    *,
+    steps: int = 5,
+    warmup: int = 2,
+    optimizer: OptimizerSpec | None = None,
+    seed: int = 0,
+) -> list[UnitTime]:
+    """Time every unit of ``spec`` in ``steps`` training steps (see the module docstring)."""
+    if batch_size < microbatches or microbatches < 1 or steps < 1:
+        raise ValueError("need steps >= 1 and batch_size >= microbatches >= 1")
+    units = [spec.build_segment(i, i + 1).train() for i in range(spec.num_units)]
+    opt_spec = optimizer or OptimizerSpec()
+    optimizers = [build_optimizer(opt_spec, u.parameters()) for u in units]
+    dataset = build_dataset(spec.dataset, "train", **spec.dataset_options)
+    sampler = EpochSampler(len(dataset), batch_size, seed)  # type: ignore[arg-type]
+    n = len(units)
+    fwd: list[list[float]] = [[] for _ in range(n)]
+    bwd: list[list[float]] = [[] for _ in range(n)]
+    for step in range(warmup + steps):
+        x, y = load_batch(dataset, sampler, step)
+        f_step, b_step = [0.0] * n, [0.0] * n
+        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+            inputs, outputs = [], []
+            inp = xs
+            for i, unit in enumerate(units):
+                if i > 0 and inp.is_floating_point():
+                    inp = inp.detach().requires_grad_()
+                inputs.append(inp)
+                t0 = time.perf_counter()
+                out = unit(inp)
+                if i == n - 1:
+                    out = loss_fn(out, ys) / microbatches
+                f_step[i] += time.perf_counter() - t0
+                outputs.append(out)
+                inp = out
+            grad: torch.Tensor | None = None
+            for i in reversed(range(n)):
+                t0 = time.perf_counter()
+                if outputs[i].requires_grad:
+                    outputs[i].backward(grad)
+                b_step[i] += time.perf_counter() - t0
+                grad = inputs[i].grad if inputs[i].is_floating_point() else None
+        for i, opt in enumerate(optimizers):
+            t0 = time.perf_counter()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            b_step[i] += time.perf_counter() - t0
+        if step >= warmup:
+            for i in range(n):
+                fwd[i].append(f_step[i] / microbatches)
+                bwd[i].append(b_step[i] / microbatches)
+    return [
+        UnitTime(spec.units[i].name, statistics.median(fwd[i]), statistics.median(bwd[i]))
+        for i in range(n)
+    ]

@@ -1,0 +1,95 @@
+"""Per-unit training-step times (edge/runtime/unit_times.py) and the software throttle."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from coordinator.jobs import JobSpec, make_assignments
+from coordinator.planner.score import Plan
+from edge.models.zoo import get_model
+from edge.runtime.stage import StageRuntime
+from edge.runtime.unit_times import measure_unit_times
+from edge.transport.inprocess import InProcessTransport
+
+
+@pytest.mark.parametrize("model", ["cnn-digits", "gpt-mini"])
+def test_every_unit_is_timed_in_order(model: str) -> None:
+    spec = get_model(model)
+    times = measure_unit_times(spec, 8, 2, steps=2, warmup=1)
+    assert [t.name for t in times] == [u.name for u in spec.units]
+    assert all(t.fwd_s > 0 and t.bwd_s >= 0 for t in times)
+    # The last unit's backward holds the loss's backward and its optimizer share.
+    assert times[-1].bwd_s > 0
+
+
+def test_training_state_is_not_touched_by_measuring() -> None:
+    spec = get_model("mlp", seed=3)
+    before = {k: v.clone() for k, v in spec.build_segment(0, spec.num_units).state_dict().items()}
+    measure_unit_times(spec, 8, 2, steps=1, warmup=0)
+    after = spec.build_segment(0, spec.num_units).state_dict()
+    assert all((after[k] == v).all() for k, v in before.items())
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="microbatches"):
+        measure_unit_times(get_model("mlp"), 2, 4)
+
+
+def _runtime(slowdown: float) -> StageRuntime:
+    spec = JobSpec(model="mlp", steps=1, batch_size=8)
+    (assignment,) = make_assignments("jthrottle", spec, Plan.of(("d", 0, 3)))
+    return StageRuntime(assignment, InProcessTransport(), slowdown=slowdown)
+
+
+def _burn(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """The throttle counts this thread's CPU time only when torch runs one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_throttle_stretches_cpu_time_by_the_slowdown(one_thread: None) -> None:
+    rt = _runtime(3.0)
+    t0 = rt._start()
+    _burn(0.02)
+    took = rt._throttle(t0)
+    assert took >= 3.0 * 0.02 * 0.99  # sleeps until slowdown x the CPU time spent
+
+
+def test_throttle_does_not_multiply_time_spent_off_the_cpu(one_thread: None) -> None:
+    rt = _runtime(3.0)
+    t0 = rt._start()
+    time.sleep(0.05)  # off the CPU: as if another process held it
+    took = rt._throttle(t0)
+    assert took < 0.05 + 0.04  # not 3 x 0.05
+
+
+def test_with_several_threads_wall_time_is_stretched() -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rt = _runtime(3.0)
+        t0 = rt._start()
+        time.sleep(0.02)
+        assert rt._throttle(t0) >= 3.0 * 0.02 * 0.99
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_no_throttle_at_slowdown_one() -> None:
+    rt = _runtime(1.0)
+    t0 = rt._start()
+    _burn(0.01)
+    assert rt._throttle(t0) < 0.01 + 0.04
