@@ -39,11 +39,13 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e ".[coordinator,dev]"
 	touch $@
 
-# System packages the tests use: Mosquitto (integration and end-to-end tests) and
+# System packages the tests use: Mosquitto (integration and end-to-end tests),
 # Chromium (the dashboard's browser test, driven by Playwright; never
-# `playwright install`, which downloads a browser). Installed with apt-get when
-# missing and we are root; otherwise those tests are skipped with a reason.
-SYSTEM_PACKAGES := mosquitto:/usr/sbin/mosquitto chromium:/usr/bin/chromium
+# `playwright install`, which downloads a browser) and docker-compose (Debian's
+# v1, which only validates the compose testbed files with `docker-compose config`;
+# no Docker engine is installed or run). Installed with apt-get when missing and
+# we are root; otherwise those tests are skipped with a reason.
+SYSTEM_PACKAGES := mosquitto:/usr/sbin/mosquitto chromium:/usr/bin/chromium docker-compose:/usr/bin/docker-compose
 
 system-deps:
 	@missing=""; for entry in $(SYSTEM_PACKAGES); do \

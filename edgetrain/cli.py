@@ -12,7 +12,7 @@ import sys
 
 import typer
 
-from coordinator.commands import client, coordinator, plan, train
+from coordinator.commands import client, coordinator, plan, testbed, train
 from edge.commands import agent, devices, models, profile
 from edge.errors import UserError
 from edgetrain import __version__
@@ -44,6 +44,7 @@ app.command("jobs")(client.jobs_command)
 app.command("fleet")(client.fleet_command)
 app.add_typer(devices.app, name="devices")
 app.add_typer(models.app, name="models")
+app.add_typer(testbed.app, name="testbed")
 
 
 def _version(value: bool) -> None:

@@ -1,0 +1,333 @@
+"""Bringing a testbed up and down: the Python API behind ``edgetrain testbed``.
+
+:meth:`Testbed.up` maps the devices onto this machine
+(:func:`~coordinator.testbed.fleet.emulate`), measures this machine's
+single-core speed once (so each agent announces the speed it really gets),
+picks the method (:func:`~coordinator.testbed.limits.detect`), and starts, each
+recorded in the state before it exists (:mod:`coordinator.testbed.state`):
+
+1. the broker (127.0.0.1 only) and, unless ``coordinator=False``, the coordinator;
+2. kernel method: per agent a cgroup in the cpu and memory hierarchies, a
+   namespace with a tbf-shaped veth pair, and one delay proxy for all of them;
+3. the agents, each announcing ``<state dir>/profiles/<id>.json``;
+
+then waits until every agent is online. If anything fails, everything made so
+far is removed before the error is raised. The processes are detached: the
+fleet keeps running after the process that called ``up`` exits, until
+:func:`down` (which needs only the state directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+from coordinator.testbed import limits, netns, procs
+from coordinator.testbed.fleet import EmulatedDevice, emulate
+from coordinator.testbed.state import State, locked
+from coordinator.testbed.teardown import down, status, teardown
+from edge.errors import UserError
+from edge.problem import DeviceSpec
+
+__all__ = ["MethodChoice", "Testbed", "down", "measure_core_gflops", "status"]
+
+MethodChoice = Literal["auto", "kernel", "software"]
+
+
+def measure_core_gflops(seconds: float) -> float:
+    """This machine's fp32 matmul GFLOP/s on one thread (torch's thread count restored)."""
+    import torch
+
+    from edge.profiler import measure_matmul_gflops
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure_matmul_gflops(seconds=seconds)
+    finally:
+        torch.set_num_threads(before)
+
+
+class Testbed:
+    """A running testbed (see the module docstring); a context manager that downs it."""
+
+    __test__ = False  # not a test class, whatever pytest makes of its name
+
+    def __init__(
+        self, state: State, devices: list[EmulatedDevice], announced: dict[str, DeviceSpec]
+    ) -> None:
+        self.state = state
+        self.devices = devices
+        self.announced = announced
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._cpu_limits: list[tuple[Path, dict[str, str]]] = []
+
+    @property
+    def state_dir(self) -> Path:
+        return self.state.dir
+
+    @property
+    def broker_url(self) -> str:
+        """``mqtt://127.0.0.1:PORT``: the broker, as the root namespace reaches it."""
+        return self.state.broker_url
+
+    @property
+    def coordinator_url(self) -> str | None:
+        return self.state.coordinator_url
+
+    @property
+    def method(self) -> str:
+        """``kernel`` or ``software``."""
+        return self.state.method
+
+    @property
+    def method_reason(self) -> str:
+        return self.state.method_reason
+
+    @property
+    def method_line(self) -> str:
+        """What ``testbed up`` prints after ``limits:``."""
+        return self.state.method_line
+
+    @property
+    def core_gflops(self) -> float:
+        """This machine's single-thread matmul GFLOP/s, measured at ``up``."""
+        return self.state.core_gflops
+
+    @classmethod
+    def up(
+        cls,
+        devices: list[DeviceSpec],
+        *,
+        scale: float | None = None,
+        state_dir: Path,
+        method: MethodChoice = "auto",
+        links: dict[str, float] | None = None,
+        coordinator: bool = True,
+        measure_s: float = 1.0,
+        online_timeout_s: float = 90.0,
+    ) -> Testbed:
+        """Start a testbed emulating ``devices`` (see the module docstring)."""
+        emulated = emulate(devices, scale, links=links)
+        if method not in ("auto", "kernel", "software"):
+            raise UserError(f"--method: {method!r} is not auto, kernel or software")
+        state_dir = state_dir.expanduser().resolve()
+        with locked(state_dir):
+            existing = State.load(state_dir)
+            if existing is not None:
+                raise UserError(
+                    f"a testbed ({existing.phase}) already uses {state_dir}: "
+                    f"run 'edgetrain testbed down --state-dir {state_dir}' first"
+                )
+            detection = limits.detect(method)
+            if method == "kernel" and detection.method != "kernel":
+                raise UserError(f"--method kernel is not available here: {detection.reason}")
+            state = State(
+                dir=state_dir,
+                id=secrets.token_hex(2),
+                token=secrets.token_hex(8),
+                method=detection.method,
+                method_reason=detection.reason,
+                method_line=detection.line,
+            )
+            state.save()
+            bed = cls(state, emulated, {})
+            try:
+                bed._start(detection, coordinator, measure_s, online_timeout_s)
+            except BaseException:
+                teardown(state)
+                bed._reap()
+                raise
+            state.phase = "up"
+            state.save()
+        return bed
+
+    def _start(
+        self,
+        detection: limits.Detection,
+        coordinator: bool,
+        measure_s: float,
+        online_timeout_s: float,
+    ) -> None:
+        state = self.state
+        state.core_gflops = measure_core_gflops(measure_s)
+        profiles = state.dir / "profiles"
+        profiles.mkdir(parents=True, exist_ok=True)
+        for dev in self.devices:
+            self.announced[dev.id] = dev.announced(state.core_gflops)
+            (profiles / f"{dev.id}.json").write_text(self.announced[dev.id].model_dump_json())
+        self._procs["broker"], state.broker_url = procs.start_broker(state)
+        state.save()
+        if coordinator:
+            self._procs["coordinator"], state.coordinator_url = procs.start_coordinator(
+                state, state.broker_url
+            )
+            state.save()
+        started = time.time()
+        if detection.method == "kernel":
+            self._start_kernel_agents(detection)
+        else:
+            self._start_software_agents()
+        if coordinator:
+            assert state.coordinator_url is not None
+            procs.wait_http(
+                f"{state.coordinator_url}/healthz",
+                self._procs["coordinator"],
+                state,
+                "coordinator",
+                timeout_s=60,
+            )
+        procs.wait_online(
+            state.broker_url,
+            [d.id for d in self.devices],
+            started,
+            self._dead_agent,
+            online_timeout_s,
+        )
+        for path, wanted in self._cpu_limits:  # see [Note: agents start unthrottled]
+            limits.write_limits(path, wanted)
+
+    def _agent_cmd(
+        self, dev: EmulatedDevice, broker_url: str, shaping: dict[str, float] | None
+    ) -> list[str]:
+        return procs.agent_command(
+            broker_url,
+            dev.id,
+            profile=self.state.dir / "profiles" / f"{dev.id}.json",
+            data_dir=self.state.dir / "agents" / dev.id,
+            threads=dev.threads,
+            shaping=shaping,
+        )
+
+    def _row(self, dev: EmulatedDevice, **extra: Any) -> dict[str, Any]:
+        return {
+            "id": dev.id,
+            "emulates": dev.source.id,
+            "cpus": dev.cpus,
+            "threads": dev.threads,
+            "slowdown": dev.slowdown,
+            "memory_bytes": dev.memory_bytes,
+            "bandwidth_mbps": dev.bandwidth_mbps,
+            "latency_ms": dev.latency_ms,
+            "gflops": self.announced[dev.id].gflops,
+            **extra,
+        }
+
+    def _start_software_agents(self) -> None:
+        for dev in self.devices:
+            shaping = {
+                "--slowdown": dev.slowdown,
+                "--link-mbps": dev.bandwidth_mbps,
+                "--link-latency-ms": dev.latency_ms,
+            }
+            self.state.devices.append(self._row(dev))
+            name = f"agent:{dev.id}"
+            self._procs[name] = procs.spawn(
+                self.state, name, self._agent_cmd(dev, self.state.broker_url, shaping)
+            )
+
+    def _start_kernel_agents(self, detection: limits.Detection) -> None:
+        state = self.state
+        assert detection.cpu is not None and detection.memory is not None
+        controllers = [detection.cpu, detection.memory]
+        port = int(state.broker_url.rsplit(":", 1)[1])
+        subnet = netns.free_subnet(state.id)
+        routes: list[str] = []
+        links = []
+        for i, dev in enumerate(self.devices):
+            for ctl in controllers:
+                parent = limits.cgroup_parent(ctl, state.id)
+                state.intend("cgroups", str(parent))
+                state.intend("cgroups", str(parent / f"agent-{i}"))
+                # [Note: agents start unthrottled] The CPU quota is written once the
+                # agent is online: a 0.03-core quota would stretch importing torch to a minute.
+                wanted = limits.cgroup_limits(ctl, dev.cpus, dev.memory_bytes)
+                if ctl.name == "cpu":
+                    self._cpu_limits.append((parent / f"agent-{i}", wanted))
+                    wanted = limits.cpu_unlimited(ctl)
+                limits.make_cgroup(ctl, parent / f"agent-{i}", wanted)
+            link = netns.link_names(state.id, i, subnet)
+            state.intend("namespaces", link.namespace)
+            state.intend("veths", link.host_if)
+            netns.make_link(link, dev.bandwidth_mbps)
+            links.append(link)
+            routes += [
+                "--route",
+                f"{link.host_ip}:{port}",
+                f"127.0.0.1:{port}",
+                f"{dev.latency_ms:g}",
+            ]
+        ready = state.dir / "proxy.ready"
+        ready.unlink(missing_ok=True)
+        proxy = procs.spawn(
+            state,
+            "proxy",
+            [
+                sys.executable,
+                "-m",
+                "coordinator.testbed.proxy",
+                *routes,
+                "--ready-file",
+                str(ready),
+            ],
+        )
+        self._procs["proxy"] = proxy
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            if proxy.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the delay proxy did not start: {procs.log_tail(state, 'proxy')}"
+                )
+            time.sleep(0.05)
+        for i, (dev, link) in enumerate(zip(self.devices, links, strict=True)):
+            cgroups = [limits.cgroup_parent(c, state.id) / f"agent-{i}" for c in controllers]
+            cmd = procs.in_cgroups_and_netns(
+                self._agent_cmd(dev, f"mqtt://{link.host_ip}:{port}", None),
+                [c / "cgroup.procs" for c in cgroups],
+                link.namespace,
+            )
+            state.devices.append(
+                self._row(
+                    dev,
+                    namespace=link.namespace,
+                    address=link.agent_ip,
+                    cgroups=[str(c) for c in cgroups],
+                )
+            )
+            name = f"agent:{dev.id}"
+            self._procs[name] = procs.spawn(state, name, cmd)
+
+    def _dead_agent(self) -> str | None:
+        for name, proc in self._procs.items():
+            if proc.poll() is not None:
+                return f"{name} exited ({proc.returncode}): {procs.log_tail(self.state, name)}"
+        return None
+
+    def _reap(self) -> None:
+        for proc in self._procs.values():
+            with contextlib.suppress(Exception):
+                proc.poll()
+
+    def status(self) -> dict[str, Any]:
+        """See :func:`status`."""
+        return status(self.state.dir)
+
+    def down(self) -> list[str]:
+        """See :func:`down`."""
+        removed = down(self.state.dir)
+        self._reap()
+        return removed
+
+    def __enter__(self) -> Testbed:
+        return self
+
+    def __exit__(
+        self, _t: type[BaseException] | None, _e: BaseException | None, _tb: TracebackType | None
+    ) -> None:
+        self.down()

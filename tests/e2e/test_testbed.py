@@ -1,0 +1,220 @@
+"""The emulation testbed end to end: real cgroups, namespaces, tc, processes; nothing mocked.
+
+The kernel-method tests need root, cgroup cpu and memory controllers, ``ip netns``
+and ``tc tbf``; they are skipped with the reason ``detect`` gives otherwise. Every
+test downs its testbed in a fixture, so nothing is left behind even when it fails,
+and then checks that nothing was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from support.waiting import until
+
+from coordinator.broker import find_mosquitto
+from coordinator.jobs import JobSpec
+from coordinator.planner.score import Plan
+from coordinator.runners import run_on_agents
+from coordinator.testbed import limits, netns
+from coordinator.testbed.state import State, find_marked, proc_alive
+from coordinator.testbed.testbed import Testbed, down
+from edge.models.zoo import get_model
+from edge.problem import DeviceSpec
+from edge.transport.mqtt import MqttSettings, MqttTransport
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed"),
+]
+
+GIB = 2**30
+CLI = [sys.executable, "-m", "edgetrain.cli", "testbed"]
+
+
+@pytest.fixture(scope="module")
+def kernel() -> limits.Detection:
+    detection = limits.detect("auto")
+    if detection.method != "kernel":
+        pytest.skip(f"kernel method unavailable here: {detection.reason}")
+    return detection
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Iterator[Path]:
+    """A state directory whose testbed is downed (and checked clean) after the test."""
+    where = tmp_path / "testbed"
+    yield where
+    state = State.load(where)
+    down(where)
+    if state is not None:
+        assert leftovers(state) == []
+
+
+def leftovers(state: State) -> list[str]:
+    """Whatever of ``state``'s testbed still exists: processes, cgroups, namespaces, veths."""
+    left = [f"process {p.name}" for p in state.processes if proc_alive(p.pid, p.start)]
+    left += [f"unrecorded process {p.pid}" for p in find_marked(state.token)]
+    for root in ("cpu", "memory", "unified"):
+        parent = Path("/sys/fs/cgroup") / root / f"edgetrain-testbed-{state.id}"
+        if parent.exists():
+            left.append(f"cgroup {parent}")
+    left += [f"namespace {n}" for n in netns.list_namespaces() if n.startswith(f"et-{state.id}-")]
+    left += [f"link {n}" for n in netns.list_links() if n.startswith(f"et{state.id}")]
+    return left
+
+
+def device(id: str, gflops: float, mbps: float = 500.0, latency_ms: float = 2.0) -> DeviceSpec:
+    return DeviceSpec(id=id, gflops=gflops, memory_bytes=2 * GIB, bandwidth_mbps=mbps,
+                      latency_ms=latency_ms)  # fmt: skip
+
+
+def linear_macs(model: str, options: dict[str, int], start: int, end: int) -> int:
+    """Multiply-accumulates per sample of the linear layers in units ``[start, end)``."""
+    segment = get_model(model, **options).build_segment(start, end)
+    return sum(m.in_features * m.out_features for m in segment.modules()
+               if isinstance(m, torch.nn.Linear))  # fmt: skip
+
+
+def control_for(url: str) -> MqttTransport:
+    control = MqttTransport(MqttSettings(url=url))
+    control.connect(timeout=10)
+    return control
+
+
+def test_kernel_testbed_slows_each_agent_to_its_profile(
+    kernel: limits.Detection, state_dir: Path
+) -> None:
+    # Compute spans 4x; scale 1 gives the fastest device one core (1 + 0.5 + 0.25 of 2),
+    # so the fastest agent is never throttled and the slowest is the pipeline's bottleneck.
+    fleet = [device("fast", 40), device("mid", 20), device("slow", 10)]
+    options = {"hidden": 2048, "depth": 8}  # units: fc1, six 2048x2048 layers, out
+    plan = Plan.of(("fast", 0, 3), ("mid", 3, 5), ("slow", 5, 8))
+    # Bursts of compute well over the 5 ms quota (see [Note: CFS period]): 128-sample microbatches.
+    spec = JobSpec(model="mlp", model_options=options, steps=5, batch_size=256, microbatches=2)
+    with Testbed.up(fleet, scale=1.0, state_dir=state_dir, method="kernel", coordinator=False,
+                    measure_s=0.5) as bed:  # fmt: skip
+        assert bed.method == "kernel"
+        assert [d.cpus for d in bed.devices] == [1.0, 0.5, 0.25]
+        state = State.load(state_dir)
+        assert state is not None and len(state.namespaces) == 3
+        cpu = Path(state.devices[2]["cgroups"][0])
+        quota = int((cpu / "cpu.cfs_quota_us").read_text())
+        assert quota / int((cpu / "cpu.cfs_period_us").read_text()) == 0.25
+        control = control_for(bed.broker_url)
+        try:
+            result = run_on_agents(spec, plan, control, timeout_s=180)
+        finally:
+            control.close()
+    assert leftovers(state) == []
+    # Seconds of compute per multiply-accumulate, per device, after the first (warm-up) step.
+    per_mac = {}
+    for stage, st in enumerate(plan.stages):
+        compute = sum(r.compute_s for r in result.reports if r.stage == stage and r.step > 0)
+        macs = linear_macs("mlp", options, st.start, st.end) * spec.batch_size * (spec.steps - 1)
+        per_mac[st.device] = compute / macs
+    ratios = {d: per_mac[d] / per_mac["fast"] for d in per_mac}
+    print(f"\ncompute s/MAC relative to 'fast' (profile: mid 2, slow 4): {ratios}")
+    assert abs(ratios["slow"] / 4 - 1) <= 0.25, ratios
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_down_after_a_crashed_up_removes_everything(state_dir: Path) -> None:
+    """``up`` SIGKILLed while it waits for its agents: ``down`` works from the state alone."""
+    up = subprocess.Popen([*CLI, "up", "--devices", "rpi4-4gb,jetson-nano,laptop",
+                           "--state-dir", str(state_dir), "--no-coordinator"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+
+        def agents_started() -> bool:
+            state = State.load(state_dir)
+            return (
+                state is not None and sum(p.name.startswith("agent:") for p in state.processes) >= 2
+            )
+
+        assert until(agents_started, 60), "up never started its agents"
+    finally:
+        up.kill()
+        up.wait(10)
+    assert up.stdout is not None
+    up.stdout.close()
+    state = State.load(state_dir)
+    assert state is not None and state.phase == "starting"
+    assert any(proc_alive(p.pid, p.start) for p in state.processes)
+    second = _cli("up", "--devices", "laptop", "--state-dir", str(state_dir))
+    assert second.returncode == 2 and "testbed down" in second.stderr
+    gone = _cli("down", "--state-dir", str(state_dir))
+    assert gone.returncode == 0, gone.stderr
+    assert "removed process broker" in gone.stdout
+    assert leftovers(state) == []
+    again = _cli("down", "--state-dir", str(state_dir))
+    assert again.returncode == 0 and "no testbed left" in again.stdout
+
+
+def test_down_after_killed_agents_and_proxy(state_dir: Path) -> None:
+    """A testbed up through the CLI, then SIGKILLs: status says so, down cleans up."""
+    up = _cli("up", "--devices", "rpi4-4gb,jetson-nano,laptop", "--state-dir", str(state_dir),
+              "--no-coordinator")  # fmt: skip
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert "limits: " in up.stdout and "testbed down" in up.stdout
+    status = _cli("status", "--state-dir", str(state_dir), "--json")
+    report = json.loads(status.stdout)
+    assert status.returncode == 0 and report["up"], report
+    assert [d["state"] for d in report["devices"]] == ["online"] * 3
+    state = State.load(state_dir)
+    assert state is not None
+    # The proxy exists under the kernel method only.
+    victims = [p for p in state.processes if p.name in ("proxy", "agent:jetson-nano")]
+    for p in victims:
+        os.kill(p.pid, signal.SIGKILL)
+    assert until(lambda: not any(proc_alive(p.pid, p.start) for p in victims), 10)
+    status = _cli("status", "--state-dir", str(state_dir), "--json")
+    assert status.returncode == 1 and not json.loads(status.stdout)["up"]
+    gone = _cli("down", "--state-dir", str(state_dir))
+    assert gone.returncode == 0, gone.stderr
+    assert leftovers(state) == []
+    assert _cli("down", "--state-dir", str(state_dir)).returncode == 0
+
+
+def test_software_method_trains_through_the_coordinator(state_dir: Path) -> None:
+    fleet = [device("a", 40, mbps=200), device("b", 20, mbps=100, latency_ms=5)]
+    with Testbed.up(fleet, state_dir=state_dir, method="software", measure_s=0.3) as bed:
+        assert bed.method == "software"
+        assert bed.method_line.startswith("software (duty-cycled compute, token bucket")
+        assert "requested" in bed.method_line
+        state = State.load(state_dir)
+        assert state is not None and not state.cgroups and not state.namespaces
+        b = next(p for p in state.processes if p.name == "agent:b")
+        argv = Path(f"/proc/{b.pid}/cmdline").read_bytes().decode().split("\0")
+        assert argv[argv.index("--link-mbps") + 1] == "100"
+        assert argv[argv.index("--link-latency-ms") + 1] == "5"
+        assert float(argv[argv.index("--slowdown") + 1]) > 1
+        assert bed.coordinator_url is not None
+        with httpx.Client(base_url=bed.coordinator_url, timeout=30) as api:
+            body = {"model": "mlp", "steps": 3, "batch_size": 32, "microbatches": 2,
+                    "pin_first": "a"}  # fmt: skip
+            created = api.post("/api/v1/jobs", json=body)
+            assert created.status_code < 300, created.text
+            job = created.json()["id"]
+            deadline = time.monotonic() + 90
+            while (record := api.get(f"/api/v1/jobs/{job}").json())["state"] not in (
+                "completed", "failed", "cancelled"
+            ):  # fmt: skip
+                assert time.monotonic() < deadline, record
+                time.sleep(0.3)
+        assert record["state"] == "completed", record
+        assert record["steps_done"] == 3
+    assert leftovers(state) == []
