@@ -81,6 +81,7 @@ def train_command(
     from pydantic import ValidationError
 
     from edge.errors import describe_validation_error
+    from edge.runtime.allocator import tune_malloc
 
     if transport not in ("mqtt", "inprocess"):
         raise UserError(f"--transport: {transport!r} is not mqtt or inprocess")
@@ -98,6 +99,7 @@ def train_command(
         raise UserError(describe_validation_error(exc, "train")) from None
     if batch_size % microbatches:
         raise UserError(f"--batch-size {batch_size} is not a multiple of --microbatches")
+    tune_malloc()  # the in-process paths train here; agents tune their own
     progress = _Progress(steps, batch_size, enabled=not json_out)
     with progress:
         if transport == "inprocess":

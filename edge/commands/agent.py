@@ -111,6 +111,7 @@ def agent_command(
 
     from edge.agent import Agent
     from edge.logs import setup_logging
+    from edge.runtime.allocator import tune_malloc
     from edge.transport.settings import MqttSettings, parse_broker_url
     from edgetrain import __version__
 
@@ -125,6 +126,7 @@ def agent_command(
 
         announced = resolve(profile).to_device_spec(device_id)
     setup_logging(log_level, device=device_id)
+    tune_malloc()
     if threads is not None:
         torch.set_num_threads(threads)
     data_dir.mkdir(parents=True, exist_ok=True)
