@@ -56,6 +56,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 
 from edge.protocol import Codec, Kind, decode_frame, encode_frame
+from edge.runtime.allocator import tune_malloc
 from edge.transport.mqtt import MqttSettings, MqttTransport
 
 SIZES = {"64 KiB": 64 << 10, "1 MiB": 1 << 20, "16 MiB": 16 << 20}
@@ -272,6 +273,7 @@ def _receiver_process(conn: Connection, slots: Any) -> None:
     slot per message received; answer the count and the ``perf_counter`` time of
     the last one (CLOCK_MONOTONIC: the same clock in both processes).
     """
+    tune_malloc()  # as an agent process does
     while (request := conn.recv()) is not None:
         method, port, n, size, max_s, window = request
         receiver = RECEIVERS[method](port, size, max_s)
@@ -295,6 +297,7 @@ class Bench:
     """The bench's side: a receiver process, and one measurement at a time."""
 
     def __init__(self) -> None:
+        tune_malloc()  # as an agent process does (edge/runtime/allocator.py)
         ctx = multiprocessing.get_context("spawn")  # no paho threads copied by fork
         self.slots = ctx.Semaphore(0)
         self.conn, child = ctx.Pipe()
