@@ -18,6 +18,16 @@ Lifecycle:
 4. SIGTERM (or :meth:`Agent.stop`) cancels the running stage, publishes
    ``offline`` and disconnects.
 
+Fault tolerance ([Note: the step of a state] in :mod:`edge.runtime.checkpoint`):
+an assignment with ``restore`` waits (on the worker, at most ``recv_timeout_s``)
+for the state retained on ``job_restore(job, stage)`` and loads it before
+``ready``; none in time, or one that does not fit, is a ``failed``. With
+``replicate_every`` the stage publishes its state on ``job_replica`` (QoS 1,
+never link-shaped), and the agent keeps its predecessor's newest (stage 0: the
+last stage's) in memory and in ``data_dir/<job>/replica-of-stage<N>.safetensors``:
+FTPipeHD's neighbour replica. A cancelled stage ends without ``failed``; a new
+assignment retires a cancelled or same-job stage first.
+
 Commands arrive on paho's network thread and are handed to a worker thread,
 which builds stages (building waits for subscriptions, which needs the
 network thread free).
@@ -55,15 +65,25 @@ from edge.protocol import (
     device_profile,
     device_status,
     job_events,
+    job_replica,
+    job_restore,
     job_weights,
 )
-from edge.runtime.stage import StageRuntime
+from edge.runtime.checkpoint import ReplicaKeeper
+from edge.runtime.stage import Replicator, StageRuntime
 from edge.transport.mqtt import MqttTransport
 from edge.transport.settings import MqttSettings
 
 __all__ = ["Agent"]
 
 log = logging.getLogger("edgetrain.agent")
+
+_KEEP = "keep-replicas"  # work item: store the neighbour replicas that arrived
+_Work = StageAssignment | StartJob | CancelJob | str | None
+
+
+class _Cancelled(RuntimeError):
+    """The job was cancelled before its stage could start: not a failure."""
 
 
 class Agent:
@@ -88,11 +108,17 @@ class Agent:
         self._profile_fn = profile
         self._profile: DeviceSpec | None = None
         self._stop = threading.Event()
-        self._commands: queue.Queue[StageAssignment | StartJob | CancelJob | None] = queue.Queue()
+        self._commands: queue.Queue[_Work] = queue.Queue()
+        self._cancelled: dict[str, None] = {}  # jobs cancelled lately, newest last
         self._runtime: StageRuntime | None = None
         self._job_thread: threading.Thread | None = None
         self._step: int | None = None
         self.bad_commands = 0
+        self._incoming: dict[tuple[str, int], bytes] = {}  # neighbour replicas not yet kept
+        self._incoming_lock = threading.Lock()
+        self._watching: str | None = None  # the neighbour replica topic subscribed to
+        self.replicas = ReplicaKeeper(data_dir)
+        self.bad_replicas = 0
         self.transport = MqttTransport(
             settings.model_copy(update={"client_id": settings.client_id or f"agent-{device_id}"})
         )
@@ -182,10 +208,16 @@ class Agent:
 
     def _on_command(self, _topic: str, payload: bytes) -> None:
         try:
-            self._commands.put(parse_command(payload))
+            cmd = parse_command(payload)
         except MessageError as exc:
             self.bad_commands += 1
             log.warning("ignored a command: %s", exc)
+            return
+        if isinstance(cmd, CancelJob):  # seen at once, also by a worker waiting on a restore
+            self._cancelled[cmd.job] = None
+            while len(self._cancelled) > 64:
+                del self._cancelled[next(iter(self._cancelled))]
+        self._commands.put(cmd)
 
     def _work(self) -> None:
         while True:
@@ -193,7 +225,11 @@ class Agent:
             if cmd is None:
                 return
             try:
-                if isinstance(cmd, StageAssignment):
+                if cmd == _KEEP:
+                    self._keep_replicas()
+                elif isinstance(cmd, StageAssignment) and cmd.job in self._cancelled:
+                    log.info("skipped an assignment of a cancelled job", extra={"job": cmd.job})
+                elif isinstance(cmd, StageAssignment):
                     self._assign(cmd)
                 elif isinstance(cmd, StartJob):
                     self._start(cmd.job)
@@ -202,8 +238,12 @@ class Agent:
                 ):
                     log.info("cancelling: %s", cmd.reason, extra={"job": cmd.job})
                     self._runtime.cancel()
+            except _Cancelled as exc:
+                log.info("%s", exc, extra={"job": getattr(cmd, "job", None)})
             except Exception as exc:  # a command must never kill the daemon
                 log.exception("command %s failed", type(cmd).__name__)
+                if isinstance(cmd, str):
+                    continue
                 job = getattr(cmd, "job", "unknown")
                 stage = getattr(cmd, "stage", 0)
                 self._event(StageFailed(job=job, stage=stage, device=self.device_id,
@@ -223,19 +263,120 @@ class Agent:
 
     def _assign(self, a: StageAssignment) -> None:
         busy = self._runtime
-        if busy is not None and busy.a.job != a.job:
+        if busy is not None and (busy.cancelled or busy.a.job == a.job):
+            self._retire(busy)  # a cancelled attempt, or a re-plan of this job
+            busy = None
+        if busy is not None:
             self._event(StageFailed(job=a.job, stage=a.stage, device=self.device_id,
                                     error=f"busy with job {busy.a.job}"))  # fmt: skip
             return
-        bind(log, job=a.job, stage=a.stage).info(
-            "assigned units [%d, %d) of %s", a.start, a.end, a.model
-        )
-        self._runtime = StageRuntime(
-            a, self.transport, device=self.device_id, report=self._event, slowdown=self.slowdown
-        )
+        bind(log, job=a.job, stage=a.stage).info("assigned units [%d, %d) of %s", a.start, a.end,
+                                                 a.model)  # fmt: skip
+        self.replicas.forget_other_jobs(a.job)
+        replicate = self._replicator(a) if a.replicate_every else None
+        rt = StageRuntime(a, self.transport, device=self.device_id, report=self._event,
+                          slowdown=self.slowdown, replicate=replicate)  # fmt: skip
+        try:
+            if a.restore:
+                self._restore(rt)
+            self._watch_neighbour(a)
+        except BaseException:
+            self.transport.detach(a.job, a.stage)
+            raise
+        self._runtime = rt
         self._announce()
         self._event(StageReady(job=a.job, stage=a.stage, device=self.device_id,
-                               parameters=self._runtime.parameters))  # fmt: skip
+                               parameters=rt.parameters))  # fmt: skip
+
+    def _retire(self, rt: StageRuntime) -> None:
+        """Stop ``rt`` (if it runs, wait a bounded time for it) and forget it."""
+        rt.cancel()
+        if self._job_thread is not None:  # at most one step's work left
+            self._job_thread.join(timeout=10.0)
+        self.transport.detach(rt.a.job, rt.a.stage)
+        if self._runtime is rt:
+            self._runtime, self._step = None, None
+            self._unwatch_neighbour()
+
+    def _restore(self, rt: StageRuntime) -> None:
+        """Wait (on this worker thread) for the retained state of ``rt``'s stage; load it.
+
+        Raises :class:`TimeoutError` if none arrives within ``recv_timeout_s`` and
+        :class:`ValueError` for one that does not fit; either way the stage fails.
+        """
+        a = rt.a
+        topic = job_restore(a.job, a.stage)
+        got: queue.Queue[bytes] = queue.Queue()
+        self.transport.subscribe(topic, lambda _t, payload: got.put(payload))
+        deadline, blob = time.monotonic() + a.recv_timeout_s, b""
+        try:
+            while not blob:  # an empty payload clears a retained message: not a state
+                if a.job in self._cancelled:  # the coordinator gave this attempt up
+                    raise _Cancelled(f"job {a.job} was cancelled while its state was awaited")
+                try:
+                    blob = got.get(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    if time.monotonic() >= deadline:
+                        why = f"no state on {topic} within {a.recv_timeout_s:g} s"
+                        raise TimeoutError(f"restore: {why}") from None
+            step = rt.restore(blob)
+        finally:
+            self.transport.unsubscribe(topic)
+        bind(log, job=a.job, stage=a.stage, step=step).info(
+            "restored units [%d, %d) for step %d (%d bytes)", a.start, a.end, step, len(blob)
+        )
+
+    def _replicator(self, a: StageAssignment) -> Replicator:
+        topic = job_replica(a.job, a.stage)
+
+        def replicate(step: int, state: bytes) -> None:
+            bound = bind(log, job=a.job, stage=a.stage, step=step)
+            try:  # on the job's thread; publishing only queues the message
+                self.transport.publish(topic, state, 1)
+                bound.info("replicated the state for step %d (%d bytes)", step, len(state))
+            except (ConnectionError, ValueError) as exc:  # training goes on without it
+                bound.warning("state for step %d not replicated: %s", step, exc)
+
+        return replicate
+
+    # -- neighbour replicas ----------------------------------------------------------
+
+    def _watch_neighbour(self, a: StageAssignment) -> None:
+        self._unwatch_neighbour()
+        if not a.replicate_every or a.num_stages == 1:
+            return
+        job, prev = a.job, (a.stage - 1) % a.num_stages
+        topic = job_replica(job, prev)
+
+        def arrived(_topic: str, payload: bytes) -> None:
+            # On paho's thread: only note it; the worker parses and writes it.
+            with self._incoming_lock:
+                self._incoming[(job, prev)] = payload  # only the newest waits
+            self._commands.put(_KEEP)
+
+        self.transport.subscribe(topic, arrived)
+        self._watching = topic
+
+    def _unwatch_neighbour(self) -> None:
+        if self._watching is not None:
+            self.transport.unsubscribe(self._watching)
+            self._watching = None
+
+    def _keep_replicas(self) -> None:
+        """Check and keep the neighbour replicas that arrived, newest per (job, stage)."""
+        with self._incoming_lock:
+            incoming, self._incoming = self._incoming, {}
+        for (job, stage), payload in incoming.items():
+            try:
+                st = self.replicas.keep(job, stage, payload)
+            except ValueError as exc:
+                self.bad_replicas += 1
+                bind(log, job=job, stage=stage).warning("ignored a neighbour replica: %s", exc)
+                continue
+            if st is not None:
+                bind(log, job=job, stage=stage, step=st.step).info(
+                    "kept stage %d's state for step %d", stage, st.step
+                )
 
     def _start(self, job: str) -> None:
         rt = self._runtime
@@ -262,11 +403,16 @@ class Agent:
                     "job done: %d steps in %.1f s", steps, time.perf_counter() - started
                 )
         except Exception as exc:
-            bind(log, job=a.job, stage=a.stage).exception("stage failed")
-            self._event(StageFailed(job=a.job, stage=a.stage, device=self.device_id,
-                                    error=f"{type(exc).__name__}: {exc}"))  # fmt: skip
+            if rt.cancelled:  # the coordinator stopped it: nothing to report
+                bind(log, job=a.job, stage=a.stage).info("stage cancelled (%s)", exc)
+            else:
+                bind(log, job=a.job, stage=a.stage).exception("stage failed")
+                self._event(StageFailed(job=a.job, stage=a.stage, device=self.device_id,
+                                        error=f"{type(exc).__name__}: {exc}"))  # fmt: skip
         finally:
-            self._runtime = None
-            self._step = None
+            if self._runtime is rt:  # not replaced by a newer assignment meanwhile
+                self._runtime = None
+                self._step = None
+                self._unwatch_neighbour()
             with contextlib.suppress(ConnectionError):
                 self._announce()

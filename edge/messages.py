@@ -87,6 +87,12 @@ class StageAssignment(_Message):
     next_device: str | None = None
     recv_timeout_s: float = Field(default=120.0, gt=0)
     """How long a stage waits for one frame before it gives up on the job."""
+    first_step: int = Field(default=0, ge=0)
+    """The step the stage starts at (below ``steps``); see [Note: the step of a state]."""
+    replicate_every: int = Field(default=0, ge=0)
+    """Publish the stage's state on ``job_replica`` every this many steps (0: never)."""
+    restore: bool = False
+    """Load the state retained on ``job_restore`` (for step ``first_step``) before ``ready``."""
 
     @model_validator(mode="after")
     def _check(self) -> StageAssignment:
@@ -99,6 +105,8 @@ class StageAssignment(_Message):
                 f"batch_size {self.batch_size} is not a multiple of microbatches "
                 f"{self.microbatches}"
             )
+        if self.first_step >= self.steps:
+            raise ValueError(f"first_step {self.first_step} is not below steps {self.steps}")
         return self
 
     @property
@@ -153,6 +161,10 @@ class StepReport(_Event):
     bytes_sent: int = 0
     bytes_received: int = 0
     frames_dropped: int = 0
+    replica_bytes: int = 0
+    """Size of the state published after this step, for step ``step + 1`` (0: none was)."""
+    replica_s: float = 0.0
+    """Seconds spent serialising and handing over that state."""
 
 
 class StageDone(_Event):

@@ -1,5 +1,23 @@
 """The wire contract: MQTT topic names and the binary tensor frame.
 
+Job topics besides the stage frames (``jobs/{job}/stage/{s}/fwd|bwd``) and
+``jobs/{job}/events``, all carrying safetensors bytes
+(:mod:`edge.runtime.checkpoint`), never a pickle:
+
+- ``jobs/{job}/weights/{s}`` (:func:`job_weights`): stage ``s``'s trained
+  weights at the end of the job; QoS 1.
+- ``jobs/{job}/replica/{s}`` (:func:`job_replica`): stage ``s``'s state
+  (weights and optimizer state) every ``replicate_every`` steps, for the
+  coordinator and for the device of stage ``s + 1`` (stage 0 for the last
+  stage), which keeps the newest; QoS 1, not retained.
+- ``jobs/{job}/restore/{s}`` (:func:`job_restore`): the state a new stage
+  ``s`` starts from, published by the coordinator, **retained**, before the
+  assignment that says ``restore`` (and best cleared, with an empty retained
+  message, once the stage is ready).
+
+A state's ``step`` is the number of steps done: the state at the start of step
+``step`` ([Note: the step of a state] in :mod:`edge.runtime.checkpoint`).
+
 Control messages (JSON, validated by pydantic) are in :mod:`edge.messages`;
 tensors travel as frames defined here. Nothing on the wire is ever unpickled:
 a frame is a fixed little-endian header followed by raw bytes, and decoding
@@ -63,6 +81,8 @@ __all__ = [
     "device_status",
     "encode_frame",
     "job_events",
+    "job_replica",
+    "job_restore",
     "job_weights",
     "parse_stage_topic",
     "stage_topic",
@@ -176,6 +196,16 @@ def job_events(job: str) -> str:
 def job_weights(job: str, stage: int) -> str:
     """A stage's trained weights at the end of a job (safetensors bytes)."""
     return f"{TOPIC_ROOT}/jobs/{job}/weights/{stage}"
+
+
+def job_replica(job: str, stage: int) -> str:
+    """Stage ``stage``'s state every ``replicate_every`` steps (QoS 1, not retained)."""
+    return f"{TOPIC_ROOT}/jobs/{job}/replica/{stage}"
+
+
+def job_restore(job: str, stage: int) -> str:
+    """The state a restored stage ``stage`` starts from (retained, set by the coordinator)."""
+    return f"{TOPIC_ROOT}/jobs/{job}/restore/{stage}"
 
 
 _STAGE_TOPIC = re.compile(rf"{TOPIC_ROOT}/jobs/({_JOB_ID.pattern})/stage/(0|[1-9][0-9]*)/(fwd|bwd)")

@@ -13,6 +13,13 @@ over their parameters, and runs a step by executing its row of the schedule
 After the last action the optimizer steps (the flush). Stage 0 sends every
 microbatch's labels straight to the last stage before the first forward.
 
+For fault tolerance a stage runs steps ``[first_step, steps)``; it can be
+restored (:meth:`StageRuntime.restore`) from the state of step ``first_step``,
+and with ``replicate_every = R`` it hands its state for step ``k + 1`` to the
+``replicate`` hook after every step ``k`` with ``(k + 1) % R == 0`` (not after
+the last step: the final weights go out anyway). States are
+:mod:`edge.runtime.checkpoint` blobs; see [Note: the step of a state] there.
+
 [Note: loss scaling]
 Each microbatch's loss is the mean over its own samples (or tokens) divided by
 ``M``. With equal microbatches the sum of the ``M`` scaled losses, and of their
@@ -37,6 +44,7 @@ from edge.messages import OptimizerSpec, StageAssignment, StepReport
 from edge.models.datasets import build_dataset
 from edge.models.zoo import get_model
 from edge.protocol import Codec, Kind, encode_frame
+from edge.runtime.checkpoint import load_state, read_state, select, stage_state
 from edge.runtime.data import EpochSampler, load_batch
 from edge.runtime.schedules import make_schedule
 from edge.transport.base import Transport
@@ -44,6 +52,8 @@ from edge.transport.base import Transport
 __all__ = ["StageRuntime", "build_optimizer", "loss_fn"]
 
 Reporter = Callable[[Any], None]
+Replicator = Callable[[int, bytes], None]
+"""``replicate(step, state)``: publish the stage's state at the start of ``step``."""
 
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -78,6 +88,7 @@ class StageRuntime:
         device: str = "local",
         report: Reporter | None = None,
         slowdown: float = 1.0,
+        replicate: Replicator | None = None,
     ) -> None:
         if slowdown < 1:
             raise ValueError(f"slowdown must be at least 1 (got {slowdown})")
@@ -89,11 +100,13 @@ class StageRuntime:
         self.transport = transport
         self.device = device
         self.report: Reporter = report or (lambda _event: None)
+        self.replicate = replicate
         self._cancelled = threading.Event()
         a = assignment
         spec = get_model(a.model, seed=a.seed, **a.model_options)
         if a.end > spec.num_units:
             raise ValueError(f"segment [{a.start}, {a.end}) beyond the {spec.num_units} units")
+        self.unit_names = spec.unit_names
         self.segment = spec.build_segment(a.start, a.end).train()
         self.optimizer = build_optimizer(a.optimizer, self.segment.parameters())
         self.actions = make_schedule(a.schedule, a.num_stages, a.microbatches)[a.stage]
@@ -229,18 +242,26 @@ class StageRuntime:
             frames_dropped=sum(self.inbox.dropped.values()),
         )  # fmt: skip
 
-    def run(self, first_step: int = 0) -> int:
-        """Run the job's steps from ``first_step``, reporting each; returns how many ran.
+    def run(self, first_step: int | None = None) -> int:
+        """Run the job's steps from ``first_step`` (the assignment's by default); how many ran.
 
         The caller reports :class:`~edge.messages.StageDone` (after saving or
         sending the weights, which the coordinator expects before it).
         """
-        done = 0
+        a, done = self.a, 0
+        replicate, every = self.replicate, a.replicate_every
         try:
-            for step in range(first_step, self.a.steps):
+            for step in range(a.first_step if first_step is None else first_step, a.steps):
                 if self._cancelled.is_set():
                     break
-                self.report(self.run_step(step))
+                report = self.run_step(step)
+                if replicate and every and (step + 1) % every == 0 and step + 1 < a.steps:
+                    t0 = time.perf_counter()
+                    data = self.state(step + 1)
+                    replicate(step + 1, data)
+                    cost = {"replica_bytes": len(data), "replica_s": time.perf_counter() - t0}
+                    report = report.model_copy(update=cost)
+                self.report(report)
                 done += 1
         finally:
             self.transport.detach(self.a.job, self.a.stage)
@@ -254,3 +275,30 @@ class StageRuntime:
         """The segment's weights as safetensors bytes (keys are unit-prefixed)."""
         state = {k: v.detach().contiguous() for k, v in self.segment.state_dict().items()}
         return safetensors.torch.save(state)
+
+    def state(self, step: int) -> bytes:
+        """Weights and optimizer state as a state blob for ``step`` (steps done so far)."""
+        a = self.a
+        return stage_state(self.segment, self.optimizer, step=step, job=a.job, stage=a.stage,
+                           start=a.start, end=a.end)  # fmt: skip
+
+    def restore(self, data: bytes) -> int:
+        """Load a state blob of this job covering this segment, for ``first_step``.
+
+        Raises a one-line :class:`ValueError` (and changes nothing) for a blob
+        that is malformed, of another job or step, or lacks some of the units.
+        Returns the step it is for.
+        """
+        a = self.a
+        try:
+            state = read_state(data)
+            if state.job != a.job:
+                raise ValueError(f"the state is of job {state.job}, not {a.job}")
+            if state.step != a.first_step:
+                raise ValueError(f"the state is for step {state.step}, "
+                                 f"the stage starts at step {a.first_step}")  # fmt: skip
+            load_state(self.segment, self.optimizer,
+                       select([state], a.start, a.end, self.unit_names))  # fmt: skip
+        except ValueError as exc:
+            raise ValueError(f"restore: {exc}") from None
+        return state.step
