@@ -33,6 +33,7 @@ from edge.messages import (
 from edge.models.zoo import get_model
 
 __all__ = [
+    "JobAborted",
     "JobFailed",
     "JobMonitor",
     "JobResult",
@@ -68,12 +69,29 @@ class JobFailed(RuntimeError):
     """A stage reported a failure, or the job timed out."""
 
 
+class JobAborted(JobFailed):
+    """The caller's ``abort`` check gave a reason to stop (e.g. a device died)."""
+
+
 def new_job_id() -> str:
     return "j" + secrets.token_hex(6)
 
 
-def make_assignments(job: str, spec: JobSpec, plan: Plan) -> list[StageAssignment]:
-    """One assignment per stage of ``plan``; every link uses ``spec.codec``."""
+def make_assignments(
+    job: str,
+    spec: JobSpec,
+    plan: Plan,
+    *,
+    first_step: int = 0,
+    replicate_every: int = 0,
+    restore: bool = False,
+) -> list[StageAssignment]:
+    """One assignment per stage of ``plan``; every link uses ``spec.codec``.
+
+    ``first_step``, ``replicate_every`` and ``restore`` are for fault tolerance
+    (:mod:`coordinator.resilient`): start at that step, publish the stage's state
+    every that many steps, load the state published for the stage before starting.
+    """
     model = get_model(spec.model, seed=spec.seed, **spec.model_options)
     dataset = spec.dataset or model.dataset
     options = spec.dataset_options
@@ -104,6 +122,9 @@ def make_assignments(job: str, spec: JobSpec, plan: Plan) -> list[StageAssignmen
                 prev_device=stages[s - 1].device if s > 0 else None,
                 next_device=stages[s + 1].device if s + 1 < len(stages) else None,
                 recv_timeout_s=spec.recv_timeout_s,
+                first_step=first_step,
+                replicate_every=replicate_every,
+                restore=restore,
             )
         )
     return out
@@ -146,11 +167,17 @@ class JobMonitor:
     """Folds one job's events into its state; safe to feed from any thread."""
 
     def __init__(
-        self, job: str, num_stages: int, on_step: Callable[[StepReport], None] | None = None
+        self,
+        job: str,
+        num_stages: int,
+        on_step: Callable[[StepReport], None] | None = None,
+        abort: Callable[[], str | None] | None = None,
     ) -> None:
         self.job = job
         self.num_stages = num_stages
         self.on_step = on_step
+        self.abort = abort
+        """Polled while waiting (every 50 ms): a reason to stop waiting, or ``None``."""
         self.ready: set[int] = set()
         self.done: set[int] = set()
         self.failures: list[StageFailed] = []
@@ -180,13 +207,16 @@ class JobMonitor:
         deadline = time.monotonic() + timeout
         with self._cond:
             while not what():
+                reason = self.abort() if self.abort is not None else None
+                if reason is not None:
+                    raise JobAborted(f"job {self.job}: {reason}")
                 if self.failures:
                     f = self.failures[0]
                     raise JobFailed(f"stage {f.stage} on {f.device} failed: {f.error}")
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise JobFailed(f"job {self.job}: timed out after {timeout:.0f} s {label}")
-                self._cond.wait(remaining)
+                self._cond.wait(remaining if self.abort is None else min(remaining, 0.05))
 
     def wait_ready(self, timeout: float) -> None:
         self._wait(lambda: len(self.ready) == self.num_stages, timeout, "waiting for stages")

@@ -13,6 +13,7 @@ Both take a :class:`~coordinator.jobs.JobSpec` and a plan and return a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -32,7 +33,7 @@ from edge.messages import (
     StepReport,
     parse_event,
 )
-from edge.protocol import TOPIC_ROOT, device_cmd, job_events
+from edge.protocol import TOPIC_ROOT, device_cmd, job_events, job_restore
 from edge.runtime.stage import StageRuntime
 from edge.transport.inprocess import InProcessTransport
 from edge.transport.mqtt import MqttTransport
@@ -108,11 +109,26 @@ def run_on_agents(
     on_step: Callable[[StepReport], None] | None = None,
     ready_timeout_s: float = 120.0,
     timeout_s: float = 3600.0,
+    first_step: int = 0,
+    replicate_every: int = 0,
+    restore: dict[int, bytes] | None = None,
+    abort: Callable[[], str | None] | None = None,
 ) -> JobResult:
-    """Run ``plan`` on the agents named by its stages, through the connected ``control``."""
+    """Run ``plan`` on the agents named by its stages, through the connected ``control``.
+
+    For fault tolerance (:mod:`coordinator.resilient`): start at ``first_step``
+    with the state in ``restore`` (one blob per stage, published retained on its
+    restore topic before the assignments), have stages publish their state every
+    ``replicate_every`` steps, and stop with :class:`~coordinator.jobs.JobAborted`
+    as soon as ``abort()`` gives a reason. However it ends, the stages are told to
+    stop unless they finished, and the retained restore blobs are cleared.
+    """
     job = job or new_job_id()
-    assignments = make_assignments(job, spec, plan)
-    monitor = JobMonitor(job, len(assignments), on_step)
+    assignments = make_assignments(
+        job, spec, plan, first_step=first_step, replicate_every=replicate_every,
+        restore=bool(restore),
+    )  # fmt: skip
+    monitor = JobMonitor(job, len(assignments), on_step, abort)
     weights: dict[int, bytes] = {}
     got_weights = threading.Condition()
 
@@ -133,6 +149,8 @@ def run_on_agents(
     control.subscribe(weights_topic, on_weights)
     devices = [st.device for st in plan.stages]
     try:
+        for stage, blob in (restore or {}).items():
+            control.publish(job_restore(job, stage), blob, 1, retain=True)
         for a in assignments:
             control.publish(device_cmd(devices[a.stage]), a.model_dump_json(), 1)
         monitor.wait_ready(ready_timeout_s)
@@ -153,6 +171,8 @@ def run_on_agents(
             job, plan, spec, monitor.loss_list(spec.steps), monitor.reports, wall, merged
         )
     except BaseException:
+        if len(monitor.done) == len(devices):
+            raise
         for device in devices:
             control.publish(
                 device_cmd(device),
@@ -163,3 +183,6 @@ def run_on_agents(
     finally:
         control.unsubscribe(events_topic)
         control.unsubscribe(weights_topic)
+        for stage in restore or {}:
+            with contextlib.suppress(ConnectionError):
+                control.publish(job_restore(job, stage), b"", 1, retain=True)  # clears it

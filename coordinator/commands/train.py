@@ -75,6 +75,26 @@ def train_command(
         help="torch threads per agent (default: cores / devices). Equal counts give "
         "bit-identical results across runs with different numbers of devices.",
     ),
+    fault: list[str] = typer.Option(
+        [],
+        "--fault",
+        help="Inject a fault: kill:STAGE@STEP (SIGKILL that stage's agent once it "
+        "reports STEP). Repeatable; implies fault tolerance.",
+    ),
+    replicate_every: int = typer.Option(
+        0,
+        "--replicate-every",
+        min=0,
+        help="Fault tolerance: replicate every stage's state every R steps (0: off, or 2 "
+        "when --fault is given). A failed device is replaced by re-planning over the rest.",
+    ),
+    heartbeat_timeout: float = typer.Option(
+        3.0,
+        "--heartbeat-timeout",
+        min=0.1,
+        help="Seconds without a heartbeat before a device "
+        "is declared dead (its last will is quicker).",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object at the end."),
 ) -> None:
     """Train MODEL split across N local devices over MQTT (or in-process threads)."""
@@ -99,6 +119,18 @@ def train_command(
         raise UserError(describe_validation_error(exc, "train")) from None
     if batch_size % microbatches:
         raise UserError(f"--batch-size {batch_size} is not a multiple of --microbatches")
+    from coordinator.faults import parse_fault
+
+    faults = [parse_fault(f) for f in fault]
+    if faults and replicate_every == 0:
+        replicate_every = 2
+    if replicate_every and transport != "mqtt":
+        raise UserError("--fault and --replicate-every need --transport mqtt (agents to lose)")
+    for f in faults:
+        if f.stage >= devices or f.step >= steps:
+            raise UserError(f"--fault {f}: stage must be below --devices and step below --steps")
+    resilience = (faults, replicate_every, heartbeat_timeout) if replicate_every else None
+    extra: dict[str, Any] = {}
     tune_malloc()  # the in-process paths train here; agents tune their own
     progress = _Progress(steps, batch_size, enabled=not json_out)
     with progress:
@@ -106,14 +138,14 @@ def train_command(
             result, broker_name, score = _run_inprocess(spec, devices, partition, progress)
         else:
             result, broker_name, score = _run_mqtt(
-                spec, devices, partition, broker, progress, threads
+                spec, devices, partition, broker, progress, threads, resilience, extra
             )
     if save_weights is not None:
         save_weights.write_bytes(result.weights_bytes())
     out = {
         "losses": result.losses, "samples_per_s": result.samples_per_s, "plan": score.to_json(),
         "transport": transport, "broker": broker_name, "job": result.job, "steps": steps,
-        "wall_s": result.wall_s, "stages": result.stage_summary(),
+        "wall_s": result.wall_s, "stages": result.stage_summary(), **extra,
     }  # fmt: skip
     if json_out:
         typer.echo(json.dumps(out))
@@ -144,6 +176,8 @@ def _run_mqtt(
     broker: str | None,
     progress: _Progress,
     threads: int | None,
+    resilience: tuple[list[Any], int, float] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[JobResult, str, Any]:
     from coordinator.broker import BrokerStartError, start_broker
     from coordinator.localfleet import LocalFleet
@@ -169,8 +203,29 @@ def _run_mqtt(
         fleet = stack.enter_context(LocalFleet(n, url, threads=threads))
         profiles = fleet.wait_online(control)
         plan, score = _plan(spec, [profiles[d] for d in fleet.ids], partition)
-        result = run_on_agents(spec, plan, control, on_step=progress.update)
-        return result, name, score
+        if resilience is None:
+            result = run_on_agents(spec, plan, control, on_step=progress.update)
+            return result, name, score
+        from coordinator.faults import FaultInjector
+        from coordinator.resilient import run_resilient
+
+        faults, every, timeout = resilience
+
+        def kill(fault: Any, device: str) -> None:
+            progress.note(f"fault {fault}: killing {device}")
+            fleet.kill(device)
+
+        def replan(alive: list[str]) -> Any:
+            return _plan(spec, [profiles[d] for d in alive], partition)[0]
+
+        got = run_resilient(
+            spec, plan, control, replan, list(fleet.ids), replicate_every=every,
+            heartbeat_timeout_s=timeout, faults=FaultInjector(faults, kill),
+            on_step=progress.update,
+        )  # fmt: skip
+        if extra is not None:
+            extra.update(got.to_json())
+        return got.result, name, score
     raise AssertionError("unreachable")
 
 

@@ -1,0 +1,81 @@
+"""Fault injection for users and tests: ``--fault kill:STAGE@STEP`` and friends.
+
+A :class:`Fault` names what happens (``kill``), to which stage of the plan in
+force at the time (so ``kill:1@3`` then ``kill:1@7`` kills whichever device runs
+stage 1 after the first recovery), and when: as soon as any stage reports step
+``STEP`` done, so faults of the same step fire together (``kill:1@5 kill:2@5``
+kills two devices at once). :class:`FaultInjector` watches step reports and fires each fault
+once, through a callback that does the deed (``LocalFleet.kill`` sends SIGKILL
+to the agent's process), and records when it did, for the job's events.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from edge.errors import UserError
+from edge.messages import StepReport
+
+__all__ = ["Fault", "FaultInjector", "parse_fault"]
+
+_FAULT = re.compile(r"^(kill):(\d+)@(\d+)$")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: Literal["kill"]
+    stage: int
+    step: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.stage}@{self.step}"
+
+
+def parse_fault(text: str) -> Fault:
+    """``kill:STAGE@STEP``; anything else is a one-line :class:`UserError`."""
+    m = _FAULT.match(text.strip())
+    if m is None:
+        raise UserError(f"--fault {text!r}: expected kill:STAGE@STEP (e.g. kill:1@5)")
+    return Fault("kill", int(m.group(2)), int(m.group(3)))
+
+
+@dataclass
+class FaultInjector:
+    """Fires each fault once, at its step, on the device of its stage in the current plan."""
+
+    faults: list[Fault]
+    act: Callable[[Fault, str], None]
+    """``act(fault, device)``: do it to ``device`` (the one running the stage now)."""
+    fired: list[tuple[Fault, str, float]] = field(default_factory=list)
+    _pending: list[Fault] = field(default_factory=list)
+    _devices: list[str] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self._pending = sorted(self.faults, key=lambda f: f.step)
+
+    def use_plan(self, devices: list[str]) -> None:
+        """The device of each stage of the plan now in force."""
+        with self._lock:
+            self._devices = list(devices)
+
+    def on_step(self, report: StepReport) -> None:
+        due = []
+        with self._lock:
+            for fault in list(self._pending):
+                if report.step >= fault.step and fault.stage < len(self._devices):
+                    self._pending.remove(fault)
+                    due.append((fault, self._devices[fault.stage]))
+        for fault, device in due:
+            self.fired.append((fault, device, time.time()))
+            self.act(fault, device)
+
+    @property
+    def pending(self) -> list[Fault]:
+        with self._lock:
+            return list(self._pending)

@@ -1,0 +1,133 @@
+"""Devices die mid-run and training goes on, with the same result (coordinator/resilient.py).
+
+Real agent processes killed with SIGKILL, a real Mosquitto: the broker sends the
+dead agent's last will, the coordinator re-plans over the survivors, every stage
+rolls back to the newest step whose replicas cover the model, and the run ends
+with the parameters of a run without faults (1e-4 relative) and every step's loss.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from support.mosquitto import find_mosquitto, mosquitto_broker
+
+from coordinator.faults import Fault, FaultInjector, parse_fault
+from coordinator.jobs import JobSpec
+from coordinator.localfleet import LocalFleet
+from coordinator.planner.score import Plan
+from coordinator.resilient import run_resilient
+from coordinator.runners import run_inprocess
+from edge.errors import UserError
+from edge.models.zoo import get_model
+from edge.transport.mqtt import MqttSettings, MqttTransport
+
+pytestmark = pytest.mark.slow
+
+STEPS = 12
+_REFERENCE: dict[str, tuple[list[float], dict[str, torch.Tensor]]] = {}
+
+
+def _spec(model: str) -> JobSpec:
+    return JobSpec(model=model, steps=STEPS, batch_size=16, microbatches=4, seed=5)
+
+
+def _reference(model: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The no-fault run: one stage, the same code path without a pipeline."""
+    if model not in _REFERENCE:
+        n = get_model(model).num_units
+        result = run_inprocess(_spec(model), Plan.of(("ref", 0, n)))
+        _REFERENCE[model] = (result.losses, result.weights)
+    return _REFERENCE[model]
+
+
+def _even(devices: list[str], n_units: int) -> Plan:
+    k = min(len(devices), n_units)
+    cuts = [round(i * n_units / k) for i in range(k + 1)]
+    return Plan.of(*((devices[i], cuts[i], cuts[i + 1]) for i in range(k)))
+
+
+@pytest.fixture
+def broker() -> Iterator[str]:
+    if find_mosquitto() is None:
+        pytest.skip("mosquitto binary not found (on PATH or /usr/sbin/mosquitto)")
+    with mosquitto_broker() as running:
+        yield running.url
+
+
+def _run(broker: str, model: str, agents: int, faults: list[Fault]):  # type: ignore[no-untyped-def]
+    n_units = get_model(model).num_units
+    control = MqttTransport(MqttSettings(url=broker))
+    control.connect(10)
+    try:
+        with LocalFleet(agents, broker, threads=1) as fleet:
+            fleet.wait_online(control, timeout=90)
+            injector = FaultInjector(faults, lambda _f, device: fleet.kill(device))
+            return run_resilient(
+                _spec(model), _even(fleet.ids, n_units), control,
+                lambda alive: _even(alive, n_units), list(fleet.ids),
+                replicate_every=2, heartbeat_timeout_s=3.0, faults=injector, timeout_s=300,
+            )  # fmt: skip
+    finally:
+        control.close()
+
+
+def _assert_same_training(got, model: str) -> None:  # type: ignore[no-untyped-def]
+    losses, weights = _reference(model)
+    assert got.steps_completed == STEPS
+    assert len(got.result.losses) == STEPS
+    for a, b in zip(got.result.losses, losses, strict=True):
+        assert abs(a - b) <= 1e-4 * max(abs(b), 1e-12)
+    assert set(got.result.weights) == set(weights)
+    for key, ref in weights.items():
+        diff = (got.result.weights[key] - ref).abs().max().item()
+        assert diff <= 1e-4 * max(ref.abs().max().item(), 1e-12), key
+
+
+@pytest.mark.parametrize(
+    ("model", "agents", "faults"),
+    [
+        ("cnn-digits", 3, ["kill:1@4"]),
+        ("gpt-mini", 4, ["kill:2@5"]),
+        ("cnn-digits", 4, ["kill:1@5", "kill:2@5"]),  # two at once
+        ("mlp", 3, ["kill:1@3", "kill:1@8"]),  # the same stage twice
+    ],
+)
+def test_killed_agents_are_survived_with_the_same_result(
+    broker: str, model: str, agents: int, faults: list[str]
+) -> None:
+    got = _run(broker, model, agents, [parse_fault(f) for f in faults])
+    _assert_same_training(got, model)
+    failures = [e for e in got.events if e["type"] == "failure"]
+    assert len(failures) == len(faults)
+    assert got.recovery_s and all(0 < s < 60 for s in got.recovery_s)
+    assert got.to_json()["recovered"] is True
+
+
+def test_bad_fault_specs_are_refused() -> None:
+    for text in ["kill:1", "kill:x@2", "melt:1@2", ""]:
+        with pytest.raises(UserError, match="kill:STAGE@STEP"):
+            parse_fault(text)
+
+
+def test_train_cli_reports_the_recovery(broker: str) -> None:
+    cmd = [
+        sys.executable, "-m", "edgetrain.cli", "train", "--model", "cnn-digits", "--devices",
+        "3", "--steps", "8", "--batch-size", "16", "--microbatches", "4", "--broker", broker,
+        "--partition", "even", "--threads", "1", "--fault", "kill:1@3", "--json",
+    ]  # fmt: skip
+    started = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert len(got["losses"]) == 8 and got["steps_completed"] == 8
+    assert got["recovered"] is True and got["recovery_s"] > 0
+    assert got["rolled_back_steps"] >= 0
+    assert any(e["type"] == "failure" for e in got["events"])
+    assert time.monotonic() - started < 300
