@@ -1,6 +1,7 @@
 """Fault injection for users and tests: ``--fault kill:STAGE@STEP`` and friends.
 
-A :class:`Fault` names what happens (``kill``), to which stage of the plan in
+A :class:`Fault` names what happens (``kill``: SIGKILL the agent; ``slow``: its
+compute becomes FACTOR times slower, through the software throttle), to which stage of the plan in
 force at the time (so ``kill:1@3`` then ``kill:1@7`` kills whichever device runs
 stage 1 after the first recovery), and when: as soon as any stage reports step
 ``STEP`` done, so faults of the same step fire together (``kill:1@5 kill:2@5``
@@ -23,25 +24,32 @@ from edge.messages import StepReport
 
 __all__ = ["Fault", "FaultInjector", "parse_fault"]
 
-_FAULT = re.compile(r"^(kill):(\d+)@(\d+)$")
+_FAULT = re.compile(r"^(kill|slow):(\d+)@(\d+)(?::(\d+(?:\.\d+)?))?$")
+_FORMS = "kill:STAGE@STEP or slow:STAGE@STEP:FACTOR (e.g. kill:1@5, slow:0@4:4)"
 
 
 @dataclass(frozen=True)
 class Fault:
-    kind: Literal["kill"]
+    kind: Literal["kill", "slow"]
     stage: int
     step: int
+    factor: float = 1.0
+    """``slow``: how many times slower the device computes from then on."""
 
     def __str__(self) -> str:
-        return f"{self.kind}:{self.stage}@{self.step}"
+        tail = f":{self.factor:g}" if self.kind == "slow" else ""
+        return f"{self.kind}:{self.stage}@{self.step}{tail}"
 
 
 def parse_fault(text: str) -> Fault:
-    """``kill:STAGE@STEP``; anything else is a one-line :class:`UserError`."""
+    """``kill:STAGE@STEP`` or ``slow:STAGE@STEP:FACTOR``; else a one-line :class:`UserError`."""
     m = _FAULT.match(text.strip())
-    if m is None:
-        raise UserError(f"--fault {text!r}: expected kill:STAGE@STEP (e.g. kill:1@5)")
-    return Fault("kill", int(m.group(2)), int(m.group(3)))
+    if m is None or (m.group(1) == "slow") != (m.group(4) is not None):
+        raise UserError(f"--fault {text!r}: expected {_FORMS}")
+    factor = float(m.group(4) or 1.0)
+    if m.group(1) == "slow" and not 1.0 <= factor <= 1000.0:
+        raise UserError(f"--fault {text!r}: FACTOR must be between 1 and 1000")
+    return Fault(m.group(1), int(m.group(2)), int(m.group(3)), factor)  # type: ignore[arg-type]
 
 
 @dataclass

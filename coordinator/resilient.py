@@ -6,11 +6,12 @@ of a cancelled attempt can reach the next one), with every stage publishing its
 state (weights and optimizer state, safetensors) every ``replicate_every`` steps.
 
 - **Detection** (:class:`DeviceWatch`): a device is dead when its retained
-  status turns ``offline`` (its MQTT last will, sent by the broker the moment the
-  connection drops, or its own goodbye) or when no heartbeat came for
-  ``heartbeat_timeout_s``. A stage that reports a failure while a device of the
-  plan is dead, or dies within the timeout, is a casualty of that death, not a
-  failure of the job.
+  status turns ``offline`` (its MQTT last will, sent by the broker the moment
+  the connection drops, or its own goodbye; confirmed after :data:`CONFIRM_S`,
+  as a broker shutting down sends every client's will) or when no heartbeat came
+  for ``heartbeat_timeout_s`` while the coordinator itself had the broker. A
+  stage that reports a failure while a device of the plan is dead, or dies
+  within the timeout, is a casualty of that death, not a failure of the job.
 - **Recovery**: the attempt is cancelled on the survivors; the coordinator
   re-plans over the devices still alive (``replan``); every stage of the new
   plan starts at the newest step for which the replicas cover every unit
@@ -47,6 +48,13 @@ __all__ = ["DeviceWatch", "ResilientResult", "run_resilient"]
 log = logging.getLogger(__name__)
 
 
+CONFIRM_S = 0.3
+"""An offline status counts once the broker connection outlived it by this long."""
+RECONNECT_GRACE_S = 35.0
+"""After the broker came back, heartbeats are not judged for this long (an agent's
+reconnect back-off is at most 30 s by default)."""
+
+
 class DeviceWatch:
     """Which of ``devices`` are dead, and since when (see the module docstring)."""
 
@@ -61,6 +69,11 @@ class DeviceWatch:
         """Device -> (``time.time()`` of detection, why)."""
         self._lock = threading.Lock()
         self._topics = [f"{TOPIC_ROOT}/devices/+/status", f"{TOPIC_ROOT}/devices/+/heartbeat"]
+        self._reconnects = control.reconnects
+        self._grace_until = 0.0
+        self._heard: dict[str, float] = {}  # only real messages, unlike _seen
+        self._suspects: dict[str, tuple[float, float]] = {}
+        """Devices reported offline: (when, monotonic) until confirmed (see dead_among)."""
 
     def __enter__(self) -> DeviceWatch:
         self.control.subscribe(self._topics[0], self._on_status)
@@ -86,29 +99,61 @@ class DeviceWatch:
         # Any offline is news: a running agent replaced the retained status with its
         # own online when it connected, and the last will was set before that.
         if status.state == "offline":
-            self._mark(device, "offline (last will or goodbye)")
-        elif status.state != "offline":
+            with self._lock:  # confirmed by dead_among unless the broker goes away first
+                self._suspects.setdefault(device, (time.time(), time.monotonic()))
+        else:
             with self._lock:
-                self._seen[device] = time.monotonic()
+                self._seen[device] = self._heard[device] = time.monotonic()
+                self._suspects.pop(device, None)
 
     def _on_heartbeat(self, topic: str, _payload: bytes) -> None:
         device = self._device(topic)
         if device is not None:
             with self._lock:
-                self._seen[device] = time.monotonic()
+                self._seen[device] = self._heard[device] = time.monotonic()
 
-    def _mark(self, device: str, why: str) -> None:
+    def wait_heard(self, devices: list[str], since: float, timeout: float) -> list[str]:
+        """Wait until each of ``devices`` was heard after ``since`` (monotonic); the silent."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                silent = [d for d in devices if self._heard.get(d, -1.0) < since]
+            if not silent or time.monotonic() >= deadline:
+                return silent
+            time.sleep(0.05)
+
+    def _mark(self, device: str, why: str, when: float | None = None) -> None:
         with self._lock:
+            self._suspects.pop(device, None)
             if device not in self.dead:
-                self.dead[device] = (time.time(), why)
+                self.dead[device] = (when or time.time(), why)
                 log.warning("device %s is dead: %s", device, why)
 
     def dead_among(self, devices: Iterable[str]) -> list[str]:
-        """Those of ``devices`` that are dead, checking heartbeats first."""
+        """Those of ``devices`` that are dead, checking heartbeats first.
+
+        Heartbeats are not judged while this side has no broker, and the clocks
+        restart when it is back: the silence was the broker's, not the devices'.
+        """
         now = time.monotonic()
-        for device, seen in list(self._seen.items()):
-            if now - seen > self.timeout_s:
-                self._mark(device, f"no heartbeat for {now - seen:.1f} s")
+        if self.control.reconnects != self._reconnects or not self.control.connected:
+            # A broker that shuts down publishes every client's last will: offline
+            # reports that came just before losing it prove nothing.
+            self._reconnects = self.control.reconnects
+            with self._lock:
+                self._seen = dict.fromkeys(self._seen, now)
+                self._suspects.clear()
+            # Agents back off between reconnects (up to their reconnect_max_s): give them
+            # time to find the broker again before their silence counts.
+            self._grace_until = now + RECONNECT_GRACE_S
+        with self._lock:
+            confirmed = [(d, t) for d, (t, m) in self._suspects.items() if now - m >= CONFIRM_S]
+        for device, when in confirmed:
+            self._mark(device, "offline (last will or goodbye)", when)
+        if self.control.connected and now >= self._grace_until:
+            for device, seen in list(self._seen.items()):
+                if now - seen > self.timeout_s:
+                    self._mark(device, f"no heartbeat for {now - seen:.1f} s")
         with self._lock:
             return [d for d in devices if d in self.dead]
 
@@ -123,8 +168,20 @@ class ResilientResult:
     rolled_back_steps: int = 0
     steps_completed: int = 0
 
+    @property
+    def migrations(self) -> list[dict[str, Any]]:
+        """Per migration: samples/s of the old plan just before it and of the new plan."""
+        out = []
+        for i, e in enumerate(self.events):
+            if e["type"] == "migration":
+                after = next((x for x in self.events[i:] if x["type"] == "attempt_end"), None)
+                out.append({"before_sps": e["before_sps"],
+                            "after_sps": after["samples_per_s"] if after else None})  # fmt: skip
+        return out
+
     def to_json(self) -> dict[str, Any]:
         return {
+            "migrations": self.migrations,
             "events": self.events,
             "recovered": bool(self.recovery_s),
             "recovery_s": max(self.recovery_s) if self.recovery_s else None,
@@ -147,35 +204,79 @@ def run_resilient(
     on_step: Callable[[StepReport], None] | None = None,
     timeout_s: float = 3600.0,
     max_recoveries: int = 8,
+    rebalance: Callable[[Plan, list[str], dict[str, float], int], Plan | None] | None = None,
+    settle_steps: int = 3,
 ) -> ResilientResult:
     """Run ``plan``, recovering from device deaths by re-planning over the living.
 
     ``replan(alive)`` gives the plan for the devices still alive (in ``devices``'
-    order); ``faults`` fire as their steps are reported.
+    order); ``faults`` fire as their steps are reported. ``rebalance(plan, alive,
+    compute_s, steps_left)`` is asked after every step, once an attempt has run
+    ``settle_steps`` steps, with each stage device's measured compute seconds per
+    step (mean of the last two): a plan it returns is migrated to at once (the
+    stages roll back to the newest replica, as after a failure, and resume).
     """
     replicas = ReplicaStore(get_model(spec.model, **spec.model_options).unit_names)
     events: list[dict[str, Any]] = []
     losses: dict[int, float] = {}
     reports: list[StepReport] = []
     recovery_s: list[float] = []
-    pending: dict[str, float] = {}  # detection time of the failure being recovered from
+    pending: dict[str, Any] = {}  # "t": when the failure (or migration) being handled began
     rolled_back = 0
     started = time.perf_counter()
 
     def event(kind: str, **fields: Any) -> None:
         events.append({"type": kind, "ts": time.time(), **fields})
 
+    current_reports: list[StepReport] = []
+    migrate: dict[str, Any] = {}
+    state: dict[str, Any] = {"plan": plan, "first": 0}
+
+    def consider_rebalance(report: StepReport) -> None:
+        attempt_plan: Plan = state["plan"]
+        if rebalance is None or migrate or report.stage != 0:  # stage 0 ends a step last
+            return
+        if report.step - state["first"] + 1 < settle_steps:
+            return
+        last = [report.step - 1, report.step]
+        compute: dict[str, float] = {}
+        for s, st in enumerate(attempt_plan.stages):
+            got = [r.compute_s for r in current_reports if r.stage == s and r.step in last]
+            if len(got) < 2:
+                return
+            compute[st.device] = sum(got) / len(got)
+        step_s = [r.step_s for r in current_reports if r.stage == 0 and r.step in last]
+        alive = [d for d in devices if d not in watch.dead]
+        better = rebalance(attempt_plan, alive, compute, spec.steps - report.step - 1)
+        if better is not None and better != attempt_plan:
+            before = spec.batch_size / (sum(step_s) / len(step_s)) if step_s else None
+            migrate.update(plan=better, before_sps=before, at=time.time(), compute_s=compute)
+
     def stepped(report: StepReport) -> None:
         reports.append(report)
+        current_reports.append(report)
         if report.loss is not None:
             losses[report.step] = report.loss
+        consider_rebalance(report)
         if "t" in pending:
-            recovery_s.append(time.time() - pending.pop("t"))
-            event("resumed", step=report.step, recovery_s=recovery_s[-1])
+            took = time.time() - pending.pop("t")
+            kind = pending.pop("kind", "failure")
+            if kind != "failure":
+                event("resumed", step=report.step, **{f"{kind}_s": took})
+            else:
+                recovery_s.append(took)
+                event("resumed", step=report.step, recovery_s=took)
         if faults is not None:
             faults.on_step(report)
         if on_step is not None:
             on_step(report)
+
+    def attempt_end(job: str, first: int) -> None:
+        """The attempt's steady samples/s: stage 0's step times after its first two steps."""
+        times = [r.step_s for r in current_reports if r.stage == 0 and r.step >= first + 2]
+        sps = spec.batch_size * len(times) / sum(times) if times and sum(times) > 0 else None
+        event("attempt_end", job=job, first_step=first, samples_per_s=sps,
+              steps=len({r.step for r in current_reports}))  # fmt: skip
 
     first_step = 0
     with DeviceWatch(control, devices, heartbeat_timeout_s) as watch, replicas.listening(control):
@@ -187,9 +288,18 @@ def run_resilient(
                 faults.use_plan(current)
             event("attempt", job=job, first_step=first_step, plan=plan.to_json())
 
-            def abort(current: list[str] = current) -> str | None:
+            current_reports.clear()
+            state.update(plan=plan, first=first_step)
+
+            reconnects = control.reconnects
+
+            def abort(current: list[str] = current, reconnects: int = reconnects) -> str | None:
                 dead = watch.dead_among(current)
-                return f"device {dead[0]} died" if dead else None
+                if dead:
+                    return f"device {dead[0]} died"
+                if control.reconnects != reconnects:  # frames in flight were lost with it
+                    return "the broker connection was lost"
+                return "migrating to a faster plan" if migrate else None
 
             restore = None
             if first_step > 0:
@@ -203,26 +313,53 @@ def run_resilient(
                     first_step=first_step, replicate_every=replicate_every, restore=restore,
                     abort=abort,
                 )  # fmt: skip
+                attempt_end(job, first_step)
                 break
             except JobAborted:
-                pass
+                attempt_end(job, first_step)  # a device died, or a migration: see below
             except JobFailed:
+                attempt_end(job, first_step)
                 # A stage failing because its neighbour died: wait for the death to show.
                 deadline = time.monotonic() + heartbeat_timeout_s + 0.5
-                while not watch.dead_among(current) and time.monotonic() < deadline:
+
+                def explained(current: list[str] = current, reconnects: int = reconnects) -> bool:
+                    return bool(watch.dead_among(current)) or control.reconnects != reconnects
+
+                while not explained() and time.monotonic() < deadline:
                     time.sleep(0.05)
-                if not watch.dead_among(current):
+                if not explained():
                     raise
             dead = watch.dead_among(current)
-            detected = min(watch.dead[d][0] for d in dead)
-            for d in dead:
-                event("failure", device=d, detected_at=watch.dead[d][0], why=watch.dead[d][1])
-            alive = [d for d in devices if d not in watch.dead]
             done = max(losses, default=-1) + 1
             first_step = replicas.newest_complete(done)
             rolled_back += done - first_step
             for step in [s for s in losses if s >= first_step]:
                 del losses[step]
+            alive = [d for d in devices if d not in watch.dead]
+            if not dead and control.reconnects != reconnects:  # the broker went away
+                event("broker-lost", rollback_to=first_step, redo_steps=done - first_step)
+                pending.update(t=time.time(), kind="broker")
+                migrate.clear()
+                back = time.monotonic()
+                if not control.wait_ready(60):
+                    raise JobFailed("the broker did not come back within 60 s")
+                # Commands to an agent still backing off would be lost: wait for each.
+                silent = watch.wait_heard(alive, back, RECONNECT_GRACE_S)
+                if silent:
+                    log.warning("devices %s not heard since the broker came back", silent)
+                continue
+            if not dead and migrate:  # no failure: a rebalance
+                plan = migrate["plan"]
+                pending.update(t=migrate["at"], kind="migration")
+                event("migration", rollback_to=first_step, redo_steps=done - first_step,
+                      before_sps=migrate["before_sps"], compute_s=migrate["compute_s"],
+                      plan=plan.to_json())  # fmt: skip
+                migrate.clear()
+                continue
+            migrate.clear()
+            detected = min(watch.dead[d][0] for d in dead)
+            for d in dead:
+                event("failure", device=d, detected_at=watch.dead[d][0], why=watch.dead[d][1])
             if not alive:
                 raise JobFailed("every device of the job died")
             plan = replan(alive)

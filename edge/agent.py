@@ -56,6 +56,7 @@ from edge.messages import (
     StageReady,
     StartJob,
     StepReport,
+    Throttle,
     parse_command,
 )
 from edge.problem import DeviceSpec
@@ -79,7 +80,7 @@ __all__ = ["Agent"]
 log = logging.getLogger("edgetrain.agent")
 
 _KEEP = "keep-replicas"  # work item: store the neighbour replicas that arrived
-_Work = StageAssignment | StartJob | CancelJob | str | None
+_Work = StageAssignment | StartJob | CancelJob | Throttle | str | None
 
 
 class _Cancelled(RuntimeError):
@@ -233,6 +234,11 @@ class Agent:
                     self._assign(cmd)
                 elif isinstance(cmd, StartJob):
                     self._start(cmd.job)
+                elif isinstance(cmd, Throttle):
+                    log.info("compute now %.2fx slower (was %.2fx)", cmd.slowdown, self.slowdown)
+                    self.slowdown = cmd.slowdown
+                    if self._runtime is not None:
+                        self._runtime.slowdown = cmd.slowdown
                 elif (
                     isinstance(cmd, CancelJob) and self._runtime and self._runtime.a.job == cmd.job
                 ):

@@ -31,6 +31,7 @@ __all__ = [
     "StageReady",
     "StartJob",
     "StepReport",
+    "Throttle",
     "parse_command",
     "parse_event",
 ]
@@ -131,7 +132,14 @@ class CancelJob(_Message):
     reason: str = "cancelled"
 
 
-Command = Annotated[StageAssignment | StartJob | CancelJob, Field(discriminator="type")]
+class Throttle(_Message):
+    """Run this device's compute ``slowdown`` times slower from now on (fault injection)."""
+
+    type: Literal["throttle"] = "throttle"
+    slowdown: float = Field(ge=1.0, le=1000.0, allow_inf_nan=False)
+
+
+Command = Annotated[StageAssignment | StartJob | CancelJob | Throttle, Field(discriminator="type")]
 
 
 class _Event(_Message):
@@ -199,11 +207,11 @@ class Heartbeat(_Message):
     step: int | None = None
 
 
-_COMMAND: TypeAdapter[StageAssignment | StartJob | CancelJob] = TypeAdapter(Command)
+_COMMAND: TypeAdapter[StageAssignment | StartJob | CancelJob | Throttle] = TypeAdapter(Command)
 _EVENT: TypeAdapter[StageReady | StepReport | StageDone | StageFailed] = TypeAdapter(Event)
 
 
-def parse_command(payload: bytes | str) -> StageAssignment | StartJob | CancelJob:
+def parse_command(payload: bytes | str) -> StageAssignment | StartJob | CancelJob | Throttle:
     """A command from JSON, or :class:`MessageError` with one line saying what is wrong."""
     try:
         return _COMMAND.validate_json(payload)

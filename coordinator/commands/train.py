@@ -95,6 +95,12 @@ def train_command(
         help="Seconds without a heartbeat before a device "
         "is declared dead (its last will is quicker).",
     ),
+    rebalance: bool = typer.Option(
+        True,
+        "--rebalance/--no-rebalance",
+        help="Fault tolerance: migrate layers when measured "
+        "stage times say another plan is over 10% faster and worth the move.",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object at the end."),
 ) -> None:
     """Train MODEL split across N local devices over MQTT (or in-process threads)."""
@@ -129,7 +135,9 @@ def train_command(
     for f in faults:
         if f.stage >= devices or f.step >= steps:
             raise UserError(f"--fault {f}: stage must be below --devices and step below --steps")
-    resilience = (faults, replicate_every, heartbeat_timeout) if replicate_every else None
+    resilience = (
+        (faults, replicate_every, heartbeat_timeout, rebalance) if replicate_every else None
+    )
     extra: dict[str, Any] = {}
     tune_malloc()  # the in-process paths train here; agents tune their own
     progress = _Progress(steps, batch_size, enabled=not json_out)
@@ -176,7 +184,7 @@ def _run_mqtt(
     broker: str | None,
     progress: _Progress,
     threads: int | None,
-    resilience: tuple[list[Any], int, float] | None = None,
+    resilience: tuple[list[Any], int, float, bool] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> tuple[JobResult, str, Any]:
     from coordinator.broker import BrokerStartError, start_broker
@@ -207,21 +215,39 @@ def _run_mqtt(
             result = run_on_agents(spec, plan, control, on_step=progress.update)
             return result, name, score
         from coordinator.faults import FaultInjector
+        from coordinator.planner.build import build_problem
+        from coordinator.rebalance import Rebalancer
         from coordinator.resilient import run_resilient
+        from edge.messages import Throttle
+        from edge.protocol import device_cmd
 
-        faults, every, timeout = resilience
+        faults, every, timeout, rebalancing = resilience
 
-        def kill(fault: Any, device: str) -> None:
-            progress.note(f"fault {fault}: killing {device}")
-            fleet.kill(device)
+        def act(fault: Any, device: str) -> None:
+            if fault.kind == "kill":
+                progress.note(f"fault {fault}: killing {device}")
+                fleet.kill(device)
+            else:
+                progress.note(f"fault {fault}: {device} computes {fault.factor:g}x slower")
+                control.publish(
+                    device_cmd(device), Throttle(slowdown=fault.factor).model_dump_json()
+                )
 
         def replan(alive: list[str]) -> Any:
             return _plan(spec, [profiles[d] for d in alive], partition)[0]
 
+        def problem_for(alive: list[str]) -> Any:
+            return build_problem(
+                spec.model, [profiles[d] for d in alive], batch_size=spec.batch_size,
+                microbatches=spec.microbatches, pin_first=alive[0],
+                model_options=spec.model_options,
+            )  # fmt: skip
+
         got = run_resilient(
             spec, plan, control, replan, list(fleet.ids), replicate_every=every,
-            heartbeat_timeout_s=timeout, faults=FaultInjector(faults, kill),
+            heartbeat_timeout_s=timeout, faults=FaultInjector(faults, act),
             on_step=progress.update,
+            rebalance=Rebalancer(problem_for, replicate_every=every) if rebalancing else None,
         )  # fmt: skip
         if extra is not None:
             extra.update(got.to_json())

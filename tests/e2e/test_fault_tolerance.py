@@ -11,13 +11,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from support.mosquitto import find_mosquitto, mosquitto_broker
 
+from coordinator.broker import start_broker
 from coordinator.faults import Fault, FaultInjector, parse_fault
 from coordinator.jobs import JobSpec
 from coordinator.localfleet import LocalFleet
@@ -25,6 +29,7 @@ from coordinator.planner.score import Plan
 from coordinator.resilient import run_resilient
 from coordinator.runners import run_inprocess
 from edge.errors import UserError
+from edge.messages import StepReport
 from edge.models.zoo import get_model
 from edge.transport.mqtt import MqttSettings, MqttTransport
 
@@ -112,7 +117,7 @@ def test_killed_agents_are_survived_with_the_same_result(
 
 def test_bad_fault_specs_are_refused() -> None:
     for text in ["kill:1", "kill:x@2", "melt:1@2", ""]:
-        with pytest.raises(UserError, match="kill:STAGE@STEP"):
+        with pytest.raises(UserError, match="kill:STAGE@STEP or slow"):
             parse_fault(text)
 
 
@@ -131,3 +136,69 @@ def test_train_cli_reports_the_recovery(broker: str) -> None:
     assert got["rolled_back_steps"] >= 0
     assert any(e["type"] == "failure" for e in got["events"])
     assert time.monotonic() - started < 300
+
+
+def test_a_slowed_device_makes_the_job_migrate_with_the_same_result(
+    broker: str, tmp_path: Path
+) -> None:
+    steps, weights = 30, tmp_path / "w.safetensors"  # enough left for a move to pay
+    cmd = [
+        sys.executable, "-m", "edgetrain.cli", "train", "--model", "gpt-mini", "--devices", "3",
+        "--steps", str(steps), "--batch-size", "16", "--microbatches", "4", "--broker", broker,
+        "--partition", "even", "--threads", "1", "--fault", "slow:1@4:4", "--json",
+        "--save-weights", str(weights),
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert got["steps_completed"] == steps and len(got["losses"]) == steps
+    assert got["recovered"] is False  # nothing died
+    assert [e for e in got["events"] if e["type"] == "migration"]
+    assert got["migrations"] and got["migrations"][0]["before_sps"] > 0
+    spec = JobSpec(model="gpt-mini", steps=steps, batch_size=16, microbatches=4)
+    reference = run_inprocess(spec, Plan.of(("ref", 0, get_model("gpt-mini").num_units)))
+    trained = safetensors.torch.load_file(str(weights))
+    for key, ref in reference.weights.items():
+        diff = (trained[key] - ref).abs().max().item()
+        assert diff <= 1e-4 * max(ref.abs().max().item(), 1e-12), key
+
+
+def test_a_broker_restart_is_ridden_out_with_the_same_result() -> None:
+    if find_mosquitto() is None:
+        pytest.skip("mosquitto binary not found (on PATH or /usr/sbin/mosquitto)")
+    model, n_units = "cnn-digits", get_model("cnn-digits").num_units
+    first = start_broker("mosquitto")
+    brokers = [first]
+    restart = threading.Event()
+
+    def restarter() -> None:  # not on paho's thread: it must not wait for its own traffic
+        if restart.wait(120):
+            first.stop()
+            brokers.append(start_broker("mosquitto", first.port))
+
+    thread = threading.Thread(target=restarter, daemon=True)
+    thread.start()
+    control = MqttTransport(MqttSettings(url=first.url, reconnect_max_s=1.0))
+    try:
+        control.connect(10)
+        with LocalFleet(3, first.url, threads=1) as fleet:
+            fleet.wait_online(control, timeout=90)
+
+            def on_step(report: StepReport) -> None:
+                if report.step == 5:
+                    restart.set()
+
+            got = run_resilient(
+                _spec(model), _even(fleet.ids, n_units), control,
+                lambda alive: _even(alive, n_units), list(fleet.ids), replicate_every=2,
+                heartbeat_timeout_s=3.0, on_step=on_step, timeout_s=300,
+            )  # fmt: skip
+    finally:
+        restart.set()
+        thread.join(30)
+        control.close()
+        for running in brokers:
+            running.stop()
+    assert [e for e in got.events if e["type"] == "broker-lost"]
+    assert not [e for e in got.events if e["type"] == "failure"]
+    _assert_same_training(got, model)
