@@ -113,6 +113,7 @@ class MqttTransport:
 
         self._cond = threading.Condition()  # guards the subscription state below
         self._inboxes: dict[tuple[str, int], Inbox] = {}
+        self._retired: deque[str] = deque(maxlen=32)  # filters unsubscribed lately
         self._control: dict[str, int] = {}  # topic filter -> QoS
         self._active: set[str] = set()  # filters the broker acknowledged on this connection
         self._pending: dict[int, list[str]] = {}  # SUBSCRIBE mid -> its filters
@@ -287,6 +288,7 @@ class MqttTransport:
         with self._cond:
             self._control.pop(topic, None)
             self._active.discard(topic)
+            self._retired.append(topic)  # messages already on their way are expected
             if self._connected:
                 self._client.unsubscribe(topic)
         self._client.message_callback_remove(topic)
@@ -344,7 +346,10 @@ class MqttTransport:
             if parsed is None or inbox is None:
                 reason = "other-topic" if parsed is None else "unattached"
                 self._count_drop(reason)
-                log.warning("dropped a message from broker %s: %s", self.url, reason)
+                late = any(mqtt.topic_matches_sub(f, msg.topic) for f in self._retired)
+                (log.debug if late else log.warning)(
+                    "dropped a message from broker %s on %s: %s", self.url, msg.topic, reason
+                )
                 return
             self.frames_received += 1  # only this thread writes the receive counters
             self.bytes_received += len(msg.payload)
