@@ -81,12 +81,14 @@ def train_command(
         help="Inject a fault: kill:STAGE@STEP (SIGKILL that stage's agent once it "
         "reports STEP). Repeatable; implies fault tolerance.",
     ),
-    replicate_every: int = typer.Option(
-        0,
+    replicate_every: int | None = typer.Option(
+        None,
         "--replicate-every",
         min=0,
-        help="Fault tolerance: replicate every stage's state every R steps (0: off, or 2 "
-        "when --fault is given). A failed device is replaced by re-planning over the rest.",
+        help="Fault tolerance: replicate every stage's state every R steps (0: off). "
+        "Default: off, or with --fault chosen so replication costs at most 5% of a step and "
+        "happens at least 10 times a job (coordinator/rebalance.py). A failed device is "
+        "replaced by re-planning over the rest.",
     ),
     heartbeat_timeout: float = typer.Option(
         3.0,
@@ -128,8 +130,8 @@ def train_command(
     from coordinator.faults import parse_fault
 
     faults = [parse_fault(f) for f in fault]
-    if faults and replicate_every == 0:
-        replicate_every = 2
+    if replicate_every is None:
+        replicate_every = -1 if faults else 0  # -1: from the plan's measured costs
     if replicate_every and transport != "mqtt":
         raise UserError("--fault and --replicate-every need --transport mqtt (agents to lose)")
     for f in faults:
@@ -216,7 +218,7 @@ def _run_mqtt(
             return result, name, score
         from coordinator.faults import FaultInjector
         from coordinator.planner.build import build_problem
-        from coordinator.rebalance import Rebalancer
+        from coordinator.rebalance import Rebalancer, replication_interval
         from coordinator.resilient import run_resilient
         from edge.messages import Throttle
         from edge.protocol import device_cmd
@@ -243,6 +245,10 @@ def _run_mqtt(
                 model_options=spec.model_options,
             )  # fmt: skip
 
+        if every < 0:
+            most = max(1, spec.steps // 10)
+            every = replication_interval(problem_for(list(fleet.ids)), plan, most=most)
+            progress.note(f"replicating every {every} steps (5% of a step, at most {most})")
         got = run_resilient(
             spec, plan, control, replan, list(fleet.ids), replicate_every=every,
             heartbeat_timeout_s=timeout, faults=FaultInjector(faults, act),
@@ -250,7 +256,7 @@ def _run_mqtt(
             rebalance=Rebalancer(problem_for, replicate_every=every) if rebalancing else None,
         )  # fmt: skip
         if extra is not None:
-            extra.update(got.to_json())
+            extra.update(got.to_json(), replicate_every=every)
         return got.result, name, score
     raise AssertionError("unreachable")
 
