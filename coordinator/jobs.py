@@ -63,6 +63,9 @@ class JobSpec(BaseModel):
     recv_timeout_s: float = Field(default=120.0, gt=0)
     pin_first: str | None = None
     """The device that must run stage 0 (it holds the data); planning only."""
+    replicate_every: int = Field(default=0, ge=0, le=100_000)
+    """Fault tolerance in the service: replicate every stage's state every R steps
+    (0: off). Such a job survives devices dying and the coordinator restarting."""
 
 
 class JobFailed(RuntimeError):

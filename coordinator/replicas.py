@@ -19,9 +19,16 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 from edge.protocol import TOPIC_ROOT
-from edge.runtime.checkpoint import StageState, encode_state, read_state, select
+from edge.runtime.checkpoint import (
+    StageState,
+    encode_state,
+    read_state,
+    select,
+    write_atomically,
+)
 from edge.transport.mqtt import MqttTransport
 
 __all__ = ["ReplicaStore"]
@@ -32,15 +39,24 @@ log = logging.getLogger(__name__)
 class ReplicaStore:
     """Replicas by step, for the attempts (job ids) it was told to accept."""
 
-    def __init__(self, unit_names: list[str]) -> None:
+    def __init__(self, unit_names: list[str], directory: Path | None = None) -> None:
         self.unit_names = list(unit_names)
         self.num_units = len(unit_names)
+        self.directory = directory
+        """Where replicas are also kept, so a restarted coordinator finds them."""
         self._by_step: dict[int, list[StageState]] = {}
         self._jobs: set[str] = set()
         self._lock = threading.Lock()
         self.received = 0
         self.bytes = 0
         self.rejected = 0
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+            for path in sorted(directory.glob("step*.safetensors")):
+                try:
+                    self.add(path.read_bytes(), keep=False)
+                except (OSError, ValueError) as exc:
+                    log.warning("ignored the replica %s: %s", path, exc)
 
     def accept(self, job: str) -> None:
         """Take replicas published by stages of ``job`` (one attempt) from now on."""
@@ -68,8 +84,8 @@ class ReplicaStore:
                 self.rejected += 1
             log.warning("dropped a replica on %s: %s", topic, exc)
 
-    def add(self, blob: bytes) -> StageState:
-        """Keep one replica; raises ``ValueError`` for a malformed one."""
+    def add(self, blob: bytes, *, keep: bool = True) -> StageState:
+        """Keep one replica (also on disk, with ``keep``); ``ValueError`` for a malformed one."""
         state = read_state(blob)
         if not 0 <= state.start < state.end <= self.num_units:
             where = f"units [{state.start}, {state.end})"
@@ -81,6 +97,9 @@ class ReplicaStore:
             self.received += 1
             self.bytes += len(blob)
             self._prune_locked()
+        if keep and self.directory is not None:
+            name = f"step{state.step:08d}-{state.start}-{state.end}.safetensors"
+            write_atomically(self.directory / name, blob)
         return state
 
     def _covers_locked(self, step: int) -> bool:
@@ -95,6 +114,9 @@ class ReplicaStore:
         if len(complete) > 2:
             for step in [s for s in self._by_step if s < complete[-2]]:
                 del self._by_step[step]
+                if self.directory is not None:
+                    for path in self.directory.glob(f"step{step:08d}-*.safetensors"):
+                        path.unlink(missing_ok=True)
 
     def newest_complete(self, limit: int) -> int:
         """The newest step ``<= limit`` whose replicas cover every unit (0: the seeded start)."""

@@ -206,6 +206,9 @@ def run_resilient(
     max_recoveries: int = 8,
     rebalance: Callable[[Plan, list[str], dict[str, float], int], Plan | None] | None = None,
     settle_steps: int = 3,
+    replicas: ReplicaStore | None = None,
+    first_step: int = 0,
+    on_attempt: Callable[[str, Plan, int], None] | None = None,
 ) -> ResilientResult:
     """Run ``plan``, recovering from device deaths by re-planning over the living.
 
@@ -215,8 +218,14 @@ def run_resilient(
     ``settle_steps`` steps, with each stage device's measured compute seconds per
     step (mean of the last two): a plan it returns is migrated to at once (the
     stages roll back to the newest replica, as after a failure, and resume).
+
+    To resume a job a previous coordinator ran: pass its ``replicas`` (kept on
+    disk) and ``first_step``, the newest step they cover; ``on_attempt(job, plan,
+    first_step)``
+    hears of every attempt before it starts, so that it can be cancelled later.
     """
-    replicas = ReplicaStore(get_model(spec.model, **spec.model_options).unit_names)
+    if replicas is None:
+        replicas = ReplicaStore(get_model(spec.model, **spec.model_options).unit_names)
     events: list[dict[str, Any]] = []
     losses: dict[int, float] = {}
     reports: list[StepReport] = []
@@ -278,7 +287,6 @@ def run_resilient(
         event("attempt_end", job=job, first_step=first, samples_per_s=sps,
               steps=len({r.step for r in current_reports}))  # fmt: skip
 
-    first_step = 0
     with DeviceWatch(control, devices, heartbeat_timeout_s) as watch, replicas.listening(control):
         for _ in range(max_recoveries + 1):
             job = new_job_id()
@@ -287,6 +295,8 @@ def run_resilient(
             if faults is not None:
                 faults.use_plan(current)
             event("attempt", job=job, first_step=first_step, plan=plan.to_json())
+            if on_attempt is not None:
+                on_attempt(job, plan, first_step)
 
             current_reports.clear()
             state.update(plan=plan, first=first_step)

@@ -15,6 +15,7 @@ queued again.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import queue
 import threading
@@ -29,10 +30,14 @@ from coordinator.planner.baselines import run_baselines
 from coordinator.planner.build import build_problem
 from coordinator.planner.simulator import simulate
 from coordinator.registry import DeviceRegistry
+from coordinator.replicas import ReplicaStore
+from coordinator.resilient import run_resilient
 from coordinator.runners import run_on_agents
 from edge.errors import UserError
 from edge.messages import CancelJob, StepReport
+from edge.models.zoo import get_model
 from edge.protocol import device_cmd
+from edge.runtime.checkpoint import write_atomically
 from edge.transport.mqtt import MqttTransport
 
 __all__ = ["JobManager"]
@@ -62,13 +67,23 @@ class JobManager:
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._cancelled: set[str] = set()
         self._running: dict[str, list[str]] = {}
+        self._attempt: dict[str, str] = {}  # job -> id of the attempt its stages run under
+        self._resume: set[str] = set()  # jobs a previous coordinator left running
         self._stopping = False
         self._lock = threading.Lock()
         self._worker = threading.Thread(target=self._work, name="job-worker", daemon=True)
 
     def start(self) -> None:
-        for job in self.store.mark_interrupted("coordinator restarted"):
+        for record in self.store.list_jobs(limit=10_000, offset=0, state="running"):
+            if JobSpec.model_validate(record.spec).replicate_every > 0:
+                why = "coordinator restarted: resuming from the replicas"
+                self.store.set_job_state(record.id, "planning", reason=why)
+                self._resume.add(record.id)
+                log.warning("job %s was running when the coordinator stopped: resuming", record.id)
+        for job in self.store.mark_interrupted("coordinator restarted", keep=self._resume):
             log.warning("job %s was running when the coordinator stopped: failed", job)
+        for job in sorted(self._resume):
+            self._queue.put(job)
         for job in reversed(self.store.list_jobs(limit=10_000, offset=0, state="pending")):
             self._queue.put(job.id)
         self._worker.start()
@@ -81,7 +96,8 @@ class JobManager:
             running = dict(self._running)
         for job, devices in running.items():
             for device in devices:
-                cancel = CancelJob(job=job, reason="coordinator stopping")
+                attempt = self._attempt.get(job, job)
+                cancel = CancelJob(job=attempt, reason="coordinator stopping")
                 with contextlib.suppress(ConnectionError):
                     self.control.publish(device_cmd(device), cancel.model_dump_json(), 1)
         self._queue.put(None)
@@ -102,8 +118,9 @@ class JobManager:
         with self._lock:
             self._cancelled.add(job)
             devices = self._running.get(job, [])
+            attempt = self._attempt.get(job, job)
         for device in devices:
-            self.control.publish(device_cmd(device), CancelJob(job=job).model_dump_json(), 1)
+            self.control.publish(device_cmd(device), CancelJob(job=attempt).model_dump_json(), 1)
         if record.state == "pending":
             with contextlib.suppress(ValueError):  # the worker may have just taken it
                 self.store.set_job_state(job, "cancelled", reason="cancelled by the user")
@@ -121,7 +138,8 @@ class JobManager:
             if job is None:
                 return
             record = self.store.get_job(job)
-            if record is None or record.state != "pending":
+            resuming = job in self._resume and record is not None and record.state == "planning"
+            if record is None or (record.state != "pending" and not resuming):
                 continue
             try:
                 self._run(job, JobSpec.model_validate(record.spec), record.devices_allowed)
@@ -198,8 +216,11 @@ class JobManager:
                 self.on_step(job, report)
 
         try:
-            result = run_on_agents(spec, plan, self.control, job=job, on_step=on_step,
-                                   ready_timeout_s=self.ready_timeout_s)  # fmt: skip
+            if spec.replicate_every > 0:
+                result = self._run_resilient(job, spec, allowed, plan, on_step)
+            else:
+                result = run_on_agents(spec, plan, self.control, job=job, on_step=on_step,
+                                       ready_timeout_s=self.ready_timeout_s)  # fmt: skip
         except JobFailed as exc:
             self._finish(job, "failed", str(exc), finished=time.time())
             return
@@ -208,3 +229,61 @@ class JobManager:
         path.write_bytes(result.weights_bytes())
         self._finish(job, "completed", None, finished=time.time(),
                      samples_per_s=result.samples_per_s)  # fmt: skip
+
+    def _run_resilient(
+        self,
+        job: str,
+        spec: JobSpec,
+        allowed: list[str] | None,
+        plan: Any,
+        on_step: Callable[[StepReport], None],
+    ) -> Any:
+        """Run ``job`` surviving device deaths, resuming what a previous coordinator began.
+
+        Its replicas live in the job's folder (``replicas/``) and the attempts it
+        ran in ``attempts.json``: a restarted coordinator cancels those attempts
+        on their devices and resumes from the newest step the replicas cover.
+        """
+        folder = self.store.model_path(job).parent
+        attempts_file = folder / "attempts.json"
+        units = get_model(spec.model, **spec.model_options).unit_names
+        replicas = ReplicaStore(units, folder / "replicas")
+        if job in self._resume and attempts_file.exists():
+            for old in json.loads(attempts_file.read_text()):
+                for device in old["devices"]:
+                    cancel = CancelJob(job=old["job"], reason="coordinator restarted")
+                    with contextlib.suppress(ConnectionError):
+                        self.control.publish(device_cmd(device), cancel.model_dump_json(), 1)
+        self._resume.discard(job)
+        first_step = replicas.newest_complete(spec.steps)
+        attempts: list[dict[str, Any]] = (
+            json.loads(attempts_file.read_text()) if attempts_file.exists() else []
+        )
+
+        def on_attempt(attempt: str, attempt_plan: Any, first: int) -> None:
+            devices = [st.device for st in attempt_plan.stages]
+            with self._lock:
+                self._attempt[job], self._running[job] = attempt, devices
+            attempts.append({"job": attempt, "devices": devices})
+            folder.mkdir(parents=True, exist_ok=True)
+            write_atomically(attempts_file, json.dumps(attempts).encode())
+            detail = {"attempt": attempt, "devices": devices, "first_step": first}
+            self.store.add_job_event(job, "attempt", detail)
+
+        def replan(alive: list[str]) -> Any:
+            return self._plan(job, spec, [d for d in alive if allowed is None or d in allowed])
+
+        def step(report: StepReport) -> None:  # stored as the job's, not the attempt's
+            on_step(report.model_copy(update={"job": job}))
+
+        devices = [d.id for d in self.registry.available(allowed)]
+        got = run_resilient(
+            spec, plan, self.control, replan, devices, replicate_every=spec.replicate_every,
+            on_step=step, replicas=replicas, first_step=first_step, on_attempt=on_attempt,
+        )  # fmt: skip
+        for e in got.events:
+            if e["type"] in ("failure", "recovery", "migration", "broker-lost", "resumed"):
+                self.store.add_job_event(job, e["type"], e)
+        with self._lock:
+            self._attempt.pop(job, None)
+        return got.result

@@ -31,7 +31,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import EllipsisType
@@ -293,8 +293,11 @@ class Store:
             s.flush()
             return JobRecord.model_validate(row)
 
-    def mark_interrupted(self, reason: str = "coordinator restarted") -> list[str]:
-        """Fail every job left ``planning`` or ``running``; their ids, oldest first.
+    def mark_interrupted(
+        self, reason: str = "coordinator restarted", keep: Collection[str] = ()
+    ) -> list[str]:
+        """Fail every job left ``planning`` or ``running``, but those in ``keep`` (jobs
+        that will be resumed); their ids, oldest first.
 
         Called once on start, before any job worker runs: those jobs had no one
         driving them. ``pending`` jobs are left to be picked up again.
@@ -306,7 +309,7 @@ class Store:
         )
         now = time.time()
         with self._write() as s:
-            rows = list(s.scalars(query))
+            rows = [row for row in s.scalars(query) if row.id not in keep]
             for row in rows:
                 _transition(s, row, "failed", reason, now)
             return [row.id for row in rows]

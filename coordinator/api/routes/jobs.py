@@ -41,6 +41,9 @@ class JobCreate(BaseModel):
     """Devices the job may use (all online devices when absent)."""
     pin_first: str | None = None
     """The device that holds the data and must run stage 0."""
+    replicate_every: int = Field(default=0, ge=0, le=100_000)
+    """Replicate every stage's state every R steps (0: off): the job then survives
+    devices dying, migrates when a device slows down, and a coordinator restart."""
 
     @field_validator("model")
     @classmethod
@@ -111,7 +114,8 @@ def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPubl
                        dataset_options=options, steps=steps, batch_size=body.batch_size,
                        microbatches=body.microbatches, schedule=body.schedule,
                        optimizer=body.optimizer, codec=body.codec, seed=body.seed,
-                       pin_first=body.pin_first)  # fmt: skip
+                       pin_first=body.pin_first,
+                       replicate_every=body.replicate_every)  # fmt: skip
     except UserError as exc:
         raise unprocessable(["body", "model"], exc.message) from None
     job = manager.submit(spec, body.devices)
@@ -162,6 +166,15 @@ def job_metrics(job_id: str, store: StoreDep) -> dict[str, Any]:
             "bytes_received": r.bytes_received,
         })  # fmt: skip
     return {"job": job_id, "steps": [steps[k] for k in sorted(steps)]}
+
+
+@router.get("/{job_id}/events", dependencies=[ReadAuth], responses=NOT_FOUND)
+def job_events(job_id: str, store: StoreDep) -> dict[str, Any]:
+    """What happened to the job, in order: state changes, attempts, failures (with the
+    time each was detected), recoveries, migrations."""
+    _job_or_404(store, job_id)
+    events = [{"ts": e.ts, "kind": e.kind, "detail": e.detail} for e in store.job_events(job_id)]
+    return {"job": job_id, "events": events}
 
 
 def _download(data: bytes, filename: str) -> Response:

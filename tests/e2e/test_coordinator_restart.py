@@ -1,0 +1,103 @@
+"""The coordinator dies mid-job (SIGKILL) and a new one finishes it, with the same weights.
+
+A real ``edgetrain coordinator`` process, a real Mosquitto and three agents. The
+job asks for replication (``replicate_every``), so its replicas are in the
+coordinator's data directory; the second coordinator, on the same directory,
+cancels the attempt the first one left on the agents, resumes from the newest
+step the replicas cover, and ends with the weights of a run without the crash.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import safetensors.torch
+from support.mosquitto import find_mosquitto, mosquitto_broker
+from support.waiting import until
+
+from coordinator.broker import free_port
+from coordinator.jobs import JobSpec
+from coordinator.localfleet import LocalFleet
+from coordinator.planner.score import Plan
+from coordinator.runners import run_inprocess
+from edge.models.zoo import get_model
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed"),
+]
+STEPS = 60  # long enough that the kill lands mid-job
+
+
+@contextmanager
+def coordinator(port: int, broker: str, data: Path) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgetrain.cli", "coordinator", "--port", str(port),
+         "--broker", broker, "--data-dir", str(data)],
+        env={k: v for k, v in os.environ.items() if k != "EDGETRAIN_API_TOKEN"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def test_a_restarted_coordinator_finishes_the_job(tmp_path: Path) -> None:
+    port, data = free_port(), tmp_path / "coord"
+    api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+
+    def up() -> bool:
+        try:
+            return api.get("/healthz").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def online() -> int:
+        return sum(d["state"] == "online" for d in api.get("/api/v1/devices").json()["data"])
+
+    def job_state(job: str) -> dict:  # type: ignore[type-arg]
+        return api.get(f"/api/v1/jobs/{job}").json()  # type: ignore[no-any-return]
+
+    body = {"model": "gpt-mini", "steps": STEPS, "batch_size": 16, "microbatches": 4, "seed": 2,
+            "replicate_every": 2}  # fmt: skip
+    try:
+        with mosquitto_broker() as broker, LocalFleet(3, broker.url, threads=1):
+            with coordinator(port, broker.url, data) as first:
+                assert until(up, 60) and until(lambda: online() == 3, 60)
+                job = api.post("/api/v1/jobs", json=body).json()["id"]
+                assert until(lambda: (job_state(job).get("steps_done") or 0) >= 8, 120)
+                first.send_signal(signal.SIGKILL)
+                first.wait(10)
+            with coordinator(port, broker.url, data):
+                assert until(up, 60)
+                assert until(lambda: job_state(job)["state"] in ("completed", "failed"), 180)
+                record = job_state(job)
+                assert record["state"] == "completed", record["reason"]
+                trained = safetensors.torch.load(api.get(f"/api/v1/jobs/{job}/model").content)
+                steps = api.get(f"/api/v1/jobs/{job}/metrics").json()["steps"]
+                assert sorted({s["step"] for s in steps}) == list(range(STEPS))
+                events = api.get(f"/api/v1/jobs/{job}/events").json()["events"]
+                attempts = [e["detail"] for e in events if e["kind"] == "attempt"]
+                assert len(attempts) >= 2 and attempts[-1]["first_step"] >= 6, events  # resumed
+    finally:
+        api.close()
+    spec = JobSpec.model_validate({k: v for k, v in body.items() if k != "replicate_every"})
+    reference = run_inprocess(spec, Plan.of(("ref", 0, get_model("gpt-mini").num_units)))
+    for key, ref in reference.weights.items():
+        diff = (trained[key] - ref).abs().max().item()
+        assert diff <= 1e-4 * max(ref.abs().max().item(), 1e-12), key
