@@ -1,7 +1,8 @@
 """Fault injection for users and tests: ``--fault kill:STAGE@STEP`` and friends.
 
 A :class:`Fault` names what happens (``kill``: SIGKILL the agent; ``slow``: its
-compute becomes FACTOR times slower, through the software throttle), to which stage of the plan in
+compute becomes FACTOR times slower, through the software throttle; ``join``: a
+new agent with a catalogue profile starts), to which stage of the plan in
 force at the time (so ``kill:1@3`` then ``kill:1@7`` kills whichever device runs
 stage 1 after the first recovery), and when: as soon as any stage reports step
 ``STEP`` done, so faults of the same step fire together (``kill:1@5 kill:2@5``
@@ -25,24 +26,36 @@ from edge.messages import StepReport
 __all__ = ["Fault", "FaultInjector", "parse_fault"]
 
 _FAULT = re.compile(r"^(kill|slow):(\d+)@(\d+)(?::(\d+(?:\.\d+)?))?$")
-_FORMS = "kill:STAGE@STEP or slow:STAGE@STEP:FACTOR (e.g. kill:1@5, slow:0@4:4)"
+_JOIN = re.compile(r"^join:([A-Za-z0-9][A-Za-z0-9._-]{0,63})@(\d+)$")
+_FORMS = (
+    "kill:STAGE@STEP, slow:STAGE@STEP:FACTOR or join:PROFILE@STEP "
+    "(e.g. kill:1@5, slow:0@4:4, join:laptop@6)"
+)
 
 
 @dataclass(frozen=True)
 class Fault:
-    kind: Literal["kill", "slow"]
+    kind: Literal["kill", "slow", "join"]
     stage: int
     step: int
     factor: float = 1.0
     """``slow``: how many times slower the device computes from then on."""
+    profile: str | None = None
+    """``join``: the catalogue profile of the device that joins (``stage`` is unused)."""
 
     def __str__(self) -> str:
+        if self.kind == "join":
+            return f"join:{self.profile}@{self.step}"
         tail = f":{self.factor:g}" if self.kind == "slow" else ""
         return f"{self.kind}:{self.stage}@{self.step}{tail}"
 
 
 def parse_fault(text: str) -> Fault:
-    """``kill:STAGE@STEP`` or ``slow:STAGE@STEP:FACTOR``; else a one-line :class:`UserError`."""
+    """``kill:STAGE@STEP``, ``slow:STAGE@STEP:FACTOR`` or ``join:PROFILE@STEP``; else a
+    one-line :class:`UserError`."""
+    joined = _JOIN.match(text.strip())
+    if joined is not None:
+        return Fault("join", 0, int(joined.group(2)), profile=joined.group(1))
     m = _FAULT.match(text.strip())
     if m is None or (m.group(1) == "slow") != (m.group(4) is not None):
         raise UserError(f"--fault {text!r}: expected {_FORMS}")

@@ -67,20 +67,32 @@ class LocalFleet:
     def start(self) -> LocalFleet:
         self.started_at = time.time()
         for device, profile, slowdown in zip(self.ids, self.profiles, self.slowdowns, strict=True):
-            cmd = [
-                sys.executable, "-m", "edgetrain.cli", "agent", "--broker", self.broker_url,
-                "--device-id", device, "--data-dir", str(self.work_dir / device),
-                "--threads", str(self.threads), "--measure-seconds", str(self.measure_seconds),
-                "--heartbeat-s", "0.5", "--slowdown", str(slowdown),
-            ]  # fmt: skip
-            if profile:
-                cmd += ["--profile", profile]
-            log = self.log_path(device).open("wb")
-            self.procs[device] = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
-            log.close()
+            self._spawn(device, profile, slowdown)
         return self
+
+    def add(self, profile: str | None = None, slowdown: float = 1.0) -> str:
+        """Start one more agent (a device joining); its id. :meth:`wait_online` waits for it."""
+        device = f"{self.prefix}{len(self.ids)}"
+        self.ids.append(device)
+        self.profiles.append(profile)
+        self.slowdowns.append(slowdown)
+        self._spawn(device, profile, slowdown)
+        return device
+
+    def _spawn(self, device: str, profile: str | None, slowdown: float) -> None:
+        cmd = [
+            sys.executable, "-m", "edgetrain.cli", "agent", "--broker", self.broker_url,
+            "--device-id", device, "--data-dir", str(self.work_dir / device),
+            "--threads", str(self.threads), "--measure-seconds", str(self.measure_seconds),
+            "--heartbeat-s", "0.5", "--slowdown", str(slowdown),
+        ]  # fmt: skip
+        if profile:
+            cmd += ["--profile", profile]
+        log = self.log_path(device).open("wb")
+        self.procs[device] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+        log.close()
 
     def wait_online(self, control: MqttTransport, timeout: float = 60.0) -> dict[str, DeviceSpec]:
         """Each agent's announced profile, once all are online; raises if one is not."""

@@ -84,6 +84,14 @@ class DeviceWatch:
         for topic in self._topics:
             self.control.unsubscribe(topic)
 
+    def follow(self, devices: Iterable[str]) -> None:
+        """Watch these too (devices that joined); their heartbeat clock starts now."""
+        with self._lock:
+            for device in devices:
+                if device not in self.devices:
+                    self.devices.add(device)
+                    self._seen[device] = time.monotonic()
+
     def _device(self, topic: str) -> str | None:
         device = topic.split("/")[-2]
         return device if device in self.devices else None
@@ -213,7 +221,8 @@ def run_resilient(
     """Run ``plan``, recovering from device deaths by re-planning over the living.
 
     ``replan(alive)`` gives the plan for the devices still alive (in ``devices``'
-    order); ``faults`` fire as their steps are reported. ``rebalance(plan, alive,
+    order; the caller may append devices that join, once they are online);
+    ``faults`` fire as their steps are reported. ``rebalance(plan, alive,
     compute_s, steps_left)`` is asked after every step, once an attempt has run
     ``settle_steps`` steps, with each stage device's measured compute seconds per
     step (mean of the last two): a plan it returns is migrated to at once (the
@@ -255,6 +264,7 @@ def run_resilient(
                 return
             compute[st.device] = sum(got) / len(got)
         step_s = [r.step_s for r in current_reports if r.stage == 0 and r.step in last]
+        watch.follow(devices)  # the caller appends devices that joined
         alive = [d for d in devices if d not in watch.dead]
         better = rebalance(attempt_plan, alive, compute, spec.steps - report.step - 1)
         if better is not None and better != attempt_plan:

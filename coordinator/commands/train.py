@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,10 @@ def train_command(
     if replicate_every and transport != "mqtt":
         raise UserError("--fault and --replicate-every need --transport mqtt (agents to lose)")
     for f in faults:
+        if f.kind == "join":
+            from edge.catalog import resolve
+
+            resolve(f.profile or "")  # an unknown profile fails here, before anything starts
         if f.stage >= devices or f.step >= steps:
             raise UserError(f"--fault {f}: stage must be below --devices and step below --steps")
     resilience = (
@@ -225,8 +230,27 @@ def _run_mqtt(
 
         faults, every, timeout, rebalancing = resilience
 
+        members = list(fleet.ids)  # devices the job may use; joins are appended when online
+
+        def join(profile: str) -> None:
+            device = fleet.add(profile)
+            # Its own connection: the job's watch holds the status filter on `control`.
+            watcher = MqttTransport(MqttSettings(url=url))
+            try:
+                watcher.connect(timeout=15)
+                profiles.update(fleet.wait_online(watcher, timeout=60))
+            except (RuntimeError, UserError) as exc:
+                progress.note(f"fault join:{profile}: the new agent did not come up: {exc}")
+                return
+            finally:
+                watcher.close()
+            members.append(device)
+            progress.note(f"{device} ({profile}) joined")
+
         def act(fault: Any, device: str) -> None:
-            if fault.kind == "kill":
+            if fault.kind == "join":  # starting an agent takes seconds: not on paho's thread
+                threading.Thread(target=join, args=(fault.profile,), daemon=True).start()
+            elif fault.kind == "kill":
                 progress.note(f"fault {fault}: killing {device}")
                 fleet.kill(device)
             else:
@@ -247,10 +271,10 @@ def _run_mqtt(
 
         if every < 0:
             most = max(1, spec.steps // 10)
-            every = replication_interval(problem_for(list(fleet.ids)), plan, most=most)
+            every = replication_interval(problem_for(members), plan, most=most)
             progress.note(f"replicating every {every} steps (5% of a step, at most {most})")
         got = run_resilient(
-            spec, plan, control, replan, list(fleet.ids), replicate_every=every,
+            spec, plan, control, replan, members, replicate_every=every,
             heartbeat_timeout_s=timeout, faults=FaultInjector(faults, act),
             on_step=progress.update,
             rebalance=Rebalancer(problem_for, replicate_every=every) if rebalancing else None,

@@ -25,12 +25,15 @@ from coordinator.broker import start_broker
 from coordinator.faults import Fault, FaultInjector, parse_fault
 from coordinator.jobs import JobSpec
 from coordinator.localfleet import LocalFleet
+from coordinator.planner.build import build_problem
 from coordinator.planner.score import Plan
+from coordinator.rebalance import Rebalancer
 from coordinator.resilient import run_resilient
 from coordinator.runners import run_inprocess
 from edge.errors import UserError
 from edge.messages import StepReport
 from edge.models.zoo import get_model
+from edge.problem import PlanningProblem
 from edge.transport.mqtt import MqttSettings, MqttTransport
 
 pytestmark = pytest.mark.slow
@@ -117,7 +120,7 @@ def test_killed_agents_are_survived_with_the_same_result(
 
 def test_bad_fault_specs_are_refused() -> None:
     for text in ["kill:1", "kill:x@2", "melt:1@2", ""]:
-        with pytest.raises(UserError, match="kill:STAGE@STEP or slow"):
+        with pytest.raises(UserError, match="kill:STAGE@STEP, slow"):
             parse_fault(text)
 
 
@@ -202,3 +205,49 @@ def test_a_broker_restart_is_ridden_out_with_the_same_result() -> None:
     assert [e for e in got.events if e["type"] == "broker-lost"]
     assert not [e for e in got.events if e["type"] == "failure"]
     _assert_same_training(got, model)
+
+
+def test_a_faster_device_that_joins_is_taken_in(broker: str) -> None:
+    model, steps = "gpt-mini", 80  # the join takes seconds: leave steps for it to pay off
+    spec = JobSpec(model=model, steps=steps, batch_size=16, microbatches=4, seed=5)
+    control = MqttTransport(MqttSettings(url=broker))
+    control.connect(10)
+    try:
+        # Two agents announcing a Raspberry Pi 4; a laptop (30x the Pi) joins at step 2.
+        with LocalFleet(2, broker, threads=1, profile="rpi4-4gb") as fleet:
+            profiles = fleet.wait_online(control, timeout=90)
+            members = list(fleet.ids)
+
+            def problem_for(alive: list[str]) -> PlanningProblem:
+                return build_problem(model, [profiles[d] for d in alive], batch_size=16,
+                                     microbatches=4, pin_first=alive[0])  # fmt: skip
+
+            def join() -> None:  # its own connection: one callback per topic filter
+                device = fleet.add("laptop")
+                watcher = MqttTransport(MqttSettings(url=broker))
+                watcher.connect(10)
+                try:
+                    profiles.update(fleet.wait_online(watcher, timeout=60))
+                finally:
+                    watcher.close()
+                members.append(device)
+
+            injector = FaultInjector(
+                [parse_fault("join:laptop@2")],
+                lambda _f, _d: threading.Thread(target=join, daemon=True).start(),
+            )
+            got = run_resilient(
+                spec, _even(members, 6), control, lambda alive: _even(alive, 6), members,
+                replicate_every=2, faults=injector, timeout_s=300,
+                rebalance=Rebalancer(problem_for, replicate_every=2),
+            )  # fmt: skip
+    finally:
+        control.close()
+    migrations = [e for e in got.events if e["type"] == "migration"]
+    assert migrations, got.events
+    assert any(st["device"] == fleet.ids[2] for st in migrations[-1]["plan"])
+    assert got.steps_completed == steps
+    reference = run_inprocess(spec, Plan.of(("ref", 0, 6)))
+    for key, ref in reference.weights.items():
+        diff = (got.result.weights[key] - ref).abs().max().item()
+        assert diff <= 1e-4 * max(ref.abs().max().item(), 1e-12), key
