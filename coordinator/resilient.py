@@ -220,17 +220,16 @@ def run_resilient(
 ) -> ResilientResult:
     """Run ``plan``, recovering from device deaths by re-planning over the living.
 
-    ``replan(alive)`` gives the plan for the devices still alive (in ``devices``'
-    order; the caller may append devices that join, once they are online);
-    ``faults`` fire as their steps are reported. ``rebalance(plan, alive,
-    compute_s, steps_left)`` is asked after every step, once an attempt has run
-    ``settle_steps`` steps, with each stage device's measured compute seconds per
-    step (mean of the last two): a plan it returns is migrated to at once (the
-    stages roll back to the newest replica, as after a failure, and resume).
+    ``replan(alive)`` gives the plan for the devices still alive (in ``devices``' order;
+    the caller may append devices that join, once they are online); ``faults`` fire as
+    their steps are reported. ``rebalance(plan, alive, compute_s, steps_left)`` is asked
+    (on the calling thread) after every step, once an attempt has run ``settle_steps``
+    steps, with each stage device's measured compute seconds per step (mean of the last
+    two): a plan it returns is migrated to at once (the stages roll back to the newest
+    replica, as after a failure, and resume).
 
-    To resume a job a previous coordinator ran: pass its ``replicas`` (kept on
-    disk) and ``first_step``, the newest step they cover; ``on_attempt(job, plan,
-    first_step)``
+    To resume a job a previous coordinator ran: pass its ``replicas`` (kept on disk) and
+    ``first_step``, the newest step they cover; ``on_attempt(job, plan, first_step)``
     hears of every attempt before it starts, so that it can be cancelled later.
     """
     if replicas is None:
@@ -271,12 +270,15 @@ def run_resilient(
             before = spec.batch_size / (sum(step_s) / len(step_s)) if step_s else None
             migrate.update(plan=better, before_sps=before, at=time.time(), compute_s=compute)
 
+    due: list[StepReport] = []  # the newest step-ending report not yet weighed
+
     def stepped(report: StepReport) -> None:
         reports.append(report)
         current_reports.append(report)
         if report.loss is not None:
             losses[report.step] = report.loss
-        consider_rebalance(report)
+        if rebalance is not None and report.stage == 0:
+            due[:] = [report]  # weighed by abort(), on the caller's thread, not paho's
         if "t" in pending:
             took = time.time() - pending.pop("t")
             kind = pending.pop("kind", "failure")
@@ -309,6 +311,7 @@ def run_resilient(
                 on_attempt(job, plan, first_step)
 
             current_reports.clear()
+            due.clear()
             state.update(plan=plan, first=first_step)
 
             reconnects = control.reconnects
@@ -319,6 +322,8 @@ def run_resilient(
                     return f"device {dead[0]} died"
                 if control.reconnects != reconnects:  # frames in flight were lost with it
                     return "the broker connection was lost"
+                if due:  # planning may take a while: never on paho's network thread
+                    consider_rebalance(due.pop())
                 return "migrating to a faster plan" if migrate else None
 
             restore = None

@@ -248,17 +248,17 @@ class JobManager:
         attempts_file = folder / "attempts.json"
         units = get_model(spec.model, **spec.model_options).unit_names
         replicas = ReplicaStore(units, folder / "replicas")
-        if job in self._resume and attempts_file.exists():
-            for old in json.loads(attempts_file.read_text()):
+        attempts: list[dict[str, Any]] = (
+            json.loads(attempts_file.read_text()) if attempts_file.exists() else []
+        )
+        if job in self._resume:  # stop what the previous coordinator left running
+            for old in attempts:
                 for device in old["devices"]:
                     cancel = CancelJob(job=old["job"], reason="coordinator restarted")
                     with contextlib.suppress(ConnectionError):
                         self.control.publish(device_cmd(device), cancel.model_dump_json(), 1)
         self._resume.discard(job)
         first_step = replicas.newest_complete(spec.steps)
-        attempts: list[dict[str, Any]] = (
-            json.loads(attempts_file.read_text()) if attempts_file.exists() else []
-        )
 
         def on_attempt(attempt: str, attempt_plan: Any, first: int) -> None:
             devices = [st.device for st in attempt_plan.stages]

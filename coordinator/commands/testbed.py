@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import typer
 
-from coordinator.commands.testbed_compose import compose_command
+from coordinator.commands.testbed_compose import DEVICES_OPTION, compose_command
 from edge.errors import UserError
 
 __all__ = ["app", "down_command", "status_command", "up_command"]
@@ -75,12 +75,7 @@ def _print_devices(rows: list[dict[str, Any]]) -> None:
 
 
 def up_command(
-    devices: str = typer.Option(
-        ...,
-        "--devices",
-        help="The fleet: catalogue names with optional :count, or JSON device files, "
-        "comma-separated (e.g. rpi4-4gb:2,jetson-nano,laptop).",
-    ),
+    devices: str = DEVICES_OPTION,
     scale: float | None = typer.Option(
         None,
         "--scale",

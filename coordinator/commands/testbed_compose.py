@@ -46,13 +46,17 @@ def _command_line(
     return shlex.join(args)
 
 
+DEVICES_OPTION = typer.Option(
+    ...,
+    "--devices",
+    help="The fleet: catalogue names with optional :count, or JSON device files, "
+    "comma-separated (e.g. rpi4-4gb:2,jetson-nano,laptop).",
+)
+"""``--devices`` of ``testbed up`` and ``testbed compose``."""
+
+
 def compose_command(
-    devices: str = typer.Option(
-        ...,
-        "--devices",
-        help="The fleet: catalogue names with optional :count, or JSON device files, "
-        "comma-separated (e.g. rpi4-4gb:2,jetson-nano,laptop).",
-    ),
+    devices: str = DEVICES_OPTION,
     scale: float | None = typer.Option(
         None,
         "--scale",

@@ -234,22 +234,21 @@ def stop_processes(records: list[ProcRecord], grace_s: float = 5.0) -> list[Proc
     for r in live:
         with contextlib.suppress(ProcessLookupError):
             os.kill(r.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    pending = list(live)
-    while pending and time.monotonic() < deadline:
-        for r in pending:
-            _reap(r.pid)
-        pending = [r for r in pending if proc_alive(r.pid, r.start)]
-        if pending:
-            time.sleep(0.05)
+    pending = _wait_gone(live, grace_s)
     for r in pending:
         with contextlib.suppress(ProcessLookupError):
             os.kill(r.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 5.0
+    _wait_gone(pending, 5.0)
+    return live
+
+
+def _wait_gone(records: list[ProcRecord], seconds: float) -> list[ProcRecord]:
+    """Reap and wait up to ``seconds`` for ``records``' processes to end; those still alive."""
+    deadline, pending = time.monotonic() + seconds, list(records)
     while pending and time.monotonic() < deadline:
         for r in pending:
             _reap(r.pid)
         pending = [r for r in pending if proc_alive(r.pid, r.start)]
         if pending:
             time.sleep(0.05)
-    return live
+    return pending

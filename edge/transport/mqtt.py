@@ -51,7 +51,7 @@ import paho.mqtt.client as mqtt
 from edge.errors import UserError
 from edge.protocol import parse_stage_topic, stage_topic
 from edge.transport.base import Channel, Inbox
-from edge.transport.settings import MqttSettings, parse_broker_url
+from edge.transport.settings import MqttSettings, new_client, parse_broker_url
 from edge.transport.shaping import LinkShaper
 
 __all__ = ["ControlCallback", "MqttSettings", "MqttTransport", "parse_broker_url"]
@@ -65,6 +65,18 @@ ControlCallback = Callable[[str, bytes], None]
 """``callback(topic, payload)`` for a control subscription; runs on paho's network thread."""
 
 _MAX_PAYLOAD = 268_435_455 - 1024  # MQTT's limit on a packet, less the topic and header
+
+
+def _payload(payload: bytes | bytearray | memoryview | str) -> bytes | bytearray:
+    """What paho will publish (it refuses a memoryview); too big for MQTT is a ``ValueError``."""
+    data = payload.encode() if isinstance(payload, str) else payload
+    if not isinstance(data, bytes | bytearray):
+        data = bytes(data)
+    if len(data) > _MAX_PAYLOAD:
+        raise ValueError(f"{len(data)} bytes exceed MQTT's message limit of 256 MiB")
+    return data
+
+
 _CHANNELS: tuple[Channel, Channel] = ("fwd", "bwd")
 
 
@@ -84,29 +96,9 @@ class MqttTransport:
     def __init__(self, settings: MqttSettings) -> None:
         self.settings = s = settings
         self.url = s.url
-        scheme, self.host, self.port = parse_broker_url(s.url)
+        _scheme, self.host, self.port = parse_broker_url(s.url)
         client_id = s.client_id or f"edgetrain-{secrets.token_hex(6)}"
-        self._client = c = mqtt.Client(
-            callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
-            client_id=client_id,
-            protocol=mqtt.MQTTv311,
-            clean_session=True,  # see [Note: MQTT sessions and lost frames]
-        )
-        if s.username is not None:
-            c.username_pw_set(s.username, s.password.get_secret_value() if s.password else None)
-        if scheme == "mqtts":
-            try:
-                ca, cert, key = (str(p) if p else None for p in (s.tls_ca, s.tls_cert, s.tls_key))
-                c.tls_set(ca_certs=ca, certfile=cert, keyfile=key)  # verifies the host too
-            except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-                raise UserError(f"broker {self.url}: TLS setup failed: {exc}") from None
-            c.tls_insecure_set(s.tls_insecure)
-        elif s.tls_ca or s.tls_cert or s.tls_insecure:
-            raise UserError(f"broker {self.url}: TLS options need an mqtts:// URL")
-        # paho only does arithmetic with these, so fractions of a second work.
-        c.reconnect_delay_set(s.reconnect_min_s, s.reconnect_max_s)  # type: ignore[arg-type]
-        c.max_inflight_messages_set(s.max_inflight)
-        c.max_queued_messages_set(s.max_queued)
+        self._client = c = new_client(s, client_id)
         c.on_connect, c.on_disconnect = self._on_connect, self._on_disconnect
         c.on_subscribe, c.on_publish = self._on_subscribe, self._on_publish
         c.on_message = self._on_message
@@ -381,9 +373,7 @@ class MqttTransport:
             return
         if self._closed:
             raise RuntimeError("the MQTT transport is closed")
-        data = frame if isinstance(frame, bytes | bytearray) else bytes(frame)
-        if len(data) > _MAX_PAYLOAD:
-            raise ValueError(f"{len(data)} bytes exceed MQTT's message limit of 256 MiB")
+        data = _payload(frame)
         self.link.up.put((stage_topic(job, stage, channel), data), len(data))
 
     def _release_up(self, item: _Up) -> None:
@@ -412,11 +402,7 @@ class MqttTransport:
     ) -> None:
         if self._closed and not released:
             raise RuntimeError("the MQTT transport is closed")
-        data = payload.encode() if isinstance(payload, str) else payload
-        if not isinstance(data, bytes | bytearray):
-            data = bytes(data)  # paho refuses a memoryview
-        if len(data) > _MAX_PAYLOAD:
-            raise ValueError(f"{len(data)} bytes exceed MQTT's message limit of 256 MiB")
+        data = _payload(payload)
         with self._pub_lock:
             info = self._client.publish(topic, data, qos, retain)
             if info.rc == mqtt.MQTT_ERR_QUEUE_SIZE:

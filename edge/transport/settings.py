@@ -11,11 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import paho.mqtt.client as mqtt
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from edge.errors import UserError
 
-__all__ = ["DEFAULT_PORTS", "MqttSettings", "parse_broker_url"]
+__all__ = ["DEFAULT_PORTS", "MqttSettings", "new_client", "parse_broker_url"]
 
 DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
 _SCHEMES = {"mqtt": "mqtt", "tcp": "mqtt", "mqtts": "mqtts", "ssl": "mqtts"}
@@ -93,3 +94,32 @@ class MqttSettings(BaseModel):
         if self.tls_key is not None and self.tls_cert is None:
             raise ValueError("tls_key needs tls_cert")
         return self
+
+
+def new_client(settings: MqttSettings, client_id: str) -> mqtt.Client:
+    """A paho client (MQTT 3.1.1, clean session) set up from ``settings``: credentials,
+    TLS, reconnect back-off and queue sizes. Bad TLS input is a one-line :class:`UserError`."""
+    s = settings
+    scheme = parse_broker_url(s.url)[0]
+    c = mqtt.Client(
+        callback_api_version=mqtt.CallbackAPIVersion.VERSION2,
+        client_id=client_id,
+        protocol=mqtt.MQTTv311,
+        clean_session=True,  # see [Note: MQTT sessions and lost frames] in edge.transport.mqtt
+    )
+    if s.username is not None:
+        c.username_pw_set(s.username, s.password.get_secret_value() if s.password else None)
+    if scheme == "mqtts":
+        try:
+            ca, cert, key = (str(p) if p else None for p in (s.tls_ca, s.tls_cert, s.tls_key))
+            c.tls_set(ca_certs=ca, certfile=cert, keyfile=key)  # verifies the host too
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            raise UserError(f"broker {s.url}: TLS setup failed: {exc}") from None
+        c.tls_insecure_set(s.tls_insecure)
+    elif s.tls_ca or s.tls_cert or s.tls_insecure:
+        raise UserError(f"broker {s.url}: TLS options need an mqtts:// URL")
+    # paho only does arithmetic with these, so fractions of a second work.
+    c.reconnect_delay_set(s.reconnect_min_s, s.reconnect_max_s)  # type: ignore[arg-type]
+    c.max_inflight_messages_set(s.max_inflight)
+    c.max_queued_messages_set(s.max_queued)
+    return c
