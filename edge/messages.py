@@ -94,6 +94,12 @@ class StageAssignment(_Message):
     """Publish the stage's state on ``job_replica`` every this many steps (0: never)."""
     restore: bool = False
     """Load the state retained on ``job_restore`` (for step ``first_step``) before ``ready``."""
+    replica: int = Field(default=0, ge=0)
+    """Which of ``replicas`` data-parallel copies of the pipeline this stage belongs to."""
+    replicas: int = Field(default=1, ge=1)
+    """Copies of the pipeline; each trains on ``1/replicas`` of every batch."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """``bf16``: the segment computes under bf16 autocast (weights and optimizer stay fp32)."""
 
     @model_validator(mode="after")
     def _check(self) -> StageAssignment:
@@ -101,11 +107,13 @@ class StageAssignment(_Message):
             raise ValueError(f"stage {self.stage} is not below num_stages {self.num_stages}")
         if self.end <= self.start:
             raise ValueError(f"empty segment [{self.start}, {self.end})")
-        if self.batch_size % self.microbatches:
+        if self.batch_size % (self.microbatches * self.replicas):
             raise ValueError(
                 f"batch_size {self.batch_size} is not a multiple of microbatches "
-                f"{self.microbatches}"
+                f"{self.microbatches} x replicas {self.replicas}"
             )
+        if self.replica >= self.replicas:
+            raise ValueError(f"replica {self.replica} is not below replicas {self.replicas}")
         if self.first_step >= self.steps:
             raise ValueError(f"first_step {self.first_step} is not below steps {self.steps}")
         return self
@@ -173,6 +181,8 @@ class StepReport(_Event):
     """Size of the state published after this step, for step ``step + 1`` (0: none was)."""
     replica_s: float = 0.0
     """Seconds spent serialising and handing over that state."""
+    allreduce_s: float = 0.0
+    """Data parallelism: seconds averaging gradients (and the loss) over the replicas."""
 
 
 class StageDone(_Event):

@@ -13,7 +13,7 @@ import sys
 import typer
 
 from coordinator.commands import client, coordinator, plan, testbed, train
-from edge.commands import agent, devices, models, profile
+from edge.commands import agent, devices, launch, models, profile
 from edge.errors import UserError
 from edgetrain import __version__
 from edgetrain.demo import demo_command
@@ -38,6 +38,7 @@ app.command("agent")(agent.agent_command)
 app.command("demo")(demo_command)
 app.command("plan")(plan.plan_command)
 app.command("train")(train.train_command)
+app.command("launch")(launch.launch_command)
 app.command("coordinator")(coordinator.coordinator_command)
 app.command("submit")(client.submit_command)
 app.command("jobs")(client.jobs_command)

@@ -3,8 +3,12 @@
 With ``--transport mqtt`` (the default) it starts a broker unless ``--broker``
 is given, starts N real agent processes, and drives them over MQTT exactly as
 the coordinator service drives a fleet; ``--transport inprocess`` runs the
-stages as threads of this process. ``--devices 1`` is the single-device
-reference: the same code path, one stage, no pipeline.
+stages as threads of this process; ``--transport dist`` runs the server tier
+(:mod:`edge.transport.dist`): one process per stage and replica, launched with
+torchrun semantics (:mod:`edge.commands.launch`), gloo on CPUs and NCCL with
+``--device cuda``, ``--replicas R`` data-parallel copies of the pipeline.
+``--devices 1`` is the single-device reference: the same code path, one stage,
+no pipeline.
 """
 
 from __future__ import annotations
@@ -59,7 +63,16 @@ def train_command(
     weight_decay: float = typer.Option(0.0, "--weight-decay", help="Weight decay."),
     codec: str = typer.Option("fp32", "--codec", help="fp32, fp16, bf16 or int8 on every link."),
     seed: int = typer.Option(0, "--seed", help="Seed of the weights and the data order."),
-    transport: str = typer.Option("mqtt", "--transport", help="mqtt or inprocess."),
+    transport: str = typer.Option(
+        "mqtt", "--transport", help="mqtt, inprocess or dist (torch.distributed, the server tier)."
+    ),
+    replicas: int = typer.Option(
+        1, "--replicas", min=1, help="dist: data-parallel pipeline copies (divides --devices)."
+    ),
+    device: str = typer.Option("cpu", "--device", help="dist: cpu or cuda (one GPU per process)."),
+    precision: str = typer.Option(
+        "fp32", "--precision", help="fp32, or bf16 (autocast; weights stay fp32)."
+    ),
     broker: str | None = typer.Option(
         None, "--broker", help="Broker URL; without it one is started (mosquitto, else amqtt)."
     ),
@@ -112,8 +125,15 @@ def train_command(
     from edge.errors import describe_validation_error
     from edge.runtime.allocator import tune_malloc
 
-    if transport not in ("mqtt", "inprocess"):
-        raise UserError(f"--transport: {transport!r} is not mqtt or inprocess")
+    if transport not in ("mqtt", "inprocess", "dist"):
+        raise UserError(f"--transport: {transport!r} is not mqtt, inprocess or dist")
+    if transport != "dist" and (replicas > 1 or device != "cpu"):
+        raise UserError("--replicas and --device are for --transport dist")
+    if device not in ("cpu", "cuda") or precision not in ("fp32", "bf16"):
+        raise UserError(f"--device {device!r} / --precision {precision!r}: "
+                        "expected cpu or cuda / fp32 or bf16")  # fmt: skip
+    if devices % replicas:
+        raise UserError(f"--devices {devices} is not a multiple of --replicas {replicas}")
     if partition not in ("plan", "even"):
         raise UserError(f"--partition: {partition!r} is not plan or even")
     try:
@@ -126,8 +146,10 @@ def train_command(
         })  # fmt: skip
     except ValidationError as exc:
         raise UserError(describe_validation_error(exc, "train")) from None
-    if batch_size % microbatches:
-        raise UserError(f"--batch-size {batch_size} is not a multiple of --microbatches")
+    if batch_size % (microbatches * replicas):
+        raise UserError(
+            f"--batch-size {batch_size} is not a multiple of --microbatches x --replicas"
+        )
     from coordinator.faults import parse_fault
 
     faults = [parse_fault(f) for f in fault]
@@ -151,6 +173,12 @@ def train_command(
     with progress:
         if transport == "inprocess":
             result, broker_name, score = _run_inprocess(spec, devices, partition, progress)
+        elif transport == "dist":
+            result, score = _run_dist(spec, devices, replicas, partition, device, precision,
+                                      threads, progress)  # fmt: skip
+            broker_name = None
+            extra.update(replicas=replicas, processes=len(score.plan.stages) * replicas,
+                         device=device, precision=precision)  # fmt: skip
         else:
             result, broker_name, score = _run_mqtt(
                 spec, devices, partition, broker, progress, threads, resilience, extra
@@ -182,6 +210,49 @@ def _run_inprocess(
     fleet = [me.model_copy(update={"id": f"local-{i}"}) for i in range(n)]
     plan, score = _plan(spec, fleet, partition)
     return run_inprocess(spec, plan, on_step=progress.update), None, score
+
+
+def _run_dist(
+    spec: JobSpec,
+    n: int,
+    replicas: int,
+    partition: str,
+    device: str,
+    precision: str,
+    threads: int | None,
+    progress: _Progress,
+) -> tuple[JobResult, Any]:
+    """Plan over ``n / replicas`` local devices and run it as a server-tier job."""
+    import os
+    import tempfile
+
+    from edge.commands.launch import launch
+    from edge.profiler import profile_device
+    from edge.runtime.dist_job import DistJob, read_results
+
+    me = profile_device("local", seconds=0.3).to_device_spec()
+    fleet = [me.model_copy(update={"id": f"rank-{i}"}) for i in range(n // replicas)]
+    plan, score = _plan(spec, fleet, partition)
+    processes = len(plan.stages) * replicas
+    with tempfile.TemporaryDirectory(prefix="edgetrain-dist-") as out:
+        job = DistJob.model_validate(dict(
+            model=spec.model, model_options=spec.model_options, dataset=spec.dataset,
+            dataset_options=spec.dataset_options, steps=spec.steps, batch_size=spec.batch_size,
+            microbatches=spec.microbatches, schedule=spec.schedule, optimizer=spec.optimizer,
+            codec=spec.codec, seed=spec.seed, boundaries=[st.start for st in plan.stages[1:]],
+            replicas=replicas, device=device, precision=precision, output=out,
+        ))  # fmt: skip
+        progress.note(f"launching {len(plan.stages)} stages x {replicas} replicas "
+                      f"= {processes} processes (torch.distributed, "
+                      f"{'gloo' if device == 'cpu' else 'NCCL'})")  # fmt: skip
+        cores = os.cpu_count() or 1
+        launch(job, threads=threads or max(1, cores // processes))
+        got = read_results(Path(out), job)
+    for report in got.reports:
+        progress.update(report)
+    result = JobResult(job=job.job, plan=plan, spec=spec, losses=got.losses,
+                       reports=got.reports, wall_s=got.wall_s, weights=got.weights)  # fmt: skip
+    return result, score
 
 
 def _run_mqtt(

@@ -13,6 +13,14 @@ over their parameters, and runs a step by executing its row of the schedule
 After the last action the optimizer steps (the flush). Stage 0 sends every
 microbatch's labels straight to the last stage before the first forward.
 
+On a server (``torch_device`` ``cuda:N``) the segment, its inputs and its
+gradients live on the GPU; frames are encoded from and decoded to host memory.
+With ``precision="bf16"`` the forward runs under bf16 autocast (weights,
+gradients and optimizer state stay fp32). With ``replicas = R`` (data
+parallelism, :mod:`edge.runtime.data_parallel`) replica ``r``'s stage 0 takes
+rows ``[r B/R, (r+1) B/R)`` of every step's batch, and before the optimizer
+steps the stage averages its gradients with its copies in the other replicas.
+
 For fault tolerance a stage runs steps ``[first_step, steps)``; it can be
 restored (:meth:`StageRuntime.restore`) from the state of step ``first_step``,
 and with ``replicate_every = R`` it hands its state for step ``k + 1`` to the
@@ -31,10 +39,11 @@ CPU with the fp32 codec.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import safetensors.torch
 import torch
@@ -48,6 +57,9 @@ from edge.runtime.checkpoint import load_state, read_state, select, stage_state
 from edge.runtime.data import EpochSampler, load_batch
 from edge.runtime.schedules import make_schedule
 from edge.transport.base import Transport
+
+if TYPE_CHECKING:
+    from edge.runtime.data_parallel import DataParallel
 
 __all__ = ["StageRuntime", "build_optimizer", "loss_fn"]
 
@@ -89,6 +101,8 @@ class StageRuntime:
         report: Reporter | None = None,
         slowdown: float = 1.0,
         replicate: Replicator | None = None,
+        torch_device: str | torch.device = "cpu",
+        data_parallel: DataParallel | None = None,
     ) -> None:
         if slowdown < 1:
             raise ValueError(f"slowdown must be at least 1 (got {slowdown})")
@@ -101,13 +115,17 @@ class StageRuntime:
         self.device = device
         self.report: Reporter = report or (lambda _event: None)
         self.replicate = replicate
+        self.torch_device = torch.device(torch_device)
+        self.data_parallel = data_parallel
         self._cancelled = threading.Event()
         a = assignment
+        if a.replicas > 1 and data_parallel is None:
+            raise ValueError(f"{a.replicas} replicas need a data_parallel group")
         spec = get_model(a.model, seed=a.seed, **a.model_options)
         if a.end > spec.num_units:
             raise ValueError(f"segment [{a.start}, {a.end}) beyond the {spec.num_units} units")
         self.unit_names = spec.unit_names
-        self.segment = spec.build_segment(a.start, a.end).train()
+        self.segment = spec.build_segment(a.start, a.end).train().to(self.torch_device)
         self.optimizer = build_optimizer(a.optimizer, self.segment.parameters())
         self.actions = make_schedule(a.schedule, a.num_stages, a.microbatches)[a.stage]
         self.codec_out = Codec.parse(a.codec_out)
@@ -141,6 +159,16 @@ class StageRuntime:
             return time.perf_counter() - t0
         return spent
 
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """bf16 autocast for ``precision="bf16"``, nothing for fp32."""
+        if self.a.precision == "bf16":
+            return torch.autocast(self.torch_device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _here(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on this stage's device (a no-op on the host)."""
+        return t if t.device == self.torch_device else t.to(self.torch_device, non_blocking=True)
+
     @property
     def parameters(self) -> int:
         return sum(p.numel() for p in self.segment.parameters())
@@ -162,7 +190,7 @@ class StageRuntime:
         timeout = a.recv_timeout_s
         started = time.perf_counter()
         received_before = self.inbox.bytes_received
-        compute = wait = send = 0.0
+        compute = wait = send = reduce = 0.0
         sent = 0
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
@@ -172,7 +200,11 @@ class StageRuntime:
         if a.is_first:
             assert self.sampler is not None
             x, y = load_batch(self.dataset, self.sampler, step)
-            xs, ys = x.chunk(m), y.chunk(m)
+            if a.replicas > 1:  # this replica's share of the step's batch
+                share = a.batch_size // a.replicas
+                x = x[a.replica * share : (a.replica + 1) * share]
+                y = y[a.replica * share : (a.replica + 1) * share]
+            xs, ys = self._here(x).chunk(m), self._here(y).chunk(m)
             if not a.is_last:
                 t0 = time.perf_counter()
                 for mb, labels in enumerate(ys):
@@ -186,23 +218,24 @@ class StageRuntime:
                     inp = xs[mb]
                 else:
                     t0 = time.perf_counter()
-                    inp = self.inbox.take(Kind.ACTIVATION, step, mb, timeout).tensor
+                    inp = self._here(self.inbox.take(Kind.ACTIVATION, step, mb, timeout).tensor)
                     wait += time.perf_counter() - t0
                     if inp.is_floating_point():
                         inp = inp.detach().requires_grad_()
                 inputs[mb] = inp
                 t0 = self._start()
-                out = self.segment(inp)
+                with self._autocast():
+                    out = self.segment(inp)
                 compute += self._throttle(t0)
                 if a.is_last:
                     if a.is_first:
                         target = ys[mb]
                     else:
                         t0 = time.perf_counter()
-                        target = self.inbox.take(Kind.LABELS, step, mb, timeout).tensor
+                        target = self._here(self.inbox.take(Kind.LABELS, step, mb, timeout).tensor)
                         wait += time.perf_counter() - t0
                     t0 = self._start()
-                    mb_loss = loss_fn(out, target)
+                    mb_loss = loss_fn(out.float(), target)
                     losses[mb] = mb_loss / m if m > 1 else mb_loss  # /1 is exact: skip it
                     compute += self._throttle(t0)
                 else:
@@ -217,7 +250,7 @@ class StageRuntime:
                     losses[mb].backward()
                 else:
                     t0 = time.perf_counter()
-                    grad = self.inbox.take(Kind.GRADIENT, step, mb, timeout).tensor
+                    grad = self._here(self.inbox.take(Kind.GRADIENT, step, mb, timeout).tensor)
                     wait += time.perf_counter() - t0
                     t0 = self._start()
                     outputs.pop(mb).backward(grad)
@@ -228,18 +261,24 @@ class StageRuntime:
                     sent += self._send(a.stage - 1, "bwd", Kind.GRADIENT, step, mb, inp.grad,
                                        self.codec_in)  # fmt: skip
                     send += time.perf_counter() - t0
+        loss = float(sum(v.item() for v in losses.values())) if a.is_last else None
+        if self.data_parallel is not None:
+            reduce = self.data_parallel.average_gradients(self.segment.parameters())
+            if loss is not None:
+                t0 = time.perf_counter()
+                loss = self.data_parallel.average(loss)
+                reduce += time.perf_counter() - t0
         t0 = self._start()
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         compute += self._throttle(t0)
         self.inbox.forget_before(step + 1)
-        loss = float(sum(v.item() for v in losses.values())) if a.is_last else None
         return StepReport(
             job=a.job, stage=a.stage, device=self.device, step=step, loss=loss,
             compute_s=compute, wait_s=wait, send_s=send, step_s=time.perf_counter() - started,
             bytes_sent=sent, bytes_received=self.inbox.bytes_received - received_before,
-            frames_dropped=sum(self.inbox.dropped.values()),
+            frames_dropped=sum(self.inbox.dropped.values()), allreduce_s=reduce,
         )  # fmt: skip
 
     def run(self, first_step: int | None = None) -> int:
@@ -273,7 +312,7 @@ class StageRuntime:
 
     def weights(self) -> bytes:
         """The segment's weights as safetensors bytes (keys are unit-prefixed)."""
-        state = {k: v.detach().contiguous() for k, v in self.segment.state_dict().items()}
+        state = {k: v.detach().cpu().contiguous() for k, v in self.segment.state_dict().items()}
         return safetensors.torch.save(state)
 
     def state(self, step: int) -> bytes:

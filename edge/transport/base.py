@@ -120,6 +120,11 @@ class Inbox:
             self._cond.notify_all()
 
     @property
+    def closed(self) -> bool:
+        with self._cond:
+            return self._closed
+
+    @property
     def pending(self) -> int:
         with self._cond:
             return len(self._frames)

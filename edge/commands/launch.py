@@ -1,0 +1,122 @@
+"""``edgetrain launch job.toml``: run a server-tier job with torchrun semantics.
+
+One process per GPU (or per ``--nproc-per-node`` on CPUs), rendezvous over
+c10d at ``--rdzv-endpoint`` (every node runs the same command with the same
+endpoint; one node by default, on a free local port), torch.distributed's
+elastic agent watching the processes: if one fails, the rest are stopped and
+the command fails. Each process is :mod:`edge.runtime.dist_worker`. The job
+file is :class:`edge.runtime.dist_job.DistJob`; the node count times processes
+per node must equal its stages times replicas.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import typer
+
+from edge.errors import UserError
+from edge.runtime.dist_job import DistJob, DistResults, load_job, read_results, write_job
+
+__all__ = ["launch", "launch_command"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def launch(
+    job: DistJob,
+    *,
+    nnodes: int = 1,
+    nproc_per_node: int | None = None,
+    rdzv_endpoint: str | None = None,
+    threads: int | None = None,
+) -> None:
+    """Start this node's processes of ``job`` and wait for them.
+
+    The job, with its id fixed, is written to ``output/job.toml`` first: every
+    rank reads that file (a job file without ``job`` would give each its own).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    nproc = nproc_per_node or max(1, job.world_size // nnodes)
+    if nnodes * nproc != job.world_size:
+        raise UserError(
+            f"{nnodes} node(s) x {nproc} processes = {nnodes * nproc}, but the job needs "
+            f"{job.num_stages} stages x {job.replicas} replicas = {job.world_size}"
+        )
+    if rdzv_endpoint is None:
+        if nnodes > 1:
+            raise UserError("--rdzv-endpoint HOST:PORT is needed with more than one node")
+        rdzv_endpoint = f"127.0.0.1:{_free_port()}"
+    job_file = Path(job.output) / "job.toml"
+    job_file.parent.mkdir(parents=True, exist_ok=True)
+    write_job(job, job_file)
+    config = LaunchConfig(
+        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=job.job,
+        rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint, max_restarts=0, monitor_interval=0.2,
+        start_method="spawn", rdzv_configs={"join_timeout": 120},
+        local_addr="127.0.0.1" if nnodes == 1 else None,
+    )  # fmt: skip
+    # The workers inherit this process's environment: torch threads per rank.
+    previous = os.environ.get("OMP_NUM_THREADS")
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        elastic_launch(config, sys.executable)("-m", "edge.runtime.dist_worker", str(job_file))
+    except ChildFailedError as exc:
+        ranks = sorted(exc.failures)
+        detail = f": rank {ranks[0]} exited {exc.failures[ranks[0]].exitcode}" if ranks else ""
+        raise UserError(f"job {job.job} failed{detail} (its output is above)") from None
+    finally:
+        if threads is not None:
+            if previous is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = previous
+
+
+def launch_command(
+    job_file: Path = typer.Argument(..., help="The job (TOML): model, steps, split, replicas."),
+    nnodes: int = typer.Option(1, "--nnodes", min=1, help="Nodes taking part."),
+    nproc_per_node: int | None = typer.Option(
+        None, "--nproc-per-node", min=1, help="Processes (GPUs) on this node (default: all)."
+    ),
+    rdzv_endpoint: str | None = typer.Option(
+        None, "--rdzv-endpoint", help="HOST:PORT of the c10d rendezvous (needed for > 1 node)."
+    ),
+    output: Path | None = typer.Option(None, "--output", help="Results directory (overrides)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON summary at the end."),
+) -> None:
+    """Run a server-tier job over torch.distributed (torchrun semantics)."""
+    job = load_job(job_file, output=str(output) if output else None)
+    launch(job, nnodes=nnodes, nproc_per_node=nproc_per_node, rdzv_endpoint=rdzv_endpoint)
+    done = (Path(job.output) / "losses.json").exists()  # on the node of the last stage
+    results = read_results(Path(job.output), job) if done else None
+    summary = {"job": job.job, "output": job.output, "stages": job.num_stages,
+               "replicas": job.replicas}  # fmt: skip
+    if results is not None:
+        summary.update(losses=results.losses, wall_s=results.wall_s,
+                       samples_per_s=_rate(job, results))  # fmt: skip
+    if json_out:
+        typer.echo(json.dumps(summary))
+    elif results is not None and results.losses:
+        typer.echo(f"job {job.job}: {len(results.losses)} steps, final loss "
+                   f"{results.losses[-1]:.4f}, {summary['samples_per_s']:.1f} samples/s "
+                   f"({job.num_stages} stages x {job.replicas} replicas); "
+                   f"results in {job.output}")  # fmt: skip
+    else:
+        typer.echo(f"job {job.job}: done; results in {job.output}")
+
+
+def _rate(job: DistJob, results: DistResults) -> float:
+    wall = results.wall_s
+    return len(results.losses) * job.batch_size / wall if wall > 0 else 0.0

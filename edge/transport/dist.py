@@ -1,0 +1,188 @@
+"""Frames between stages on servers, over torch.distributed point-to-point.
+
+This module owns :class:`DistTransport`, the :class:`~edge.transport.base.Transport`
+of the server tier: the stages of one pipeline replica are ranks of one
+torch.distributed job, and a frame to another stage is a ``send`` to that
+stage's rank. It carries exactly the frames (:mod:`edge.protocol`) the MQTT and
+in-process transports carry, so a stage runs the same code, the same schedule
+actions and gets the same bits whatever the wire.
+
+Each frame is two messages on one ``(source, destination, tag)`` stream: its
+length as one int64, then its bytes as uint8. The tag is the channel (``fwd``
+0, ``bwd`` 1), and c10d keeps each stream in order. On :meth:`~DistTransport.attach`
+one receiver thread per incoming stream (the previous stage's ``fwd``, stage
+0's labels on the last stage, the next stage's ``bwd``) posts receives and files
+frames in the stage's inbox; a zero length ends a stream, and
+:meth:`~DistTransport.detach` sends one to every outgoing stream, so every
+receiver stops once both sides are done.
+
+[Note: why not torch.distributed.pipelining]
+``torch.distributed.pipelining`` runs its own schedules over ``PipelineStage``
+objects, with one loss function on the last stage and its own microbatch
+splitting. edgetrain's plans, 1F1B and GPipe action lists, loss scaling
+([Note: loss scaling] in :mod:`edge.runtime.stage`), codecs, step reports and
+state blobs are those of :class:`~edge.runtime.stage.StageRuntime`; running
+that executor over c10d keeps one schedule implementation and makes a
+server-tier run bit-comparable with an MQTT run and able to move between tiers
+(same checkpoints). What the server tier needs from c10d is point-to-point
+transfer, which this module provides, and the gradient all-reduce of data
+parallelism (:mod:`edge.runtime.data_parallel`).
+
+[Note: host frames]
+Frames are host bytes (the wire format every transport shares), so they travel
+on a gloo group even when the stages compute on GPUs; the data-parallel
+gradient all-reduce, the heavy collective, uses NCCL there. Receiving in
+threads while the stage sends from its own is safe with gloo, whose
+point-to-point operations are independent per call; NCCL orders operations per
+communicator, and threads on two ranks would post them in different orders.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from edge.transport.base import Channel, Inbox
+
+__all__ = ["DistTransport", "Route"]
+
+log = logging.getLogger(__name__)
+
+_TAGS: dict[Channel, int] = {"fwd": 0, "bwd": 1}
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where the stages of one pipeline replica run: stage ``s`` is rank ``ranks[s]``.
+
+    A stage missing from ``ranks`` is not in this torch.distributed job (in a
+    hybrid pipeline it is an edge device reached over MQTT).
+    """
+
+    num_stages: int
+    ranks: dict[int, int]
+
+    def incoming(self, stage: int) -> list[tuple[int, Channel]]:
+        """The ``(source stage, channel)`` streams ``stage`` receives, within this job."""
+        last = self.num_stages - 1
+        streams: list[tuple[int, Channel]] = []
+        if stage > 0:
+            streams.append((stage - 1, "fwd"))
+        if stage == last and stage > 1:
+            streams.append((0, "fwd"))  # stage 0 sends the labels straight to the last
+        if stage < last:
+            streams.append((stage + 1, "bwd"))
+        return [(s, c) for s, c in streams if s in self.ranks]
+
+    def outgoing(self, stage: int) -> list[tuple[int, Channel]]:
+        """The ``(destination stage, channel)`` streams ``stage`` sends on, within this job."""
+        last = self.num_stages - 1
+        streams: list[tuple[int, Channel]] = []
+        if stage < last:
+            streams.append((stage + 1, "fwd"))
+        if stage == 0 and last > 1:
+            streams.append((last, "fwd"))
+        if stage > 0:
+            streams.append((stage - 1, "bwd"))
+        return [(s, c) for s, c in streams if s in self.ranks]
+
+
+class DistTransport:
+    """Sends frames to other ranks of an initialised torch.distributed job (see the module)."""
+
+    name = "dist"
+
+    def __init__(
+        self, route: Route, group: dist.ProcessGroup | None = None, join_timeout_s: float = 120.0
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised")
+        self.route = route
+        self.group = group
+        self.join_timeout_s = join_timeout_s
+        """How long :meth:`detach` waits for the peers to end their streams."""
+        self.rank = dist.get_rank()
+        self._lock = threading.Lock()
+        self._attached: dict[tuple[str, int], tuple[Inbox, list[threading.Thread]]] = {}
+        self.frames_sent = 0
+        self.bytes_sent = 0
+
+    def attach(self, job: str, stage: int, inbox: Inbox | None = None) -> Inbox:
+        """Start receiving for ``stage`` of ``job`` (into ``inbox`` if given: hybrid routes)."""
+        if self.route.ranks.get(stage) != self.rank:
+            raise ValueError(f"stage {stage} does not run on rank {self.rank}")
+        with self._lock:
+            if (job, stage) in self._attached:
+                raise ValueError(f"job {job} stage {stage} is already attached")
+            box = inbox or Inbox(job, stage)
+            threads = [
+                threading.Thread(
+                    target=self._receive,
+                    args=(box, self.route.ranks[src], channel),
+                    name=f"dist-recv-{src}-{channel}",
+                    daemon=True,
+                )
+                for src, channel in self.route.incoming(stage)
+            ]
+            self._attached[(job, stage)] = (box, threads)
+        for t in threads:
+            t.start()
+        return box
+
+    def _receive(self, inbox: Inbox, src: int, channel: Channel) -> None:
+        tag = _TAGS[channel]
+        size = torch.empty(1, dtype=torch.int64)
+        try:
+            while True:
+                dist.recv(size, src, group=self.group, tag=tag)
+                n = int(size.item())
+                if n <= 0:
+                    return
+                buf = torch.empty(n, dtype=torch.uint8)
+                dist.recv(buf, src, group=self.group, tag=tag)
+                inbox.deliver(buf.numpy().data, channel)
+        except RuntimeError as exc:  # the process group went away under us
+            log.warning("receiving from rank %d (%s) stopped: %s", src, channel, exc)
+            inbox.close()
+
+    def send(self, job: str, stage: int, channel: Channel, frame: bytes) -> None:
+        """Send ``frame`` to the rank of ``stage`` (blocks until it is on its way)."""
+        dst = self.route.ranks.get(stage)
+        if dst is None:
+            raise ValueError(f"stage {stage} is not in this torch.distributed job")
+        tag = _TAGS[channel]
+        with warnings.catch_warnings():  # read-only bytes: torch only reads them here
+            warnings.simplefilter("ignore", UserWarning)
+            payload = torch.frombuffer(frame, dtype=torch.uint8)
+        dist.send(torch.tensor([len(frame)], dtype=torch.int64), dst, group=self.group, tag=tag)
+        dist.send(payload, dst, group=self.group, tag=tag)
+        with self._lock:
+            self.frames_sent += 1
+            self.bytes_sent += len(frame)
+
+    def detach(self, job: str, stage: int) -> None:
+        """End this stage's outgoing streams, wait for its incoming ones to end, close it."""
+        with self._lock:
+            entry = self._attached.pop((job, stage), None)
+        if entry is None:
+            return
+        inbox, threads = entry
+        end = torch.zeros(1, dtype=torch.int64)
+        for dst, channel in self.route.outgoing(stage):
+            dist.send(end, self.route.ranks[dst], group=self.group, tag=_TAGS[channel])
+        for t in threads:
+            t.join(self.join_timeout_s)
+            if t.is_alive():
+                log.warning("job %s stage %d: %s did not end within %.0f s",
+                            job, stage, t.name, self.join_timeout_s)  # fmt: skip
+        inbox.close()
+
+    def close(self) -> None:
+        """Detach every stage still attached."""
+        for job, stage in list(self._attached):
+            self.detach(job, stage)
