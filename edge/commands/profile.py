@@ -1,7 +1,8 @@
 """``edgetrain profile``: measure this device and print it as a planning-problem device.
 
 This module owns the command's options and output (one JSON object with ``--json``,
-a table otherwise); the measuring itself is :func:`edge.profiler.profile_device`.
+a table otherwise); the measuring itself is :func:`edge.profiler.profile_device`,
+on the CPU or, with ``--device cuda[:N]``, on a GPU.
 """
 
 from __future__ import annotations
@@ -40,7 +41,28 @@ def profile_command(
         ),
     ),
     seconds: float = typer.Option(
-        2.0, "--seconds", metavar="S", help="How long to time the matmul benchmark."
+        2.0,
+        "--seconds",
+        metavar="S",
+        help="How long to time the matmul benchmark (on a GPU: each of fp32 and bf16).",
+    ),
+    device: str = typer.Option(
+        "cpu",
+        "--device",
+        metavar="DEVICE",
+        help=(
+            "cpu, or cuda / cuda:N to report that GPU's matmul rate and free memory "
+            "(details.gpu has its name and both fp32 and bf16 TFLOP/s)."
+        ),
+    ),
+    precision: str = typer.Option(
+        "fp32",
+        "--precision",
+        metavar="fp32|bf16",
+        help=(
+            "The precision the device will train in: gflops is the matmul rate in it "
+            "(bf16 for training under bf16 autocast; fp32 is measured with TF32 off)."
+        ),
     ),
     model: str | None = typer.Option(
         None,
@@ -57,7 +79,9 @@ def profile_command(
 
     gflops is the sustained fp32 matmul rate with torch's thread count (an upper
     bound for training); memory_bytes is available memory, capped by the cgroup
-    limit; bandwidth_mbps and latency_ms are measured through --broker when given.
+    limit. With --device cuda both are the GPU's: its matmul rate in --precision
+    and its free memory. bandwidth_mbps and latency_ms are measured through
+    --broker when given.
     details.link_source says where the link figures came from: measured-broker,
     interface-speed or default.
     """
@@ -65,11 +89,27 @@ def profile_command(
         raise UserError(f"--seconds: must be more than 0 and at most 600 (got {seconds})")
     if device_id is not None and not device_id.strip():
         raise UserError("--device-id: must not be empty")
+    if precision not in ("fp32", "bf16"):
+        raise UserError(f"--precision: expected fp32 or bf16 (got {precision!r})")
 
     # Imported here: torch takes a while to load, and other commands do not need it.
-    from edge.profiler import profile_device
+    from edge.profiler import profile_device, resolve_device
 
-    profile = profile_device(device_id=device_id, broker_url=broker, seconds=seconds)
+    try:
+        on_gpu = resolve_device(device).type == "cuda"
+    except UserError as exc:
+        raise UserError(f"--device {exc.message.removeprefix('device ')}") from None
+    if on_gpu and model is not None:
+        # edge.models.costs times units with the host clock and no CUDA
+        # synchronisation, which on a GPU measures kernel launches, not kernels.
+        raise UserError("--model: per-unit times are measured on the CPU only; drop --device")
+    profile = profile_device(
+        device_id=device_id,
+        broker_url=broker,
+        seconds=seconds,
+        device=device,
+        precision="bf16" if precision == "bf16" else "fp32",
+    )
     data = profile.to_json()
     if model is not None:
         from edge.models.costs import profile_model
@@ -101,18 +141,30 @@ def _print_table(data: dict[str, Any]) -> None:
     table.add_column("value", justify="right")
     table.add_column("how it was found")
     mm = details["matmul"]
-    table.add_row(
-        "gflops",
-        f"{data['gflops']:.1f}",
-        f"fp32 matmul n={mm['size']}, median of {mm['repeats']}, "
-        f"{details['torch_threads']} torch threads",
-    )
+    dtype = str(mm["dtype"]).removeprefix("torch.").replace("float32", "fp32")
+    dtype = dtype.replace("bfloat16", "bf16")
+    gpu: dict[str, Any] | None = details.get("gpu")
+    if gpu is None:
+        where = f"median of {mm['repeats']}, {details['torch_threads']} torch threads"
+    else:
+        where = f"on {gpu['device']}, median of {mm['repeats']} rounds"
+    table.add_row("gflops", f"{data['gflops']:.1f}", f"{dtype} matmul n={mm['size']}, {where}")
     cgroup = details["cgroup"]
     limit = cgroup.get("memory_limit_bytes")
     mem_note = "available memory" + (
         f", cgroup {cgroup['memory_version']} limit {limit / 2**30:.2f} GiB" if limit else ""
     )
+    if gpu is not None:
+        mem_note = f"free GPU memory, of {gpu['memory_total_bytes'] / 2**30:.2f} GiB"
     table.add_row("memory_bytes", f"{data['memory_bytes'] / 2**30:.2f} GiB", mem_note)
+    if gpu is not None:
+        tf32 = "on" if gpu["tf32"] else "off"
+        table.add_row(
+            "gpu",
+            f"{gpu['name']}",
+            f"fp32 {gpu['fp32_tflops']:.1f} (TF32 {tf32}), bf16 {gpu['bf16_tflops']:.1f} "
+            f"TFLOP/s; compute capability {gpu['capability']}",
+        )
     table.add_row("bandwidth_mbps", f"{data['bandwidth_mbps']:.1f}", source)
     table.add_row("latency_ms", f"{data['latency_ms']:.3f}", source)
     table.add_row(
