@@ -42,6 +42,7 @@ class LocalFleet:
         work_dir: Path | None = None,
         profiles: list[str] | None = None,
         slowdowns: list[float] | None = None,
+        servers: int = 0,
     ) -> None:
         self.n = n
         self.broker_url = broker_url
@@ -53,6 +54,8 @@ class LocalFleet:
         self.slowdowns = slowdowns or [1.0] * n
         if len(self.profiles) != n or len(self.slowdowns) != n:
             raise ValueError("profiles and slowdowns need one entry per agent")
+        self.servers = set(self.ids[n - servers :]) if servers else set()
+        """The last ``servers`` agents are server tier (``edgetrain agent --server``)."""
         self.measure_seconds = measure_seconds
         self._tmp = (
             tempfile.TemporaryDirectory(prefix="edgetrain-fleet-") if work_dir is None else None
@@ -88,6 +91,8 @@ class LocalFleet:
         ]  # fmt: skip
         if profile:
             cmd += ["--profile", profile]
+        if device in self.servers:
+            cmd += ["--server"]
         log = self.log_path(device).open("wb")
         self.procs[device] = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL

@@ -6,6 +6,10 @@
   commands on the devices' ``cmd`` topics (:mod:`edge.agent` is the other side):
   assign every stage, wait until all are built and subscribed (``ready``), then
   ``start`` them all, so no frame is sent before its receiver listens.
+  Stages on server-tier agents (``servers``, see :func:`server_tier`) also
+  join one torch.distributed group, whose rendezvous store this process
+  hosts, and frames between two of them travel over c10d
+  (:mod:`edge.transport.dist`): a hybrid pipeline of edge devices and servers.
 
 Both take a :class:`~coordinator.jobs.JobSpec` and a plan and return a
 :class:`~coordinator.jobs.JobResult`.
@@ -17,7 +21,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
 
 import safetensors.torch
 import torch
@@ -26,19 +32,22 @@ from coordinator.jobs import JobFailed, JobMonitor, JobResult, JobSpec, make_ass
 from coordinator.planner.score import Plan
 from edge.messages import (
     CancelJob,
+    DistGroup,
     MessageError,
+    StageAssignment,
     StageDone,
     StageFailed,
     StartJob,
     StepReport,
     parse_event,
 )
+from edge.problem import DeviceSpec
 from edge.protocol import TOPIC_ROOT, device_cmd, job_events, job_restore
 from edge.runtime.stage import StageRuntime
 from edge.transport.inprocess import InProcessTransport
 from edge.transport.mqtt import MqttTransport
 
-__all__ = ["run_inprocess", "run_on_agents"]
+__all__ = ["run_inprocess", "run_on_agents", "server_tier"]
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +122,8 @@ def run_on_agents(
     replicate_every: int = 0,
     restore: dict[int, bytes] | None = None,
     abort: Callable[[], str | None] | None = None,
+    servers: Mapping[str, str] | None = None,
+    store_host: str = "127.0.0.1",
 ) -> JobResult:
     """Run ``plan`` on the agents named by its stages, through the connected ``control``.
 
@@ -122,12 +133,18 @@ def run_on_agents(
     ``replicate_every`` steps, and stop with :class:`~coordinator.jobs.JobAborted`
     as soon as ``abort()`` gives a reason. However it ends, the stages are told to
     stop unless they finished, and the retained restore blobs are cleared.
+
+    ``servers`` maps server-tier devices to their torch device (``cpu``,
+    ``cuda:0``); when two or more stages run on them, those stages form a
+    torch.distributed group with a store hosted here, which agents reach at
+    ``store_host``.
     """
     job = job or new_job_id()
     assignments = make_assignments(
         job, spec, plan, first_step=first_step, replicate_every=replicate_every,
         restore=bool(restore),
     )  # fmt: skip
+    assignments, store = _server_group(assignments, plan, servers or {}, store_host)
     monitor = JobMonitor(job, len(assignments), on_step, abort)
     weights: dict[int, bytes] = {}
     got_weights = threading.Condition()
@@ -181,8 +198,45 @@ def run_on_agents(
             )
         raise
     finally:
+        del store  # the rendezvous store lives as long as the job
         control.unsubscribe(events_topic)
         control.unsubscribe(weights_topic)
         for stage in restore or {}:
             with contextlib.suppress(ConnectionError):
                 control.publish(job_restore(job, stage), b"", 1, retain=True)  # clears it
+
+
+def server_tier(profiles: Mapping[str, DeviceSpec]) -> dict[str, str]:
+    """The devices that announced themselves as servers, with their torch device."""
+    out = {}
+    for device, spec in profiles.items():
+        details = spec.details or {}
+        if details.get("server"):
+            out[device] = str(details.get("torch_device") or "cpu")
+    return out
+
+
+def _server_group(
+    assignments: list[StageAssignment], plan: Plan, servers: Mapping[str, str], host: str
+) -> tuple[list[StageAssignment], Any]:
+    """Put the stages on ``servers`` into one torch.distributed group, if two or more are.
+
+    Returns the assignments and the rendezvous store (hosted by this process on a
+    free port) that the group's ranks connect to, or ``None`` for no group.
+    """
+    stages = [a.stage for a in assignments if plan.stages[a.stage].device in servers]
+    if len(stages) < 2:
+        return assignments, None
+    import torch.distributed as dist
+
+    store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=120))  # fmt: skip
+    cuda = all(servers[plan.stages[s].device].startswith("cuda") for s in stages)
+    group = DistGroup(store_host=host, store_port=store.port, world_size=len(stages),
+                      ranks={s: i for i, s in enumerate(stages)},
+                      backend="nccl" if cuda else "gloo")  # fmt: skip
+    log.info("stages %s form a torch.distributed group (%s) with the store on port %d",
+             stages, group.backend, store.port)  # fmt: skip
+    out = [a.model_copy(update={"dist": group}) if a.stage in group.ranks else a
+           for a in assignments]  # fmt: skip
+    return out, store

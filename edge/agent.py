@@ -71,7 +71,9 @@ from edge.protocol import (
     job_weights,
 )
 from edge.runtime.checkpoint import ReplicaKeeper
+from edge.runtime.dist_group import join_group, leave_group
 from edge.runtime.stage import Replicator, StageRuntime
+from edge.transport.base import Transport
 from edge.transport.mqtt import MqttTransport
 from edge.transport.settings import MqttSettings
 
@@ -100,8 +102,10 @@ class Agent:
         heartbeat_s: float = 1.0,
         version: str = "",
         slowdown: float = 1.0,
+        torch_device: str = "cpu",
     ) -> None:
         self.device_id = device_id
+        self.torch_device = torch_device
         self.slowdown = slowdown
         self.data_dir = data_dir
         self.heartbeat_s = heartbeat_s
@@ -280,14 +284,25 @@ class Agent:
                                                  a.model)  # fmt: skip
         self.replicas.forget_other_jobs(a.job)
         replicate = self._replicator(a) if a.replicate_every else None
-        rt = StageRuntime(a, self.transport, device=self.device_id, report=self._event,
-                          slowdown=self.slowdown, replicate=replicate)  # fmt: skip
+        transport: Transport = self.transport
+        if a.dist is not None:  # blocks until every rank of the group has joined
+            transport = join_group(a, self.transport)
+        try:
+            rt = StageRuntime(a, transport, device=self.device_id, report=self._event,
+                              slowdown=self.slowdown, replicate=replicate,
+                              torch_device=self.torch_device)  # fmt: skip
+        except BaseException:
+            if a.dist is not None:
+                leave_group()
+            raise
         try:
             if a.restore:
                 self._restore(rt)
             self._watch_neighbour(a)
         except BaseException:
-            self.transport.detach(a.job, a.stage)
+            transport.detach(a.job, a.stage)
+            if a.dist is not None:
+                leave_group()
             raise
         self._runtime = rt
         self._announce()
@@ -299,7 +314,9 @@ class Agent:
         rt.cancel()
         if self._job_thread is not None:  # at most one step's work left
             self._job_thread.join(timeout=10.0)
-        self.transport.detach(rt.a.job, rt.a.stage)
+        rt.transport.detach(rt.a.job, rt.a.stage)
+        if rt.a.dist is not None:
+            leave_group()
         if self._runtime is rt:
             self._runtime, self._step = None, None
             self._unwatch_neighbour()
@@ -416,6 +433,8 @@ class Agent:
                 self._event(StageFailed(job=a.job, stage=a.stage, device=self.device_id,
                                         error=f"{type(exc).__name__}: {exc}"))  # fmt: skip
         finally:
+            if a.dist is not None:
+                leave_group()
             if self._runtime is rt:  # not replaced by a newer assignment meanwhile
                 self._runtime = None
                 self._step = None

@@ -21,6 +21,7 @@ __all__ = [
     "CancelJob",
     "Command",
     "DeviceStatus",
+    "DistGroup",
     "Event",
     "Heartbeat",
     "MessageError",
@@ -58,6 +59,31 @@ class OptimizerSpec(_Message):
     weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(default=1e-8, gt=0)
+
+
+class DistGroup(_Message):
+    """Server tier inside a pipeline: the stages in ``ranks`` talk over torch.distributed.
+
+    The coordinator hosts the rendezvous store at ``store_host:store_port``; each
+    such stage joins the process group as ``ranks[stage]`` (of ``world_size``),
+    and frames between two of them travel over c10d (:mod:`edge.transport.dist`)
+    while every other link stays on MQTT.
+    """
+
+    store_host: str = Field(min_length=1)
+    store_port: int = Field(ge=1, le=65535)
+    world_size: int = Field(ge=1)
+    ranks: dict[int, int] = Field(min_length=1)
+    """Stage -> rank, for the stages in the group."""
+    backend: Literal["gloo", "nccl"] = "gloo"
+    """``nccl``: GPUs; host frames still use gloo (:mod:`edge.transport.dist`)."""
+    timeout_s: float = Field(default=120.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> DistGroup:
+        if sorted(self.ranks.values()) != list(range(self.world_size)):
+            raise ValueError(f"ranks {self.ranks} are not 0..{self.world_size - 1} once each")
+        return self
 
 
 class StageAssignment(_Message):
@@ -100,6 +126,8 @@ class StageAssignment(_Message):
     """Copies of the pipeline; each trains on ``1/replicas`` of every batch."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """``bf16``: the segment computes under bf16 autocast (weights and optimizer stay fp32)."""
+    dist: DistGroup | None = None
+    """Set when this stage is in a torch.distributed group with some of its neighbours."""
 
     @model_validator(mode="after")
     def _check(self) -> StageAssignment:
@@ -114,6 +142,8 @@ class StageAssignment(_Message):
             )
         if self.replica >= self.replicas:
             raise ValueError(f"replica {self.replica} is not below replicas {self.replicas}")
+        if self.dist is not None and self.stage not in self.dist.ranks:
+            raise ValueError(f"stage {self.stage} has a dist group without a rank in it")
         if self.first_step >= self.steps:
             raise ValueError(f"first_step {self.first_step} is not below steps {self.steps}")
         return self

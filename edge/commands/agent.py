@@ -41,6 +41,19 @@ def load_device_file(path: Path, device_id: str) -> DeviceSpec:
         raise UserError(describe_validation_error(exc, f"--profile {path}")) from None
 
 
+def _measured(device_id: str, seconds: float, device: str, precision: str) -> DeviceSpec:
+    from edge.profiler import profile_device
+
+    if device == "cpu":
+        return profile_device(device_id, seconds=seconds).to_device_spec()
+    return profile_device(
+        device_id,
+        seconds=seconds,
+        device=device,
+        precision=precision,  # type: ignore[arg-type]
+    ).to_device_spec()
+
+
 def agent_command(
     broker: str = typer.Option(..., "--broker", help="Broker URL: mqtt://HOST:PORT or mqtts://."),
     device_id: str = typer.Option(
@@ -91,6 +104,15 @@ def agent_command(
     ),
     tls_ca: Path | None = typer.Option(None, "--tls-ca", help="CA bundle for mqtts://."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+    device: str = typer.Option(
+        "cpu", "--device", help="Where stages compute: cpu, cuda or cuda:N (a GPU server)."
+    ),
+    precision: str = typer.Option(
+        "fp32", "--precision", help="With cuda: announce the fp32 or the bf16 (autocast) rate."
+    ),
+    server: bool = typer.Option(
+        False, "--server", help="Server tier: may join torch.distributed groups (implied by cuda)."
+    ),
 ) -> None:
     """Run the agent daemon: register this device and run the stages it is assigned.
 
@@ -115,6 +137,12 @@ def agent_command(
     from edge.transport.settings import MqttSettings, parse_broker_url
     from edgetrain import __version__
 
+    if device != "cpu" and not device.startswith("cuda"):
+        raise UserError(f"--device: {device!r} is not cpu, cuda or cuda:N")
+    if precision not in ("fp32", "bf16"):
+        raise UserError(f"--precision: {precision!r} is not fp32 or bf16")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: torch sees no CUDA GPU on this machine")
     if not device_id.strip() or "/" in device_id or "+" in device_id or "#" in device_id:
         raise UserError(f"--device-id: {device_id!r} must be non-empty without / + #")
     parse_broker_url(broker)
@@ -138,13 +166,13 @@ def agent_command(
         **{k: v for k, v in extra.items() if v is not None},
     )
 
-    def measure() -> DeviceSpec:
-        if announced is not None:
-            return announced
-        from edge.profiler import profile_device
+    tier = {"server": True, "torch_device": device} if server or device != "cpu" else {}
 
-        spec = profile_device(device_id, seconds=measure_seconds).to_device_spec()
-        if link_mbps is None and not link_latency_ms:
+    def measure() -> DeviceSpec:
+        spec = announced or _measured(device_id, measure_seconds, device, precision)
+        if tier:
+            spec = spec.model_copy(update={"details": {**(spec.details or {}), **tier}})
+        if announced is not None or (link_mbps is None and not link_latency_ms):
             return spec
         # Shaping caps the rate of the real link and adds to its latency.
         bandwidth = min(spec.bandwidth_mbps, link_mbps or math.inf)
@@ -152,7 +180,7 @@ def agent_command(
         return spec.model_copy(update={"bandwidth_mbps": bandwidth, "latency_ms": latency})
 
     agent = Agent(settings, device_id, measure, data_dir=data_dir, heartbeat_s=heartbeat_s,
-                  version=__version__, slowdown=slowdown)  # fmt: skip
+                  version=__version__, slowdown=slowdown, torch_device=device)  # fmt: skip
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())
     raise typer.Exit(agent.run())

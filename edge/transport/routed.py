@@ -1,0 +1,48 @@
+"""A stage with neighbours on two wires: torch.distributed to some, another transport to the rest.
+
+In a hybrid pipeline (edge devices run the first units, a server tier the
+rest) a server stage next to an edge device receives that device's frames over
+MQTT and talks to its fellow servers over c10d. :class:`RoutedTransport` gives
+such a stage one :class:`~edge.transport.base.Transport`: one inbox, filled by
+both wires, and each frame sent on the wire that reaches its destination (the
+group's route says which stages are servers).
+"""
+
+from __future__ import annotations
+
+from edge.transport.base import Channel, Inbox, Transport
+from edge.transport.dist import DistTransport
+
+__all__ = ["RoutedTransport"]
+
+
+class RoutedTransport:
+    """``dist`` for the stages in its route, ``other`` for every other stage."""
+
+    def __init__(self, other: Transport, dist: DistTransport) -> None:
+        self.other = other
+        self.dist = dist
+        self.name = f"{dist.name}+{other.name}"
+
+    def attach(self, job: str, stage: int) -> Inbox:
+        inbox = self.other.attach(job, stage)
+        try:
+            self.dist.attach(job, stage, inbox=inbox)
+        except BaseException:
+            self.other.detach(job, stage)
+            raise
+        return inbox
+
+    def send(self, job: str, stage: int, channel: Channel, frame: bytes) -> None:
+        wire = self.dist if stage in self.dist.route.ranks else self.other
+        wire.send(job, stage, channel, frame)
+
+    def detach(self, job: str, stage: int) -> None:
+        try:
+            self.dist.detach(job, stage)
+        finally:
+            self.other.detach(job, stage)
+
+    def close(self) -> None:
+        """Close the dist side; ``other`` belongs to whoever made it (the agent)."""
+        self.dist.close()

@@ -1,0 +1,56 @@
+"""A hybrid pipeline: two edge agents over MQTT feeding a two-process server tier.
+
+Four real agent processes and a real Mosquitto. The last two agents are server
+tier (``edgetrain agent --server``): the coordinator (this process) hosts the
+rendezvous store, their stages join one gloo process group, and the frames
+between them travel over torch.distributed while the edge links (and the labels
+from stage 0) stay on MQTT. The run equals single-device training within 1e-5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from coordinator.jobs import JobSpec
+from coordinator.localfleet import LocalFleet
+from coordinator.planner.score import Plan
+from coordinator.runners import run_inprocess, run_on_agents, server_tier
+from edge.problem import DeviceSpec
+from edge.transport.mqtt import MqttTransport
+
+
+@pytest.fixture(scope="module")
+def hybrid_fleet(
+    module_broker: str, control: MqttTransport
+) -> Iterator[tuple[LocalFleet, dict[str, DeviceSpec]]]:
+    with LocalFleet(4, module_broker, threads=1, servers=2) as fleet:
+        yield fleet, fleet.wait_online(control, timeout=90)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_two_edge_agents_feed_a_gloo_server_tier(
+    hybrid_fleet: tuple[LocalFleet, dict[str, DeviceSpec]], control: MqttTransport, schedule: str
+) -> None:
+    fleet, profiles = hybrid_fleet
+    servers = server_tier(profiles)
+    assert servers == {fleet.ids[2]: "cpu", fleet.ids[3]: "cpu"}  # announced by the agents
+    spec = JobSpec(model="gpt-mini", steps=4, batch_size=16, microbatches=4, seed=2,
+                   schedule=schedule)  # fmt: skip
+    cuts = [0, 1, 2, 4, 6]
+    plan = Plan.of(*((fleet.ids[s], cuts[s], cuts[s + 1]) for s in range(4)))
+    result = run_on_agents(spec, plan, control, servers=servers, timeout_s=300)
+    reference = run_inprocess(spec, Plan.of(("local", 0, 6)))
+    torch.testing.assert_close(
+        torch.tensor(result.losses), torch.tensor(reference.losses), rtol=1e-5, atol=0
+    )
+    assert result.weights.keys() == reference.weights.keys()
+    for key, ref in reference.weights.items():
+        torch.testing.assert_close(result.weights[key], ref, rtol=1e-5, atol=1e-7, msg=key)
+    # The servers joined the job's process group; the edge agents did not.
+    for device in fleet.ids[2:]:
+        assert f"joined the process group of job {result.job}" in fleet.log_path(device).read_text()
+    for device in fleet.ids[:2]:
+        assert "process group" not in fleet.log_path(device).read_text()
