@@ -70,6 +70,13 @@ def train_command(
         1, "--replicas", min=1, help="dist: data-parallel pipeline copies (divides --devices)."
     ),
     device: str = typer.Option("cpu", "--device", help="dist: cpu or cuda (one GPU per process)."),
+    servers: int = typer.Option(
+        0,
+        "--servers",
+        min=0,
+        help="mqtt: the last K agents are a server tier (a hybrid "
+        "pipeline: frames between servers go over torch.distributed).",
+    ),
     precision: str = typer.Option(
         "fp32", "--precision", help="fp32, or bf16 (autocast; weights stay fp32)."
     ),
@@ -132,6 +139,10 @@ def train_command(
     if device not in ("cpu", "cuda") or precision not in ("fp32", "bf16"):
         raise UserError(f"--device {device!r} / --precision {precision!r}: "
                         "expected cpu or cuda / fp32 or bf16")  # fmt: skip
+    if servers and (transport != "mqtt" or servers > devices):
+        raise UserError("--servers K needs --transport mqtt and K <= --devices")
+    if servers and fault:
+        raise UserError("--servers and --fault cannot be combined yet")
     if devices % replicas:
         raise UserError(f"--devices {devices} is not a multiple of --replicas {replicas}")
     if partition not in ("plan", "even"):
@@ -181,7 +192,7 @@ def train_command(
                          device=device, precision=precision)  # fmt: skip
         else:
             result, broker_name, score = _run_mqtt(
-                spec, devices, partition, broker, progress, threads, resilience, extra
+                spec, devices, partition, broker, progress, threads, resilience, extra, servers
             )
     if save_weights is not None:
         save_weights.write_bytes(result.weights_bytes())
@@ -264,10 +275,11 @@ def _run_mqtt(
     threads: int | None,
     resilience: tuple[list[Any], int, float, bool] | None = None,
     extra: dict[str, Any] | None = None,
+    servers: int = 0,
 ) -> tuple[JobResult, str, Any]:
     from coordinator.broker import BrokerStartError, start_broker
     from coordinator.localfleet import LocalFleet
-    from coordinator.runners import run_on_agents
+    from coordinator.runners import run_on_agents, server_tier
     from edge.transport.mqtt import MqttSettings, MqttTransport
 
     name: str
@@ -286,11 +298,14 @@ def _run_mqtt(
         control = MqttTransport(MqttSettings(url=url))
         control.connect(timeout=15)
         stack.callback(control.close)
-        fleet = stack.enter_context(LocalFleet(n, url, threads=threads))
+        fleet = stack.enter_context(LocalFleet(n, url, threads=threads, servers=servers))
         profiles = fleet.wait_online(control)
         plan, score = _plan(spec, [profiles[d] for d in fleet.ids], partition)
         if resilience is None:
-            result = run_on_agents(spec, plan, control, on_step=progress.update)
+            tier = server_tier({d: profiles[d] for d in fleet.ids})
+            if extra is not None and tier:
+                extra["servers"] = sorted(tier)
+            result = run_on_agents(spec, plan, control, on_step=progress.update, servers=tier)
             return result, name, score
         from coordinator.faults import FaultInjector
         from coordinator.planner.build import build_problem
