@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import safetensors.torch
+import tomli_w
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -197,26 +198,13 @@ def load_job(path: Path, **overrides: Any) -> DistJob:
 
 
 def write_job(job: DistJob, path: Path) -> None:
-    """Write ``job`` as a job file :func:`load_job` reads back equal."""
+    """Write ``job`` as a job file :func:`load_job` reads back equal (tomli-w)."""
     data = job.model_dump(mode="json", exclude_none=True)
-    path.write_text(_toml(data))
-
-
-def _toml(data: dict[str, Any]) -> str:
-    """TOML for the plain data of a job: scalars, lists of scalars, one level of tables."""
-    lines, tables = [], []
-    for key, value in data.items():
-        if isinstance(value, dict):
-            tables.append((key, value))
-        else:
-            lines.append(f"{key} = {json.dumps(value)}")
-    for key, table in tables:
-        lines.append(f"\n[{key}]")
-        for k, v in table.items():
-            if isinstance(v, dict):
-                raise ValueError(f"{key}.{k}: nested tables are not written")
-            lines.append(f"{json.dumps(k)} = {json.dumps(v)}")
-    return "\n".join(lines) + "\n"
+    try:
+        text = tomli_w.dumps(data)
+    except (TypeError, ValueError) as exc:  # e.g. a None inside model_options
+        raise UserError(f"job {job.job} cannot be written as TOML: {exc}") from None
+    path.write_text(text)
 
 
 @dataclass

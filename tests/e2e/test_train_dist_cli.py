@@ -1,0 +1,156 @@
+"""``edgetrain train --transport dist`` and ``edgetrain launch`` end to end, through the CLI.
+
+Each run is a real ``edgetrain`` process that launches real ranks (gloo on CPU);
+losses and weights are compared with the single-device in-process reference.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+
+from edge.runtime.dist_job import DistJob, write_job
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 3
+ARGS = ["--model", "mlp", "--steps", str(STEPS), "-b", "8", "-m", "2", "--threads", "1"]
+TIMEOUT_S = 240
+
+
+def edgetrain(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``edgetrain ARGS`` in its own session; on timeout kill it and every rank it started."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgetrain.cli", *args], cwd=ROOT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def ok_json(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+def assert_close_losses(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want) == STEPS
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """One device, in process: the JSON and the saved weights."""
+    weights = tmp_path_factory.mktemp("reference") / "one.safetensors"
+    out = ok_json(edgetrain("train", *ARGS, "--transport", "inprocess", "--devices", "1",
+                            "--json", "--save-weights", str(weights)))  # fmt: skip
+    return out, weights
+
+
+def test_two_ranks_print_the_same_json_and_train_like_one_device(
+    tmp_path: Path, reference: tuple[dict[str, Any], Path]
+) -> None:
+    ref, ref_weights = reference
+    weights = tmp_path / "two.safetensors"
+    out = ok_json(edgetrain("train", *ARGS, "--transport", "dist", "--devices", "2",
+                            "--partition", "even", "--json",
+                            "--save-weights", str(weights)))  # fmt: skip
+    assert set(ref) <= set(out)  # every key of the in-process (and MQTT) path
+    for key in ("losses", "samples_per_s", "plan", "transport", "job", "steps", "wall_s",
+                "stages", "replicas", "processes"):  # fmt: skip
+        assert key in out, key
+    assert out["transport"] == "dist" and out["steps"] == STEPS
+    assert (out["replicas"], out["processes"]) == (1, 2)
+    assert len(out["plan"]["stages"]) == 2 and [s["stage"] for s in out["stages"]] == [0, 1]
+    assert out["samples_per_s"] > 0 and out["wall_s"] > 0
+    assert all(s["bytes_sent"] > 0 and s["bytes_received"] > 0 for s in out["stages"])
+    assert_close_losses(out["losses"], ref["losses"])
+    got, want = safetensors.torch.load_file(weights), safetensors.torch.load_file(ref_weights)
+    assert got.keys() == want.keys() and got
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+def test_two_replicas_of_one_stage_train_like_one_device(
+    reference: tuple[dict[str, Any], Path],
+) -> None:
+    out = ok_json(edgetrain("train", *ARGS, "--transport", "dist", "--devices", "2",
+                            "--replicas", "2", "--json"))  # fmt: skip
+    assert (out["replicas"], out["processes"]) == (2, 2)
+    assert len(out["plan"]["stages"]) == 1
+    assert_close_losses(out["losses"], reference[0]["losses"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "names"),
+    [
+        (["--transport", "dist", "--replicas", "2", "--devices", "3"],
+         "--devices 3 is not a multiple of --replicas 2"),
+        (["--transport", "mqtt", "--replicas", "2", "--devices", "2"],
+         "--replicas and --device are for --transport dist"),
+        (["--transport", "dist", "--devices", "2", "--replicas", "2", "-b", "6"],
+         "--batch-size 6 is not a multiple of --microbatches x --replicas"),
+    ],
+)  # fmt: skip
+def test_bad_dist_input_exits_2_with_one_line(extra: list[str], names: str) -> None:
+    assert names in one_line_error(edgetrain("train", *ARGS, *extra))
+
+
+def test_launch_of_a_missing_file_names_it(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    line = one_line_error(edgetrain("launch", str(missing)))
+    assert str(missing) in line
+
+
+def test_launch_of_an_invalid_file_names_the_problem(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text('model = "mlp"\nsteps = 2\nbatch_size = 8\nreplica = 2\n')
+    line = one_line_error(edgetrain("launch", str(path)))
+    assert str(path) in line and "replica" in line
+
+
+def test_launch_runs_a_job_file_into_the_output_it_is_given(
+    tmp_path: Path, reference: tuple[dict[str, Any], Path]
+) -> None:
+    job = DistJob(model="mlp", steps=STEPS, batch_size=8, microbatches=2, stages=2,
+                  output=str(tmp_path / "not-used"))  # fmt: skip
+    path = tmp_path / "job.toml"
+    write_job(job, path)
+    output = tmp_path / "results"
+    out = ok_json(edgetrain("launch", str(path), "--json", "--output", str(output)))
+    assert (out["job"], out["output"], out["stages"], out["replicas"]) == (
+        job.job,
+        str(output),
+        2,
+        1,
+    )
+    assert all(math.isfinite(x) for x in out["losses"])
+    assert_close_losses(out["losses"], reference[0]["losses"])
+    assert json.loads((output / "losses.json").read_text())["losses"] == out["losses"]
+    for name in ("job.toml", "weights-stage0.safetensors", "weights-stage1.safetensors",
+                 "state-stage0.safetensors", "state-stage1.safetensors",
+                 "reports-rank0.jsonl", "reports-rank1.jsonl"):  # fmt: skip
+        assert (output / name).is_file(), name
+    assert not (tmp_path / "not-used").exists()  # --output overrides the file's
