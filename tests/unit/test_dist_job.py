@@ -279,3 +279,9 @@ def test_a_job_that_is_not_toml_is_refused_in_one_line(tmp_path: Path) -> None:
     job = _job(model_options={"depth": None})
     with pytest.raises(UserError, match="cannot be written as TOML"):
         write_job(job, tmp_path / "job.toml")
+
+
+def test_the_shipped_server_job_example_is_valid() -> None:
+    job = load_job(Path(__file__).parents[2] / "examples" / "server-job.toml")
+    assert (job.num_stages, job.replicas, job.world_size) == (4, 2, 8)
+    assert (job.device, job.precision) == ("cuda", "bf16")
