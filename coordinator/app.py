@@ -2,11 +2,12 @@
 
 :func:`start_services` brings up what the API stands on, in order: the data
 directory and store, the broker (the embedded default when no URL is
-configured), one MQTT control connection, the device registry and the job
-manager; :func:`create_app` serves them under ``/api/v1`` (OpenAPI at
-``/docs``), plus ``/healthz``, ``/metrics`` and ``/api/v1/events``. A user
-error in a request (bad model name, bad option) is a 422 naming the field;
-nothing a client sends produces a 500.
+configured), one MQTT control connection, the device registry, the fault
+actuator (a testbed's when ``testbed_state`` is set: see
+:mod:`coordinator.testbed.actuator`) and the job manager; :func:`create_app`
+serves them under ``/api/v1`` (OpenAPI at ``/docs``), plus ``/healthz``,
+``/metrics`` and ``/api/v1/events``. A user error in a request (bad model name,
+bad option) is a 422 naming the field; nothing a client sends produces a 500.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from coordinator.api.routes import devices, jobs, plans, system
 from coordinator.api.routes.errors import validation_detail
 from coordinator.core.config import Settings
 from coordinator.events import EventBus
+from coordinator.faults import FaultActuator, ThrottleActuator
 from coordinator.registry import DeviceRegistry
 from coordinator.service import JobManager
 from coordinator.store import Store
@@ -56,7 +58,12 @@ def start_services(settings: Settings) -> tuple[Services, Callable[[], None]]:
         registry = DeviceRegistry(store, bus, control, settings.heartbeat_timeout_s)
         registry.start()
         stack.callback(registry.stop)
-        manager = JobManager(store, bus, registry, control)
+        actuator: FaultActuator = ThrottleActuator(control)
+        if settings.testbed_state is not None:
+            from coordinator.testbed.actuator import TestbedActuator
+
+            actuator = TestbedActuator(settings.testbed_state, control)
+        manager = JobManager(store, bus, registry, control, actuator=actuator)
         manager.start()
         stack.callback(manager.stop)
     except BaseException:

@@ -9,6 +9,13 @@ stage 1 after the first recovery), and when: as soon as any stage reports step
 kills two devices at once). :class:`FaultInjector` watches step reports and fires each fault
 once, through a callback that does the deed (``LocalFleet.kill`` sends SIGKILL
 to the agent's process), and records when it did, for the job's events.
+
+In the coordinator service the deed is done by a :class:`FaultActuator`: a plain
+coordinator has a :class:`ThrottleActuator`, which can slow any device (a
+``Throttle`` command on its ``cmd`` topic) but neither kill nor start agents;
+one that runs a testbed (``--testbed-state``) has
+:class:`~coordinator.testbed.actuator.TestbedActuator`, which also kills the
+testbed's agent processes and starts new ones.
 """
 
 from __future__ import annotations
@@ -18,12 +25,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from edge.errors import UserError
-from edge.messages import StepReport
+from edge.messages import StepReport, Throttle
+from edge.protocol import device_cmd
 
-__all__ = ["Fault", "FaultInjector", "parse_fault"]
+if TYPE_CHECKING:
+    from edge.transport.mqtt import MqttTransport
+
+__all__ = ["Fault", "FaultActuator", "FaultInjector", "ThrottleActuator", "parse_fault"]
 
 _FAULT = re.compile(r"^(kill|slow):(\d+)@(\d+)(?::(\d+(?:\.\d+)?))?$")
 _JOIN = re.compile(r"^join:([A-Za-z0-9][A-Za-z0-9._-]{0,63})@(\d+)$")
@@ -50,18 +61,18 @@ class Fault:
         return f"{self.kind}:{self.stage}@{self.step}{tail}"
 
 
-def parse_fault(text: str) -> Fault:
+def parse_fault(text: str, label: str = "--fault") -> Fault:
     """``kill:STAGE@STEP``, ``slow:STAGE@STEP:FACTOR`` or ``join:PROFILE@STEP``; else a
-    one-line :class:`UserError`."""
+    one-line :class:`UserError` that starts with ``label`` and the text."""
     joined = _JOIN.match(text.strip())
     if joined is not None:
         return Fault("join", 0, int(joined.group(2)), profile=joined.group(1))
     m = _FAULT.match(text.strip())
     if m is None or (m.group(1) == "slow") != (m.group(4) is not None):
-        raise UserError(f"--fault {text!r}: expected {_FORMS}")
+        raise UserError(f"{label} {text!r}: expected {_FORMS}")
     factor = float(m.group(4) or 1.0)
     if m.group(1) == "slow" and not 1.0 <= factor <= 1000.0:
-        raise UserError(f"--fault {text!r}: FACTOR must be between 1 and 1000")
+        raise UserError(f"{label} {text!r}: FACTOR must be between 1 and 1000")
     return Fault(m.group(1), int(m.group(2)), int(m.group(3)), factor)  # type: ignore[arg-type]
 
 
@@ -100,3 +111,56 @@ class FaultInjector:
     def pending(self) -> list[Fault]:
         with self._lock:
             return list(self._pending)
+
+
+class FaultActuator(Protocol):
+    """What the coordinator service does to a device when a fault fires."""
+
+    def refusal(self, fault: Fault) -> str | None:
+        """Why ``fault`` cannot be done by this coordinator (one line), or ``None``."""
+        ...
+
+    def kill(self, device: str) -> str:
+        """End ``device``'s agent abruptly (no goodbye); what was done, in words."""
+        ...
+
+    def slow(self, device: str, factor: float) -> str:
+        """Make ``device`` compute ``factor`` times slower from now on; what was done."""
+        ...
+
+    def join(self, profile: str) -> str:
+        """Start one more agent with the catalogue ``profile``; its device id (it comes
+        online later)."""
+        ...
+
+
+_NEEDS_TESTBED = (
+    "{kind} faults need a testbed coordinator, one that can {can} (started by "
+    "'edgetrain testbed up', or 'edgetrain coordinator --testbed-state DIR'); "
+    "this coordinator can only inject slow faults"
+)
+
+
+class ThrottleActuator:
+    """Any fleet: ``slow`` is a :class:`~edge.messages.Throttle` command on the device's
+    ``cmd`` topic; ``kill`` and ``join`` are refused (no agent process is ours)."""
+
+    def __init__(self, control: MqttTransport) -> None:
+        self.control = control
+
+    def refusal(self, fault: Fault) -> str | None:
+        if fault.kind == "kill":
+            return _NEEDS_TESTBED.format(kind="kill", can="kill its agents' processes")
+        if fault.kind == "join":
+            return _NEEDS_TESTBED.format(kind="join", can="start agents")
+        return None
+
+    def slow(self, device: str, factor: float) -> str:
+        self.control.publish(device_cmd(device), Throttle(slowdown=factor).model_dump_json(), 1)
+        return f"{device} computes {factor:g}x slower"
+
+    def kill(self, device: str) -> str:
+        raise UserError(self.refusal(Fault("kill", 0, 0)) or "")
+
+    def join(self, profile: str) -> str:
+        raise UserError(self.refusal(Fault("join", 0, 0, profile=profile)) or "")

@@ -66,6 +66,9 @@ class JobSpec(BaseModel):
     replicate_every: int = Field(default=0, ge=0, le=100_000)
     """Fault tolerance in the service: replicate every stage's state every R steps
     (0: off). Such a job survives devices dying and the coordinator restarting."""
+    faults: tuple[str, ...] = ()
+    """Faults the service injects into this job (``kill:STAGE@STEP`` and the other forms
+    of :mod:`coordinator.faults`); for testing fault tolerance, so only with it."""
 
 
 class JobFailed(RuntimeError):

@@ -10,6 +10,14 @@ event bus as it arrives, and the trained weights are kept as safetensors in
 the data directory. On start, jobs a previous coordinator left planning or
 running are marked failed (``coordinator restarted``) and pending ones are
 queued again.
+
+A job with ``replicate_every`` runs resiliently (:mod:`coordinator.resilient`),
+on an MQTT connection of its own: its device watch takes over the status and
+heartbeat subscriptions of the connection it watches, and the registry keeps
+``control``'s. Its ``faults`` fire through the manager's
+:class:`~coordinator.faults.FaultActuator`; each is a ``fault`` event of the job
+when it fires (a coordinator that resumes the job skips those), and a device
+that joins is added to the job's devices once the registry has it online.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coordinator.events import EventBus
+from coordinator.faults import Fault, FaultActuator, FaultInjector, ThrottleActuator, parse_fault
 from coordinator.jobs import JobFailed, JobSpec, new_job_id
 from coordinator.planner import plan_problem
 from coordinator.planner.baselines import run_baselines
@@ -44,6 +53,11 @@ __all__ = ["JobManager"]
 
 log = logging.getLogger(__name__)
 
+IDLE_WAIT_S = 10.0
+"""Before re-planning: how long survivors of a cancelled attempt may take to say ``online``."""
+JOIN_WAIT_S = 120.0
+"""How long a device started by a ``join`` fault may take to come online."""
+
 
 class JobManager:
     """Runs submitted jobs one at a time (see the module docstring)."""
@@ -57,11 +71,14 @@ class JobManager:
         *,
         ready_timeout_s: float = 120.0,
         on_step: Callable[[str, StepReport], None] | None = None,
+        actuator: FaultActuator | None = None,
     ) -> None:
         self.store = store
         self.bus = bus
         self.registry = registry
         self.control = control
+        self.actuator: FaultActuator = actuator or ThrottleActuator(control)
+        """What jobs' faults are done with (kill and join need a testbed's)."""
         self.ready_timeout_s = ready_timeout_s
         self.on_step = on_step
         self._queue: queue.Queue[str | None] = queue.Queue()
@@ -270,20 +287,99 @@ class JobManager:
             detail = {"attempt": attempt, "devices": devices, "first_step": first}
             self.store.add_job_event(job, "attempt", detail)
 
+        devices = [d.id for d in self.registry.available(allowed)]
+        members = None if allowed is None else list(allowed)  # devices that join are added
+        injector = self._injector(job, spec, devices, members)
+
         def replan(alive: list[str]) -> Any:
-            return self._plan(job, spec, [d for d in alive if allowed is None or d in allowed])
+            self._wait_idle(alive, IDLE_WAIT_S)
+            return self._plan(job, spec, [d for d in alive if members is None or d in members])
 
         def step(report: StepReport) -> None:  # stored as the job's, not the attempt's
             on_step(report.model_copy(update={"job": job}))
 
-        devices = [d.id for d in self.registry.available(allowed)]
-        got = run_resilient(
-            spec, plan, self.control, replan, devices, replicate_every=spec.replicate_every,
-            on_step=step, replicas=replicas, first_step=first_step, on_attempt=on_attempt,
-        )  # fmt: skip
+        control = MqttTransport(self.control.settings.model_copy(update={"client_id": None}))
+        control.connect(timeout=15)
+        try:
+            got = run_resilient(
+                spec, plan, control, replan, devices, replicate_every=spec.replicate_every,
+                on_step=step, replicas=replicas, first_step=first_step, on_attempt=on_attempt,
+                faults=injector,
+            )  # fmt: skip
+        finally:
+            control.close()
         for e in got.events:
             if e["type"] in ("failure", "recovery", "migration", "broker-lost", "resumed"):
                 self.store.add_job_event(job, e["type"], e)
+        for fault in injector.pending if injector is not None else []:
+            self.store.add_job_event(job, "fault", {
+                "fault": str(fault), "fired": False,
+                "why": f"no stage {fault.stage} was running when step {fault.step} was reported",
+            })  # fmt: skip
         with self._lock:
             self._attempt.pop(job, None)
         return got.result
+
+    def _wait_idle(self, devices: list[str], timeout_s: float) -> None:
+        """Wait (bounded) until none of ``devices`` is ``busy`` in the registry: survivors
+        of a cancelled attempt say ``online`` once their stage has stopped."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            views = [self.registry.get(d) for d in devices]
+            if not any(v is not None and v.state == "busy" for v in views):
+                return
+            time.sleep(0.05)
+
+    def _injector(
+        self, job: str, spec: JobSpec, devices: list[str], members: list[str] | None
+    ) -> FaultInjector | None:
+        """The job's faults, less those a previous coordinator already fired, acting through
+        :attr:`actuator`; each one fired is a ``fault`` event. A device that joins is
+        appended to ``devices`` (and ``members``) once the registry has it online."""
+        if not spec.faults:
+            return None
+        fired = {
+            e.detail.get("fault")
+            for e in self.store.job_events(job)
+            if e.kind == "fault" and e.detail and e.detail.get("fired")
+        }
+        faults = [f for f in (parse_fault(t) for t in spec.faults) if str(f) not in fired]
+
+        def record(fault: Fault, **detail: Any) -> None:
+            self.store.add_job_event(job, "fault", {"fault": str(fault), "fired": True,
+                                                    "step": fault.step, **detail})  # fmt: skip
+
+        def join(fault: Fault) -> None:
+            try:
+                device = self.actuator.join(fault.profile or "")
+            except (UserError, OSError, RuntimeError) as exc:
+                record(fault, error=getattr(exc, "message", str(exc)))
+                return
+            record(fault, device=device, done=f"started {device} ({fault.profile})")
+            deadline = time.monotonic() + JOIN_WAIT_S
+            while not self.registry.available([device]):
+                if time.monotonic() > deadline:
+                    self.store.add_job_event(job, "joined", {"device": device, "online": False})
+                    return
+                time.sleep(0.1)
+            if members is not None:
+                members.append(device)
+            devices.append(device)
+            self.store.add_job_event(job, "joined", {"device": device, "online": True})
+
+        def act(fault: Fault, device: str) -> None:  # on paho's thread: nothing slow here
+            if fault.kind == "join":
+                threading.Thread(target=join, args=(fault,), name="join", daemon=True).start()
+                return
+            try:
+                if fault.kind == "kill":
+                    done = self.actuator.kill(device)
+                else:
+                    done = self.actuator.slow(device, fault.factor)
+            except (UserError, OSError, ConnectionError) as exc:
+                record(fault, device=device, error=getattr(exc, "message", str(exc)))
+                return
+            log.warning("job %s: fault %s: %s", job, fault, done)
+            record(fault, device=device, done=done)
+
+        return FaultInjector(faults, act)

@@ -19,6 +19,12 @@ def coordinator_command(
         None, "--data-dir", help="Where the database and trained models are kept."
     ),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+    testbed_state: Path | None = typer.Option(
+        None,
+        "--testbed-state",
+        help="A testbed's state directory: jobs' kill and join faults act on its agents "
+        "(without it a job may only have slow faults).",
+    ),
 ) -> None:
     """Run the coordinator: track the fleet, accept jobs, plan and drive them, store results.
 
@@ -30,6 +36,7 @@ def coordinator_command(
     from coordinator.app import create_app
     from coordinator.core.config import get_settings
 
-    settings = get_settings(host=host, port=port, broker_url=broker, data_dir=data_dir)
+    settings = get_settings(host=host, port=port, broker_url=broker, data_dir=data_dir,
+                            testbed_state=testbed_state)  # fmt: skip
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
                 log_level=log_level)  # fmt: skip

@@ -62,11 +62,19 @@ class Settings(BaseSettings):
     """Seconds without a heartbeat after which a device counts as offline."""
     environment: Environment = "development"
     """development or production; production refuses placeholder secrets."""
+    testbed_state: Path | None = None
+    """A testbed's state directory: jobs' kill and join faults then act on its agents
+    (edgetrain testbed up starts its coordinator so); unset, only slow faults."""
 
     @field_validator("data_dir")
     @classmethod
     def _expand_home(cls, value: Path) -> Path:
         return value.expanduser()
+
+    @field_validator("testbed_state")
+    @classmethod
+    def _expand_testbed(cls, value: Path | None) -> Path | None:
+        return None if value is None else value.expanduser()
 
     @model_validator(mode="after")
     def _check_token(self) -> Settings:

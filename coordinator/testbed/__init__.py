@@ -12,6 +12,7 @@ that ``testbed down`` needs, and writes docker-compose files:
 - :mod:`~coordinator.testbed.procs`: starting and awaiting the testbed's processes;
 - :mod:`~coordinator.testbed.state`: the state directory and process identity;
 - :mod:`~coordinator.testbed.teardown`: what works from the state alone (status, down);
+- :mod:`~coordinator.testbed.actuator`: faults (kill, slow, join) done to its agents;
 - :mod:`~coordinator.testbed.compose`: docker-compose files.
 
 Submodules are imported by name; importing the package imports nothing heavy.

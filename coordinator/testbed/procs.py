@@ -8,7 +8,9 @@ is recorded in the state (pid and start time) as soon as it runs:
 - the **broker**: Mosquitto bound to 127.0.0.1 on a free port with its config in
   the state directory, or, where Mosquitto is not installed, the embedded amqtt
   broker in a process of its own (``python -m coordinator.testbed.procs amqtt PORT``);
-- the **coordinator**: ``edgetrain coordinator`` on a free port, awaited on ``/healthz``;
+- the **coordinator**: ``edgetrain coordinator`` on a free port, awaited on ``/healthz``,
+  given the state directory (``--testbed-state``) so that jobs' kill and join
+  faults act on the testbed's agents (:mod:`coordinator.testbed.actuator`);
 - the **delay proxy** (kernel method): :mod:`coordinator.testbed.proxy`;
 - one **agent** per device: ``edgetrain agent`` announcing the profile file the
   testbed wrote; under the kernel method it is started by a tiny ``sh`` that
@@ -157,6 +159,8 @@ def start_coordinator(state: State, broker_url: str) -> tuple[subprocess.Popen[b
         str(state.dir / "coordinator"),
         "--log-level",
         "warning",
+        "--testbed-state",
+        str(state.dir),
     ]
     return spawn(state, "coordinator", cmd), f"http://127.0.0.1:{port}"
 

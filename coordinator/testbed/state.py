@@ -91,6 +91,9 @@ class State:
     broker_url: str = ""
     coordinator_url: str | None = None
     core_gflops: float = 0.0
+    cpus_per_gflops: float = 0.0
+    """Cores an emulated device gets per GFLOP/s of the device it emulates (the scale
+    over the fastest device's speed): what a device that joins later gets."""
     processes: list[ProcRecord] = field(default_factory=list)
     cgroups: list[str] = field(default_factory=list)
     """Cgroup directories, parents before children (removed in reverse)."""

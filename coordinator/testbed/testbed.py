@@ -15,6 +15,10 @@ then waits until every agent is online. If anything fails, everything made so
 far is removed before the error is raised. The processes are detached: the
 fleet keeps running after the process that called ``up`` exits, until
 :func:`down` (which needs only the state directory).
+
+:meth:`Testbed.join` adds one agent to a running software-method testbed (a
+``join`` fault: the coordinator does it, holding the state's lock), emulated at
+the scale the others got, and records it so that ``down`` removes it too.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 from coordinator.testbed import limits, netns, procs
-from coordinator.testbed.fleet import EmulatedDevice, emulate
+from coordinator.testbed.fleet import MIN_CPUS, EmulatedDevice, emulate
 from coordinator.testbed.state import State, locked
 from coordinator.testbed.teardown import down, status, teardown
 from edge.errors import UserError
@@ -135,6 +139,7 @@ class Testbed:
                 method=detection.method,
                 method_reason=detection.reason,
                 method_line=detection.line,
+                cpus_per_gflops=emulated[0].cpus / emulated[0].source.gflops,
             )
             state.save()
             bed = cls(state, emulated, {})
@@ -142,7 +147,7 @@ class Testbed:
                 bed._start(detection, coordinator, measure_s, online_timeout_s)
             except BaseException:
                 teardown(state)
-                bed._reap()
+                bed.reap()
                 raise
             state.phase = "up"
             state.save()
@@ -221,16 +226,56 @@ class Testbed:
 
     def _start_software_agents(self) -> None:
         for dev in self.devices:
-            shaping = {
-                "--slowdown": dev.slowdown,
-                "--link-mbps": dev.bandwidth_mbps,
-                "--link-latency-ms": dev.latency_ms,
-            }
-            self.state.devices.append(self._row(dev))
-            name = f"agent:{dev.id}"
-            self._procs[name] = procs.spawn(
-                self.state, name, self._agent_cmd(dev, self.state.broker_url, shaping)
+            self._start_software_agent(dev)
+
+    def _start_software_agent(self, dev: EmulatedDevice) -> None:
+        shaping = {
+            "--slowdown": dev.slowdown,
+            "--link-mbps": dev.bandwidth_mbps,
+            "--link-latency-ms": dev.latency_ms,
+        }
+        self.state.devices.append(self._row(dev))
+        name = f"agent:{dev.id}"
+        self._procs[name] = procs.spawn(
+            self.state, name, self._agent_cmd(dev, self.state.broker_url, shaping)
+        )
+
+    @classmethod
+    def attach(cls, state: State) -> Testbed:
+        """The testbed ``state`` describes, to add agents to (it starts nothing itself)."""
+        return cls(state, [], {})
+
+    def join(self, source: DeviceSpec) -> str:
+        """Start one more agent emulating ``source`` at this testbed's scale; its device id.
+
+        Software method only (a kernel testbed's delay proxy has its routes fixed at
+        ``up``). The agent is recorded (process and device row) before this returns and
+        is not awaited: it announces itself like the others. The caller holds the
+        state's lock (:func:`~coordinator.testbed.state.locked`).
+        """
+        state = self.state
+        if state.method != "software":
+            raise UserError(
+                f"devices can join only a software-method testbed; this one uses {state.method}"
             )
+        if not state.cpus_per_gflops > 0:
+            raise UserError(f"the testbed in {state.dir} predates joins: bring it up again")
+        cpus = state.cpus_per_gflops * source.gflops
+        if cpus < MIN_CPUS:
+            raise UserError(f"device {source.id}: {cpus:.4f} cores is too small to emulate")
+        taken = {d["id"] for d in state.devices}
+        n = 1
+        while f"{source.id}-joined-{n}" in taken:
+            n += 1
+        dev = EmulatedDevice(f"{source.id}-joined-{n}", source, cpus, int(source.memory_bytes),
+                             source.bandwidth_mbps, source.latency_ms)  # fmt: skip
+        self.devices.append(dev)
+        self.announced[dev.id] = dev.announced(state.core_gflops)
+        profile = state.dir / "profiles" / f"{dev.id}.json"
+        profile.parent.mkdir(parents=True, exist_ok=True)
+        profile.write_text(self.announced[dev.id].model_dump_json())
+        self._start_software_agent(dev)
+        return dev.id
 
     def _start_kernel_agents(self, detection: limits.Detection) -> None:
         state = self.state
@@ -309,7 +354,8 @@ class Testbed:
                 return f"{name} exited ({proc.returncode}): {procs.log_tail(self.state, name)}"
         return None
 
-    def _reap(self) -> None:
+    def reap(self) -> None:
+        """Collect the exit status of this object's processes that ended (no zombies)."""
         for proc in self._procs.values():
             with contextlib.suppress(Exception):
                 proc.poll()
@@ -321,7 +367,7 @@ class Testbed:
     def down(self) -> list[str]:
         """See :func:`down`."""
         removed = down(self.state.dir)
-        self._reap()
+        self.reap()
         return removed
 
     def __enter__(self) -> Testbed:

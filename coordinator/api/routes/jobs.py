@@ -1,14 +1,30 @@
-"""``/api/v1/jobs``: submit, list, inspect, cancel; metrics, weights and ONNX of a job."""
+"""``/api/v1/jobs``: submit, list, inspect, cancel; metrics, weights and ONNX of a job.
+
+A job may carry ``faults`` to inject (for testing fault tolerance; the forms of
+:mod:`coordinator.faults`): each is checked when the job is submitted, against
+the job (its step below ``steps``) and against what this coordinator can do
+(``kill`` and ``join`` need a testbed coordinator), and a refused one is a 422
+naming it. Faults imply fault tolerance: without ``replicate_every`` a job with
+faults replicates every ``max(1, steps // 10)`` steps.
+"""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from coordinator.api.deps import ManagerDep, ReadAuth, StoreDep, WriteAuth
 from coordinator.api.routes.errors import AUTH, CONFLICT, NOT_FOUND, unprocessable
+from coordinator.faults import FaultActuator, parse_fault
 from coordinator.jobs import JobSpec
 from coordinator.store import JobRecord
 from edge.errors import UserError
@@ -19,6 +35,17 @@ from edge.models.zoo import get_model
 __all__ = ["router"]
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], responses=AUTH)
+
+
+def _fault_form(text: str) -> str:
+    try:
+        parse_fault(text, "fault")
+    except UserError as exc:
+        raise ValueError(exc.message) from None
+    return text
+
+
+FaultText = Annotated[str, Field(max_length=100), AfterValidator(_fault_form)]
 
 
 class JobCreate(BaseModel):
@@ -41,9 +68,16 @@ class JobCreate(BaseModel):
     """Devices the job may use (all online devices when absent)."""
     pin_first: str | None = None
     """The device that holds the data and must run stage 0."""
-    replicate_every: int = Field(default=0, ge=0, le=100_000)
-    """Replicate every stage's state every R steps (0: off): the job then survives
-    devices dying, migrates when a device slows down, and a coordinator restart."""
+    replicate_every: int | None = Field(default=None, ge=0, le=100_000)
+    """Replicate every stage's state every R steps (0 or absent: off, but absent with
+    faults means every max(1, steps // 10) steps): the job then survives devices
+    dying and a coordinator restart."""
+    faults: list[FaultText] = Field(
+        default_factory=list, max_length=32, examples=[["kill:1@8", "slow:0@4:3", "join:laptop@6"]]
+    )
+    """Faults to inject, for testing fault tolerance: kill:STAGE@STEP (SIGKILL the agent
+    of that stage once STEP is reported), slow:STAGE@STEP:FACTOR, join:PROFILE@STEP (a
+    new agent with that catalogue profile). Kill and join need a testbed coordinator."""
 
     @field_validator("model")
     @classmethod
@@ -56,6 +90,9 @@ class JobCreate(BaseModel):
             raise ValueError("give exactly one of steps and epochs")
         if self.batch_size % self.microbatches:
             raise ValueError("batch_size must be a multiple of microbatches")
+        if self.faults and self.replicate_every == 0:
+            raise ValueError("faults need fault tolerance: give replicate_every > 0 or leave "
+                             "it out for the default")  # fmt: skip
         return self
 
 
@@ -110,16 +147,35 @@ def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPubl
         if steps is None:
             size = len(build_dataset(dataset, "train", **options))  # type: ignore[arg-type]
             steps = max(1, round((body.epochs or 1) * size / body.batch_size))
+        replicate_every = body.replicate_every
+        if replicate_every is None:
+            replicate_every = max(1, steps // 10) if body.faults else 0
         spec = JobSpec(model=body.model, model_options=body.model_options, dataset=dataset,
                        dataset_options=options, steps=steps, batch_size=body.batch_size,
                        microbatches=body.microbatches, schedule=body.schedule,
                        optimizer=body.optimizer, codec=body.codec, seed=body.seed,
-                       pin_first=body.pin_first,
-                       replicate_every=body.replicate_every)  # fmt: skip
+                       pin_first=body.pin_first, replicate_every=replicate_every,
+                       faults=tuple(body.faults))  # fmt: skip
     except UserError as exc:
         raise unprocessable(["body", "model"], exc.message) from None
+    _check_faults(body, steps, manager.actuator)
     job = manager.submit(spec, body.devices)
     return _public(_job_or_404(store, job))
+
+
+def _check_faults(body: JobCreate, steps: int, actuator: FaultActuator) -> None:
+    """A 422 naming the first fault that cannot happen in this job on this coordinator."""
+    for i, text in enumerate(body.faults):
+        fault = parse_fault(text, "fault")
+        why: str | None
+        if fault.step >= steps:
+            why = f"step {fault.step} is not below the job's {steps} steps"
+        elif fault.kind != "join" and body.devices is not None and fault.stage >= len(body.devices):
+            why = f"stage {fault.stage} is not below the {len(body.devices)} devices allowed"
+        else:
+            why = actuator.refusal(fault)
+        if why is not None:
+            raise unprocessable(["body", "faults", i], f"fault {text!r}: {why}")
 
 
 @router.get("", response_model=JobsPublic, dependencies=[ReadAuth])
