@@ -58,7 +58,11 @@ class JobSpec(BaseModel):
     microbatches: int = Field(default=1, ge=1)
     schedule: Literal["1f1b", "gpipe"] = "1f1b"
     optimizer: OptimizerSpec = OptimizerSpec()
-    codec: str = Field(default="fp32", pattern=r"^(?i:fp32|fp16|bf16|int8)$")
+    codec: str = Field(default="fp32", pattern=r"^(?i:fp32|fp16|bf16|int8|auto)$")
+    """On every link, or ``auto``: the planner picks each link's (see
+    :mod:`coordinator.planner.codecs`; fp32 where a plan carries no choice)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """``bf16``: stages compute under bf16 autocast (weights and optimizer stay fp32)."""
     seed: int = 0
     recv_timeout_s: float = Field(default=120.0, gt=0)
     pin_first: str | None = None
@@ -92,7 +96,8 @@ def make_assignments(
     replicate_every: int = 0,
     restore: bool = False,
 ) -> list[StageAssignment]:
-    """One assignment per stage of ``plan``; every link uses ``spec.codec``.
+    """One assignment per stage of ``plan``; each link uses the plan's codec for it
+    (``plan.codecs``), else ``spec.codec`` (fp32 for ``auto``).
 
     ``first_step``, ``replicate_every`` and ``restore`` are for fault tolerance
     (:mod:`coordinator.resilient`): start at that step, publish the stage's state
@@ -104,6 +109,10 @@ def make_assignments(
     if options is None:
         options = model.dataset_options if dataset == model.dataset else {}
     stages = plan.stages
+    default = "fp32" if spec.codec.lower() == "auto" else spec.codec
+    links = list(plan.codecs) if plan.codecs else [default] * (len(stages) - 1)
+    if len(links) != len(stages) - 1:
+        raise ValueError(f"the plan has {len(links)} link codecs for {len(stages) - 1} links")
     out = []
     for s, st in enumerate(stages):
         out.append(
@@ -123,8 +132,9 @@ def make_assignments(
                 steps=spec.steps,
                 schedule=spec.schedule,
                 optimizer=spec.optimizer,
-                codec_in=spec.codec,
-                codec_out=spec.codec,
+                codec_in=links[s - 1] if s > 0 else default,
+                codec_out=links[s] if s + 1 < len(stages) else default,
+                precision=spec.precision,
                 prev_device=stages[s - 1].device if s > 0 else None,
                 next_device=stages[s + 1].device if s + 1 < len(stages) else None,
                 recv_timeout_s=spec.recv_timeout_s,

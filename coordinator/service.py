@@ -37,14 +37,16 @@ from coordinator.jobs import JobFailed, JobSpec, new_job_id
 from coordinator.planner import plan_problem
 from coordinator.planner.baselines import run_baselines
 from coordinator.planner.build import build_problem
+from coordinator.planner.codecs import plan_with_codecs
 from coordinator.planner.simulator import simulate
 from coordinator.registry import DeviceRegistry
 from coordinator.replicas import ReplicaStore
 from coordinator.resilient import run_resilient
-from coordinator.runners import run_on_agents
+from coordinator.runners import run_on_agents, server_tier
 from edge.errors import UserError
 from edge.messages import CancelJob, StepReport
 from edge.models.zoo import get_model
+from edge.problem import DeviceSpec
 from edge.protocol import device_cmd
 from edge.runtime.checkpoint import write_atomically
 from edge.transport.mqtt import MqttTransport
@@ -191,16 +193,21 @@ class JobManager:
         found = plan_problem(problem)
         if found.score is None:
             raise UserError(f"no plan fits the online devices: {found.reason}")
-        sim = simulate(problem, found.score.plan, spec.schedule)
+        score = found.score
+        if spec.codec.lower() == "auto":  # compress the links where it pays
+            choice = plan_with_codecs(problem, lambda p: plan_problem(p).plan)
+            if choice is not None and choice.score.step_time_s < score.step_time_s:
+                score = choice.score  # else fp32 everywhere (make_assignments' default)
+        sim = simulate(problem, score.plan, spec.schedule)
         self.store.set_job_plan(job, {
-            **found.score.to_json(), "method": found.method, "exact": found.exact,
-            "compute_s": found.score.compute_s, "link_s": found.score.link_s,
+            **score.to_json(), "method": found.method, "exact": found.exact,
+            "compute_s": score.compute_s, "link_s": score.link_s,
             "units": [la.name for la in problem.layers],
             "baselines": {k: {"throughput_sps": b.throughput_sps, "feasible": b.feasible}
                           for k, b in run_baselines(problem).items()},
             "simulation": sim.to_json(),
         })  # fmt: skip
-        return found.score.plan
+        return score.plan
 
     def _run(self, job: str, spec: JobSpec, allowed: list[str] | None) -> None:
         try:
@@ -237,7 +244,8 @@ class JobManager:
                 result = self._run_resilient(job, spec, allowed, plan, on_step)
             else:
                 result = run_on_agents(spec, plan, self.control, job=job, on_step=on_step,
-                                       ready_timeout_s=self.ready_timeout_s)  # fmt: skip
+                                       ready_timeout_s=self.ready_timeout_s,
+                                       servers=self._servers())  # fmt: skip
         except JobFailed as exc:
             self._finish(job, "failed", str(exc), finished=time.time())
             return
@@ -319,6 +327,13 @@ class JobManager:
         with self._lock:
             self._attempt.pop(job, None)
         return got.result
+
+    def _servers(self) -> dict[str, str]:
+        """Devices that announced themselves as server tier (``edgetrain agent --server`` or
+        ``--device cuda``): their stages of a job form one torch.distributed group."""
+        profiles = {d.id: DeviceSpec.model_validate({**d.profile, "id": d.id})
+                    for d in self.registry.devices() if d.profile}  # fmt: skip
+        return server_tier(profiles)
 
     def _wait_idle(self, devices: list[str], timeout_s: float) -> None:
         """Wait (bounded) until none of ``devices`` is ``busy`` in the registry: survivors

@@ -45,6 +45,12 @@ def _plan(spec: JobSpec, devices: list[Any], partition: str) -> tuple[Any, Any]:
     found = plan_problem(problem)
     if found.score is None:
         raise UserError(f"no plan fits these devices: {found.reason}")
+    if spec.codec.lower() == "auto":  # the planner compresses the links where it pays
+        from coordinator.planner.codecs import plan_with_codecs
+
+        choice = plan_with_codecs(problem, lambda p: plan_problem(p).plan)
+        if choice is not None and choice.score.step_time_s < found.score.step_time_s:
+            return choice.plan, choice.score
     return found.score.plan, found.score
 
 
@@ -61,7 +67,12 @@ def train_command(
     lr: float = typer.Option(0.05, "--lr", help="Learning rate."),
     momentum: float = typer.Option(0.9, "--momentum", help="SGD momentum."),
     weight_decay: float = typer.Option(0.0, "--weight-decay", help="Weight decay."),
-    codec: str = typer.Option("fp32", "--codec", help="fp32, fp16, bf16 or int8 on every link."),
+    codec: str = typer.Option(
+        "fp32",
+        "--codec",
+        help="fp32, fp16, bf16 or int8 on every link; auto: the planner "
+        "compresses only the links that would otherwise slow the step.",
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of the weights and the data order."),
     transport: str = typer.Option(
         "mqtt", "--transport", help="mqtt, inprocess or dist (torch.distributed, the server tier)."
@@ -151,7 +162,7 @@ def train_command(
         spec = JobSpec.model_validate({
             "model": model, "model_options": parse_options(option), "dataset": dataset,
             "steps": steps, "batch_size": batch_size, "microbatches": microbatches,
-            "schedule": schedule, "codec": codec, "seed": seed,
+            "schedule": schedule, "codec": codec, "seed": seed, "precision": precision,
             "optimizer": {"name": optimizer, "lr": lr, "momentum": momentum,
                           "weight_decay": weight_decay},
         })  # fmt: skip
@@ -250,7 +261,8 @@ def _run_dist(
             model=spec.model, model_options=spec.model_options, dataset=spec.dataset,
             dataset_options=spec.dataset_options, steps=spec.steps, batch_size=spec.batch_size,
             microbatches=spec.microbatches, schedule=spec.schedule, optimizer=spec.optimizer,
-            codec=spec.codec, seed=spec.seed, boundaries=[st.start for st in plan.stages[1:]],
+            codec="fp32" if spec.codec.lower() == "auto" else spec.codec, seed=spec.seed,
+            boundaries=[st.start for st in plan.stages[1:]],
             replicas=replicas, device=device, precision=precision, output=out,
         ))  # fmt: skip
         progress.note(f"launching {len(plan.stages)} stages x {replicas} replicas "

@@ -112,6 +112,7 @@ def plan_with_codecs(
         if plan is None:
             continue
         codecs = choose_codecs(problem, plan, allowed)
+        plan = Plan(plan.stages, tuple(codecs))
         score = score_plan(with_codecs(problem, plan, codecs), plan)
         if not score.feasible:
             continue

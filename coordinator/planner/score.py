@@ -35,13 +35,21 @@ class Stage:
 @dataclass(frozen=True)
 class Plan:
     stages: tuple[Stage, ...]
+    codecs: tuple[str, ...] | None = None
+    """Each link's codec when the planner chose them (:mod:`coordinator.planner.codecs`);
+    ``None``: the job's codec on every link. The score never reads it."""
 
     @classmethod
     def of(cls, *stages: tuple[str, int, int]) -> Plan:
         return cls(tuple(Stage(*s) for s in stages))
 
     def to_json(self) -> list[dict[str, Any]]:
-        return [{"device": s.device, "layers": [s.start, s.end]} for s in self.stages]
+        out: list[dict[str, Any]] = [
+            {"device": s.device, "layers": [s.start, s.end]} for s in self.stages
+        ]
+        for stage, codec in zip(out, self.codecs or (), strict=False):
+            stage["codec_out"] = codec  # the link to the next stage
+        return out
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,9 @@ def test_fp32_alone_gives_the_plain_planner_result() -> None:
     chosen = plan_with_codecs(problem, _search, ["fp32"])
     plain = plan_problem(problem).score
     assert chosen is not None and plain is not None
-    assert chosen.plan == plain.plan and chosen.codecs == ["fp32"] * (len(plain.plan.stages) - 1)
+    links = len(plain.plan.stages) - 1
+    assert chosen.plan.stages == plain.plan.stages and chosen.codecs == ["fp32"] * links
+    assert chosen.plan.codecs == ("fp32",) * links  # the plan carries its links' codecs
     assert chosen.score.step_time_s == plain.step_time_s
 
 

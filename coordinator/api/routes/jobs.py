@@ -62,7 +62,10 @@ class JobCreate(BaseModel):
     microbatches: int = Field(default=4, ge=1, le=1024)
     schedule: Literal["1f1b", "gpipe"] = "1f1b"
     optimizer: OptimizerSpec = OptimizerSpec()
-    codec: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
+    codec: Literal["fp32", "fp16", "bf16", "int8", "auto"] = "fp32"
+    """Activations on every link, or ``auto``: the planner compresses the slow links."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """``bf16``: stages compute under bf16 autocast (a GPU server's fast path)."""
     seed: int = Field(default=0, ge=0, le=2**31)
     devices: list[str] | None = None
     """Devices the job may use (all online devices when absent)."""
@@ -154,6 +157,7 @@ def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPubl
                        dataset_options=options, steps=steps, batch_size=body.batch_size,
                        microbatches=body.microbatches, schedule=body.schedule,
                        optimizer=body.optimizer, codec=body.codec, seed=body.seed,
+                       precision=body.precision,
                        pin_first=body.pin_first, replicate_every=replicate_every,
                        faults=tuple(body.faults))  # fmt: skip
     except UserError as exc:
