@@ -9,7 +9,9 @@ from stage 0) stay on MQTT. The run equals single-device training within 1e-5.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +20,9 @@ from coordinator.jobs import JobSpec
 from coordinator.localfleet import LocalFleet
 from coordinator.planner.score import Plan
 from coordinator.runners import run_inprocess, run_on_agents, server_tier
+from edge.commands.launch import launch
 from edge.problem import DeviceSpec
+from edge.runtime.dist_job import DistJob
 from edge.transport.mqtt import MqttTransport
 
 
@@ -54,3 +58,30 @@ def test_two_edge_agents_feed_a_gloo_server_tier(
         assert f"joined the process group of job {result.job}" in fleet.log_path(device).read_text()
     for device in fleet.ids[:2]:
         assert "process group" not in fleet.log_path(device).read_text()
+
+
+def test_a_job_moves_from_the_server_tier_to_edge_agents(
+    hybrid_fleet: tuple[LocalFleet, dict[str, DeviceSpec]],
+    control: MqttTransport,
+    tmp_path: Path,
+) -> None:
+    """Two steps on a gloo server tier, then the same job on to step 4 on two MQTT agents,
+    restored from the state blobs the server tier wrote: it ends where 4 steps on one
+    device end."""
+    fleet, _ = hybrid_fleet
+    spec = JobSpec(model="gpt-mini", steps=4, batch_size=16, microbatches=4, seed=4)
+    servers = DistJob(job="movejob", model="gpt-mini", steps=2, batch_size=16, microbatches=4,
+                      seed=4, boundaries=[3], output=str(tmp_path / "server"))  # fmt: skip
+    launch(servers, threads=1)
+    states = {s: (tmp_path / "server" / f"state-stage{s}.safetensors").read_bytes()
+              for s in range(2)}  # fmt: skip
+    plan = Plan.of((fleet.ids[0], 0, 3), (fleet.ids[1], 3, 6))
+    result = run_on_agents(spec, plan, control, job="movejob", first_step=2, restore=states,
+                           timeout_s=300)  # fmt: skip
+    reference = run_inprocess(spec, Plan.of(("local", 0, 6)))
+    first = json.loads((tmp_path / "server" / "losses.json").read_text())["losses"]
+    torch.testing.assert_close(
+        torch.tensor(first + result.losses), torch.tensor(reference.losses), rtol=1e-5, atol=0
+    )
+    for key, ref in reference.weights.items():
+        torch.testing.assert_close(result.weights[key], ref, rtol=1e-5, atol=1e-7, msg=key)
