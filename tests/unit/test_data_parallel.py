@@ -6,16 +6,14 @@ all-reduce really averages across processes; the rest run in a one-process group
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from support.ranks import run_ranks
 
 from edge.runtime.data_parallel import DataParallel, buckets
 
@@ -169,22 +167,6 @@ def _average_on_rank(rank: int, world: int, store_path: str, out_dir: str) -> No
         )
     finally:
         dist.destroy_process_group()
-
-
-def run_ranks(fn: Callable[..., None], world: int, *args: Any, timeout: float) -> None:
-    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes; kill them at ``timeout``."""
-    ctx = mp.start_processes(fn, args=(world, *args), nprocs=world, join=False,
-                             start_method="spawn")  # fmt: skip
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world} ranks did not finish within {timeout} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-            p.join(10)
 
 
 def test_two_processes_end_with_the_mean_gradient(tmp_path: Path) -> None:

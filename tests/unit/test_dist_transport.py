@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import itertools
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from support.ranks import run_ranks
 
 from edge.protocol import Codec, Kind, encode_frame
 from edge.transport.base import Channel, Transport
@@ -192,22 +190,6 @@ def _exchange_on_rank(rank: int, world: int, store_path: str, out_dir: str) -> N
         )  # fmt: skip
     finally:
         dist.destroy_process_group()
-
-
-def run_ranks(fn: Callable[..., None], world: int, *args: Any, timeout: float) -> None:
-    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes; kill them at ``timeout``."""
-    ctx = mp.start_processes(fn, args=(world, *args), nprocs=world, join=False,
-                             start_method="spawn")  # fmt: skip
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world} ranks did not finish within {timeout} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-            p.join(10)
 
 
 def test_frames_cross_between_two_ranks_and_detach_ends_the_receivers(tmp_path: Path) -> None:
