@@ -30,8 +30,8 @@ the model FLOPs utilisation, MFU = achieved TFLOP/s / peak TFLOP/s.
   T x T matmuls as the unit computes them. All blocks have one shape, so one
   block is profiled and counted ``n_layer`` times.
 - Peak: the device's sustained matmul rate in the training precision, measured
-  by :func:`edge.profiler.gpu_profile` (bf16, n = 8192) on a GPU, or
-  :func:`edge.profiler.matmul_benchmark` (fp32; the higher of a measurement
+  by :func:`edge.matmul.gpu_profile` (bf16, n = 8192) on a GPU, or
+  :func:`edge.matmul.matmul_benchmark` (fp32; the higher of a measurement
   before the stages and one after) on the CPU. MFU is against that *measured*
   rate, not the datasheet's (989 TFLOP/s dense bf16 for an H200).
 - Timing: after warm-up, rounds of back-to-back iterations between device
@@ -71,15 +71,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 
 from edge.errors import UserError
-from edge.models.costs import profile_model
-from edge.models.zoo import ModelSpec, get_model, parse_options
-from edge.profiler import (
+from edge.matmul import (
     Precision,
     gpu_profile,
     matmul_benchmark,
     resolve_device,
     tflops_rate,
 )
+from edge.models.costs import profile_model
+from edge.models.zoo import ModelSpec, get_model, parse_options
 from edge.runtime.stage import loss_fn
 
 GPU_OPTIONS: dict[str, int] = {
@@ -251,7 +251,7 @@ def measure_peak(dev: torch.device, precision: Precision, seconds: float) -> dic
         size = gpu.bf16_size if precision == "bf16" else gpu.fp32_size
         return {
             "tflops": gpu.tflops(precision),
-            "how": f"{precision} matmul n={size} on {gpu.name} (edge.profiler.gpu_profile)",
+            "how": f"{precision} matmul n={size} on {gpu.name} (edge.matmul.gpu_profile)",
             "device_name": gpu.name,
             "gpu": {
                 "fp32_tflops": gpu.fp32_tflops,
@@ -264,7 +264,7 @@ def measure_peak(dev: torch.device, precision: Precision, seconds: float) -> dic
     return {
         "tflops": mm.gflops / 1e3,
         "how": f"CPU {precision} matmul n={mm.size}, {mm.threads} threads "
-        "(edge.profiler.matmul_benchmark)",
+        "(edge.matmul.matmul_benchmark)",
         "device_name": "CPU",
     }
 

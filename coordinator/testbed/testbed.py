@@ -48,7 +48,7 @@ def measure_core_gflops(seconds: float) -> float:
     """This machine's fp32 matmul GFLOP/s on one thread (torch's thread count restored)."""
     import torch
 
-    from edge.profiler import measure_matmul_gflops
+    from edge.matmul import measure_matmul_gflops
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

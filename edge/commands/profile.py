@@ -93,7 +93,8 @@ def profile_command(
         raise UserError(f"--precision: expected fp32 or bf16 (got {precision!r})")
 
     # Imported here: torch takes a while to load, and other commands do not need it.
-    from edge.profiler import profile_device, resolve_device
+    from edge.matmul import resolve_device
+    from edge.profiler import profile_device
 
     try:
         on_gpu = resolve_device(device).type == "cuda"

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from edge.profiler import tflops_rate
+from edge.matmul import tflops_rate
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
 TINY = {"vocab_size": 32, "block_size": 8, "d_model": 16, "n_head": 2, "n_layer": 3}

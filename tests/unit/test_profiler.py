@@ -10,14 +10,14 @@ import psutil
 import pytest
 import torch
 
-from edge import profiler
+from edge import matmul, profiler
 from edge.errors import UserError
+from edge.matmul import measure_matmul_gflops
 from edge.problem import DeviceSpec, parse_problem
 from edge.profiler import (
     cgroup_limits,
     default_link,
     effective_cpu_count,
-    measure_matmul_gflops,
     parse_broker_url,
     profile_device,
     usable_memory_bytes,
@@ -220,7 +220,7 @@ def test_matmul_gflops_positive() -> None:
 
 def test_matmul_leaves_the_thread_count_alone() -> None:
     before = torch.get_num_threads()
-    result = profiler.matmul_benchmark(seconds=0.05, size=128)
+    result = matmul.matmul_benchmark(seconds=0.05, size=128)
     assert torch.get_num_threads() == before == result.threads
     assert result.size == 128 and result.repeats >= 3
 

@@ -15,19 +15,12 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from edge import profiler
+from edge import matmul as matmul_mod
 from edge.commands.profile import profile_command
 from edge.errors import UserError
+from edge.matmul import GpuProfile, gpu_profile, matmul_flops, resolve_device, tflops_rate
 from edge.problem import DeviceSpec
-from edge.profiler import (
-    GpuProfile,
-    MeasuredProfile,
-    gpu_profile,
-    matmul_flops,
-    profile_device,
-    resolve_device,
-    tflops_rate,
-)
+from edge.profiler import MeasuredProfile, profile_device
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -161,10 +154,10 @@ def test_tf32_setting_is_restored() -> None:
     if not hasattr(matmul, "fp32_precision"):
         pytest.skip("torch before 2.9 has only allow_tf32")
     before = matmul.fp32_precision
-    with profiler._tf32(False):
+    with matmul_mod._tf32(False):
         assert matmul.fp32_precision == "ieee"
     assert matmul.fp32_precision == before
-    with pytest.raises(RuntimeError), profiler._tf32(True):
+    with pytest.raises(RuntimeError), matmul_mod._tf32(True):
         assert matmul.fp32_precision == "tf32"
         raise RuntimeError
     assert matmul.fp32_precision == before
