@@ -6,7 +6,6 @@ all-reduce really averages across processes; the rest run in a one-process group
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -61,17 +60,6 @@ def test_an_oversize_tensor_gets_a_bucket_of_its_own() -> None:
 
 
 # -- DataParallel in a one-process group -----------------------------------------------
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    dist.init_process_group(
-        "gloo", rank=0, world_size=1, store=dist.HashStore(), timeout=timedelta(seconds=30)
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _params() -> list[torch.nn.Parameter]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -94,17 +93,6 @@ def test_every_stream_has_both_ends_in_every_sub_job(stages: int) -> None:
 
 
 # -- DistTransport in a one-process group ----------------------------------------------
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    dist.init_process_group(
-        "gloo", rank=0, world_size=1, store=dist.HashStore(), timeout=timedelta(seconds=30)
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_it_needs_an_initialised_process_group() -> None:
