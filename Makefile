@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.edgetrain-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck setup system-deps clean
+.PHONY: demo test mutants lint typecheck setup system-deps clean
 
 demo: $(STAMP)
 	$(BIN)/edgetrain demo
@@ -20,6 +20,11 @@ test: $(STAMP) system-deps
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# Hand-written bugs the tests must catch (tests/mutants.py): each applied to a copy of
+# the tree, with only the tests that should fail; exit 1 if any survives.
+mutants: $(STAMP) system-deps
+	$(BIN)/python tests/mutants.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

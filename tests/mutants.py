@@ -1,0 +1,280 @@
+"""Mutants the suite must catch, and the runner behind ``make mutants``.
+
+A mutant is a small, hand-written bug of the kind that training frameworks
+really ship: a loss scaled wrongly, a microbatch skipped, a replica that trains
+on the whole batch, a duplicate frame taken twice. Each one names the exact
+text it replaces in one file and the tests that must fail because of it. The
+runner copies the working tree (tracked and untracked files, not ignored ones)
+to a temporary directory per mutant, applies the mutant there, runs only its
+tests against the copy (``PYTHONPATH`` points at the copy, so agent and rank
+processes the tests start import the mutated code too), and reports each
+mutant as killed, with the test that failed, or survived. It exits 1 if any
+survived or could not be applied, so a refactoring that silently disarms a test
+is caught as soon as the mutant stops dying.
+
+    python tests/mutants.py              # all, two at a time
+    python tests/mutants.py --list       # what there is
+    python tests/mutants.py NAME...      # some
+    python tests/mutants.py --jobs 1 --json results.json
+
+Each later feature adds its own mutant here, with the tests that catch it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TEST_TIMEOUT_S = 240
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str
+    """The bug, in a sentence."""
+    path: str
+    """The file it changes, relative to the repository root."""
+    old: str
+    """Text that occurs exactly once in ``path``..."""
+    new: str
+    """...and what it becomes."""
+    tests: tuple[str, ...]
+    """pytest node ids (files, or ``file::test``) that must fail."""
+
+
+MUTANTS = [
+    Mutant(
+        "loss-not-scaled",
+        "each microbatch's loss is not divided by the number of microbatches",
+        "edge/runtime/stage.py",
+        "losses[mb] = mb_loss / m if m > 1 else mb_loss",
+        "losses[mb] = mb_loss",
+        ("tests/unit/test_reference_parity.py::test_three_stages_equal_the_reference",),
+    ),
+    Mutant(
+        "replicas-take-whole-batch",
+        "every data-parallel replica trains on the whole batch instead of its slice",
+        "edge/runtime/stage.py",
+        "if a.replicas > 1:  # this replica's share of the step's batch",
+        "if False:  # this replica's share of the step's batch",
+        ("tests/integration/test_replica_shares.py",),
+    ),
+    Mutant(
+        "rebalancer-misreads-time",
+        "the rebalancer reads stage 1's measured compute time three times too long",
+        "coordinator/rebalance.py",
+        "st.device: compute_s[st.device] / (score.compute_s[s] * m)",
+        "st.device: compute_s[st.device] * (3 if s == 1 else 1) / (score.compute_s[s] * m)",
+        ("tests/unit/test_rebalance.py",),
+    ),
+    Mutant(
+        "last-microbatch-skipped",
+        "every stage skips the last microbatch of each step",
+        "edge/runtime/stage.py",
+        "        for action in self.actions:\n",
+        "        for action in [x for x in self.actions if x.microbatch < m - 1]:\n",
+        ("tests/unit/test_reference_parity.py::test_three_stages_equal_the_reference",),
+    ),
+    Mutant(
+        "stage-skips-optimizer",
+        "stage 1 never steps its optimizer",
+        "edge/runtime/stage.py",
+        "        if self.optimizer is not None:\n",
+        "        if self.optimizer is not None and a.stage != 1:\n",
+        ("tests/unit/test_reference_parity.py::test_three_stages_equal_the_reference",),
+    ),
+    Mutant(
+        "gradient-half-scale",
+        "the gradient sent back over a link is halved",
+        "edge/runtime/stage.py",
+        'sent += self._send(a.stage - 1, "bwd", Kind.GRADIENT, step, mb, inp.grad,',
+        'sent += self._send(a.stage - 1, "bwd", Kind.GRADIENT, step, mb, inp.grad * 0.5,',
+        ("tests/unit/test_reference_parity.py::test_three_stages_equal_the_reference",),
+    ),
+    Mutant(
+        "duplicate-frame-accepted",
+        "an inbox accepts a frame whose key it has already seen",
+        "edge/transport/base.py",
+        "if frame.step < self._floor or frame.key in self._seen:",
+        "if frame.step < self._floor:",
+        ("tests/integration/test_transport_conformance.py",),
+    ),
+    Mutant(
+        "restore-wrong-step",
+        "a stage restores a state blob of another step than the one it starts at",
+        "edge/runtime/stage.py",
+        "if state.step != a.first_step:",
+        "if False:",
+        ("tests/unit/test_checkpoint.py",),
+    ),
+    Mutant(
+        "planner-memory-off-by-one",
+        "the planner counts each stage one position nearer the end in its 1F1B memory",
+        "coordinator/planner/costs.py",
+        "factor = min(position_from_end, self.m)",
+        "factor = min(position_from_end - 1, self.m)",
+        ("tests/unit/test_planner_exact.py",),
+    ),
+]
+
+
+@dataclass
+class Outcome:
+    mutant: Mutant
+    status: str
+    """``killed``, ``survived`` or ``error`` (not applied, or the tests could not run)."""
+    killer: str
+    seconds: float
+    detail: str = ""
+
+
+def _tree_files() -> list[str]:
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    return [f for f in out.split("\0") if f and (ROOT / f).is_file()]
+
+
+def _copy_tree(files: list[str], dest: Path) -> None:
+    for f in files:
+        target = dest / f
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, target)
+
+
+def _apply(mutant: Mutant, tree: Path) -> None:
+    path = tree / mutant.path
+    text = path.read_text()
+    count = text.count(mutant.old)
+    if count != 1:
+        raise ValueError(f"{mutant.path}: the text to replace occurs {count} times, not once")
+    path.write_text(text.replace(mutant.old, mutant.new))
+
+
+def _failed_test(output: str) -> str:
+    for line in output.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            return line.split(" ", 1)[1].split(" - ", 1)[0].strip()
+    return ""
+
+
+def run_mutant(mutant: Mutant, files: list[str]) -> Outcome:
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{mutant.name}-") as tmp:
+        tree = Path(tmp) / "tree"
+        _copy_tree(files, tree)
+        try:
+            _apply(mutant, tree)
+        except (OSError, ValueError) as exc:
+            return Outcome(mutant, "error", "", time.monotonic() - started, str(exc))
+        env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-x",
+            "-q",
+            "-rfE",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            f"timeout={TEST_TIMEOUT_S}",
+            *mutant.tests,
+        ]
+        try:
+            done = subprocess.run(
+                cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=2 * TEST_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            return Outcome(mutant, "error", "", time.monotonic() - started, "pytest timed out")
+    seconds = time.monotonic() - started
+    output = done.stdout + done.stderr
+    if done.returncode == 0:
+        return Outcome(mutant, "survived", "", seconds)
+    if done.returncode == 1:
+        return Outcome(mutant, "killed", _failed_test(output) or "?", seconds)
+    tail = " | ".join(output.strip().splitlines()[-3:])
+    return Outcome(mutant, "error", "", seconds, f"pytest exit {done.returncode}: {tail}")
+
+
+def _check_copy_is_imported(files: list[str]) -> None:
+    """The copy's packages, not the editable install's, are what a mutant's tests import."""
+    with tempfile.TemporaryDirectory(prefix="mutant-check-") as tmp:
+        tree = Path(tmp) / "tree"
+        _copy_tree([f for f in files if f.startswith("edge/")], tree)
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        got = subprocess.run(
+            [sys.executable, "-c", "import edge; print(edge.__file__)"],
+            cwd=tmp,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        if not got.startswith(str(tree)):
+            raise SystemExit(f"mutants: the copy is not what Python imports ({got})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--jobs", type=int, default=2, help="mutants run at once")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--json", type=Path, help="also write the outcomes here")
+    args = parser.parse_args(argv)
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.name:28} {m.path:34} {m.what}")
+        return 0
+    known = {m.name: m for m in MUTANTS}
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        print(f"mutants: unknown mutant {unknown[0]!r} (see --list)", file=sys.stderr)
+        return 2
+    chosen = [known[n] for n in args.names] if args.names else MUTANTS
+    files = _tree_files()
+    _check_copy_is_imported(files)
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        outcomes = list(pool.map(lambda m: run_mutant(m, files), chosen))
+    wall = time.monotonic() - started
+    width = max(len(m.name) for m in chosen)
+    for o in outcomes:
+        shown = o.killer if o.status == "killed" else o.detail
+        print(f"{o.mutant.name:{width}}  {o.status:8}  {o.seconds:6.1f} s  {shown}")
+    bad = [o for o in outcomes if o.status != "killed"]
+    killed = len(outcomes) - len(bad)
+    print(f"{killed} of {len(outcomes)} mutants killed in {wall:.0f} s")
+    if args.json:
+        rows = [
+            {
+                "mutant": o.mutant.name,
+                "what": o.mutant.what,
+                "file": o.mutant.path,
+                "status": o.status,
+                "killed_by": o.killer,
+                "seconds": round(o.seconds, 1),
+                "detail": o.detail,
+            }
+            for o in outcomes
+        ]
+        args.json.write_text(json.dumps({"wall_s": round(wall, 1), "mutants": rows}, indent=2))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""The independent reference: a plain PyTorch training loop over the whole model.
+
+Every parity test compares what edgetrain trained (a pipeline, server-tier
+ranks, replicas, a run that survived faults) with :func:`train_reference` as
+well as with edgetrain's own one-stage path. The two differ in what they can
+catch: the one-stage path runs edgetrain's runtime, so a bug there (a loss
+scaled wrongly, a microbatch skipped, a gradient mis-accumulated) changes the
+pipeline and its one-stage reference alike and the comparison still passes;
+this loop shares none of that code.
+
+It shares only what defines the problem, not how it is trained: the model is
+built from the zoo (:func:`edge.models.zoo.get_model`, the same seed) and the
+data from the dataset registry (:func:`edge.models.datasets.build_dataset`).
+Everything else is written here from the training contract in
+``shared/DESIGN.md`` and the README:
+
+- data order: step ``t`` of a job with batch ``B`` and seed ``s`` reads slice
+  ``t mod (N // B)`` of epoch ``t // (N // B)``'s permutation, drawn with
+  ``torch.randperm(N)`` from a generator seeded ``s * 1_000_003 + epoch``;
+  the tail of an epoch that does not fill a batch is dropped;
+- one step is one forward and one backward over the whole batch, the loss is
+  the mean cross-entropy over every sample (every token for language models),
+  then one optimizer step: SGD with momentum, or AdamW, with weight decay, over
+  every trainable parameter of the model.
+
+A pipeline splits that batch into ``M`` microbatches and divides each one's
+mean loss by ``M``; replicas split it ``R`` ways and average gradients. Both are
+the same step up to floating-point rounding, which is what the parity tests'
+``1e-5`` allows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from edge.models.datasets import build_dataset
+from edge.models.zoo import get_model
+
+__all__ = ["ReferenceRun", "assert_matches", "batch_indices", "train_reference"]
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    """What the plain loop trained: one loss per step and the final ``state_dict``."""
+
+    losses: list[float]
+    weights: dict[str, torch.Tensor]
+
+
+def batch_indices(size: int, batch_size: int, seed: int, step: int) -> torch.Tensor:
+    """The dataset indices that step ``step`` reads (see the module docstring)."""
+    per_epoch = size // batch_size
+    epoch, k = divmod(step, per_epoch)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(size, generator=gen)[k * batch_size : (k + 1) * batch_size]
+
+
+def _optimizer(params: list[torch.nn.Parameter], spec: Mapping[str, Any]) -> torch.optim.Optimizer:
+    name = spec.get("name", "sgd")
+    lr = spec.get("lr", 0.05)
+    decay = spec.get("weight_decay", 0.0)
+    if name == "sgd":
+        return torch.optim.SGD(
+            params, lr=lr, momentum=spec.get("momentum", 0.9), weight_decay=decay
+        )
+    if name == "adamw":
+        betas = tuple(spec.get("betas", (0.9, 0.999)))
+        return torch.optim.AdamW(
+            params, lr=lr, betas=betas, eps=spec.get("eps", 1e-8), weight_decay=decay
+        )
+    raise ValueError(f"the reference knows sgd and adamw, not {name!r}")
+
+
+def train_reference(
+    model: str,
+    *,
+    steps: int,
+    batch_size: int,
+    seed: int = 0,
+    optimizer: Mapping[str, Any] | None = None,
+    model_options: Mapping[str, Any] | None = None,
+    dataset: str | None = None,
+    dataset_options: Mapping[str, Any] | None = None,
+    first_step: int = 0,
+) -> ReferenceRun:
+    """Train ``model`` for steps ``[first_step, steps)`` with a plain loop (module docstring).
+
+    ``first_step > 0`` trains the weights of step 0 on the later steps' batches:
+    only for tests of resuming, which compare against the losses from there on.
+    Arguments mirror a job's settings (``optimizer`` as the job's optimizer fields).
+    """
+    spec = get_model(model, seed=seed, **dict(model_options or {}))
+    name = dataset or spec.dataset
+    if dataset_options is None:
+        dataset_options = spec.dataset_options if name == spec.dataset else {}
+    data = build_dataset(name, "train", **dict(dataset_options))
+    size = len(data)  # type: ignore[arg-type]
+    net = spec.build().train()
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = _optimizer(params, optimizer or {})
+    losses = []
+    for step in range(first_step, steps):
+        samples = [data[i] for i in batch_indices(size, batch_size, seed, step).tolist()]
+        x = torch.stack([torch.as_tensor(s[0]) for s in samples])
+        y = torch.stack([torch.as_tensor(s[1]) for s in samples])
+        logits = net(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    weights = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    return ReferenceRun(losses, weights)
+
+
+def assert_matches(
+    losses: list[float],
+    weights: Mapping[str, torch.Tensor],
+    reference: ReferenceRun,
+    *,
+    rtol: float = 1e-5,
+    atol: float = 1e-7,
+) -> None:
+    """Every step's loss and every tensor of the trained model equal the reference's.
+
+    Losses within ``rtol`` relative; tensors within ``rtol`` relative plus
+    ``atol`` (a parameter that crosses zero has no relative scale).
+    """
+    assert len(losses) == len(reference.losses), (len(losses), len(reference.losses))
+    torch.testing.assert_close(
+        torch.tensor(losses, dtype=torch.float64),
+        torch.tensor(reference.losses, dtype=torch.float64),
+        rtol=rtol,
+        atol=0.0,
+        msg=lambda m: f"losses differ from the reference: {m}",
+    )
+    assert set(weights) == set(reference.weights), set(weights) ^ set(reference.weights)
+    for key, ref in reference.weights.items():
+        torch.testing.assert_close(
+            weights[key].to(ref.dtype), ref, rtol=rtol, atol=atol, msg=lambda m, k=key: f"{k}: {m}"
+        )
