@@ -71,8 +71,11 @@ class Rebalancer:
         replicate_every: int,
         threshold: float = 0.10,
         restart_s: float = 1.0,
+        stages: int | None = None,
     ) -> None:
         self.problem_for = problem_for
+        self.stages = stages
+        """A job's ``stages``: plans proposed keep that many (or one per living device)."""
         self.replicate_every = replicate_every
         self.threshold = threshold
         self.restart_s = restart_s
@@ -103,7 +106,8 @@ class Rebalancer:
         ]
         measured = problem.model_copy(update={"devices": devices})
         now = score_plan(measured, plan)
-        found = plan_problem(measured)
+        stages = None if self.stages is None else min(self.stages, len(measured.devices))
+        found = plan_problem(measured, stages=stages)
         if found.score is None or not now.feasible:
             return None
         new = found.score

@@ -15,6 +15,12 @@
   3. a first-improvement local search from the best sequence (swap neighbours,
      drop a device, insert or swap in an unused one) while time remains.
 
+With ``stages=N`` every method keeps to plans of exactly ``N`` stages: the
+exact search answers from device sets of size ``N`` (so it stays provably
+optimal among ``N``-stage plans), the sequences are the first ``N`` of each
+ordering, and the local search only swaps devices (it never drops or inserts
+one). The work is bounded as without it, by the same time budget.
+
 A sequence fixes which devices run and in which order; :func:`sequence_dp`
 then finds the best cuts for it exactly. Ordering by speed is exact when links
 cost nothing and memory is ample: then only the set of devices matters, and the
@@ -74,7 +80,9 @@ class SearchResult:
         return None if self.score is None else self.score.plan
 
 
-def _exact(tab: CostTables, devices: list[int] | None = None) -> tuple[Plan | None, int]:
+def _exact(
+    tab: CostTables, devices: list[int] | None = None, stages: int | None = None
+) -> tuple[Plan | None, int]:
     pin_id = tab.problem.pin_first
     if devices is not None:
         sub = tab.problem.model_copy(update={"devices": [tab.problem.devices[i] for i in devices]})
@@ -82,7 +90,10 @@ def _exact(tab: CostTables, devices: list[int] | None = None) -> tuple[Plan | No
     fits = tab.fits_all(tab.num_devices)
     pin = tab.ids.index(pin_id) if pin_id is not None else None
     res = threshold_search(
-        lambda t: subset_dp(tab, t, fits, pin), tab.candidate_bottlenecks(), tab.m, tab.bottleneck
+        lambda t: subset_dp(tab, t, fits, pin, stages),
+        tab.candidate_bottlenecks(),
+        tab.m,
+        tab.bottleneck,
     )
     return res.plan, res.evaluations
 
@@ -163,8 +174,11 @@ def _prefix_lengths(n: int) -> list[int]:
     return [*out, n]
 
 
-def _neighbours(seq: list[int], problem: PlanningProblem, pinned: bool) -> Iterator[list[int]]:
-    """Sequences one move away: swap neighbours, drop one, insert or swap in an unused one.
+def _neighbours(
+    seq: list[int], problem: PlanningProblem, pinned: bool, fixed: bool = False
+) -> Iterator[list[int]]:
+    """Sequences one move away: swap neighbours, drop one, insert or swap in an unused one
+    (``fixed``: only the moves that keep the length, swapping neighbours or swapping in).
 
     Unused devices are represented by one per class of identical devices (same
     speed, memory and link), the fastest classes first: identical devices give
@@ -182,10 +196,10 @@ def _neighbours(seq: list[int], problem: PlanningProblem, pinned: bool) -> Itera
     for a in range(first, len(seq) - 1):
         yield [*seq[:a], seq[a + 1], seq[a], *seq[a + 2 :]]
     for a in range(first, len(seq)):
-        if len(seq) > 1:
+        if len(seq) > 1 and not fixed:
             yield seq[:a] + seq[a + 1 :]
     for u in unused:
-        for a in range(first, len(seq) + 1):
+        for a in range(first, len(seq) + 1) if not fixed else ():
             yield [*seq[:a], u, *seq[a:]]
         for a in range(first, len(seq)):
             yield [*seq[:a], u, *seq[a + 1 :]]
@@ -197,13 +211,14 @@ def _local_search(
     problem: PlanningProblem,
     pinned: bool,
     deadline: float,
+    fixed: bool = False,
 ) -> list[int]:
     """First-improvement descent over :func:`_neighbours` until none helps or time is up."""
     current, current_obj = seq, evaluator(seq)[0]
     improved = True
     while improved and time.perf_counter() < deadline:
         improved = False
-        for cand in _neighbours(current, problem, pinned):
+        for cand in _neighbours(current, problem, pinned, fixed):
             if evaluator(cand)[0] < current_obj * (1 - 1e-12):
                 current, current_obj, improved = cand, evaluator(cand)[0], True
                 break
@@ -212,14 +227,20 @@ def _local_search(
     return current
 
 
-def plan_problem(problem: PlanningProblem, *, time_budget_s: float = 8.0) -> SearchResult:
-    """The best plan for ``problem`` (see the module docstring for how)."""
+def plan_problem(
+    problem: PlanningProblem, *, time_budget_s: float = 8.0, stages: int | None = None
+) -> SearchResult:
+    """The best plan for ``problem``, of exactly ``stages`` stages when given (see the
+    module docstring for how)."""
     started = time.perf_counter()
     tab = CostTables.build(problem)
     n_dev = tab.num_devices
+    if stages is not None and not 1 <= stages <= min(n_dev, tab.num_layers):
+        why = f"no plan has {stages} stages: {n_dev} devices, {tab.num_layers} units"
+        return SearchResult(None, True, "none", 0, time.perf_counter() - started, why)
     if n_dev <= max(EXACT_DEVICES, exact_capacity(tab.num_layers)):
-        plan, evals = _exact(tab)
-        return _result(problem, plan, True, "exact subset DP", evals, started)
+        plan, evals = _exact(tab, stages=stages)
+        return _result(problem, plan, True, "exact subset DP", evals, started, stages)
 
     deadline = started + time_budget_s
     best: tuple[float, Plan | None, str] = (float("inf"), None, "")
@@ -231,14 +252,16 @@ def plan_problem(problem: PlanningProblem, *, time_budget_s: float = 8.0) -> Sea
         exact_capacity(tab.num_layers, _SHORTLIST_WORK),
         [] if single is None else [single],
     )
-    plan, evals = _exact(tab, shortlist)
+    plan, evals = None, 0
+    if stages is None or stages <= len(shortlist):
+        plan, evals = _exact(tab, shortlist, stages)
     if plan is not None:
         best = (score_plan(problem, plan).step_time_s, plan, "exact on a shortlist")
     evaluator = _SequenceEvaluator(tab, tab.candidate_bottlenecks())
     evaluator.evaluations += evals
     seqs_tried: list[tuple[float, list[int]]] = []
     for order in _orders(problem):
-        lengths = _prefix_lengths(min(n_dev, tab.num_layers))
+        lengths = _prefix_lengths(min(n_dev, tab.num_layers)) if stages is None else [stages]
         for k in lengths:
             if time.perf_counter() > deadline:
                 break
@@ -249,11 +272,12 @@ def plan_problem(problem: PlanningProblem, *, time_budget_s: float = 8.0) -> Sea
     seqs_tried.sort(key=lambda x: x[0])
     if seqs_tried and np.isfinite(seqs_tried[0][0]):
         pinned = problem.pin_first is not None
-        seq = _local_search(evaluator, seqs_tried[0][1], problem, pinned, deadline)
+        fixed = stages is not None
+        seq = _local_search(evaluator, seqs_tried[0][1], problem, pinned, deadline, fixed)
         obj, plan = evaluator(seq)
         if plan is not None and obj < best[0]:
             best = (obj, plan, "sequence DP + local search")
-    return _result(problem, best[1], False, best[2], evaluator.evaluations, started)
+    return _result(problem, best[1], False, best[2], evaluator.evaluations, started, stages)
 
 
 def _result(
@@ -263,13 +287,14 @@ def _result(
     method: str,
     evaluations: int,
     started: float,
+    stages: int | None = None,
 ) -> SearchResult:
     wall = time.perf_counter() - started
     if plan is None:
-        return SearchResult(
-            None, exact, method, evaluations, wall,
-            "no assignment of layers to devices fits every stage's memory",
-        )  # fmt: skip
+        reason = "no assignment of layers to devices fits every stage's memory"
+        if stages is not None:
+            reason = f"no {stages}-stage plan fits every stage's memory"
+        return SearchResult(None, exact, method, evaluations, wall, reason)
     score = score_plan(problem, plan)
     if not score.feasible:  # the search checks memory exactly; this guards the guarantee
         raise AssertionError(f"planner returned an infeasible plan: {score.reasons}")

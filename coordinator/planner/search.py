@@ -30,6 +30,13 @@ it tractable:
   exact for that sequence; which sequences to try is the heuristic part,
   in :mod:`coordinator.planner.fleet`.
 
+A fixed stage count ``N`` (a job's ``stages``) restricts both to plans of exactly
+``N`` stages: the set size is the stage count, so :func:`subset_dp` keeps sets
+of at most ``N`` devices and answers from those of exactly ``N``, and a
+sequence of ``N`` devices has ``N`` stages. The decomposition above holds for
+any class of plans (``G`` restricted to the class is still non-increasing), so
+the threshold search stays exact.
+
 Every plan returned is re-scored by :func:`coordinator.planner.score.score_plan`.
 """
 
@@ -132,12 +139,17 @@ def threshold_search(
 
 
 def subset_dp(
-    tab: CostTables, t: float, fits: np.ndarray, pin: int | None = None
+    tab: CostTables,
+    t: float,
+    fits: np.ndarray,
+    pin: int | None = None,
+    stages: int | None = None,
 ) -> tuple[float, Plan | None]:
     """``G(t)`` over every device subset and order (exact; ``2^D`` states per layer).
 
     ``fits[r, d, h, i]``: range ``[h, i)`` fits device ``d`` as the stage ``r``
-    stages from the end. ``pin`` forces the first stage onto that device index.
+    stages from the end. ``pin`` forces the first stage onto that device index;
+    ``stages`` keeps only plans of exactly that many stages.
     """
     n_layers, n_dev = tab.num_layers, tab.num_devices
     n_sets = 1 << n_dev
@@ -171,6 +183,8 @@ def subset_dp(
         for e in range(n_dev):
             src = without[e]
             src = src[np.isfinite(via[src, e])]
+            if stages is not None:  # a suffix of `stages` stages takes nothing before it
+                src = src[size[src] < stages]
             if src.size == 0:
                 continue
             dst = src | (1 << e)
@@ -187,19 +201,21 @@ def subset_dp(
             nxt_cut[hh, dst[jj], e] = i
             nxt_dev[hh, dst[jj], e] = arg[src[jj], e]
     starts = best[0] if pin is None else np.where(np.arange(n_dev) == pin, best[0], inf)
+    if stages is not None:
+        starts = np.where((size == stages)[:, None], starts, inf)
     u, e = divmod(int(np.argmin(starts)), n_dev)
     value = float(starts[u, e])
     if not np.isfinite(value):
         return value, None
-    stages: list[Stage] = []
+    plan: list[Stage] = []
     h = 0
     while True:
         cut = int(nxt_cut[h, u, e])
-        stages.append(Stage(tab.ids[e], h, cut))
+        plan.append(Stage(tab.ids[e], h, cut))
         if cut == n_layers:
             break
         u, e, h = u & ~(1 << e), int(nxt_dev[h, u, e]), cut
-    return value, Plan(tuple(stages))
+    return value, Plan(tuple(plan))
 
 
 def sequence_dp(tab: CostTables, t: float, seq: list[int]) -> tuple[float, Plan | None]:

@@ -1,0 +1,113 @@
+"""A job's partition options made into a plan: the one place the service and ``train`` plan.
+
+A job says how its units are split (``partition``) and, optionally, into how
+many stages (``stages``); :func:`plan_job` turns that, a planning problem and
+the job's ``codec`` into a scored plan:
+
+- ``partition="plan"`` (the default): the planner's best plan
+  (:func:`~coordinator.planner.fleet.plan_problem`); with ``stages=N``, its best
+  plan of exactly ``N`` stages, under the same score (provably so on small fleets).
+- ``partition="even"``: the units shared out as evenly as counts allow
+  (:func:`~coordinator.planner.baselines.even_split`) over every device, in the
+  order given with ``pin_first`` first; with ``stages=N`` (or when there are
+  more devices than units, ``N`` = the units), over the ``N`` fastest devices
+  (``pin_first`` always among them; ties go to the device given first), kept in
+  that order. An even split that breaks a device's memory is refused, not run.
+- ``codec="auto"``: each link's codec is chosen as in
+  :mod:`coordinator.planner.codecs` (for ``plan``, plans are searched per codec,
+  with the same stage count), and kept only when it makes the step faster.
+
+What cannot be done is a :class:`~edge.errors.UserError` with a one-line
+reason: more stages than units or devices, or nothing of that shape that fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from coordinator.planner.baselines import even_split
+from coordinator.planner.codecs import choose_codecs, plan_with_codecs, with_codecs
+from coordinator.planner.fleet import plan_problem
+from coordinator.planner.score import Plan, PlanScore, score_plan
+from edge.errors import UserError
+from edge.problem import PlanningProblem
+
+__all__ = ["PARTITIONS", "JobPlan", "Partition", "even_devices", "plan_job"]
+
+Partition = Literal["plan", "even"]
+PARTITIONS: tuple[str, ...] = get_args(Partition)
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """The plan a job runs (with its link codecs when chosen), its score, and how it was found."""
+
+    score: PlanScore
+    method: str
+    exact: bool
+
+    @property
+    def plan(self) -> Plan:
+        return self.score.plan
+
+
+def even_devices(problem: PlanningProblem, stages: int) -> list[str]:
+    """The devices of an even split into ``stages`` stages (see the module docstring)."""
+    ids = [d.id for d in problem.devices]
+    speed = {d.id: d.gflops for d in problem.devices}
+    pin = problem.pin_first
+    rest = sorted((d for d in ids if d != pin), key=lambda d: -speed[d])  # stable: ties keep order
+    chosen = set(([pin] if pin is not None else []) + rest[: stages - (pin is not None)])
+    return [d for d in ids if d in chosen]
+
+
+def plan_job(
+    problem: PlanningProblem,
+    *,
+    partition: str = "plan",
+    stages: int | None = None,
+    codec: str = "fp32",
+    where: str = "the devices",
+) -> JobPlan:
+    """The plan for a job with these options over ``problem`` (see the module docstring).
+
+    ``where`` names the devices in error messages ("the online devices").
+    """
+    if partition not in PARTITIONS:
+        raise UserError(f"partition {partition!r} is not one of {', '.join(PARTITIONS)}")
+    n_units, n_devices = len(problem.layers), len(problem.devices)
+    if stages is not None:
+        if stages < 1:
+            raise UserError(f"stages={stages}: a plan has at least 1 stage")
+        if stages > n_units:
+            raise UserError(f"stages={stages} is more than the model's {n_units} units")
+        if stages > n_devices:
+            raise UserError(f"stages={stages} is more than {where} ({n_devices})")
+    auto = codec.lower() == "auto"
+    if partition == "even":
+        count = min(n_devices, n_units) if stages is None else stages
+        ids = even_devices(problem, count)
+        subset = problem.model_copy(update={"devices": [d for d in problem.devices if d.id in ids]})
+        plan = even_split(subset)
+        score = score_plan(problem, plan)
+        if not score.feasible:
+            raise UserError(
+                f"the even split over {count} devices does not fit {where}: {score.reasons[0]}"
+            )
+        if auto and len(plan.stages) > 1:
+            codecs = choose_codecs(problem, plan)
+            coded = Plan(plan.stages, tuple(codecs))
+            scored = score_plan(with_codecs(problem, coded, codecs), coded)
+            if scored.feasible and scored.step_time_s < score.step_time_s:
+                score = scored
+        return JobPlan(score, f"even split over {count} devices", False)
+    found = plan_problem(problem, stages=stages)
+    if found.score is None:
+        raise UserError(f"no plan fits {where}: {found.reason}")
+    score = found.score
+    if auto:  # compress the links where it pays, keeping the stage count
+        choice = plan_with_codecs(problem, lambda p: plan_problem(p, stages=stages).plan)
+        if choice is not None and choice.score.step_time_s < score.step_time_s:
+            score = choice.score  # else fp32 everywhere (make_assignments' default)
+    return JobPlan(score, found.method, found.exact)
