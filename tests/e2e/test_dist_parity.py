@@ -2,10 +2,12 @@
 
 Each case launches real processes with torchrun semantics (``edgetrain launch``'s
 code: c10d rendezvous, torch's elastic agent, gloo on CPU) and compares the
-per-step losses and every final parameter with the single-device reference (one
-stage in this process, the same runtime) within 1e-5 relative: 2 and 4
+per-step losses and every final parameter within 1e-5 relative with the
+independent reference (:mod:`support.reference`, a plain PyTorch loop) and with
+the single-device run (one stage in this process, the same runtime): 2 and 4
 processes, gpt-mini and cnn-digits, 1F1B and GPipe, and 2 pipeline replicas x
-2 stages (gradients all-reduced across the replicas).
+2 stages (gradients all-reduced across the replicas; that each replica trains
+on its own slice is checked by content in ``tests/integration/test_replica_shares.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.reference import ReferenceRun, assert_matches, train_reference
 
 from coordinator.jobs import JobSpec
 from coordinator.planner.score import Plan
@@ -26,6 +29,13 @@ from edge.runtime.dist_job import DistJob, read_results
 UNITS = {"gpt-mini": 6, "cnn-digits": 4}
 STEPS, BATCH, MICRO, SEED = 4, 16, 4, 5
 _REFERENCES: dict[str, tuple[list[float], dict[str, torch.Tensor]]] = {}
+_INDEPENDENT: dict[str, ReferenceRun] = {}
+
+
+def _independent(model: str) -> ReferenceRun:
+    if model not in _INDEPENDENT:
+        _INDEPENDENT[model] = train_reference(model, steps=STEPS, batch_size=BATCH, seed=SEED)
+    return _INDEPENDENT[model]
 
 
 def _reference(model: str) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -47,6 +57,8 @@ def _job(tmp_path: Path, model: str, stages: int, **extra: object) -> DistJob:
 
 def _assert_matches_reference(job: DistJob, model: str) -> None:
     got = read_results(Path(job.output), job)
+    assert job.num_stages >= 2
+    assert_matches(got.losses, got.weights, _independent(model))
     ref_losses, ref_weights = _reference(model)
     assert len(got.losses) == STEPS
     torch.testing.assert_close(
@@ -92,6 +104,11 @@ def test_resume_from_a_state_directory_continues_the_same_run(tmp_path: Path) ->
     second = _job(tmp_path / "b", "gpt-mini", 2, resume_from=first.output)
     launch(second, threads=1)
     got = read_results(Path(second.output), second)
+    assert second.num_stages == 2
+    independent = _independent("gpt-mini")
+    assert_matches(
+        got.losses, got.weights, ReferenceRun(independent.losses[2:], independent.weights)
+    )
     ref_losses, ref_weights = _reference("gpt-mini")
     assert len(got.losses) == STEPS - 2
     torch.testing.assert_close(

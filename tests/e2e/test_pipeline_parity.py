@@ -1,8 +1,10 @@
 """The core test: a pipeline over MQTT trains the same model as one device.
 
 Three real agent processes and a real Mosquitto; for each model and schedule
-the per-step losses and the final parameters of the 3-stage run equal those of
-the single-stage reference (the same code path, one stage, no pipeline).
+the per-step losses and the final parameters of the 3-stage run equal, within
+1e-5, those of the independent reference (:mod:`support.reference`, a plain
+PyTorch loop sharing no training code with edgetrain) and those of the
+single-stage run (the same code path, one stage, no pipeline).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import threading
 import paho.mqtt.client as mqtt
 import pytest
 import torch
+from support.reference import ReferenceRun, assert_matches, train_reference
 
 from coordinator.jobs import JobSpec
 from coordinator.localfleet import LocalFleet
@@ -25,6 +28,7 @@ from edge.transport.mqtt import MqttTransport
 
 MODELS = {"mlp": 3, "cnn-digits": 4, "gpt-mini": 6}
 _REFERENCES: dict[tuple[str, int, int], tuple[list[float], dict[str, torch.Tensor]]] = {}
+_INDEPENDENT: dict[tuple[str, int, int], ReferenceRun] = {}
 
 
 def _spec(
@@ -50,6 +54,14 @@ def _reference(  # type: ignore[no-untyped-def]
     return _REFERENCES[key]
 
 
+def _independent(model: str, steps: int, batch: int = 16) -> ReferenceRun:
+    """The plain PyTorch loop on the same job (seed 3, the default SGD)."""
+    key = (model, steps, batch)
+    if key not in _INDEPENDENT:
+        _INDEPENDENT[key] = train_reference(model, steps=steps, batch_size=batch, seed=3)
+    return _INDEPENDENT[key]
+
+
 def _close(a: float, b: float, rel: float = 1e-5) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
@@ -64,7 +76,9 @@ def test_three_stages_over_mqtt_equal_one_device(
         _spec(model, 6, schedule=schedule), _three_stages(fleet, MODELS[model]), control,
         timeout_s=300,
     )  # fmt: skip
+    assert len(result.plan.stages) == 3
     assert len(result.losses) == 6
+    assert_matches(result.losses, result.weights, _independent(model, 6))
     assert all(_close(a, b) for a, b in zip(result.losses, ref_losses, strict=True))
     assert result.weights.keys() == ref_weights.keys()
     assert set(result.weights) == set(get_model(model).build().state_dict())
@@ -88,6 +102,12 @@ def test_fp16_links_stay_within_two_percent_of_the_reference(
         _spec(model, 50, codec="fp16", batch=64), _three_stages(fleet, MODELS[model]), control,
         timeout_s=300,
     )  # fmt: skip
+    assert len(result.plan.stages) == 3
+    assert_matches(
+        ref_losses,
+        _reference(fleet, control, model, 50, batch=64)[1],
+        _independent(model, 50, batch=64),
+    )
     curve = statistics.mean(result.losses[-10:]) / statistics.mean(ref_losses[-10:]) - 1
     worst = max(abs(a / b - 1) for a, b in zip(result.losses, ref_losses, strict=True))
     print(f"{model} fp16: last-10 mean {curve:+.2e}, worst single step {worst:.2e}")
@@ -142,7 +162,9 @@ def test_garbage_frames_are_dropped_and_training_is_unchanged(
         raw.loop_stop()
         raw.disconnect()
     assert sent.is_set()
+    assert len(result.plan.stages) == 3
     assert result.losses == ref_losses
+    assert_matches(result.losses, result.weights, _independent("cnn-digits", 12))
     for key, ref in ref_weights.items():
         assert torch.equal(result.weights[key], ref)
     # Stage 1's inbox dropped the six frames that reached it; none crashed anyone.
