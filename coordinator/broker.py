@@ -38,6 +38,7 @@ from typing import Any, ClassVar, Literal
 
 import psutil
 
+from coordinator.extras import needs_coordinator_extras
 from edge.errors import UserError
 
 __all__ = [
@@ -289,7 +290,9 @@ def _start_mosquitto(
 
 
 def _start_amqtt(port: int | None, timeout_s: float) -> AmqttBroker:
-    from amqtt.broker import Broker  # imported late: only this path needs it
+    # Imported late: only this path needs it, and a device install has no amqtt.
+    with needs_coordinator_extras("with no mosquitto installed, the embedded broker"):
+        from amqtt.broker import Broker
 
     class _Broker(Broker):
         async def stream_connected(

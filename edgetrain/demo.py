@@ -18,9 +18,8 @@ import json
 import secrets
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import torch
 import typer
 from pydantic import SecretStr
@@ -30,12 +29,15 @@ from rich.table import Table
 from torch.utils.data import DataLoader
 
 from coordinator.broker import free_port, start_broker
+from coordinator.extras import needs_coordinator_extras
 from coordinator.localfleet import LocalFleet
-from coordinator.serve import serve_in_thread
 from edge.catalog import resolve
 from edge.errors import UserError
 from edge.models.datasets import build_dataset
 from edge.models.zoo import ModelSpec, get_model
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = ["demo_command", "test_accuracy"]
 
@@ -83,7 +85,11 @@ def demo_command(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (with --exit)."),
 ) -> None:
     """Broker, coordinator and three emulated devices; train cnn-digits through the REST API."""
-    from coordinator.core.config import Settings
+    with needs_coordinator_extras("edgetrain demo"):
+        import httpx
+
+        from coordinator.core.config import Settings
+        from coordinator.serve import serve_in_thread
 
     console = Console(stderr=json_out, soft_wrap=True)
     names = [n for n in fleet.split(",") if n]

@@ -8,8 +8,10 @@ request (4xx) or an unreadable job file is one line on stderr and exit status 2
 (:class:`~edge.errors.UserError`). ``fleet`` lists the coordinator's devices;
 ``edgetrain devices`` is the device-profile catalogue.
 
-Nothing here imports FastAPI or the coordinator's services: a laptop with only
-the base install can submit and watch jobs.
+Nothing here imports FastAPI or the coordinator's services; the one package they
+need beyond the base install is httpx, a coordinator extra, imported when a request
+is made: on a device install every command's ``--help`` works and a request says
+which install it needs.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 import typer
 
+from coordinator.extras import needs_coordinator_extras
 from edge.errors import UserError
 
 __all__ = ["DEFAULT_COORDINATOR", "fleet_command", "jobs_command", "submit_command"]
@@ -62,10 +65,8 @@ def _detail(body: Any) -> str:
 
 def _call(method: str, base: str, path: str, token: str | None = None, body: Any = None) -> Any:
     """One request; its decoded JSON, or a :class:`UserError` naming what went wrong."""
-    try:
+    with needs_coordinator_extras("edgetrain submit, jobs and fleet"):
         import httpx
-    except ImportError:
-        raise UserError("the API clients need httpx: pip install httpx") from None
 
     url = base.rstrip("/") + path
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -119,7 +120,8 @@ def submit_command(
 
     The file holds the fields of POST /api/v1/jobs at the top level (see
     examples/job.toml): model, dataset, steps or epochs, batch_size,
-    microbatches, schedule, codec, seed, devices, [optimizer], [model_options].
+    microbatches, schedule, codec, partition, stages, seed, devices, [optimizer],
+    [model_options].
     """
     job = _call("POST", coordinator, "/api/v1/jobs", token, _read_job(job_file))
     job_id = str(job["id"])

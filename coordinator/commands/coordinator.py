@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from coordinator.extras import needs_coordinator_extras
+
 __all__ = ["coordinator_command"]
 
 
@@ -31,10 +33,11 @@ def coordinator_command(
     The API is under /api/v1 (OpenAPI at /docs). With EDGETRAIN_API_TOKEN set,
     every mutating request needs 'Authorization: Bearer <token>'.
     """
-    import uvicorn
+    with needs_coordinator_extras("edgetrain coordinator"):
+        import uvicorn
 
-    from coordinator.app import create_app
-    from coordinator.core.config import get_settings
+        from coordinator.app import create_app
+        from coordinator.core.config import get_settings
 
     settings = get_settings(host=host, port=port, broker_url=broker, data_dir=data_dir,
                             testbed_state=testbed_state)  # fmt: skip
