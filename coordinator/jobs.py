@@ -67,6 +67,12 @@ class JobSpec(BaseModel):
     recv_timeout_s: float = Field(default=120.0, gt=0)
     pin_first: str | None = None
     """The device that must run stage 0 (it holds the data); planning only."""
+    partition: Literal["plan", "even"] = "plan"
+    """How the units are split: ``plan``, the planner's best plan; ``even``, the same number
+    of units on each device (:mod:`coordinator.planner.partition`); planning only."""
+    stages: int | None = Field(default=None, ge=1)
+    """Exactly this many stages, each on its own device (``None``: what the partition
+    gives); planning only. A re-plan over fewer survivors plans as many as survive."""
     replicate_every: int = Field(default=0, ge=0, le=100_000)
     """Fault tolerance in the service: replicate every stage's state every R steps
     (0: off). Such a job survives devices dying and the coordinator restarting."""

@@ -11,6 +11,12 @@ the data directory. On start, jobs a previous coordinator left planning or
 running are marked failed (``coordinator restarted``) and pending ones are
 queued again.
 
+A job is planned with its ``partition`` and ``stages`` (:func:`JobManager._plan`);
+with ``stages=N`` it fails when fewer than ``N`` devices may run it, except when
+it is planned again (after a device died, or when a restarted coordinator
+resumes it): then it runs on one stage per device left and logs a ``replan``
+event saying so.
+
 A job with ``replicate_every`` runs resiliently (:mod:`coordinator.resilient`),
 on an MQTT connection of its own: its device watch takes over the status and
 heartbeat subscriptions of the connection it watches, and the registry keeps
@@ -34,10 +40,9 @@ from typing import Any
 from coordinator.events import EventBus
 from coordinator.faults import Fault, FaultActuator, FaultInjector, ThrottleActuator, parse_fault
 from coordinator.jobs import JobFailed, JobSpec, new_job_id
-from coordinator.planner import plan_problem
 from coordinator.planner.baselines import run_baselines
 from coordinator.planner.build import build_problem
-from coordinator.planner.codecs import plan_with_codecs
+from coordinator.planner.partition import plan_job
 from coordinator.planner.simulator import simulate
 from coordinator.registry import DeviceRegistry
 from coordinator.replicas import ReplicaStore
@@ -57,6 +62,8 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 10.0
 """Before re-planning: how long survivors of a cancelled attempt may take to say ``online``."""
+RESUME_WAIT_S = 20.0
+"""Resuming a job: how long the devices of its last attempt may take to be idle again."""
 JOIN_WAIT_S = 120.0
 """How long a device started by a ``join`` fault may take to come online."""
 
@@ -180,27 +187,46 @@ class JobManager:
             log.info("job %s already ended; not marking it %s", job, state)
         self._announce(job)
 
-    def _plan(self, job: str, spec: JobSpec, allowed: list[str] | None) -> Any:
+    def _plan(
+        self, job: str, spec: JobSpec, allowed: list[str] | None, *, again: bool = False
+    ) -> Any:
+        """Plan ``job`` over the online devices it may use, with its ``partition`` and
+        ``stages`` (:func:`~coordinator.planner.partition.plan_job`), and store the plan.
+
+        ``again``: a re-plan of a job that has run (after a failure, or resuming it). With
+        fewer devices than its ``stages`` it then plans one stage per device, and says so
+        in a ``replan`` event, rather than failing the job.
+        """
         devices = self.registry.available(allowed)
         if not devices:
             raise UserError("no online device may run this job")
         if spec.pin_first is not None and spec.pin_first not in {d.id for d in devices}:
             raise UserError(f"pin_first device {spec.pin_first} is not online")
+        stages = spec.stages
+        if stages is not None and len(devices) < stages:
+            have = f"{len(devices)} online and allowed ({', '.join(d.id for d in devices)})"
+            if not again:
+                raise UserError(f"stages={stages} needs {stages} devices; {have}")
+            why = f"stages={stages}, but only {have}: planning {len(devices)} stages"
+            detail = {"stages_asked": stages, "stages": len(devices), "why": why}
+            self.store.add_job_event(job, "replan", detail)
+            stages = len(devices)
         problem = build_problem(
             spec.model, devices, batch_size=spec.batch_size, microbatches=spec.microbatches,
             model_options=spec.model_options, pin_first=spec.pin_first,
         )  # fmt: skip
-        found = plan_problem(problem)
-        if found.score is None:
-            raise UserError(f"no plan fits the online devices: {found.reason}")
+        found = plan_job(
+            problem,
+            partition=spec.partition,
+            stages=stages,
+            codec=spec.codec,
+            where="the online devices",
+        )
         score = found.score
-        if spec.codec.lower() == "auto":  # compress the links where it pays
-            choice = plan_with_codecs(problem, lambda p: plan_problem(p).plan)
-            if choice is not None and choice.score.step_time_s < score.step_time_s:
-                score = choice.score  # else fp32 everywhere (make_assignments' default)
         sim = simulate(problem, score.plan, spec.schedule)
         self.store.set_job_plan(job, {
             **score.to_json(), "method": found.method, "exact": found.exact,
+            "partition": spec.partition, "stages_asked": spec.stages,
             "compute_s": score.compute_s, "link_s": score.link_s,
             "units": [la.name for la in problem.layers],
             "baselines": {k: {"throughput_sps": b.throughput_sps, "feasible": b.feasible}
@@ -215,8 +241,11 @@ class JobManager:
         except ValueError:  # cancelled between the queue and here
             return
         self._announce(job)
+        resuming = job in self._resume
+        if resuming:
+            self._stop_previous(job)
         try:
-            plan = self._plan(job, spec, allowed)
+            plan = self._plan(job, spec, allowed, again=resuming)
         except UserError as exc:
             self._finish(job, "failed", exc.message)
             return
@@ -276,13 +305,7 @@ class JobManager:
         attempts: list[dict[str, Any]] = (
             json.loads(attempts_file.read_text()) if attempts_file.exists() else []
         )
-        if job in self._resume:  # stop what the previous coordinator left running
-            for old in attempts:
-                for device in old["devices"]:
-                    cancel = CancelJob(job=old["job"], reason="coordinator restarted")
-                    with contextlib.suppress(ConnectionError):
-                        self.control.publish(device_cmd(device), cancel.model_dump_json(), 1)
-        self._resume.discard(job)
+        self._resume.discard(job)  # _stop_previous stopped what a previous coordinator ran
         first_step = replicas.newest_complete(spec.steps)
 
         def on_attempt(attempt: str, attempt_plan: Any, first: int) -> None:
@@ -301,7 +324,8 @@ class JobManager:
 
         def replan(alive: list[str]) -> Any:
             self._wait_idle(alive, IDLE_WAIT_S)
-            return self._plan(job, spec, [d for d in alive if members is None or d in members])
+            alive = [d for d in alive if members is None or d in members]
+            return self._plan(job, spec, alive, again=True)
 
         def step(report: StepReport) -> None:  # stored as the job's, not the attempt's
             on_step(report.model_copy(update={"job": job}))
@@ -327,6 +351,28 @@ class JobManager:
         with self._lock:
             self._attempt.pop(job, None)
         return got.result
+
+    def _stop_previous(self, job: str) -> None:
+        """Cancel the attempts a previous coordinator left running for ``job`` and wait
+        (at most :data:`RESUME_WAIT_S`) until the devices of the last one are idle, so
+        that the job is planned again over all of them."""
+        attempts_file = self.store.model_path(job).parent / "attempts.json"
+        if not attempts_file.exists():
+            return
+        attempts: list[dict[str, Any]] = json.loads(attempts_file.read_text())
+        for old in attempts:
+            for device in old["devices"]:
+                cancel = CancelJob(job=old["job"], reason="coordinator restarted")
+                with contextlib.suppress(ConnectionError):
+                    self.control.publish(device_cmd(device), cancel.model_dump_json(), 1)
+        last = attempts[-1]["devices"] if attempts else []
+        deadline = time.monotonic() + RESUME_WAIT_S
+        while time.monotonic() < deadline:
+            views = [self.registry.get(d) for d in last]
+            if all(v is not None and v.state == "online" for v in views):
+                return
+            time.sleep(0.1)
+        log.warning("job %s: not every device of its last attempt is idle: %s", job, last)
 
     def _servers(self) -> dict[str, str]:
         """Devices that announced themselves as server tier (``edgetrain agent --server`` or

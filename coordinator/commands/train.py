@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,29 +30,30 @@ from edge.models.zoo import parse_options
 __all__ = ["train_command"]
 
 
-def _plan(spec: JobSpec, devices: list[Any], partition: str) -> tuple[Any, Any]:
-    """The plan over ``devices`` and its spec score."""
-    from coordinator.planner import plan_problem, score_plan
-    from coordinator.planner.baselines import even_split
+def _plan(
+    spec: JobSpec, devices: list[Any], note: Callable[[str], None] | None = None
+) -> tuple[Any, Any]:
+    """The plan over ``devices`` (the first holds the data) with the spec's ``partition``
+    and ``stages``, and its spec score. ``note``: this is a re-plan over the survivors of
+    a failure; with fewer of them than ``stages`` it plans one stage each and says so."""
     from coordinator.planner.build import build_problem
+    from coordinator.planner.partition import plan_job
 
+    stages = spec.stages
+    if note is not None and stages is not None and len(devices) < stages:
+        note(
+            f"--stages {stages}, but only {len(devices)} devices survive: "
+            f"planning {len(devices)} stages"
+        )
+        stages = len(devices)
     problem = build_problem(
         spec.model, devices, batch_size=spec.batch_size, microbatches=spec.microbatches,
         pin_first=devices[0].id, model_options=spec.model_options,
     )  # fmt: skip
-    if partition == "even" or len(devices) == 1:
-        plan = even_split(problem)
-        return plan, score_plan(problem, plan)
-    found = plan_problem(problem)
-    if found.score is None:
-        raise UserError(f"no plan fits these devices: {found.reason}")
-    if spec.codec.lower() == "auto":  # the planner compresses the links where it pays
-        from coordinator.planner.codecs import plan_with_codecs
-
-        choice = plan_with_codecs(problem, lambda p: plan_problem(p).plan)
-        if choice is not None and choice.score.step_time_s < found.score.step_time_s:
-            return choice.plan, choice.score
-    return found.score.plan, found.score
+    found = plan_job(
+        problem, partition=spec.partition, stages=stages, codec=spec.codec, where="these devices"
+    )
+    return found.plan, found.score
 
 
 def train_command(
@@ -95,7 +97,16 @@ def train_command(
         None, "--broker", help="Broker URL; without it one is started (mosquitto, else amqtt)."
     ),
     partition: str = typer.Option(
-        "plan", "--partition", help="plan (the planner decides) or even (all devices, even split)."
+        "plan",
+        "--partition",
+        help="plan (the planner decides) or even (an even split over all devices, or --stages).",
+    ),
+    stages: int | None = typer.Option(
+        None,
+        "--stages",
+        min=1,
+        help="Exactly N stages: with plan, the planner's best plan of N stages; with even, "
+        "the N fastest devices (the first always among them). Default: what --partition gives.",
     ),
     save_weights: Path | None = typer.Option(
         None, "--save-weights", help="Write the trained model here (safetensors)."
@@ -158,11 +169,15 @@ def train_command(
         raise UserError(f"--devices {devices} is not a multiple of --replicas {replicas}")
     if partition not in ("plan", "even"):
         raise UserError(f"--partition: {partition!r} is not plan or even")
+    if stages is not None and stages > devices // replicas:
+        per = "" if replicas == 1 else f" / --replicas {replicas}"
+        raise UserError(f"--stages {stages} is more than --devices {devices}{per}")
     try:
         spec = JobSpec.model_validate({
             "model": model, "model_options": parse_options(option), "dataset": dataset,
             "steps": steps, "batch_size": batch_size, "microbatches": microbatches,
             "schedule": schedule, "codec": codec, "seed": seed, "precision": precision,
+            "partition": partition, "stages": stages,
             "optimizer": {"name": optimizer, "lr": lr, "momentum": momentum,
                           "weight_decay": weight_decay},
         })  # fmt: skip
@@ -184,8 +199,10 @@ def train_command(
             from edge.catalog import resolve
 
             resolve(f.profile or "")  # an unknown profile fails here, before anything starts
-        if f.stage >= devices or f.step >= steps:
-            raise UserError(f"--fault {f}: stage must be below --devices and step below --steps")
+        if f.stage >= (stages or devices) or f.step >= steps:
+            raise UserError(
+                f"--fault {f}: stage must be below --stages (else --devices) and step below --steps"
+            )
     resilience = (
         (faults, replicate_every, heartbeat_timeout, rebalance) if replicate_every else None
     )
@@ -194,16 +211,16 @@ def train_command(
     progress = _Progress(steps, batch_size, enabled=not json_out)
     with progress:
         if transport == "inprocess":
-            result, broker_name, score = _run_inprocess(spec, devices, partition, progress)
+            result, broker_name, score = _run_inprocess(spec, devices, progress)
         elif transport == "dist":
-            result, score = _run_dist(spec, devices, replicas, partition, device, precision,
+            result, score = _run_dist(spec, devices, replicas, device, precision,
                                       threads, progress)  # fmt: skip
             broker_name = None
             extra.update(replicas=replicas, processes=len(score.plan.stages) * replicas,
                          device=device, precision=precision)  # fmt: skip
         else:
             result, broker_name, score = _run_mqtt(
-                spec, devices, partition, broker, progress, threads, resilience, extra, servers
+                spec, devices, broker, progress, threads, resilience, extra, servers
             )
     if save_weights is not None:
         save_weights.write_bytes(result.weights_bytes())
@@ -222,15 +239,13 @@ def train_command(
         )
 
 
-def _run_inprocess(
-    spec: JobSpec, n: int, partition: str, progress: _Progress
-) -> tuple[JobResult, str | None, Any]:
+def _run_inprocess(spec: JobSpec, n: int, progress: _Progress) -> tuple[JobResult, str | None, Any]:
     from coordinator.runners import run_inprocess
     from edge.profiler import profile_device
 
     me = profile_device("local", seconds=0.3).to_device_spec()
     fleet = [me.model_copy(update={"id": f"local-{i}"}) for i in range(n)]
-    plan, score = _plan(spec, fleet, partition)
+    plan, score = _plan(spec, fleet)
     return run_inprocess(spec, plan, on_step=progress.update), None, score
 
 
@@ -238,7 +253,6 @@ def _run_dist(
     spec: JobSpec,
     n: int,
     replicas: int,
-    partition: str,
     device: str,
     precision: str,
     threads: int | None,
@@ -254,7 +268,7 @@ def _run_dist(
 
     me = profile_device("local", seconds=0.3).to_device_spec()
     fleet = [me.model_copy(update={"id": f"rank-{i}"}) for i in range(n // replicas)]
-    plan, score = _plan(spec, fleet, partition)
+    plan, score = _plan(spec, fleet)
     processes = len(plan.stages) * replicas
     with tempfile.TemporaryDirectory(prefix="edgetrain-dist-") as out:
         job = DistJob.model_validate(dict(
@@ -281,7 +295,6 @@ def _run_dist(
 def _run_mqtt(
     spec: JobSpec,
     n: int,
-    partition: str,
     broker: str | None,
     progress: _Progress,
     threads: int | None,
@@ -312,7 +325,7 @@ def _run_mqtt(
         stack.callback(control.close)
         fleet = stack.enter_context(LocalFleet(n, url, threads=threads, servers=servers))
         profiles = fleet.wait_online(control)
-        plan, score = _plan(spec, [profiles[d] for d in fleet.ids], partition)
+        plan, score = _plan(spec, [profiles[d] for d in fleet.ids])
         if resilience is None:
             tier = server_tier({d: profiles[d] for d in fleet.ids})
             if extra is not None and tier:
@@ -358,7 +371,7 @@ def _run_mqtt(
                 )
 
         def replan(alive: list[str]) -> Any:
-            return _plan(spec, [profiles[d] for d in alive], partition)[0]
+            return _plan(spec, [profiles[d] for d in alive], progress.note)[0]
 
         def problem_for(alive: list[str]) -> Any:
             return build_problem(
@@ -375,7 +388,11 @@ def _run_mqtt(
             spec, plan, control, replan, members, replicate_every=every,
             heartbeat_timeout_s=timeout, faults=FaultInjector(faults, act),
             on_step=progress.update,
-            rebalance=Rebalancer(problem_for, replicate_every=every) if rebalancing else None,
+            rebalance=(
+                Rebalancer(problem_for, replicate_every=every, stages=spec.stages)
+                if rebalancing
+                else None
+            ),
         )  # fmt: skip
         if extra is not None:
             extra.update(got.to_json(), replicate_every=every)

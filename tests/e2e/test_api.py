@@ -1,4 +1,8 @@
-"""The REST API over a real broker and real agents: submit, run, fetch metrics, model and ONNX."""
+"""The REST API over a real broker and real agents: submit, run, fetch metrics, model and ONNX.
+
+Every job that runs asks for ``stages`` and is checked to run that many: the
+planner alone would put these small models on one device.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +28,10 @@ def test_job_over_http_runs_on_two_agents(tmp_path: Path) -> None:
     with mosquitto_broker() as broker:
         settings = Settings(broker_url=broker.url, data_dir=tmp_path / "coord", api_token=TOKEN)
         auth = {"Authorization": f"Bearer {TOKEN}"}
-        with TestClient(create_app(settings)) as client, LocalFleet(2, broker.url, threads=1):
+        with (
+            TestClient(create_app(settings)) as client,
+            LocalFleet(2, broker.url, threads=1) as fleet,
+        ):
             assert client.get("/healthz").json()["status"] == "ok"
 
             def online() -> int:
@@ -33,12 +40,29 @@ def test_job_over_http_runs_on_two_agents(tmp_path: Path) -> None:
                 )
 
             assert until(lambda: online() == 2, 60)
-            body = {"model": "cnn-digits", "steps": 6, "batch_size": 16, "microbatches": 4}
+            body = {
+                "model": "cnn-digits",
+                "steps": 6,
+                "batch_size": 16,
+                "microbatches": 4,
+                "stages": 2,
+            }
             assert client.post("/api/v1/jobs", json=body).status_code == 401
             bad = client.post("/api/v1/jobs", json={**body, "microbatches": 5}, headers=auth)
             assert bad.status_code == 422
             assert client.post("/api/v1/jobs", json={**body, "model": "nope"},
                                headers=auth).status_code == 422  # fmt: skip
+            for extra, why in (
+                ({"stages": 5}, "stages=5 is more than the 4 units of cnn-digits"),
+                ({"stages": 0}, "greater than or equal to 1"),
+                ({"stages": 3, "devices": ["a", "b"]}, "stages=3 is more than the 2 devices"),
+                ({"partition": "random"}, "'plan' or 'even'"),
+            ):
+                refused = client.post("/api/v1/jobs", json={**body, **extra}, headers=auth)
+                assert refused.status_code == 422, refused.text
+                (detail,) = refused.json()["detail"]
+                assert detail["loc"][:2] == ["body", next(iter(extra))], detail
+                assert why in detail["msg"], detail
             assert client.get("/api/v1/jobs/doesnotexist").status_code == 404
             created = client.post("/api/v1/jobs", json=body, headers=auth)
             assert created.status_code == 201, created.text
@@ -48,9 +72,18 @@ def test_job_over_http_runs_on_two_agents(tmp_path: Path) -> None:
             record = client.get(f"/api/v1/jobs/{job}").json()
             assert record["state"] == "completed", record["reason"]
             assert record["plan"]["feasible"] is True
+            stages = record["plan"]["stages"]
+            assert len(stages) == 2 and {s["device"] for s in stages} == set(fleet.ids)
+            assert record["plan"]["stages_asked"] == 2 and record["plan"]["partition"] == "plan"
             metrics = client.get(f"/api/v1/jobs/{job}/metrics").json()["steps"]
             assert [m["step"] for m in metrics] == list(range(6))
             assert all(m["loss"] is not None for m in metrics)
+            # Both stages reported every step, each from its own device.
+            assert all(
+                sorted((r["stage"], r["device"]) for r in m["stages"])
+                == [(0, stages[0]["device"]), (1, stages[1]["device"])]
+                for m in metrics
+            )
             weights = client.get(f"/api/v1/jobs/{job}/model")
             assert weights.status_code == 200
             tensors = safetensors.torch.load(weights.content)
@@ -61,6 +94,15 @@ def test_job_over_http_runs_on_two_agents(tmp_path: Path) -> None:
             prom = client.get("/metrics").text
             assert "edgetrain_devices_online 2.0" in prom
             assert client.get("/openapi.json").status_code == 200
+
+            # Three stages on two devices: the job fails at planning, saying why.
+            even = client.post(
+                "/api/v1/jobs", json={**body, "stages": 3, "partition": "even"}, headers=auth
+            ).json()["id"]
+            assert until(lambda: client.get(f"/api/v1/jobs/{even}").json()["state"] == "failed", 60)
+            refused = client.get(f"/api/v1/jobs/{even}").json()
+            assert refused["state"] == "failed" and refused["plan"] is None
+            assert refused["reason"].startswith("stages=3 needs 3 devices; "), refused["reason"]
 
 
 def test_what_if_plan_needs_no_devices_online(tmp_path: Path) -> None:
@@ -86,20 +128,32 @@ def test_restart_keeps_devices_jobs_and_metrics_and_fails_the_interrupted_job(
     tmp_path: Path,
 ) -> None:
     data = tmp_path / "coord"
-    with mosquitto_broker() as broker, LocalFleet(1, broker.url, threads=1) as fleet:
+    with mosquitto_broker() as broker, LocalFleet(2, broker.url, threads=1) as fleet:
         settings = Settings(broker_url=broker.url, data_dir=data)
         with TestClient(create_app(settings)) as client:
-            assert until(lambda: client.get("/api/v1/devices").json()["count"] == 1, 60)
+            assert until(lambda: client.get("/api/v1/devices").json()["count"] == 2, 60)
             assert until(lambda: client.get(f"/api/v1/devices/{fleet.ids[0]}")
                           .json()["state"] == "online", 30)  # fmt: skip
-            short = {"model": "mlp", "steps": 3, "batch_size": 8, "microbatches": 2}
+            assert until(
+                lambda: client.get(f"/api/v1/devices/{fleet.ids[1]}").json()["state"] == "online",
+                30,
+            )
+            short = {"model": "mlp", "steps": 3, "batch_size": 8, "microbatches": 2, "stages": 2}
             done = client.post("/api/v1/jobs", json=short).json()["id"]
             assert until(lambda: client.get(f"/api/v1/jobs/{done}").json()["state"]
                           == "completed", 60)  # fmt: skip
-            long = {"model": "gpt-mini", "steps": 5000, "batch_size": 8, "microbatches": 2}
+            assert len(client.get(f"/api/v1/jobs/{done}").json()["plan"]["stages"]) == 2
+            long = {
+                "model": "gpt-mini",
+                "steps": 5000,
+                "batch_size": 8,
+                "microbatches": 2,
+                "stages": 2,
+            }
             running = client.post("/api/v1/jobs", json=long).json()["id"]
             assert until(lambda: client.get(f"/api/v1/jobs/{running}").json()["steps_done"]
                           >= 2, 90)  # fmt: skip
+            assert len(client.get(f"/api/v1/jobs/{running}").json()["plan"]["stages"]) == 2
         # The coordinator is gone mid-job; a new one opens the same data directory.
         with TestClient(create_app(settings)) as client:
             interrupted = client.get(f"/api/v1/jobs/{running}").json()

@@ -6,6 +6,11 @@ the job (its step below ``steps``) and against what this coordinator can do
 (``kill`` and ``join`` need a testbed coordinator), and a refused one is a 422
 naming it. Faults imply fault tolerance: without ``replicate_every`` a job with
 faults replicates every ``max(1, steps // 10)`` steps.
+
+``partition`` and ``stages`` shape the plan (:mod:`coordinator.planner.partition`):
+a ``stages`` above the model's units, or above the devices the job allows, is a
+422 naming ``stages``; one above the devices online when the job is planned
+fails the job with that reason.
 """
 
 from __future__ import annotations
@@ -71,6 +76,12 @@ class JobCreate(BaseModel):
     """Devices the job may use (all online devices when absent)."""
     pin_first: str | None = None
     """The device that holds the data and must run stage 0."""
+    partition: Literal["plan", "even"] = "plan"
+    """``plan``: the planner's best plan; ``even``: the units shared out evenly over the
+    devices (over the ``stages`` fastest when ``stages`` is given)."""
+    stages: int | None = Field(default=None, ge=1, le=1024)
+    """Exactly this many stages, each on its own device (absent: what the partition gives;
+    with ``plan``, the planner's best plan of that many stages)."""
     replicate_every: int | None = Field(default=None, ge=0, le=100_000)
     """Replicate every stage's state every R steps (0 or absent: off, but absent with
     faults means every max(1, steps // 10) steps): the job then survives devices
@@ -158,13 +169,27 @@ def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPubl
                        microbatches=body.microbatches, schedule=body.schedule,
                        optimizer=body.optimizer, codec=body.codec, seed=body.seed,
                        precision=body.precision,
-                       pin_first=body.pin_first, replicate_every=replicate_every,
+                       pin_first=body.pin_first, partition=body.partition, stages=body.stages,
+                       replicate_every=replicate_every,
                        faults=tuple(body.faults))  # fmt: skip
     except UserError as exc:
         raise unprocessable(["body", "model"], exc.message) from None
+    _check_stages(body, model.num_units)
     _check_faults(body, steps, manager.actuator)
     job = manager.submit(spec, body.devices)
     return _public(_job_or_404(store, job))
+
+
+def _check_stages(body: JobCreate, units: int) -> None:
+    """A 422 naming ``stages`` when no plan of that many stages can exist for this job."""
+    if body.stages is None:
+        return
+    if body.stages > units:
+        why = f"stages={body.stages} is more than the {units} units of {body.model}"
+        raise unprocessable(["body", "stages"], why)
+    if body.devices is not None and body.stages > len(set(body.devices)):
+        why = f"stages={body.stages} is more than the {len(set(body.devices))} devices allowed"
+        raise unprocessable(["body", "stages"], why)
 
 
 def _check_faults(body: JobCreate, steps: int, actuator: FaultActuator) -> None:
@@ -174,6 +199,8 @@ def _check_faults(body: JobCreate, steps: int, actuator: FaultActuator) -> None:
         why: str | None
         if fault.step >= steps:
             why = f"step {fault.step} is not below the job's {steps} steps"
+        elif fault.kind != "join" and body.stages is not None and fault.stage >= body.stages:
+            why = f"stage {fault.stage} is not below the job's {body.stages} stages"
         elif fault.kind != "join" and body.devices is not None and fault.stage >= len(body.devices):
             why = f"stage {fault.stage} is not below the {len(body.devices)} devices allowed"
         else:
