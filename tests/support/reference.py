@@ -26,7 +26,13 @@ Everything else is written here from the training contract in
 A pipeline splits that batch into ``M`` microbatches and divides each one's
 mean loss by ``M``; replicas split it ``R`` ways and average gradients. Both are
 the same step up to floating-point rounding, which is what the parity tests'
-``1e-5`` allows.
+``1e-5`` allows. AdamW is the exception: it divides each update by the root of
+the second moment, so a parameter whose gradient is near zero (a token
+embedding row a batch barely touches, an attention weight the softmax is
+almost blind to) turns rounding into differences far above ``1e-5``. For it,
+``microbatches=M`` makes the loop accumulate gradients over ``M`` equal chunks
+of the batch, each chunk's mean loss divided by ``M`` (PyTorch's usual gradient
+accumulation, written here, not edgetrain's), which rounds like a pipeline.
 """
 
 from __future__ import annotations
@@ -87,13 +93,17 @@ def train_reference(
     dataset: str | None = None,
     dataset_options: Mapping[str, Any] | None = None,
     first_step: int = 0,
+    microbatches: int = 1,
 ) -> ReferenceRun:
     """Train ``model`` for steps ``[first_step, steps)`` with a plain loop (module docstring).
 
     ``first_step > 0`` trains the weights of step 0 on the later steps' batches:
     only for tests of resuming, which compare against the losses from there on.
-    Arguments mirror a job's settings (``optimizer`` as the job's optimizer fields).
+    Arguments mirror a job's settings (``optimizer`` as the job's optimizer fields);
+    ``microbatches`` accumulates gradients over that many chunks (module docstring).
     """
+    if batch_size % microbatches:
+        raise ValueError(f"batch {batch_size} is not a multiple of {microbatches} microbatches")
     spec = get_model(model, seed=seed, **dict(model_options or {}))
     name = dataset or spec.dataset
     if dataset_options is None:
@@ -108,12 +118,17 @@ def train_reference(
         samples = [data[i] for i in batch_indices(size, batch_size, seed, step).tolist()]
         x = torch.stack([torch.as_tensor(s[0]) for s in samples])
         y = torch.stack([torch.as_tensor(s[1]) for s in samples])
-        logits = net(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = 0.0
+        for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+            logits = net(xm)
+            part = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ym.reshape(-1))
+            if microbatches > 1:
+                part = part / microbatches
+            part.backward()
+            loss += part.item()
         opt.step()
-        losses.append(loss.item())
+        losses.append(loss)
     weights = {k: v.detach().clone() for k, v in net.state_dict().items()}
     return ReferenceRun(losses, weights)
 

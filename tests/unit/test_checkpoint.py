@@ -14,6 +14,7 @@ from collections.abc import Callable
 import pytest
 import safetensors.torch
 import torch
+from support.reference import assert_matches, train_reference
 
 from coordinator.jobs import JobSpec, make_assignments
 from coordinator.planner.score import Plan
@@ -268,6 +269,16 @@ def test_resuming_from_a_state_equals_never_stopping(
 ) -> None:
     steps, k = 6, 4
     reference = Run(_assignments(model, cuts, optimizer, steps))
+    independent = train_reference(
+        model,
+        steps=steps,
+        batch_size=8,
+        seed=5,
+        optimizer=OPTIMIZERS[optimizer].model_dump(),
+        microbatches=2,  # for AdamW: see support.reference
+    )
+    losses = [reference.losses[t] for t in range(steps)]
+    assert_matches(losses, reference.weights(), independent)
     replicated = Run(_assignments(model, cuts, optimizer, steps, replicate_every=2))
     # Publishing states does not change training.
     assert replicated.losses == reference.losses
