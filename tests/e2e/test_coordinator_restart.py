@@ -1,10 +1,11 @@
 """The coordinator dies mid-job (SIGKILL) and a new one finishes it, with the same weights.
 
 A real ``edgetrain coordinator`` process, a real Mosquitto and three agents. The
-job asks for replication (``replicate_every``), so its replicas are in the
-coordinator's data directory; the second coordinator, on the same directory,
-cancels the attempt the first one left on the agents, resumes from the newest
-step the replicas cover, and ends with the weights of a run without the crash.
+job asks for three stages and for replication (``replicate_every``), so its
+replicas are in the coordinator's data directory; the second coordinator, on the
+same directory, cancels the attempt the first one left on the agents, waits for
+them to be idle, plans the same three stages again, resumes from the newest step
+the replicas cover, and ends with the weights of a run without the crash.
 """
 
 from __future__ import annotations
@@ -74,13 +75,14 @@ def test_a_restarted_coordinator_finishes_the_job(tmp_path: Path) -> None:
         return api.get(f"/api/v1/jobs/{job}").json()  # type: ignore[no-any-return]
 
     body = {"model": "gpt-mini", "steps": STEPS, "batch_size": 16, "microbatches": 4, "seed": 2,
-            "replicate_every": 2}  # fmt: skip
+            "replicate_every": 2, "stages": 3}  # fmt: skip
     try:
         with mosquitto_broker() as broker, LocalFleet(3, broker.url, threads=1):
             with coordinator(port, broker.url, data) as first:
                 assert until(up, 60) and until(lambda: online() == 3, 60)
                 job = api.post("/api/v1/jobs", json=body).json()["id"]
                 assert until(lambda: (job_state(job).get("steps_done") or 0) >= 8, 120)
+                assert len(job_state(job)["plan"]["stages"]) == 3
                 first.send_signal(signal.SIGKILL)
                 first.wait(10)
             with coordinator(port, broker.url, data):
@@ -94,9 +96,17 @@ def test_a_restarted_coordinator_finishes_the_job(tmp_path: Path) -> None:
                 events = api.get(f"/api/v1/jobs/{job}/events").json()["events"]
                 attempts = [e["detail"] for e in events if e["kind"] == "attempt"]
                 assert len(attempts) >= 2 and attempts[-1]["first_step"] >= 6, events  # resumed
+                # Before and after the crash: three stages, on the three agents.
+                assert all(len(set(a["devices"])) == 3 for a in attempts), attempts
+                assert len(record["plan"]["stages"]) == 3, record["plan"]
+                assert not [e for e in events if e["kind"] == "replan"], events
+                resumed = [s for s in steps if s["step"] >= attempts[-1]["first_step"]]
+                assert all({r["stage"] for r in s["stages"]} == {0, 1, 2} for s in resumed)
     finally:
         api.close()
-    spec = JobSpec.model_validate({k: v for k, v in body.items() if k != "replicate_every"})
+    spec = JobSpec.model_validate(
+        {k: v for k, v in body.items() if k not in ("replicate_every", "stages")}
+    )
     reference = run_inprocess(spec, Plan.of(("ref", 0, get_model("gpt-mini").num_units)))
     for key, ref in reference.weights.items():
         diff = (trained[key] - ref).abs().max().item()
