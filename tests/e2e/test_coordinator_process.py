@@ -1,4 +1,7 @@
-"""The coordinator as its own process: ``edgetrain coordinator``, a real Mosquitto, two agents."""
+"""The coordinator as its own process: ``edgetrain coordinator``, a real Mosquitto, two agents.
+
+The job is an even split over both agents (``partition="even"``): a real 2-stage pipeline.
+"""
 
 from __future__ import annotations
 
@@ -50,14 +53,24 @@ def test_job_submitted_over_http_to_a_coordinator_process(tmp_path: Path) -> Non
                 )
 
             assert until(lambda: online() == 2, 60)
-            body = {"model": "mlp", "steps": 5, "batch_size": 16, "microbatches": 4}
+            body = {
+                "model": "mlp",
+                "steps": 5,
+                "batch_size": 16,
+                "microbatches": 4,
+                "partition": "even",
+            }
             job = api.post("/api/v1/jobs", json=body).json()["id"]
             assert until(lambda: api.get(f"/api/v1/jobs/{job}").json()["state"]
                          in ("completed", "failed"), 120)  # fmt: skip
             record = api.get(f"/api/v1/jobs/{job}").json()
             assert record["state"] == "completed", record["reason"]
+            plan = record["plan"]
+            assert [st["layers"] for st in plan["stages"]] == [[0, 2], [2, 3]], plan
+            assert plan["method"] == "even split over 2 devices"
             steps = api.get(f"/api/v1/jobs/{job}/metrics").json()["steps"]
             assert [s["step"] for s in steps] == list(range(5))
+            assert all(sorted(r["stage"] for r in s["stages"]) == [0, 1] for s in steps)
             weights = safetensors.torch.load(api.get(f"/api/v1/jobs/{job}/model").content)
             exported = api.get(f"/api/v1/jobs/{job}/model.onnx").content
             onnx.checker.check_model(onnx.load_from_string(exported))

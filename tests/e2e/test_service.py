@@ -1,4 +1,8 @@
-"""The coordinator's core without HTTP: registry, job manager and store, real agents."""
+"""The coordinator's core without HTTP: registry, job manager and store, real agents.
+
+The job asks for two stages (``stages=2``), so the plan is a real pipeline over
+both agents; a second one asks for three and fails at planning, saying why.
+"""
 
 from __future__ import annotations
 
@@ -33,18 +37,28 @@ def test_a_submitted_job_is_planned_run_and_stored_and_survives_a_restart(tmp_pa
         try:
             with LocalFleet(2, broker.url, threads=1) as fleet:
                 assert until(lambda: len(registry.available()) == 2, 60)
-                spec = JobSpec(model="cnn-digits", steps=8, batch_size=16, microbatches=4)
+                spec = JobSpec(model="cnn-digits", steps=8, batch_size=16, microbatches=4, stages=2)
                 job = manager.submit(spec)
                 assert until(lambda: store.get_job(job).state in ("completed", "failed"), 120)
                 record = store.get_job(job)
                 assert record.state == "completed", record.reason
                 assert record.plan is not None and record.plan["feasible"] is True
+                devices = [s["device"] for s in record.plan["stages"]]
+                assert len(devices) == 2 and set(devices) == set(fleet.ids), record.plan
                 steps = store.job_steps(job)
                 assert {s.step for s in steps} == set(range(8))
+                assert {(s.stage, s.device) for s in steps} == {
+                    (i, st["device"]) for i, st in enumerate(record.plan["stages"])
+                }
                 weights = safetensors.torch.load_file(str(store.model_path(job)))
                 assert set(weights) == set(get_model("cnn-digits").build().state_dict())
                 kinds = {e.kind for e in events.get(0.1)}
                 assert {"device", "job", "step"} <= kinds
+
+                three = manager.submit(spec.model_copy(update={"stages": 3, "steps": 2}))
+                assert until(lambda: store.get_job(three).state in ("completed", "failed"), 60)
+                reason = store.get_job(three).reason
+                assert reason is not None and reason.startswith("stages=3 needs 3 devices"), reason
 
                 # A device that vanishes is marked offline.
                 victim = fleet.ids[0]
