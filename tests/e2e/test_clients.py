@@ -1,7 +1,9 @@
 """``edgetrain submit``, ``jobs`` and ``fleet`` as subprocesses against a live coordinator.
 
 The coordinator is uvicorn on a free loopback port in a thread, over a real
-Mosquitto, with one real agent; the commands run as ``python -m edgetrain.cli``.
+Mosquitto, with two real agents; the commands run as ``python -m edgetrain.cli``.
+The job file is examples/job.toml with its ``stages = 2`` line switched on, so
+the job is a 2-stage pipeline.
 """
 
 from __future__ import annotations
@@ -47,28 +49,30 @@ def _cli(
 
 @pytest.fixture(scope="module")
 def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, LocalFleet]]:
-    """The coordinator's URL, with one agent online."""
+    """The coordinator's URL, with two agents online."""
     data = tmp_path_factory.mktemp("coord")
     with mosquitto_broker() as broker:
         settings = Settings(broker_url=broker.url, data_dir=data, api_token=SecretStr(TOKEN),
                             port=free_port())  # fmt: skip
-        with serve_in_thread(settings) as url, LocalFleet(1, broker.url, threads=1) as fleet:
+        with serve_in_thread(settings) as url, LocalFleet(2, broker.url, threads=1) as fleet:
 
             def online() -> bool:
                 devices = httpx.get(f"{url}/api/v1/devices", timeout=10).json()["data"]
-                return any(d["id"] == fleet.ids[0] and d["state"] == "online" for d in devices)
+                return {d["id"] for d in devices if d["state"] == "online"} == set(fleet.ids)
 
-            assert until(online, 90, 0.2), "the agent never came online"
+            assert until(online, 90, 0.2), "the agents never came online"
             yield url, fleet
 
 
 def _job_file(tmp_path: Path) -> Path:
-    """examples/job.toml, shortened to a few steps."""
+    """examples/job.toml, shortened to a few steps, with two stages."""
     text = (ROOT / "examples" / "job.toml").read_text()
-    assert "steps = 200" in text
+    assert "steps = 200" in text and "\n# stages = 2 " in text
     path = tmp_path / "job.toml"
     path.write_text(
-        text.replace("steps = 200", "steps = 4").replace("batch_size = 32", "batch_size = 16")
+        text.replace("steps = 200", "steps = 4")
+        .replace("batch_size = 32", "batch_size = 16")
+        .replace("\n# stages = 2 ", "\nstages = 2 ")
     )
     return path
 
@@ -88,6 +92,9 @@ def test_submit_wait_then_jobs_and_fleet(
     job = json.loads(done.stdout)
     assert job["state"] == "completed" and job["steps_done"] == 4
     assert job["spec"]["model"] == "cnn-digits" and job["spec"]["optimizer"]["lr"] == 0.05
+    assert job["spec"]["stages"] == 2 and job["spec"]["partition"] == "plan"
+    assert {st["device"] for st in job["plan"]["stages"]} == set(fleet.ids)
+    assert len(job["plan"]["stages"]) == 2
 
     listed = _cli("jobs", "--coordinator", url, "--json")
     assert listed.returncode == 0, listed.stderr
