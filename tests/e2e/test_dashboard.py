@@ -1,5 +1,7 @@
 """The dashboard in headless Chromium during a real job: fleet, timeline and a growing loss curve.
 
+Three agents run a 3-stage job (``stages=3``), so the timeline must show three rows.
+
 Needs Debian's ``chromium`` at ``/usr/bin/chromium`` and the ``playwright``
 Python package (its own browser download is not used).
 """
@@ -55,15 +57,21 @@ def test_dashboard_shows_fleet_timeline_and_a_growing_loss_curve(tmp_path: Path)
     assert sync_playwright is not None
     with mosquitto_broker() as broker:
         settings = Settings(broker_url=broker.url, data_dir=tmp_path / "coord", port=free_port())
-        with serve_in_thread(settings) as base, LocalFleet(2, broker.url, threads=1) as fleet:
+        with serve_in_thread(settings) as base, LocalFleet(3, broker.url, threads=1) as fleet:
             api = f"{base}/api/v1"
 
             def online() -> int:
                 devices = _call(f"{api}/devices")["data"]
                 return sum(d["state"] == "online" for d in devices)
 
-            assert until(lambda: online() == 2, 90)
-            body = {"model": "cnn-digits", "steps": 5000, "batch_size": 16, "microbatches": 4}
+            assert until(lambda: online() == 3, 90)
+            body = {
+                "model": "cnn-digits",
+                "steps": 5000,
+                "batch_size": 16,
+                "microbatches": 4,
+                "stages": 3,
+            }
             job = _call(f"{api}/jobs", "POST", body)["id"]
             try:
                 assert until(lambda: _call(f"{api}/jobs/{job}")["steps_done"] >= 3, 120)
@@ -81,8 +89,14 @@ def test_dashboard_shows_fleet_timeline_and_a_growing_loss_curve(tmp_path: Path)
                         page.wait_for_selector(f'#jobs tr[data-job="{job}"]', timeout=15_000)
                         page.click(f'#jobs a[href="#/jobs/{job}"]')
                         page.wait_for_selector("#timeline .tl-row", timeout=15_000)
-                        stages = len(_call(f"{api}/jobs/{job}")["plan"]["stages"])
-                        assert page.locator("#timeline .tl-row").count() == stages
+                        plan = _call(f"{api}/jobs/{job}")["plan"]
+                        assert {st["device"] for st in plan["stages"]} == set(fleet.ids)
+                        assert len(plan["stages"]) == 3
+                        assert page.locator("#timeline .tl-row").count() == 3
+                        # The measured step too: a row per stage once all three reported it.
+                        page.wait_for_selector("#measured .tl-row", timeout=15_000)
+                        rows = page.locator("#measured .tl-row")
+                        assert until(lambda: rows.count() == 3, 20), rows.count()
                         page.wait_for_selector("#loss-chart polyline", timeout=15_000)
 
                         def points() -> int:
