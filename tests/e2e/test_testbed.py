@@ -3,7 +3,8 @@
 The kernel-method tests need root, cgroup cpu and memory controllers, ``ip netns``
 and ``tc tbf``; they are skipped with the reason ``detect`` gives otherwise. Every
 test downs its testbed in a fixture, so nothing is left behind even when it fails,
-and then checks that nothing was.
+and then checks that nothing was. The jobs that run are 3-stage pipelines: an
+explicit plan on the kernel testbed, ``stages=3`` through the coordinator.
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ def test_kernel_testbed_slows_each_agent_to_its_profile(
         finally:
             control.close()
     assert leftovers(state) == []
+    assert len(result.plan.stages) == 3
+    assert {(r.stage, r.device) for r in result.reports} == {(0, "fast"), (1, "mid"), (2, "slow")}
     # Seconds of compute per multiply-accumulate, per device, after the first (warm-up) step.
     per_mac = {}
     for stage, st in enumerate(plan.stages):
@@ -190,7 +193,7 @@ def test_down_after_killed_agents_and_proxy(state_dir: Path) -> None:
 
 
 def test_software_method_trains_through_the_coordinator(state_dir: Path) -> None:
-    fleet = [device("a", 40, mbps=200), device("b", 20, mbps=100, latency_ms=5)]
+    fleet = [device("a", 40, mbps=200), device("b", 20, mbps=100, latency_ms=5), device("c", 20)]
     with Testbed.up(fleet, state_dir=state_dir, method="software", measure_s=0.3) as bed:
         assert bed.method == "software"
         assert bed.method_line.startswith("software (duty-cycled compute, token bucket")
@@ -205,7 +208,7 @@ def test_software_method_trains_through_the_coordinator(state_dir: Path) -> None
         assert bed.coordinator_url is not None
         with httpx.Client(base_url=bed.coordinator_url, timeout=30) as api:
             body = {"model": "mlp", "steps": 3, "batch_size": 32, "microbatches": 2,
-                    "pin_first": "a"}  # fmt: skip
+                    "pin_first": "a", "stages": 3}  # fmt: skip
             created = api.post("/api/v1/jobs", json=body)
             assert created.status_code < 300, created.text
             job = created.json()["id"]
@@ -217,4 +220,7 @@ def test_software_method_trains_through_the_coordinator(state_dir: Path) -> None
                 time.sleep(0.3)
         assert record["state"] == "completed", record
         assert record["steps_done"] == 3
+        stages = record["plan"]["stages"]
+        assert len(stages) == 3 and stages[0]["device"] == "a", stages
+        assert {st["device"] for st in stages} == {"a", "b", "c"}
     assert leftovers(state) == []
