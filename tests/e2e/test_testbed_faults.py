@@ -2,10 +2,12 @@
 
 A software-method testbed (no root needed): its broker, its coordinator (which
 ``up`` gives the state directory, so it may kill the testbed's agents) and three
-agents. A job posted with ``faults: ["kill:1@6"]`` has the agent of stage 1
-SIGKILLed once step 6 is reported; the job recovers over the survivors and ends
-with every step and the weights of a run without the fault (1e-4 relative). The
-testbed is downed after the test and checked clean, the joined-or-not agents too.
+agents. A 3-stage job (``stages=3``) posted with ``faults: ["kill:1@6"]`` has the
+agent of stage 1 SIGKILLed once step 6 is reported; the job recovers over the two
+survivors (a ``replan`` event says it runs two stages now, one per survivor) and
+ends with every step and the weights of a run without the fault (1e-4 relative).
+A second, 2-stage job sees a device join. The testbed is downed after the test
+and checked clean, the joined-or-not agents too.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ pytestmark = [
 ]
 
 STEPS = 14
-# 18 MiB each: gpt-mini (batch 16) needs two devices, so the plan has a stage 1 to
-# kill and the two survivors can still hold the model.
+# 18 MiB each: gpt-mini (batch 16) needs two devices, so the two survivors of the
+# kill can still hold the model, but no one alone.
 FLEET = [
     DeviceSpec(id=f"dev{i}", gflops=40, memory_bytes=18 * 2**20, bandwidth_mbps=1000, latency_ms=1)
     for i in range(3)
@@ -75,7 +77,7 @@ def test_kill_and_join_faults_posted_to_a_testbed_job(state_dir: Path) -> None:
     with Testbed.up(FLEET, state_dir=state_dir, method="software", measure_s=0.3) as bed:
         assert bed.coordinator_url is not None
         with httpx.Client(base_url=bed.coordinator_url, timeout=30) as api:
-            body = {**BODY, "replicate_every": 2, "faults": ["kill:1@6"]}
+            body = {**BODY, "stages": 3, "replicate_every": 2, "faults": ["kill:1@6"]}
             created = api.post("/api/v1/jobs", json=body)
             assert created.status_code == 201, created.text
             job = created.json()["id"]
@@ -93,6 +95,13 @@ def test_kill_and_join_faults_posted_to_a_testbed_job(state_dir: Path) -> None:
             assert _events(api, job, "recovery")
             resumed = _events(api, job, "resumed")
             assert resumed and 0 < resumed[0]["recovery_s"] < 60, resumed
+            attempts = _events(api, job, "attempt")
+            assert [len(a["devices"]) for a in attempts] == [3, 2], attempts
+            assert attempts[0]["devices"][1] == victim
+            assert victim not in attempts[1]["devices"]
+            replan = _events(api, job, "replan")
+            assert [(r["stages_asked"], r["stages"]) for r in replan] == [(3, 2)], replan
+            assert len(record["plan"]["stages"]) == 2  # the plan it ended on
             state = State.load(state_dir)
             assert state is not None
             agent = next(p for p in state.processes if p.name == f"agent:{victim}")
@@ -104,12 +113,14 @@ def test_kill_and_join_faults_posted_to_a_testbed_job(state_dir: Path) -> None:
             assert sorted(d for d, s in fleet.items() if s == "online") == survivors, fleet
 
             # A device joins a second job: the testbed starts it and records it for down.
-            body = {**BODY, "steps": 4, "faults": ["join:laptop@1"]}
+            body = {**BODY, "stages": 2, "steps": 4, "faults": ["join:laptop@1"]}
             created = api.post("/api/v1/jobs", json=body)
             assert created.status_code == 201, created.text
             job = created.json()["id"]
             assert created.json()["spec"]["replicate_every"] == 1  # implied by the faults
-            assert _finished(api, job, 60)["state"] == "completed"
+            second = _finished(api, job, 60)
+            assert second["state"] == "completed", second["reason"]
+            assert len(second["plan"]["stages"]) == 2
             deadline = time.monotonic() + 60
             while not (joined := _events(api, job, "joined")):
                 assert time.monotonic() < deadline, _events(api, job, "fault")
