@@ -43,6 +43,7 @@ class LocalFleet:
         profiles: list[str] | None = None,
         slowdowns: list[float] | None = None,
         servers: int = 0,
+        programs: list[list[str]] | None = None,
     ) -> None:
         self.n = n
         self.broker_url = broker_url
@@ -56,6 +57,13 @@ class LocalFleet:
             raise ValueError("profiles and slowdowns need one entry per agent")
         self.servers = set(self.ids[n - servers :]) if servers else set()
         """The last ``servers`` agents are server tier (``edgetrain agent --server``)."""
+        self.programs = {
+            device: program
+            for device, program in zip(self.ids, programs or [[]] * n, strict=True)
+            if program
+        }
+        """Per agent, the command that runs ``edgetrain`` (another install's, say); this
+        interpreter's ``-m edgetrain.cli`` where it is empty or not given."""
         self.measure_seconds = measure_seconds
         self._tmp = (
             tempfile.TemporaryDirectory(prefix="edgetrain-fleet-") if work_dir is None else None
@@ -83,8 +91,9 @@ class LocalFleet:
         return device
 
     def _spawn(self, device: str, profile: str | None, slowdown: float) -> None:
+        program = self.programs.get(device, [sys.executable, "-m", "edgetrain.cli"])
         cmd = [
-            sys.executable, "-m", "edgetrain.cli", "agent", "--broker", self.broker_url,
+            *program, "agent", "--broker", self.broker_url,
             "--device-id", device, "--data-dir", str(self.work_dir / device),
             "--threads", str(self.threads), "--measure-seconds", str(self.measure_seconds),
             "--heartbeat-s", "0.5", "--slowdown", str(slowdown),
