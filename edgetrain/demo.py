@@ -5,7 +5,8 @@ API and dashboard) with a freshly generated API token, and three agent
 processes emulating catalogue devices: each announces its catalogue profile
 and is slowed in software to that device's speed relative to the fastest.
 It then submits a ``cnn-digits`` job on ``digits`` through the REST API (the
-first device holds the data), follows it with a progress bar, checks the
+first device holds the data; the model at twice its default width, see
+:data:`MODEL_OPTIONS`), follows it with a progress bar, checks the
 trained model on held-out digits, measures the best single device on the same
 job for comparison, and prints the plan, the accuracy, both samples/s and the
 dashboard URL. It keeps serving until Ctrl-C unless ``--exit`` (or when no one is
@@ -39,7 +40,13 @@ from edge.models.zoo import ModelSpec, get_model
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["demo_command", "test_accuracy"]
+__all__ = ["MODEL_OPTIONS", "demo_command", "test_accuracy"]
+
+MODEL_OPTIONS = {"width": 32}
+"""cnn-digits at twice its default width: enough work per step that the planner's own
+best plan on the default fleet is a pipeline (the Pi, which holds the data, runs the
+first convolution and hands the rest to the Jetson). At the default width the Pi alone
+is quicker than any split, so the demo would show a pipeline of one."""
 
 
 @torch.no_grad()
@@ -133,7 +140,8 @@ def demo_command(
                     if time.monotonic() > deadline:
                         raise UserError("the emulated devices did not come online")
                     time.sleep(0.2)
-                body = {"model": "cnn-digits", "dataset": "digits", "steps": steps,
+                body = {"model": "cnn-digits", "model_options": MODEL_OPTIONS,
+                        "dataset": "digits", "steps": steps,
                         "batch_size": batch_size, "microbatches": microbatches,
                         "optimizer": {"name": "sgd", "lr": lr, "momentum": 0.9},
                         "pin_first": agents.ids[0]}  # fmt: skip
@@ -157,7 +165,7 @@ def demo_command(
                 import safetensors.torch
 
                 weights = safetensors.torch.load(api.get(f"/api/v1/jobs/{job}/model").content)
-                accuracy = test_accuracy(get_model("cnn-digits"), weights)
+                accuracy = test_accuracy(get_model("cnn-digits", **MODEL_OPTIONS), weights)
                 # The same job on the fastest device alone, for comparison.
                 best = agents.ids[slowdowns.index(min(slowdowns))]
                 single_body = {

@@ -1,4 +1,9 @@
-"""``edgetrain demo --exit --json``: the whole product on embedded defaults."""
+"""``edgetrain demo --exit --json``: the whole product on embedded defaults.
+
+The demo's job is planned by the planner alone (no ``stages``); on the default
+fleet its best plan is a 2-stage pipeline (``edgetrain.demo.MODEL_OPTIONS`` says
+why), which the test asserts.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +28,9 @@ def test_demo_trains_digits_to_90_percent_through_the_api() -> None:
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["accuracy"] >= 0.90
     assert out["samples_per_s"] > 0 and out["single_device_samples_per_s"] > 0
-    assert out["plan"]["feasible"] is True and out["plan"]["stages"]
+    assert out["plan"]["feasible"] is True
+    stages = out["plan"]["stages"]
+    assert [st["layers"] for st in stages] == [[0, 1], [1, 4]], stages
+    assert len({st["device"] for st in stages}) == 2, stages
     assert "coordinator: http://127.0.0.1:" in done.stderr
     assert "API token" in done.stderr
