@@ -178,6 +178,12 @@ for args in (['coordinator'], ['demo', '--exit'],
     needs[args[0]] = done.exception.message
     assert "pip install 'edgetrain[coordinator]'" in done.exception.message, needs
 
+from coordinator.broker import start_broker
+try:
+    start_broker('amqtt').stop()
+except UserError as exc:
+    needs['broker'] = exc.message
+
 bad = sorted(m for m in sys.modules if m.split('.')[0] in BLOCKED)
 assert not bad, bad
 print(json.dumps({'helped': helped, 'needs': needs}))
@@ -203,3 +209,4 @@ def test_every_command_starts_without_the_coordinator_extras(tmp_path: Path) -> 
     assert {"devices list", "models profile", "testbed up"} <= set(result["helped"])
     assert "no module 'httpx'" in result["needs"]["demo"]
     assert "no module 'httpx'" in result["needs"]["jobs"]
+    assert result["needs"]["broker"].startswith("with no mosquitto installed, the embedded broker")
