@@ -34,6 +34,9 @@ def ok_json(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 def test_three_agents_over_mqtt_match_one_device_and_in_process(tmp_path: Path) -> None:
+    """Three stages (an even split) over MQTT equal one device bit for bit (``--devices 1``
+    is one stage on purpose: the reference), and so do three and, with ``--stages 2``,
+    two stages in process."""
     three = ok_json(train("--devices", "3", "--partition", "even", "--json",
                           "--save-weights", str(tmp_path / "three.safetensors")))  # fmt: skip
     assert three["transport"] == "mqtt" and three["broker"] == "mosquitto"
@@ -50,6 +53,10 @@ def test_three_agents_over_mqtt_match_one_device_and_in_process(tmp_path: Path) 
     local = ok_json(train("--devices", "3", "--partition", "even", "--transport", "inprocess",
                           "--json"))  # fmt: skip
     assert local["transport"] == "inprocess" and local["losses"] == three["losses"]
+    assert len(local["plan"]["stages"]) == 3
+    two = ok_json(train("--devices", "3", "--stages", "2", "--transport", "inprocess", "--json"))
+    assert len(two["plan"]["stages"]) == 2 and [s["stage"] for s in two["stages"]] == [0, 1]
+    assert two["losses"] == three["losses"]
 
 
 @pytest.mark.parametrize(
@@ -60,6 +67,9 @@ def test_three_agents_over_mqtt_match_one_device_and_in_process(tmp_path: Path) 
         (["--transport", "pigeon"], "--transport"),
         (["--model", "resnet19"], "resnet19"),
         (["--schedule", "zigzag"], "schedule"),
+        (["--stages", "4"], "--stages 4 is more than --devices 3"),
+        (["--stages", "4", "--devices", "4"], "stages=4 is more than the model's 3 units"),
+        (["--stages", "2", "--transport", "mqtt", "--fault", "kill:2@1"], "below --stages"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(extra: list[str], names: str) -> None:
