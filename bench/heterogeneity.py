@@ -12,10 +12,15 @@ fleet:
 - ``ftpipehd``: all four, cuts chosen with each device's real speed;
 - ``edgetrain``: the planner's plan (any subset, any order).
 
-For each: the measured samples/s (steady state: stage 0's step times after the
-first ``--warmup`` steps), the planner's predicted samples/s (the spec's score of
-that plan), and measured / predicted. Fleets: spans of 3x, 10x and 30x, and 10x
-with the second-fastest device's link cut to 10 Mbit/s.
+For each: the number of stages, the measured samples/s (steady state: stage 0's
+step times after the first ``--warmup`` steps), the planner's predicted samples/s
+(the spec's score of that plan), and measured / predicted. Fleets: spans of 3x,
+10x and 30x, and 10x with the second-fastest device's link cut to 10 Mbit/s.
+
+Where two strategies choose the same plan (edgetrain's plan *is* the single
+device when no split pays), the table, the JSON (``same_plan_as``) and the chart
+(hatched bar) say so: their measured ratio is then the same plan run twice, not
+a comparison of two plans.
 
 The planning problem is *calibrated*: every unit's FLOPs are replaced by its
 measured single-core time inside real training steps on this machine x this
@@ -26,10 +31,13 @@ rate). So a prediction can be compared with a measurement at all.
 
     .venv/bin/python bench/heterogeneity.py [--models vgg11,gpt-mini] [--spans 10,3,30,10cut]
         [--method auto|kernel|software] [--json] [--chart bench/results/heterogeneity.png]
+        [--from-json bench/results/heterogeneity.json]
 
 The run takes about 9 minutes on 2 cores; its last results are in
-bench/results/. Kernel limits (cgroups, namespaces, ``tc``) need root; otherwise
-the testbed's software throttle is used and the table says so.
+bench/results/. ``--from-json`` runs nothing: it renders the table, the chart
+and the JSON again from the rows a ``--json`` run printed. Kernel limits
+(cgroups, namespaces, ``tc``) need root; otherwise the testbed's software
+throttle is used and the table says so.
 """
 
 from __future__ import annotations
@@ -88,6 +96,44 @@ class Row:
     @property
     def ratio(self) -> float:
         return self.measured_sps / self.predicted_sps if self.predicted_sps > 0 else math.nan
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def cuts(self) -> list[tuple[str, int, int]]:
+        """The plan without its codecs: which device runs which units."""
+        return [(s["device"], s["layers"][0], s["layers"][1]) for s in self.stages]
+
+
+DERIVED = ("ratio", "n_stages", "same_plan_as")
+"""Keys of a JSON row that :func:`to_json` computes from the others."""
+
+
+def same_plan_as(rows: list[Row], row: Row) -> list[str]:
+    """The other strategies of ``row``'s model and fleet whose plan is ``row``'s."""
+    return [
+        r.strategy
+        for r in rows
+        if (r.model, r.fleet) == (row.model, row.fleet)
+        and r.strategy != row.strategy
+        and r.cuts == row.cuts
+    ]
+
+
+def to_json(rows: list[Row]) -> list[dict[str, Any]]:
+    """The rows as ``--json`` prints them: every field, then the derived ones."""
+    return [
+        asdict(r)
+        | {"ratio": r.ratio, "n_stages": r.n_stages, "same_plan_as": same_plan_as(rows, r)}
+        for r in rows
+    ]
+
+
+def from_json(items: list[dict[str, Any]]) -> list[Row]:
+    """Rows back from :func:`to_json`'s output (or an older one without the derived keys)."""
+    return [Row(**{k: v for k, v in item.items() if k not in DERIVED}) for item in items]
 
 
 def fleet_devices(span: float) -> list[DeviceSpec]:
@@ -238,36 +284,61 @@ def chart(rows: list[Row], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
     from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+    from matplotlib.transforms import blended_transform_factory
 
     models = list(dict.fromkeys(r.model for r in rows))
     fleets = list(dict.fromkeys(r.fleet for r in rows))
-    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.8), squeeze=False)
     width = 0.8 / len(STRATEGIES)
     colours = ["#9e9e9e", "#f4a261", "#e9c46a", "#2a9d8f", "#264653"]
+    inks = ["white", "black", "black", "white", "white"]  # legible on each colour
     for ax, model in zip(axes[0], models, strict=True):
+        foot = blended_transform_factory(ax.transData, ax.transAxes)
         for k, strategy in enumerate(STRATEGIES):
-            xs, measured, predicted = [], [], []
+            xs, got = [], []
             for i, fleet in enumerate(fleets):
-                got = [
+                found = [
                     r for r in rows if (r.model, r.fleet, r.strategy) == (model, fleet, strategy)
                 ]
-                if got:
+                if found:
                     xs.append(i + (k - (len(STRATEGIES) - 1) / 2) * width)
-                    measured.append(got[0].measured_sps)
-                    predicted.append(got[0].predicted_sps)
-            ax.bar(xs, measured, width, label=strategy, color=colours[k])
+                    got.append(found[0])
+            # A plan another strategy also chose (edgetrain's single device): hatched.
+            hatches = [
+                "///" if strategy == "edgetrain" and same_plan_as(rows, r) else "" for r in got
+            ]
+            measured = [r.measured_sps for r in got]
+            ax.bar(
+                xs,
+                measured,
+                width,
+                label=strategy,
+                color=colours[k],
+                hatch=hatches,
+                edgecolor="white",
+            )
+            predicted = [r.predicted_sps for r in got]
             ax.scatter(xs, predicted, marker="_", s=120, color="black", zorder=3)
+            # The number of stages of each plan, at the foot of its bar.
+            for x, r in zip(xs, got, strict=True):
+                label = str(r.n_stages)
+                ax.text(x, 0.015, label, transform=foot, ha="center", fontsize=8, color=inks[k])
         ax.set_xticks(range(len(fleets)), fleets)
         ax.set_ylabel("samples/s, log scale (bar: measured; tick: predicted)")
-        ax.set_title(f"{model}: four devices, compute spanning N x")
+        ax.set_title(f"{model}: four devices, compute spanning N x (in a bar: its stages)")
         ax.set_yscale("log")
         ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
         ax.yaxis.set_major_formatter(ScalarFormatter())
         ax.yaxis.set_minor_formatter(NullFormatter())
         ax.grid(axis="y", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(STRATEGIES), frameon=False)
+    alike = sorted({s for r in rows if r.strategy == "edgetrain" for s in same_plan_as(rows, r)})
+    if alike:
+        handles.append(Patch(facecolor=colours[-1], hatch="///", edgecolor="white"))
+        labels.append(f"edgetrain = {' or '.join(alike)} (the same plan)")
+    fig.legend(handles, labels, loc="lower center", ncol=len(handles), frameon=False)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=120)
 
@@ -275,13 +346,16 @@ def chart(rows: list[Row], path: Path) -> None:
 def table(rows: list[Row]) -> str:
     """The rows as a Markdown table, then edgetrain against each other plan per fleet."""
     lines = [
-        "| model | fleet | plan | stages | measured sps | predicted sps | measured/predicted |",
-        "|---|---|---|---|---|---|---|",
+        "| model | fleet | plan | stages | devices[units] | measured sps | predicted sps "
+        "| measured/predicted |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        stages = " ".join(f"{s['device']}[{s['layers'][0]}:{s['layers'][1]}]" for s in r.stages)
+        cuts = " ".join(f"{d}[{a}:{b}]" for d, a, b in r.cuts)
+        same = same_plan_as(rows, r)
+        plan = f"{r.strategy} (= {', '.join(same)})" if same else r.strategy
         lines.append(
-            f"| {r.model} | {r.fleet} | {r.strategy} | {stages} | {r.measured_sps:.1f} | "
+            f"| {r.model} | {r.fleet} | {plan} | {r.n_stages} | {cuts} | {r.measured_sps:.1f} | "
             f"{r.predicted_sps:.1f} | {r.ratio:.2f} |"
         )
     lines.append("")
@@ -289,12 +363,22 @@ def table(rows: list[Row]) -> str:
         for fleet in dict.fromkeys(r.fleet for r in rows):
             got = {r.strategy: r for r in rows if (r.model, r.fleet) == (model, fleet)}
             if "edgetrain" in got:
-                e = got["edgetrain"].measured_sps
+                e = got["edgetrain"]
+                same = same_plan_as(rows, e)
                 vs = ", ".join(
-                    f"{e / got[s].measured_sps:.2f}x {s}" for s in STRATEGIES[:-1] if s in got
+                    f"{e.measured_sps / got[s].measured_sps:.2f}x {s}"
+                    + (" (the same plan, run twice)" if s in same else "")
+                    for s in STRATEGIES[:-1]
+                    if s in got
                 )
-                lines.append(f"- {model}, {fleet}: edgetrain measured = {vs}")
+                lines.append(f"- {model}, {fleet}: edgetrain ({_stages(e)}) measured = {vs}")
     return "\n".join(lines)
+
+
+def _stages(row: Row) -> str:
+    if row.n_stages > 1:
+        return f"{row.n_stages} stages"
+    return f"1 stage: {row.cuts[0][0]} alone"
 
 
 def main() -> int:
@@ -310,19 +394,25 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     results = Path(__file__).resolve().parent / "results"
     parser.add_argument("--chart", type=Path, default=results / "heterogeneity.png")
+    parser.add_argument(
+        "--from-json", type=Path, help="render the rows of a --json run's output; run nothing"
+    )
     args = parser.parse_args()
-    tune_malloc()  # as the agents do: calibration and runs allocate alike
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
     rows: list[Row] = []
-    for item in args.spans.split(","):
-        item = item.strip()
-        cut = item.endswith("cut")
-        span = float(item.removesuffix("cut"))
-        name = f"{span:g}x" + (", cut link" if cut else "")
-        rows += run_fleet(name, span, cut, models, args)
+    if args.from_json is not None:
+        rows = from_json(json.loads(args.from_json.read_text()))
+    else:
+        tune_malloc()  # as the agents do: calibration and runs allocate alike
+        models = [m.strip() for m in args.models.split(",") if m.strip()]
+        for item in args.spans.split(","):
+            item = item.strip()
+            cut = item.endswith("cut")
+            span = float(item.removesuffix("cut"))
+            name = f"{span:g}x" + (", cut link" if cut else "")
+            rows += run_fleet(name, span, cut, models, args)
     chart(rows, args.chart)
     if args.json:
-        print(json.dumps([asdict(r) | {"ratio": r.ratio} for r in rows], indent=2))
+        print(json.dumps(to_json(rows), indent=2))
         return 0
     print(f"limits: {rows[0].method}; chart: {args.chart}")
     print(table(rows))
