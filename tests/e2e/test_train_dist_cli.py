@@ -2,6 +2,8 @@
 
 Each run is a real ``edgetrain`` process that launches real ranks (gloo on CPU);
 losses and weights are compared with the single-device in-process reference.
+Every pipeline here has two stages (asserted); the reference and the replicas
+test have one on purpose (see their docstrings).
 """
 
 from __future__ import annotations
@@ -62,10 +64,11 @@ def assert_close_losses(got: list[float], want: list[float]) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
-    """One device, in process: the JSON and the saved weights."""
+    """One device, in process: the JSON and the saved weights (one stage: the reference)."""
     weights = tmp_path_factory.mktemp("reference") / "one.safetensors"
     out = ok_json(edgetrain("train", *ARGS, "--transport", "inprocess", "--devices", "1",
                             "--json", "--save-weights", str(weights)))  # fmt: skip
+    assert len(out["plan"]["stages"]) == 1
     return out, weights
 
 
@@ -96,6 +99,7 @@ def test_two_ranks_print_the_same_json_and_train_like_one_device(
 def test_two_replicas_of_one_stage_train_like_one_device(
     reference: tuple[dict[str, Any], Path],
 ) -> None:
+    """One stage is the point: two data-parallel replicas of the whole model, alone."""
     out = ok_json(edgetrain("train", *ARGS, "--transport", "dist", "--devices", "2",
                             "--replicas", "2", "--json"))  # fmt: skip
     assert (out["replicas"], out["processes"]) == (2, 2)
