@@ -1,10 +1,12 @@
 """Planner benchmark: edgetrain's plan against the baselines on realistic fleets.
 
 Prints, per scenario, the predicted samples/s of edgetrain's plan and of every
-baseline (all scored with the spec formula; infeasible ones marked), the
-planner's wall time and whether the search was exact; then planning time on
-random 64-device x 200-unit instances, with a lower bound on the step time and
-the best baseline. ``--json`` prints the same as one JSON object.
+baseline (all scored with the spec formula; infeasible ones marked), each with
+its number of stages, the planner's wall time and whether the search was exact;
+then planning time on random 64-device x 200-unit instances, with a lower bound
+on the step time and the best baseline. Where edgetrain's plan is a baseline's
+(a single device, when no split pays) its cell says so. ``--json`` prints the
+same as one JSON object.
 
 The lower bound on the step time is :func:`coordinator.planner.bounds.lower_bound`
 (its docstring has the derivation).
@@ -73,6 +75,7 @@ def evaluate(problem: PlanningProblem) -> dict[str, Any]:
         "edgetrain_sps": result.score.throughput_sps if result.score else None,
         "edgetrain_step_s": result.score.step_time_s if result.score else None,
         "stages": len(result.score.plan.stages) if result.score else 0,
+        "same_plan_as": [],  # the baselines whose plan is edgetrain's, stage for stage
         "lower_bound_step_s": lower_bound(problem),
         "baselines": {},
     }
@@ -81,7 +84,10 @@ def evaluate(problem: PlanningProblem) -> dict[str, Any]:
             "sps": sc.throughput_sps,
             "step_s": sc.step_time_s,
             "feasible": sc.feasible,
+            "stages": len(sc.plan.stages),
         }
+        if result.score is not None and sc.plan.stages == result.score.plan.stages:
+            row["same_plan_as"].append(name)
     return row
 
 
@@ -103,10 +109,48 @@ def random_large(seed: int, devices: int = 64, units: int = 200) -> PlanningProb
     )  # fmt: skip
 
 
-def _fmt(sps: float | None, feasible: bool = True) -> str:
+def _fmt(sps: float | None, stages: int, feasible: bool = True) -> str:
     if sps is None:
         return "-"
-    return f"{sps:,.1f}" if feasible else f"({sps:,.1f}) infeasible"
+    text = f"{sps:,.1f} [{stages}]"
+    return text if feasible else f"({text}) infeasible"
+
+
+BASELINE_NAMES = ["single", "even", "pipedream", "ftpipehd"]
+
+
+def format_tables(out: dict[str, Any]) -> str:
+    """The scenarios' table and the large instances' table, as ``main`` prints them."""
+    header = ["scenario", "dev", "units", "edgetrain", *BASELINE_NAMES, "plan s", "exact"]
+    lines = [
+        "predicted samples/s (spec score; higher is better) [stages of the plan]",
+        " | ".join(header),
+    ]
+    for name, row in out["scenarios"].items():
+        base = row["baselines"]
+        ours = _fmt(row["edgetrain_sps"], row["stages"])
+        if row["same_plan_as"]:
+            ours += f" (= {', '.join(row['same_plan_as'])})"
+        cells = [name, str(row["devices"]), str(row["units"]), ours]
+        cells += [
+            _fmt(base[n]["sps"], base[n]["stages"], base[n]["feasible"]) for n in BASELINE_NAMES
+        ]
+        cells += [f"{row['plan_wall_s']:.2f}", "yes" if row["exact"] else "no"]
+        lines.append(" | ".join(cells))
+    lines += [
+        "",
+        "random 64 devices x 200 units (pin_first set, M=16)",
+        "seed | plan s | method | edgetrain step s | stages | lower bound s | best baseline step s",
+    ]
+    for row in out["large"]:
+        feasible = [b for b in row["baselines"].values() if b["feasible"]]
+        best = min(feasible, key=lambda b: b["step_s"], default=None)
+        lines.append(
+            f"{row['seed']} | {row['plan_wall_s']:.2f} | {row['method']} | "
+            f"{row['edgetrain_step_s']:.4f} | {row['stages']} | {row['lower_bound_step_s']:.4f} | "
+            + (f"{best['step_s']:.4f} [{best['stages']}]" if best else "none feasible")
+        )
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -130,27 +174,7 @@ def main() -> int:
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    names = ["single", "even", "pipedream", "ftpipehd"]
-    header = ["scenario", "dev", "units", "edgetrain", *names, "plan s", "exact"]
-    print("predicted samples/s (spec score; higher is better)")
-    print(" | ".join(header))
-    for name, row in out["scenarios"].items():
-        base = row["baselines"]
-        cells = [name, str(row["devices"]), str(row["units"]), _fmt(row["edgetrain_sps"])]
-        cells += [_fmt(base[n]["sps"], base[n]["feasible"]) for n in names]
-        cells += [f"{row['plan_wall_s']:.2f}", "yes" if row["exact"] else "no"]
-        print(" | ".join(cells))
-    print()
-    print("random 64 devices x 200 units (pin_first set, M=16)")
-    print("seed | plan s | method | edgetrain step s | lower bound s | best baseline step s")
-    for row in out["large"]:
-        feasible = [b["step_s"] for b in row["baselines"].values() if b["feasible"]]
-        best = min(feasible) if feasible else None
-        print(
-            f"{row['seed']} | {row['plan_wall_s']:.2f} | {row['method']} | "
-            f"{row['edgetrain_step_s']:.4f} | {row['lower_bound_step_s']:.4f} | "
-            + (f"{best:.4f}" if best else "none feasible")
-        )
+    print(format_tables(out))
     return 0
 
 
