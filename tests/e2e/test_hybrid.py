@@ -5,6 +5,7 @@ tier (``edgetrain agent --server``): the coordinator (this process) hosts the
 rendezvous store, their stages join one gloo process group, and the frames
 between them travel over torch.distributed while the edge links (and the labels
 from stage 0) stay on MQTT. The run equals single-device training within 1e-5.
+The plans are explicit (4 stages, then 2) and every stage is checked to have run.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def test_two_edge_agents_feed_a_gloo_server_tier(
     cuts = [0, 1, 2, 4, 6]
     plan = Plan.of(*((fleet.ids[s], cuts[s], cuts[s + 1]) for s in range(4)))
     result = run_on_agents(spec, plan, control, servers=servers, timeout_s=300)
+    assert len(result.plan.stages) == 4
+    assert {(r.stage, r.device) for r in result.reports} == {(s, fleet.ids[s]) for s in range(4)}
     reference = run_inprocess(spec, Plan.of(("local", 0, 6)))
     torch.testing.assert_close(
         torch.tensor(result.losses), torch.tensor(reference.losses), rtol=1e-5, atol=0
@@ -78,6 +81,8 @@ def test_a_job_moves_from_the_server_tier_to_edge_agents(
     plan = Plan.of((fleet.ids[0], 0, 3), (fleet.ids[1], 3, 6))
     result = run_on_agents(spec, plan, control, job="movejob", first_step=2, restore=states,
                            timeout_s=300)  # fmt: skip
+    assert len(result.plan.stages) == 2
+    assert {(r.stage, r.device) for r in result.reports} == {(0, fleet.ids[0]), (1, fleet.ids[1])}
     reference = run_inprocess(spec, Plan.of(("local", 0, 6)))
     first = json.loads((tmp_path / "server" / "losses.json").read_text())["losses"]
     torch.testing.assert_close(
