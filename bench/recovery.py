@@ -18,7 +18,8 @@ one after the other on fresh fleets, the same job, the same seed:
 Both re-plan with the same plan function (an even split over the devices alive;
 the dead device stays dead in both) and redo the same steps, so what differs is
 exactly the restart's teardown, process start and set-up. Reported per model:
-seconds from detection to the first step of the resumed run (``recovery s`` /
+the number of stages of the plans run (before the kill -> after it), seconds
+from detection to the first step of the resumed run (``recovery s`` /
 ``restart s``) and from the kill, the total wall time of each run (from the
 first attempt's start to the final weights), and how far each run's final
 weights are from a single-device run without faults (both should be ~1e-6).
@@ -95,6 +96,8 @@ class Run:
     """Largest |w - w_ref| / max|w_ref| over the final tensors, against no faults."""
     parts: dict[str, float]
     """Restart only: where the time went (teardown, agents online, plan and restore)."""
+    stages: list[int]
+    """The number of stages of each plan the run ran, in order: before the kill, after it."""
 
 
 def even_plan(devices: list[str], n_units: int) -> Plan:
@@ -129,12 +132,14 @@ def run_recovery(case: Case, url: str, reference: dict[str, Any]) -> Run:
             fleet.wait_online(control, timeout=120)
             injector = FaultInjector([parse_fault(f"kill:1@{case.kill_step}")],
                                      lambda _f, device: fleet.kill(device))  # fmt: skip
+            stages: list[int] = []
             started = time.perf_counter()
             got = run_resilient(
                 case.spec(), even_plan(fleet.ids, n_units), control,
                 lambda alive: even_plan(alive, n_units), list(fleet.ids),
                 replicate_every=case.replicate_every, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
                 faults=injector, timeout_s=600,
+                on_attempt=lambda _job, plan, _first: stages.append(len(plan.stages)),
             )  # fmt: skip
             wall = time.perf_counter() - started
     finally:
@@ -143,15 +148,15 @@ def run_recovery(case: Case, url: str, reference: dict[str, Any]) -> Run:
         raise RuntimeError(f"{case.model}: expected one recovery and every step: {got.to_json()}")
     resumed = next(e for e in got.events if e["type"] == "resumed")
     recovery = next(e for e in got.events if e["type"] == "recovery")
-    return Run(got.recovery_s[0], resumed["ts"] - injector.fired[0][2], wall,
-               recovery["rollback_to"], max_rel_diff(got.result.weights, reference),
-               {})  # fmt: skip
+    kill_to_resume = resumed["ts"] - injector.fired[0][2]
+    diff = max_rel_diff(got.result.weights, reference)
+    return Run(got.recovery_s[0], kill_to_resume, wall, recovery["rollback_to"], diff, {}, stages)
 
 
 def _first_attempt(
     case: Case, control: MqttTransport, fleet: LocalFleet, replicas: ReplicaStore
-) -> tuple[float, float, int]:
-    """Run until the kill is detected: (kill time, detection time, steps done)."""
+) -> tuple[float, float, int, int]:
+    """Run until the kill is detected: (kill time, detection time, steps done, stages)."""
     n_units = get_model(case.model).num_units
     plan = even_plan(fleet.ids, n_units)
     current = [st.device for st in plan.stages]
@@ -186,7 +191,8 @@ def _first_attempt(
             if not watch.dead_among(current):
                 raise
         dead = watch.dead_among(current)
-        return injector.fired[0][2], watch.dead[dead[0]][0], max(losses, default=-1) + 1
+        done = max(losses, default=-1) + 1
+        return injector.fired[0][2], watch.dead[dead[0]][0], done, len(plan.stages)
 
 
 def run_restart(case: Case, url: str, reference: dict[str, Any], work: Path) -> Run:
@@ -201,7 +207,7 @@ def run_restart(case: Case, url: str, reference: dict[str, Any], work: Path) -> 
             replicas = ReplicaStore(units, checkpoints)
             started = time.perf_counter()
             with replicas.listening(control):
-                killed, detected, done = _first_attempt(case, control, fleet, replicas)
+                killed, detected, done, stages = _first_attempt(case, control, fleet, replicas)
         finally:
             fleet.stop()  # the teardown: every agent of the job
         torn_down = time.time()
@@ -232,16 +238,20 @@ def run_restart(case: Case, url: str, reference: dict[str, Any], work: Path) -> 
     parts = {"detect_s": detected - killed, "teardown_s": torn_down - detected,
              "agents_online_s": online - torn_down, "plan_restore_s": planned - online,
              "first_step_s": resumed[0] - planned}  # fmt: skip
-    return Run(resumed[0] - detected, resumed[0] - killed, wall, first,
-               max_rel_diff(result.weights, reference), parts)  # fmt: skip
+    diff = max_rel_diff(result.weights, reference)
+    plans = [stages, len(plan.stages)]
+    return Run(resumed[0] - detected, resumed[0] - killed, wall, first, diff, parts, plans)
 
 
 def summarize(model: str, recovery: list[Run], restart: list[Run]) -> dict[str, Any]:
     """One table row: medians over the rounds, and restart / recovery."""
     rec = statistics.median(r.resume_s for r in recovery)
     res = statistics.median(r.resume_s for r in restart)
+    shapes = list(dict.fromkeys(tuple(r.stages) for r in [*recovery, *restart]))
     return {
         "model": model,
+        # Each sequence of stage counts the runs' plans had (one, when all ran alike).
+        "stages": [list(shape) for shape in shapes],
         "recovery_s": rec,
         "restart_s": res,
         "ratio": res / rec if rec > 0 else float("inf"),
@@ -253,13 +263,17 @@ def summarize(model: str, recovery: list[Run], restart: list[Run]) -> dict[str, 
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'model':>12} {'recovery s':>10} {'restart s':>9} {'restart/recovery':>16} "
-            f"{'wall recovery s':>15} {'wall restart s':>14}")  # fmt: skip
+    head = (
+        f"{'model':>12} {'stages':>7} {'recovery s':>10} {'restart s':>9} "
+        f"{'restart/recovery':>16} {'wall recovery s':>15} {'wall restart s':>14}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['model']:>12} {r['recovery_s']:>10.2f} {r['restart_s']:>9.2f} "
-                     f"{r['ratio']:>15.1f}x {r['recovery_wall_s']:>15.2f} "
-                     f"{r['restart_wall_s']:>14.2f}")  # fmt: skip
+        stages = " / ".join("->".join(str(n) for n in shape) for shape in r["stages"])
+        lines.append(
+            f"{r['model']:>12} {stages:>7} {r['recovery_s']:>10.2f} {r['restart_s']:>9.2f} "
+            f"{r['ratio']:>15.1f}x {r['recovery_wall_s']:>15.2f} {r['restart_wall_s']:>14.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -292,8 +306,11 @@ def main() -> int:
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    print(f"stage 1's agent killed at step K on {AGENTS} local agents: seconds from detection "
-          f"to the first resumed step (median of {args.rounds}); each run's wall time")  # fmt: skip
+    print(
+        f"stage 1's agent killed at step K on {AGENTS} local agents: the plans' stages "
+        f"(before -> after the kill), seconds from detection to the first resumed step "
+        f"(median of {args.rounds}); each run's wall time"
+    )
     print(format_table(rows))
     return 0
 

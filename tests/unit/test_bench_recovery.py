@@ -42,9 +42,11 @@ def test_max_rel_diff_is_relative_to_each_reference_tensor(bench: ModuleType) ->
     assert bench.max_rel_diff({"a": ref["a"]}, ref) == float("inf")
 
 
-def _run(bench: ModuleType, resume_s: float, wall_s: float) -> object:
-    return bench.Run(resume_s=resume_s, kill_to_resume_s=resume_s + 0.1, wall_s=wall_s,
-                     resumed_at=8, max_rel_diff=1e-7, parts={})  # fmt: skip
+def _run(
+    bench: ModuleType, resume_s: float, wall_s: float, stages: tuple[int, ...] = (3, 2)
+) -> object:
+    times = {"resume_s": resume_s, "kill_to_resume_s": resume_s + 0.1, "wall_s": wall_s}
+    return bench.Run(**times, resumed_at=8, max_rel_diff=1e-7, parts={}, stages=list(stages))
 
 
 def test_summary_takes_medians_and_the_ratio_and_the_table_shows_them(bench: ModuleType) -> None:
@@ -55,6 +57,13 @@ def test_summary_takes_medians_and_the_ratio_and_the_table_shows_them(bench: Mod
     assert row["ratio"] == pytest.approx(11.0)
     assert row["recovery_wall_s"] == 10.6 and row["restart_wall_s"] == 26.6
     assert len(row["recovery_runs"]) == 3 and row["restart_runs"][0]["resume_s"] == 9.0
+    assert row["stages"] == [[3, 2]]  # 3 agents, then the 2 that survive, in every run
     table = bench.format_table([row]).splitlines()
-    assert "restart/recovery" in table[0] and len(table) == 3
-    assert table[2].split() == ["gpt-mini", "0.60", "6.60", "11.0x", "10.60", "26.60"]
+    assert "restart/recovery" in table[0] and "stages" in table[0] and len(table) == 3
+    assert table[2].split() == ["gpt-mini", "3->2", "0.60", "6.60", "11.0x", "10.60", "26.60"]
+
+
+def test_runs_with_other_plans_show_each_sequence_of_stages(bench: ModuleType) -> None:
+    row = bench.summarize("mlp", [_run(bench, 0.5, 10.0)], [_run(bench, 6.0, 20.0, (3, 1))])
+    assert row["stages"] == [[3, 2], [3, 1]]
+    assert bench.format_table([row]).splitlines()[2].split()[1:4] == ["3->2", "/", "3->1"]
