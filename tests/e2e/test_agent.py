@@ -1,4 +1,9 @@
-"""The agent daemon as a process: announce, obey, ride out the broker, stop cleanly."""
+"""The agent daemon as a process: announce, obey, ride out the broker, stop cleanly.
+
+The jobs here are one stage on one agent on purpose: what is under test is the
+daemon (commands, busy refusals, broker restarts), not a pipeline; pipelines of
+agents are tested in test_pipeline_parity.py, test_api.py and the others.
+"""
 
 from __future__ import annotations
 
@@ -67,13 +72,14 @@ def test_sigkill_leaves_last_will_and_no_process(one_agent) -> None:  # type: ig
 
 
 def test_bad_commands_are_ignored_and_a_busy_agent_refuses_a_second_job(one_agent) -> None:  # type: ignore[no-untyped-def]
+    """One stage is the point: a single agent's reaction to junk and to a second job."""
     _url, control, fleet = one_agent
     device = fleet.ids[0]
     for junk in (b"not json", b'{"type": "assign"}', b'{"type": "launch-missiles"}', b"\xff" * 9):
         control.publish(device_cmd(device), junk, 1)
     spec = JobSpec(model="mlp", steps=3, batch_size=8, microbatches=2)
     result = run_on_agents(spec, Plan.of((device, 0, 3)), control, timeout_s=120)
-    assert len(result.losses) == 3
+    assert len(result.losses) == 3 and {r.stage for r in result.reports} == {0}
     assert fleet.procs[device].poll() is None
     assert "ignored a command" in fleet.log_path(device).read_text()
 
@@ -98,6 +104,7 @@ def test_bad_commands_are_ignored_and_a_busy_agent_refuses_a_second_job(one_agen
 
 
 def test_agent_rides_out_a_broker_restart() -> None:
+    """One stage is the point: one agent announces itself again and takes a job."""
     with mosquitto_broker() as first:
         port, url = first.port, first.url
         fleet = LocalFleet(1, url, threads=1).start()

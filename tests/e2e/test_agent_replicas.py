@@ -3,7 +3,8 @@
 Real Mosquitto and real agent processes (the module's fleet, tests/e2e/conftest.py);
 the test drives them with plain commands on their ``cmd`` topics, as a
 coordinator does, and reads replicas off the broker with
-:func:`edge.runtime.checkpoint.read_state`.
+:func:`edge.runtime.checkpoint.read_state`. Every job is the 2-stage plan of
+``_assignments`` on two agents, and each run checks that both stages finished.
 """
 
 from __future__ import annotations
@@ -119,6 +120,10 @@ def reference(control: MqttTransport, fleet: LocalFleet) -> Job:
     job.run(_assignments(job.job, devices, replicate_every=EVERY), devices)
     job.close()
     assert not job.of(StageFailed), job.of(StageFailed)
+    assert sorted((d.stage, d.device) for d in job.of(StageDone)) == [
+        (0, devices[0]),
+        (1, devices[1]),
+    ]
     return job
 
 
@@ -163,6 +168,7 @@ def test_a_restored_stage_resumes_where_the_state_left_off(
         assignments = _assignments(job.job, devices, first_step=RESUME_AT, restore=True)
         job.run(assignments, devices)
         assert not job.of(StageFailed), job.of(StageFailed)
+        assert sorted(d.stage for d in job.of(StageDone)) == [0, 1]
     finally:
         for stage in blobs:
             control.publish(job_restore(job.job, stage), b"", 1, retain=True)
