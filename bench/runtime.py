@@ -61,13 +61,33 @@ def plain_loop(model: str, batch: int, steps: int, seed: int = 0) -> float:
     return steps * batch / (time.perf_counter() - started)
 
 
+def one_stage_plan(model: str) -> Plan:
+    """The whole model on one device: the plan edgetrain runs here."""
+    return Plan.of(("local", 0, get_model(model).num_units))
+
+
 def edgetrain_one_stage(model: str, batch: int, steps: int, seed: int = 0) -> float:
     spec = JobSpec.model_validate({
         "model": model, "steps": steps, "batch_size": batch, "microbatches": 1, "seed": seed,
         "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
     })  # fmt: skip
-    units = get_model(model).num_units
-    return run_inprocess(spec, Plan.of(("local", 0, units))).samples_per_s
+    return run_inprocess(spec, one_stage_plan(model)).samples_per_s
+
+
+def format_table(rows: list[dict[str, Any]], threads: int, rounds: int) -> str:
+    """The rows as ``main`` prints them."""
+    lines = [
+        f"one-stage edgetrain vs plain PyTorch loop ({threads} threads, "
+        f"median of {rounds} alternating rounds)",
+        f"{'model':>12} {'batch':>5} {'steps':>5} {'stages':>6} {'plain sps':>10} "
+        f"{'edgetrain':>10} {'ratio':>6}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['model']:>12} {r['batch_size']:>5} {r['steps']:>5} {r['stages']:>6} "
+            f"{r['plain_sps']:>10.1f} {r['edgetrain_sps']:>10.1f} {r['ratio']:>6.3f}"
+        )
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -82,20 +102,23 @@ def main() -> int:
             plain.append(plain_loop(model, batch, steps))
             ours.append(edgetrain_one_stage(model, batch, steps))
         p, o = statistics.median(plain), statistics.median(ours)
-        rows.append({"model": model, "batch_size": batch, "steps": steps,
-                     "plain_sps": p, "edgetrain_sps": o, "ratio": o / p,
-                     "plain_rounds": plain, "edgetrain_rounds": ours})  # fmt: skip
+        rows.append(
+            {
+                "model": model,
+                "batch_size": batch,
+                "steps": steps,
+                "stages": len(one_stage_plan(model).stages),
+                "plain_sps": p,
+                "edgetrain_sps": o,
+                "ratio": o / p,
+                "plain_rounds": plain,
+                "edgetrain_rounds": ours,
+            }
+        )
     if args.json:
         print(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=2))
         return 0
-    print(f"one-stage edgetrain vs plain PyTorch loop ({torch.get_num_threads()} threads, "
-          f"median of {args.rounds} alternating rounds)")  # fmt: skip
-    print(
-        f"{'model':>12} {'batch':>5} {'steps':>5} {'plain sps':>10} {'edgetrain':>10} {'ratio':>6}"
-    )
-    for r in rows:
-        print(f"{r['model']:>12} {r['batch_size']:>5} {r['steps']:>5} {r['plain_sps']:>10.1f} "
-              f"{r['edgetrain_sps']:>10.1f} {r['ratio']:>6.3f}")  # fmt: skip
+    print(format_table(rows, torch.get_num_threads(), args.rounds))
     return 0
 
 

@@ -1,0 +1,36 @@
+"""bench/runtime.py's pure parts: the plan it runs and the table it prints."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "runtime.py"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_runtime", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_plan_is_the_whole_model_on_one_device(bench: ModuleType) -> None:
+    plan = bench.one_stage_plan("cnn-digits")
+    assert [(st.device, st.start, st.end) for st in plan.stages] == [("local", 0, 4)]
+
+
+def test_the_table_gives_each_row_its_stages(bench: ModuleType) -> None:
+    row = {"model": "mlp", "batch_size": 64, "steps": 150, "stages": 1}
+    row |= {"plain_sps": 2000.0, "edgetrain_sps": 1960.0, "ratio": 0.98}
+    lines = bench.format_table([row], threads=2, rounds=3).splitlines()
+    assert lines[0].startswith("one-stage edgetrain vs plain PyTorch loop (2 threads, median of 3")
+    assert lines[1].split()[:4] == ["model", "batch", "steps", "stages"]
+    assert lines[2].split() == ["mlp", "64", "150", "1", "2000.0", "1960.0", "0.980"]
