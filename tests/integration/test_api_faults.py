@@ -3,7 +3,8 @@
 A real coordinator app over a real Mosquitto, no agents: the checks happen when
 the job is submitted. A plain coordinator takes only ``slow`` faults; one given a
 testbed's state directory also takes ``kill``, and ``join`` when that testbed
-uses the software method.
+uses the software method. No job runs here (there are no agents), so no plan has
+stages to count: a fault's stage is checked against the job's ``stages`` instead.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ def test_a_plain_coordinator_refuses_bad_kill_and_join_faults(
         assert loc == ["body", "faults", 0] and "step 20 is not below the job's 20 steps" in msg
         loc, msg = _refusal(client, faults=["slow:2@3:2"], devices=["a", "b"])
         assert "stage 2 is not below the 2 devices allowed" in msg
+        loc, msg = _refusal(client, faults=["slow:2@3:2"], stages=2)
+        assert loc == ["body", "faults", 0] and "stage 2 is not below the job's 2 stages" in msg
+        loc, msg = _refusal(client, stages=4, faults=["slow:0@3:2"])
+        assert loc == ["body", "stages"] and msg == "stages=4 is more than the 3 units of mlp"
         _, msg = _refusal(client, faults=["slow:0@3:2"], replicate_every=0)
         assert "faults need fault tolerance" in msg
         for fault in ("kill:1@4", "join:laptop@4"):
