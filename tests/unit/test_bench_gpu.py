@@ -79,3 +79,4 @@ def test_the_smallest_run_reports_every_stage_and_mfu_exactly(bench: ModuleType)
     assert big["meets_target"] is None  # the target is an H200's, not a CPU's
     table = bench.format_table(result)
     assert "CPU figures" in table and "largest stage" in table
+    assert "2 stages, each alone on cpu" in table.splitlines()[0]  # the split it times
