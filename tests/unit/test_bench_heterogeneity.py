@@ -42,8 +42,9 @@ def _row(
         device, start, end = cut.split(":")
         stages.append({"device": device, "layers": [int(start), int(end)]})
     compute = [0.2] * len(stages)
-    return bench.Row("vgg11", "10x", strategy, stages, predicted, predicted, measured, 5,
-                     "kernel", compute, compute)  # fmt: skip
+    sps = {"predicted_sps": predicted, "simulated_sps": predicted, "measured_sps": measured}
+    times = {"compute_s": compute, "predicted_compute_s": compute}
+    return bench.Row("vgg11", "10x", strategy, stages, **sps, steps=5, method="kernel", **times)
 
 
 TWO = "dev0:0:5,dev1:5:9"
