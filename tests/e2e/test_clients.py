@@ -114,6 +114,7 @@ def test_submit_wait_then_jobs_and_fleet(
 
 
 def test_unreachable_coordinator_and_bad_toml_exit_2_with_one_line(tmp_path: Path) -> None:
+    """No job runs (nothing listens, or the file is refused): no plan, no stages to count."""
     port = free_port()  # nothing listens on it
     job_file = tmp_path / "job.toml"
     job_file.write_text('model = "cnn-digits"\nsteps = 4\n')

@@ -73,6 +73,7 @@ def test_three_agents_over_mqtt_match_one_device_and_in_process(tmp_path: Path) 
     ],
 )
 def test_bad_input_exits_2_with_one_line(extra: list[str], names: str) -> None:
+    """Refused before anything runs: no plan, no stages to count."""
     done = train("--transport", "inprocess", *extra)
     assert done.returncode == 2, done.stderr
     assert names in done.stderr

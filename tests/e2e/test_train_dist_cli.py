@@ -119,16 +119,19 @@ def test_two_replicas_of_one_stage_train_like_one_device(
     ],
 )  # fmt: skip
 def test_bad_dist_input_exits_2_with_one_line(extra: list[str], names: str) -> None:
+    """Refused before anything runs: no plan, no stages to count."""
     assert names in one_line_error(edgetrain("train", *ARGS, *extra))
 
 
 def test_launch_of_a_missing_file_names_it(tmp_path: Path) -> None:
+    """Refused before anything runs: no plan, no stages to count."""
     missing = tmp_path / "nope.toml"
     line = one_line_error(edgetrain("launch", str(missing)))
     assert str(missing) in line
 
 
 def test_launch_of_an_invalid_file_names_the_problem(tmp_path: Path) -> None:
+    """Refused before anything runs: no plan, no stages to count."""
     path = tmp_path / "job.toml"
     path.write_text('model = "mlp"\nsteps = 2\nbatch_size = 8\nreplica = 2\n')
     line = one_line_error(edgetrain("launch", str(path)))
