@@ -3,7 +3,8 @@
 - :mod:`coordinator.planner.score`: plans and the spec's score (``shared/spec/planning.md``);
 - :mod:`coordinator.planner.costs`: the score's terms as arrays for the search;
 - :mod:`coordinator.planner.search`: threshold search and the dynamic programmes;
-- :mod:`coordinator.planner.fleet`: the entry point, exact or heuristic by fleet size.
+- :mod:`coordinator.planner.fleet`: the entry point, exact or heuristic by fleet size;
+- :mod:`coordinator.planner.partition`: a job's ``partition`` and ``stages`` made into a plan.
 """
 
 from coordinator.planner.fleet import SearchResult, plan_problem
