@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.reference import assert_matches, train_reference
 
 from coordinator.jobs import JobSpec
 from coordinator.localfleet import LocalFleet
@@ -49,6 +50,8 @@ def test_two_edge_agents_feed_a_gloo_server_tier(
     result = run_on_agents(spec, plan, control, servers=servers, timeout_s=300)
     assert len(result.plan.stages) == 4
     assert {(r.stage, r.device) for r in result.reports} == {(s, fleet.ids[s]) for s in range(4)}
+    independent = train_reference("gpt-mini", steps=4, batch_size=16, seed=2)
+    assert_matches(result.losses, result.weights, independent)
     reference = run_inprocess(spec, Plan.of(("local", 0, 6)))
     torch.testing.assert_close(
         torch.tensor(result.losses), torch.tensor(reference.losses), rtol=1e-5, atol=0
@@ -85,6 +88,8 @@ def test_a_job_moves_from_the_server_tier_to_edge_agents(
     assert {(r.stage, r.device) for r in result.reports} == {(0, fleet.ids[0]), (1, fleet.ids[1])}
     reference = run_inprocess(spec, Plan.of(("local", 0, 6)))
     first = json.loads((tmp_path / "server" / "losses.json").read_text())["losses"]
+    independent = train_reference("gpt-mini", steps=4, batch_size=16, seed=4)
+    assert_matches(first + result.losses, result.weights, independent)
     torch.testing.assert_close(
         torch.tensor(first + result.losses), torch.tensor(reference.losses), rtol=1e-5, atol=0
     )

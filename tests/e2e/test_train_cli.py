@@ -12,6 +12,7 @@ import pytest
 import safetensors.torch
 import torch
 from support.mosquitto import find_mosquitto
+from support.reference import assert_matches, train_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 # One torch thread per agent whatever the number of devices: equal thread counts make
@@ -34,15 +35,19 @@ def ok_json(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 def test_three_agents_over_mqtt_match_one_device_and_in_process(tmp_path: Path) -> None:
-    """Three stages (an even split) over MQTT equal one device bit for bit (``--devices 1``
-    is one stage on purpose: the reference), and so do three and, with ``--stages 2``,
-    two stages in process."""
+    """Three stages (an even split) over MQTT equal the independent reference (a plain
+    PyTorch loop) within 1e-5 and one device bit for bit (``--devices 1`` is one stage on
+    purpose: the reference), and so do three and, with ``--stages 2``, two stages in
+    process."""
     three = ok_json(train("--devices", "3", "--partition", "even", "--json",
                           "--save-weights", str(tmp_path / "three.safetensors")))  # fmt: skip
     assert three["transport"] == "mqtt" and three["broker"] == "mosquitto"
     assert len(three["plan"]["stages"]) == 3 and three["plan"]["feasible"] is True
     assert len(three["losses"]) == 4 and three["samples_per_s"] > 0
     assert [s["stage"] for s in three["stages"]] == [0, 1, 2]
+    independent = train_reference("mlp", steps=4, batch_size=16, seed=1)
+    trained = safetensors.torch.load_file(str(tmp_path / "three.safetensors"))
+    assert_matches(three["losses"], trained, independent)
     one = ok_json(train("--devices", "1", "--json",
                         "--save-weights", str(tmp_path / "one.safetensors")))  # fmt: skip
     assert len(one["plan"]["stages"]) == 1

@@ -1,7 +1,9 @@
 """``edgetrain train --transport dist`` and ``edgetrain launch`` end to end, through the CLI.
 
 Each run is a real ``edgetrain`` process that launches real ranks (gloo on CPU);
-losses and weights are compared with the single-device in-process reference.
+losses and weights are compared with the independent reference
+(:mod:`support.reference`, a plain PyTorch loop) and with the single-device
+in-process run.
 Every pipeline here has two stages (asserted); the reference and the replicas
 test have one on purpose (see their docstrings).
 """
@@ -20,6 +22,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from support.reference import ReferenceRun, assert_matches, train_reference
 
 from edge.runtime.dist_job import DistJob, write_job
 
@@ -63,6 +66,12 @@ def assert_close_losses(got: list[float], want: list[float]) -> None:
 
 
 @pytest.fixture(scope="module")
+def independent() -> ReferenceRun:
+    """The plain PyTorch loop on the job of ``ARGS`` (seed 0, SGD lr 0.05, momentum 0.9)."""
+    return train_reference("mlp", steps=STEPS, batch_size=8, seed=0)
+
+
+@pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     """One device, in process: the JSON and the saved weights (one stage: the reference)."""
     weights = tmp_path_factory.mktemp("reference") / "one.safetensors"
@@ -73,7 +82,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
 
 
 def test_two_ranks_print_the_same_json_and_train_like_one_device(
-    tmp_path: Path, reference: tuple[dict[str, Any], Path]
+    tmp_path: Path, reference: tuple[dict[str, Any], Path], independent: ReferenceRun
 ) -> None:
     ref, ref_weights = reference
     weights = tmp_path / "two.safetensors"
@@ -91,17 +100,33 @@ def test_two_ranks_print_the_same_json_and_train_like_one_device(
     assert all(s["bytes_sent"] > 0 and s["bytes_received"] > 0 for s in out["stages"])
     assert_close_losses(out["losses"], ref["losses"])
     got, want = safetensors.torch.load_file(weights), safetensors.torch.load_file(ref_weights)
+    assert_matches(out["losses"], got, independent)
     assert got.keys() == want.keys() and got
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-7, msg=key)
 
 
 def test_two_replicas_of_one_stage_train_like_one_device(
-    reference: tuple[dict[str, Any], Path],
+    tmp_path: Path, reference: tuple[dict[str, Any], Path], independent: ReferenceRun
 ) -> None:
     """One stage is the point: two data-parallel replicas of the whole model, alone."""
-    out = ok_json(edgetrain("train", *ARGS, "--transport", "dist", "--devices", "2",
-                            "--replicas", "2", "--json"))  # fmt: skip
+    weights = tmp_path / "replicas.safetensors"
+    out = ok_json(
+        edgetrain(
+            "train",
+            *ARGS,
+            "--transport",
+            "dist",
+            "--devices",
+            "2",
+            "--replicas",
+            "2",
+            "--json",
+            "--save-weights",
+            str(weights),
+        )
+    )
+    assert_matches(out["losses"], safetensors.torch.load_file(weights), independent)
     assert (out["replicas"], out["processes"]) == (2, 2)
     assert len(out["plan"]["stages"]) == 1
     assert_close_losses(out["losses"], reference[0]["losses"])
