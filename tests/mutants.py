@@ -126,6 +126,15 @@ MUTANTS = [
         "factor = min(position_from_end - 1, self.m)",
         ("tests/unit/test_planner_exact.py",),
     ),
+    # Issue 13's own feature: jobs with a fixed number of stages.
+    Mutant(
+        "stages-at-most-n",
+        "a job asking for N stages may get a plan of fewer (the exact search keeps any size)",
+        "coordinator/planner/search.py",
+        "starts = np.where((size == stages)[:, None], starts, inf)",
+        "starts = np.where((size <= stages)[:, None], starts, inf)",
+        ("tests/unit/test_partition.py",),
+    ),
 ]
 
 
