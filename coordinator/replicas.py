@@ -46,6 +46,7 @@ class ReplicaStore:
         """Where replicas are also kept, so a restarted coordinator finds them."""
         self._by_step: dict[int, list[StageState]] = {}
         self._jobs: set[str] = set()
+        self._held: int | None = None  # the step a resume was promised (see newest_complete)
         self._lock = threading.Lock()
         self.received = 0
         self.bytes = 0
@@ -109,20 +110,30 @@ class ReplicaStore:
         return all(covered)
 
     def _prune_locked(self) -> None:
-        # Keep the two newest complete steps (and anything newer, still filling up).
+        # Keep the two newest complete steps (and anything newer, still filling up),
+        # and the step a resume was promised.
         complete = sorted(s for s in self._by_step if self._covers_locked(s))
         if len(complete) > 2:
-            for step in [s for s in self._by_step if s < complete[-2]]:
+            for step in [s for s in self._by_step if s < complete[-2] and s != self._held]:
                 del self._by_step[step]
                 if self.directory is not None:
                     for path in self.directory.glob(f"step{step:08d}-*.safetensors"):
                         path.unlink(missing_ok=True)
 
-    def newest_complete(self, limit: int) -> int:
-        """The newest step ``<= limit`` whose replicas cover every unit (0: the seeded start)."""
+    def newest_complete(self, limit: int, *, hold: bool = False) -> int:
+        """The newest step ``<= limit`` whose replicas cover every unit (0: the seeded start).
+
+        ``hold`` keeps that step's replicas, until the next call with ``hold``, for
+        :meth:`compose`: replicas of newer steps may still arrive from a cancelled
+        attempt (the coordinator reads its messages behind the stages; a slowed run
+        got 3 newer complete steps in 0.1 s), and without the hold they pruned it.
+        """
         with self._lock:
             steps = [s for s in self._by_step if s <= limit and self._covers_locked(s)]
-        return max(steps, default=0)
+            newest = max(steps, default=0)
+            if hold:
+                self._held = newest
+        return newest
 
     def compose(self, step: int, start: int, end: int, job: str, stage: int) -> bytes:
         """The state at ``step`` of units ``[start, end)``, for stage ``stage`` of ``job``."""

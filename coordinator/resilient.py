@@ -356,7 +356,7 @@ def run_resilient(
                     raise
             dead = watch.dead_among(current)
             done = max(losses, default=-1) + 1
-            first_step = replicas.newest_complete(done)
+            first_step = replicas.newest_complete(done, hold=True)
             rolled_back += done - first_step
             for step in [s for s in losses if s >= first_step]:
                 del losses[step]
