@@ -137,6 +137,21 @@ class DeviceWatch:
                 self.dead[device] = (when or time.time(), why)
                 log.warning("device %s is dead: %s", device, why)
 
+    def settle(self, timeout_s: float = 2 * CONFIRM_S) -> None:
+        """Wait (at most ``timeout_s``) until no offline report awaits confirmation.
+
+        Devices that die together (two agents killed at once) send their last wills
+        milliseconds apart, so the first may be confirmed while the next is still a
+        suspect; recovering then would plan over a dead device and recover again.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.dead_among(())
+            with self._lock:
+                if not self._suspects or time.monotonic() >= deadline:
+                    return
+            time.sleep(0.05)
+
     def dead_among(self, devices: Iterable[str]) -> list[str]:
         """Those of ``devices`` that are dead, checking heartbeats first.
 
@@ -354,6 +369,7 @@ def run_resilient(
                     time.sleep(0.05)
                 if not explained():
                     raise
+            watch.settle()
             dead = watch.dead_among(current)
             done = max(losses, default=-1) + 1
             first_step = replicas.newest_complete(done, hold=True)
