@@ -96,7 +96,8 @@ class FaultInjector:
         with self._lock:
             self._devices = list(devices)
 
-    def on_step(self, report: StepReport) -> None:
+    def on_step(self, report: StepReport) -> list[tuple[Fault, str]]:
+        """Fire the faults due at ``report``'s step; the ``(fault, device)`` pairs fired."""
         due = []
         with self._lock:
             for fault in list(self._pending):
@@ -106,6 +107,7 @@ class FaultInjector:
         for fault, device in due:
             self.fired.append((fault, device, time.time()))
             self.act(fault, device)
+        return due
 
     @property
     def pending(self) -> list[Fault]:

@@ -19,9 +19,10 @@ state (weights and optimizer state, safetensors) every ``replicate_every`` steps
   their seeded initial weights) with the state of exactly its units, and the
   data order continues from that step (the sampler is seeded by step). So a run
   with failures ends with the weights of a run without, up to rounding.
-- **Reporting**: every failure and recovery is an event with its time; the
-  result says how long recovery took (detection to the first step of the new
-  attempt) and how many steps were redone.
+- **Reporting**: every fault fired (which, on which device, at which step's
+  report), failure and recovery is an event with its time; the result says how
+  long recovery took (detection to the first step of the new attempt) and how
+  many steps were redone.
 """
 
 from __future__ import annotations
@@ -303,7 +304,8 @@ def run_resilient(
                 recovery_s.append(took)
                 event("resumed", step=report.step, recovery_s=took)
         if faults is not None:
-            faults.on_step(report)
+            for fault, device in faults.on_step(report):
+                event("fault", fault=str(fault), stage=fault.stage, device=device, step=report.step)
         if on_step is not None:
             on_step(report)
 
