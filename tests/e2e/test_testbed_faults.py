@@ -92,7 +92,10 @@ def test_kill_and_join_faults_posted_to_a_testbed_job(state_dir: Path) -> None:
             assert len(faults) == 1 and faults[0]["fired"] and "SIGKILL" in faults[0]["done"]
             victim = faults[0]["device"]
             assert [f["device"] for f in _events(api, job, "failure")] == [victim]
-            assert _events(api, job, "recovery")
+            # Killed once step 6 is reported, so the last loss is step 6; with replicas every
+            # 2 steps those of step 6 were complete before it: exactly step 6 is redone.
+            recoveries = _events(api, job, "recovery")
+            assert [(r["rollback_to"], r["redo_steps"]) for r in recoveries] == [(6, 1)], recoveries
             resumed = _events(api, job, "resumed")
             assert resumed and 0 < resumed[0]["recovery_s"] < 60, resumed
             attempts = _events(api, job, "attempt")
