@@ -226,12 +226,23 @@ class JobMonitor:
             self.on_step(event)
 
     def _wait(self, what: Callable[[], bool], timeout: float, label: str) -> None:
+        """Wait until ``what()`` holds; raise on an ``abort`` reason, a failure or the timeout.
+
+        ``abort`` is called without the lock held: it may take seconds (a resilient run
+        weighs a migration in it), and every event fed to :meth:`on_event`, on the MQTT
+        client's thread, would wait for it meanwhile, heartbeats of other devices too.
+        """
         deadline = time.monotonic() + timeout
-        with self._cond:
-            while not what():
-                reason = self.abort() if self.abort is not None else None
-                if reason is not None:
-                    raise JobAborted(f"job {self.job}: {reason}")
+        while True:
+            with self._cond:
+                if what():
+                    return
+            reason = self.abort() if self.abort is not None else None
+            if reason is not None:
+                raise JobAborted(f"job {self.job}: {reason}")
+            with self._cond:
+                if what():
+                    return
                 if self.failures:
                     f = self.failures[0]
                     raise JobFailed(f"stage {f.stage} on {f.device} failed: {f.error}")

@@ -59,11 +59,11 @@ pytestmark = pytest.mark.slow
 STEPS = 12
 EVERY = 2
 """``replicate_every`` of every run here but the slow-fault one (which lets the CLI choose)."""
-HEARTBEAT_S = 10.0
-"""Heartbeat timeout of the runs that migrate and where nothing dies. The coordinator weighs
-a migration after every step (0.2-2.7 s of planning here) inside ``JobMonitor._wait``,
-which holds the lock its MQTT thread needs for every job event, so heartbeats queue
-behind it: at the default 3 s live devices were declared dead (measured)."""
+HEARTBEAT_S = 3.0
+"""Heartbeat timeout of the runs that migrate and where nothing dies: the CLI's default. The
+coordinator weighs a migration after every step (0.2-2.7 s of planning here); that must
+not hold up its MQTT thread, or heartbeats queue and live devices are declared dead (it
+did, inside ``JobMonitor._wait``, until ``abort`` ran outside the monitor's lock)."""
 RTOL, ATOL = 1e-5, 1e-7
 """As the parity tests: a restored stage gets its units' exact fp32 state, so a run that
 survived faults rounds like one that did not."""
