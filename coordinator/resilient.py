@@ -27,6 +27,7 @@ state (weights and optimizer state, safetensors) every ``replicate_every`` steps
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -39,9 +40,9 @@ from coordinator.jobs import JobAborted, JobFailed, JobResult, JobSpec, new_job_
 from coordinator.planner.score import Plan
 from coordinator.replicas import ReplicaStore
 from coordinator.runners import run_on_agents
-from edge.messages import DeviceStatus, StepReport
+from edge.messages import CancelJob, DeviceStatus, StepReport
 from edge.models.zoo import get_model
-from edge.protocol import TOPIC_ROOT
+from edge.protocol import TOPIC_ROOT, device_cmd
 from edge.transport.mqtt import MqttTransport
 
 __all__ = ["DeviceWatch", "ResilientResult", "run_resilient"]
@@ -390,6 +391,14 @@ def run_resilient(
                 silent = watch.wait_heard(alive, back, RECONNECT_GRACE_S)
                 if silent:
                     log.warning("devices %s not heard since the broker came back", silent)
+                # The cancel sent when the attempt stopped may have reached the broker before
+                # an agent had subscribed again, and then it is lost: the agent keeps the
+                # stale stage and refuses the next attempt as busy. A device heard now has
+                # resubscribed (it does so first on reconnecting), so say it again.
+                cancel = CancelJob(job=job, reason="the broker restarted").model_dump_json()
+                for device in current:
+                    with contextlib.suppress(ConnectionError):
+                        control.publish(device_cmd(device), cancel, 1)
                 continue
             if not dead and migrate:  # no failure: a rebalance
                 plan = migrate["plan"]
