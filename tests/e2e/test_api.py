@@ -13,6 +13,7 @@ import pytest
 import safetensors.torch
 from fastapi.testclient import TestClient
 from support.mosquitto import find_mosquitto, mosquitto_broker
+from support.reference import assert_matches, train_reference
 from support.waiting import until
 
 from coordinator.app import create_app
@@ -24,13 +25,15 @@ pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not 
 TOKEN = "s3cret-token-for-the-tests"
 
 
-def test_job_over_http_runs_on_two_agents(tmp_path: Path) -> None:
+def test_job_over_http_runs_a_three_stage_pipeline(tmp_path: Path) -> None:
+    """A 3-stage job on three agents, through the API from submission to ONNX; its weights
+    are the independent reference's (a plain PyTorch loop, 1e-5)."""
     with mosquitto_broker() as broker:
         settings = Settings(broker_url=broker.url, data_dir=tmp_path / "coord", api_token=TOKEN)
         auth = {"Authorization": f"Bearer {TOKEN}"}
         with (
             TestClient(create_app(settings)) as client,
-            LocalFleet(2, broker.url, threads=1) as fleet,
+            LocalFleet(3, broker.url, threads=1) as fleet,
         ):
             assert client.get("/healthz").json()["status"] == "ok"
 
@@ -39,13 +42,13 @@ def test_job_over_http_runs_on_two_agents(tmp_path: Path) -> None:
                     d["state"] == "online" for d in client.get("/api/v1/devices").json()["data"]
                 )
 
-            assert until(lambda: online() == 2, 60)
+            assert until(lambda: online() == 3, 60)
             body = {
                 "model": "cnn-digits",
                 "steps": 6,
                 "batch_size": 16,
                 "microbatches": 4,
-                "stages": 2,
+                "stages": 3,
             }
             assert client.post("/api/v1/jobs", json=body).status_code == 401
             bad = client.post("/api/v1/jobs", json={**body, "microbatches": 5}, headers=auth)
@@ -73,36 +76,38 @@ def test_job_over_http_runs_on_two_agents(tmp_path: Path) -> None:
             assert record["state"] == "completed", record["reason"]
             assert record["plan"]["feasible"] is True
             stages = record["plan"]["stages"]
-            assert len(stages) == 2 and {s["device"] for s in stages} == set(fleet.ids)
-            assert record["plan"]["stages_asked"] == 2 and record["plan"]["partition"] == "plan"
+            assert len(stages) == 3 and {s["device"] for s in stages} == set(fleet.ids)
+            assert record["plan"]["stages_asked"] == 3 and record["plan"]["partition"] == "plan"
             metrics = client.get(f"/api/v1/jobs/{job}/metrics").json()["steps"]
             assert [m["step"] for m in metrics] == list(range(6))
             assert all(m["loss"] is not None for m in metrics)
-            # Both stages reported every step, each from its own device.
+            # Every stage reported every step, each from its own device.
             assert all(
                 sorted((r["stage"], r["device"]) for r in m["stages"])
-                == [(0, stages[0]["device"]), (1, stages[1]["device"])]
+                == [(s, stages[s]["device"]) for s in range(3)]
                 for m in metrics
             )
             weights = client.get(f"/api/v1/jobs/{job}/model")
             assert weights.status_code == 200
             tensors = safetensors.torch.load(weights.content)
+            losses = [m["loss"] for m in metrics]
+            assert_matches(losses, tensors, train_reference("cnn-digits", steps=6, batch_size=16))
             exported = client.get(f"/api/v1/jobs/{job}/model.onnx")
             assert exported.status_code == 200
             onnx.checker.check_model(onnx.load_from_string(exported.content))
             assert check_onnx(exported.content, "cnn-digits", tensors) < 1e-4
             prom = client.get("/metrics").text
-            assert "edgetrain_devices_online 2.0" in prom
+            assert "edgetrain_devices_online 3.0" in prom
             assert client.get("/openapi.json").status_code == 200
 
-            # Three stages on two devices: the job fails at planning, saying why.
+            # Four stages on three devices: the job fails at planning, saying why.
             even = client.post(
-                "/api/v1/jobs", json={**body, "stages": 3, "partition": "even"}, headers=auth
+                "/api/v1/jobs", json={**body, "stages": 4, "partition": "even"}, headers=auth
             ).json()["id"]
             assert until(lambda: client.get(f"/api/v1/jobs/{even}").json()["state"] == "failed", 60)
             refused = client.get(f"/api/v1/jobs/{even}").json()
             assert refused["state"] == "failed" and refused["plan"] is None
-            assert refused["reason"].startswith("stages=3 needs 3 devices; "), refused["reason"]
+            assert refused["reason"].startswith("stages=4 needs 4 devices; "), refused["reason"]
 
 
 def test_what_if_plan_needs_no_devices_online(tmp_path: Path) -> None:
