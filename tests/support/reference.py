@@ -33,11 +33,17 @@ almost blind to) turns rounding into differences far above ``1e-5``. For it,
 ``microbatches=M`` makes the loop accumulate gradients over ``M`` equal chunks
 of the batch, each chunk's mean loss divided by ``M`` (PyTorch's usual gradient
 accumulation, written here, not edgetrain's), which rounds like a pipeline.
+
+The loop runs on one torch thread whatever the caller's setting: the number of
+threads changes the order of some reductions (an embedding's backward sums its
+rows in another order), which over 60 steps of gpt-mini moved a weight by
+1.4e-6; the tests' agents and ranks run one thread each.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +53,7 @@ import torch.nn.functional as F
 from edge.models.datasets import build_dataset
 from edge.models.zoo import get_model
 
-__all__ = ["ReferenceRun", "assert_matches", "batch_indices", "train_reference"]
+__all__ = ["ReferenceRun", "assert_matches", "batch_indices", "one_thread", "train_reference"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,18 @@ def _optimizer(params: list[torch.nn.Parameter], spec: Mapping[str, Any]) -> tor
     raise ValueError(f"the reference knows sgd and adamw, not {name!r}")
 
 
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """One torch thread for the block, then the caller's count again: runs in the test process
+    that should round like the one-thread agents (see the module docstring)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def train_reference(
     model: str,
     *,
@@ -92,45 +110,43 @@ def train_reference(
     model_options: Mapping[str, Any] | None = None,
     dataset: str | None = None,
     dataset_options: Mapping[str, Any] | None = None,
-    first_step: int = 0,
     microbatches: int = 1,
 ) -> ReferenceRun:
-    """Train ``model`` for steps ``[first_step, steps)`` with a plain loop (module docstring).
+    """Train ``model`` for ``steps`` steps with a plain loop (see the module docstring).
 
-    ``first_step > 0`` trains the weights of step 0 on the later steps' batches:
-    only for tests of resuming, which compare against the losses from there on.
     Arguments mirror a job's settings (``optimizer`` as the job's optimizer fields);
     ``microbatches`` accumulates gradients over that many chunks (module docstring).
     """
     if batch_size % microbatches:
         raise ValueError(f"batch {batch_size} is not a multiple of {microbatches} microbatches")
-    spec = get_model(model, seed=seed, **dict(model_options or {}))
-    name = dataset or spec.dataset
-    if dataset_options is None:
-        dataset_options = spec.dataset_options if name == spec.dataset else {}
-    data = build_dataset(name, "train", **dict(dataset_options))
-    size = len(data)  # type: ignore[arg-type]
-    net = spec.build().train()
-    params = [p for p in net.parameters() if p.requires_grad]
-    opt = _optimizer(params, optimizer or {})
-    losses = []
-    for step in range(first_step, steps):
-        samples = [data[i] for i in batch_indices(size, batch_size, seed, step).tolist()]
-        x = torch.stack([torch.as_tensor(s[0]) for s in samples])
-        y = torch.stack([torch.as_tensor(s[1]) for s in samples])
-        opt.zero_grad(set_to_none=True)
-        loss = 0.0
-        for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
-            logits = net(xm)
-            part = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ym.reshape(-1))
-            if microbatches > 1:
-                part = part / microbatches
-            part.backward()
-            loss += part.item()
-        opt.step()
-        losses.append(loss)
-    weights = {k: v.detach().clone() for k, v in net.state_dict().items()}
-    return ReferenceRun(losses, weights)
+    with one_thread():
+        spec = get_model(model, seed=seed, **dict(model_options or {}))
+        name = dataset or spec.dataset
+        if dataset_options is None:
+            dataset_options = spec.dataset_options if name == spec.dataset else {}
+        data = build_dataset(name, "train", **dict(dataset_options))
+        size = len(data)  # type: ignore[arg-type]
+        net = spec.build().train()
+        params = [p for p in net.parameters() if p.requires_grad]
+        opt = _optimizer(params, optimizer or {})
+        losses = []
+        for step in range(steps):
+            samples = [data[i] for i in batch_indices(size, batch_size, seed, step).tolist()]
+            x = torch.stack([torch.as_tensor(s[0]) for s in samples])
+            y = torch.stack([torch.as_tensor(s[1]) for s in samples])
+            opt.zero_grad(set_to_none=True)
+            loss = 0.0
+            for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+                logits = net(xm)
+                part = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ym.reshape(-1))
+                if microbatches > 1:
+                    part = part / microbatches
+                part.backward()
+                loss += part.item()
+            opt.step()
+            losses.append(loss)
+        weights = {k: v.detach().clone() for k, v in net.state_dict().items()}
+        return ReferenceRun(losses, weights)
 
 
 def assert_matches(

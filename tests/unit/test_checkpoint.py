@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import safetensors.torch
 import torch
-from support.reference import assert_matches, train_reference
+from support.reference import assert_matches, one_thread, train_reference
 
 from coordinator.jobs import JobSpec, make_assignments
 from coordinator.planner.score import Plan
@@ -34,6 +34,16 @@ from edge.runtime.stage import StageRuntime
 from edge.transport.inprocess import InProcessTransport
 
 MODELS = {"mlp": 3, "cnn-digits": 4, "gpt-mini": 6}
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """Stages here run on one torch thread, as agents do, so that they round as the
+    independent reference does (see support.reference)."""
+    with one_thread():
+        yield
+
+
 OPTIMIZERS = {
     "sgd": OptimizerSpec(name="sgd", lr=0.05, momentum=0.9, weight_decay=1e-4),
     "adamw": OptimizerSpec(name="adamw", lr=1e-3, weight_decay=0.01),
