@@ -1,7 +1,9 @@
 # The README's two commands. Each does all of its own set-up on a fresh machine:
 # a virtual environment, torch first (a CPU build by default, so the range in
 # pyproject.toml is met without pulling a multi-GB CUDA build), the project with
-# its extras, and for the tests a Mosquitto broker binary.
+# its extras, and for the tests a Mosquitto broker binary. The tests run on two
+# workers (pytest-xdist, one test file at a time each: module fixtures stay whole),
+# then those marked `serial`, which assert a measured time or rate, alone.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,6 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.edgetrain-installed
 PYTEST_ARGS ?=
+PYTEST_WORKERS ?= 2
 
 .PHONY: demo test mutants lint typecheck setup system-deps clean
 

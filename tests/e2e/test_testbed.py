@@ -93,6 +93,7 @@ def control_for(url: str) -> MqttTransport:
     return control
 
 
+@pytest.mark.serial  # compares the agents' measured compute times
 def test_kernel_testbed_slows_each_agent_to_its_profile(
     kernel: limits.Detection, state_dir: Path
 ) -> None:

@@ -100,6 +100,7 @@ def shaped_namespace() -> Iterator[netns.Link]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_profile_measures_a_shaped_link(
     mosquitto: Broker, shaped_namespace: netns.Link, tmp_path: Path
 ) -> None:
@@ -142,6 +143,7 @@ def test_bad_broker_url_is_status_2() -> None:
     assert len(result.stderr.strip().splitlines()) == 1 and "http://" in result.stderr
 
 
+@pytest.mark.serial
 def test_measure_broker_link_directly(mosquitto: Broker, tmp_path: Path) -> None:
     """Latency through the delay proxy alone (no root needed); loopback has no rate to check."""
     with delay_proxy(f"127.0.0.1:{free_port()}", mosquitto, LATENCY_MS, tmp_path) as url:

@@ -21,7 +21,7 @@ from edge.protocol import Codec, Kind, encode_frame
 from edge.transport.base import Inbox
 from edge.transport.mqtt import MqttSettings, MqttTransport
 
-pytestmark = pytest.mark.broker
+pytestmark = [pytest.mark.broker, pytest.mark.serial]  # link times asserted
 
 JOB = "job-7"
 WAIT_S = 10.0
