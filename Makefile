@@ -22,7 +22,8 @@ test: $(STAMP) system-deps
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not serial" $(PYTEST_ARGS)
+	$(BIN)/pytest -m serial $(PYTEST_ARGS)
 
 # Hand-written bugs the tests must catch (tests/mutants.py): each applied to a copy of
 # the tree, with only the tests that should fail; exit 1 if any survives.
