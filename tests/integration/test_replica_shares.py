@@ -15,14 +15,13 @@ replicas end with the reference's weights.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import safetensors.torch
 import torch
 import torch.distributed as dist
-from support.ranks import run_ranks
+from support.ranks import gloo_world, run_ranks
 from support.reference import assert_matches, batch_indices, train_reference
 
 from edge.messages import StageAssignment
@@ -56,12 +55,7 @@ def _assignment(replica: int) -> StageAssignment:
 
 
 def _replica_on_rank(rank: int, world: int, store_path: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30)
-    )
-    try:
+    with gloo_world(rank, world, store_path):
         dp = DataParallel(dist.new_group(list(range(world))), world)
         reports: list[Any] = []
         rt = StageRuntime(
@@ -74,8 +68,6 @@ def _replica_on_rank(rank: int, world: int, store_path: str, out_dir: str) -> No
         out |= {f"weight.{k}": v.detach().contiguous() for k, v in rt.segment.state_dict().items()}
         out["losses"] = torch.tensor([r.loss for r in reports], dtype=torch.float64)
         safetensors.torch.save_file(out, str(Path(out_dir) / f"rank{rank}.safetensors"))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_each_replica_trains_on_its_own_slice_of_every_batch(tmp_path: Path) -> None:

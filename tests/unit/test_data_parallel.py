@@ -6,13 +6,12 @@ all-reduce really averages across processes; the rest run in a one-process group
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from support.ranks import run_ranks
+from support.ranks import gloo_world, run_ranks
 
 from edge.runtime.data_parallel import DataParallel, buckets
 
@@ -135,12 +134,7 @@ NO_GRAD_ON = 0
 
 
 def _average_on_rank(rank: int, world: int, store_path: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30)
-    )
-    try:
+    with gloo_world(rank, world, store_path):
         group = dist.new_group(list(range(world)))
         params = _params()
         for i, p in enumerate(params):
@@ -153,8 +147,6 @@ def _average_on_rank(rank: int, world: int, store_path: str, out_dir: str) -> No
             {"grads": [p.grad for p in params], "loss": loss, "bytes": dp.bytes_reduced},
             Path(out_dir) / f"rank{rank}.pt",
         )
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_processes_end_with_the_mean_gradient(tmp_path: Path) -> None:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import itertools
 import threading
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from support.ranks import run_ranks
+from support.ranks import gloo_world, run_ranks
 
 from edge.protocol import Codec, Kind, encode_frame
 from edge.transport.base import Channel, Transport
@@ -140,12 +139,7 @@ def _receivers() -> list[threading.Thread]:
 
 
 def _exchange_on_rank(rank: int, world: int, store_path: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30)
-    )
-    try:
+    with gloo_world(rank, world, store_path):
         transport = DistTransport(Route(2, {0: 0, 1: 1}), join_timeout_s=15)
         stage = rank
         inbox = transport.attach(JOB, stage)
@@ -176,8 +170,6 @@ def _exchange_on_rank(rank: int, world: int, store_path: str, out_dir: str) -> N
              "dropped": sum(inbox.dropped.values())},
             Path(out_dir) / f"rank{rank}.pt",
         )  # fmt: skip
-    finally:
-        dist.destroy_process_group()
 
 
 def test_frames_cross_between_two_ranks_and_detach_ends_the_receivers(tmp_path: Path) -> None:
