@@ -12,7 +12,7 @@ is the installed package. It must:
   commands, and say in one line that ``edgetrain coordinator`` needs the extras;
 - run an agent that takes stage 0 of a 2-stage job next to an agent of the full
   install (this environment) over a real Mosquitto, and end with the losses and
-  weights of one-stage training.
+  weights of one-stage training and of the independent reference (a plain loop).
 
 tests/unit/test_layering.py is the fast version of the same check.
 """
@@ -34,6 +34,7 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 from support.mosquitto import Broker
+from support.reference import assert_matches, train_reference
 
 from coordinator.jobs import JobSpec
 from coordinator.localfleet import LocalFleet
@@ -206,3 +207,5 @@ def test_a_device_install_agent_trains_a_two_stage_job_with_a_full_install(
     assert result.weights.keys() == reference.weights.keys()
     for key, ref in reference.weights.items():
         torch.testing.assert_close(result.weights[key], ref, rtol=1e-5, atol=1e-7)
+    plain = train_reference(spec.model, steps=spec.steps, batch_size=spec.batch_size, seed=3)
+    assert_matches(result.losses, result.weights, plain)
