@@ -186,8 +186,15 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _inputs(spec: ModelSpec, microbatch: int, dev: torch.device, first: bool, last: bool,
-            d_model: int, gen: torch.Generator) -> _StageInputs:  # fmt: skip
+def _inputs(
+    spec: ModelSpec,
+    microbatch: int,
+    dev: torch.device,
+    first: bool,
+    last: bool,
+    d_model: int,
+    gen: torch.Generator,
+) -> _StageInputs:
     t, vocab = spec.input_shape[0], spec.num_classes
     if first:
         x = torch.randint(0, vocab, (microbatch, t), generator=gen).to(dev)
@@ -416,8 +423,9 @@ def largest_stage(
 def format_table(result: dict[str, Any]) -> str:
     """The human-readable report of :func:`run_bench`'s result."""
     m = result["model"]
-    opts = " ".join(f"{k}={m[k]}" for k in ("d_model", "n_layer", "n_head", "block_size",
-                                             "vocab_size"))  # fmt: skip
+    opts = " ".join(
+        f"{k}={m[k]}" for k in ("d_model", "n_layer", "n_head", "block_size", "vocab_size")
+    )
     mode = "bf16 autocast" if result["precision"] == "bf16" else "fp32"
     params = m["params"] / 1e9
     count = f"{params:.3g} B" if params >= 1 else f"{params * 1e3:.3g} M"
@@ -427,11 +435,12 @@ def format_table(result: dict[str, Any]) -> str:
         f"peak: {result['peak_tflops']:.3g} TFLOP/s, {result['peak']['how']}",
     ]
     if result["cpu_figures"]:
-        lines.append("CPU figures: no GPU here; the same code at a small size, MFU against "
-                     "this CPU's matmul rate, not comparable with the GPU target")  # fmt: skip
+        lines.append(
+            "CPU figures: no GPU here; the same code at a small size, MFU against "
+            "this CPU's matmul rate, not comparable with the GPU target"
+        )
     cfg = result["config"]
-    extras = [x for x, on in (("AdamW step", cfg["optimizer"]), ("compiled", cfg["compile"]))
-              if on]  # fmt: skip
+    extras = [x for x, on in (("AdamW step", cfg["optimizer"]), ("compiled", cfg["compile"])) if on]
     lines.append(
         "forward + backward per microbatch"
         + (f" + {', '.join(extras)}" if extras else ", no optimizer step")
@@ -479,23 +488,39 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda "
-                        "when available, else cpu)")  # fmt: skip
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda or cuda:N (default: cuda when available, else cpu)",
+    )
     parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--microbatches", type=_sizes, default=None,
-                        help="sizes in sequences, e.g. 1,2,4,8,16")  # fmt: skip
-    parser.add_argument("--precision", choices=["bf16", "fp32"], default=None,
-                        help="default: bf16 on a GPU, fp32 on the CPU")  # fmt: skip
-    parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help="a gpt-mini option (d_model, n_layer, n_head, block_size, "
-                        "vocab_size), repeatable")  # fmt: skip
+    parser.add_argument(
+        "--microbatches", type=_sizes, default=None, help="sizes in sequences, e.g. 1,2,4,8,16"
+    )
+    parser.add_argument(
+        "--precision",
+        choices=["bf16", "fp32"],
+        default=None,
+        help="default: bf16 on a GPU, fp32 on the CPU",
+    )
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a gpt-mini option (d_model, n_layer, n_head, block_size, vocab_size), repeatable",
+    )
     parser.add_argument("--quick", action="store_true", help="two microbatch sizes, briefly")
     parser.add_argument("--optimizer", action="store_true", help="AdamW step every iteration")
     parser.add_argument("--compile", action="store_true", help="torch.compile each stage")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="also write the JSON here (e.g. bench/results/gpu.json)")  # fmt: skip
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="also write the JSON here (e.g. bench/results/gpu.json)",
+    )
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -504,12 +529,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         base = BenchConfig.defaults(device, quick=args.quick)
         config = BenchConfig(
-            device=device, options={**base.options, **parse_options(args.option)},
-            stages=args.stages, microbatches=args.microbatches or base.microbatches,
-            precision=args.precision or base.precision, warmup=base.warmup, rounds=base.rounds,
-            round_s=base.round_s, peak_seconds=base.peak_seconds, optimizer=args.optimizer,
+            device=device,
+            options={**base.options, **parse_options(args.option)},
+            stages=args.stages,
+            microbatches=args.microbatches or base.microbatches,
+            precision=args.precision or base.precision,
+            warmup=base.warmup,
+            rounds=base.rounds,
+            round_s=base.round_s,
+            peak_seconds=base.peak_seconds,
+            optimizer=args.optimizer,
             compile=args.compile,
-        )  # fmt: skip
+        )
         opts = config.options
         get_model("gpt-mini", **opts)  # refuses an unknown option
         stage_ranges(opts["n_layer"], config.stages)

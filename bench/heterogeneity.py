@@ -260,10 +260,18 @@ def run_fleet(
                     measured, compute = measure(control, spec, plan, args.warmup)
                     predicted_compute = [t * args.microbatches for t in score.compute_s]
                     row = Row(
-                        model, name, strategy, plan.to_json(), score.throughput_sps,
-                        args.batch_size / sim.step_time_s, measured, steps, tb.method,
-                        compute, predicted_compute,
-                    )  # fmt: skip
+                        model,
+                        name,
+                        strategy,
+                        plan.to_json(),
+                        score.throughput_sps,
+                        args.batch_size / sim.step_time_s,
+                        measured,
+                        steps,
+                        tb.method,
+                        compute,
+                        predicted_compute,
+                    )
                     rows.append(row)
                     print(
                         f"# {model} {name} {strategy}: measured {measured:.1f} predicted "

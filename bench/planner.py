@@ -45,21 +45,52 @@ class Scenario:
 
 
 SCENARIOS = [
-    Scenario("edge-mix", "vgg11", "rpi4-4gb,jetson-nano,jetson-orin-nano,laptop", 64, 8,
-             note="the README example"),
-    Scenario("hetero-12x", "resnet18", "rpi3b-plus:2,rpi4-4gb:2,rpi5-8gb,phone-sd8g3", 32, 8,
-             note="fastest device 11.8x the slowest (40 vs 3.4 GFLOP/s)"),
-    Scenario("tight-memory", "gpt-mini", "rpi4-2gb:4,rpi3b-plus:2", 16, 4,
-             options={"d_model": 768, "n_layer": 12, "n_head": 12},
-             note="85M parameters: fits on no single device"),
-    Scenario("edge-to-gpu", "resnet18", "phone-sd8g3,jetson-nano,h100-sxm", 64, 8,
-             pin_first="phone-sd8g3-12gb", note="the phone holds the data; 400 Mb/s Wi-Fi uplink"),
-    Scenario("pi-cluster-15", "mobilenetv2",
-             "rpi4-4gb:6,rpi5-8gb:4,jetson-nano:2,phone-sd8g3:2,laptop", 64, 16,
-             note="15 devices: beyond the exact search, heuristic"),
-    Scenario("gpt-mixed", "gpt-mini", "rpi5-8gb:2,jetson-nano,nuc,laptop", 32, 8,
-             options={"n_layer": 8}),
-]  # fmt: skip
+    Scenario(
+        "edge-mix",
+        "vgg11",
+        "rpi4-4gb,jetson-nano,jetson-orin-nano,laptop",
+        64,
+        8,
+        note="the README example",
+    ),
+    Scenario(
+        "hetero-12x",
+        "resnet18",
+        "rpi3b-plus:2,rpi4-4gb:2,rpi5-8gb,phone-sd8g3",
+        32,
+        8,
+        note="fastest device 11.8x the slowest (40 vs 3.4 GFLOP/s)",
+    ),
+    Scenario(
+        "tight-memory",
+        "gpt-mini",
+        "rpi4-2gb:4,rpi3b-plus:2",
+        16,
+        4,
+        options={"d_model": 768, "n_layer": 12, "n_head": 12},
+        note="85M parameters: fits on no single device",
+    ),
+    Scenario(
+        "edge-to-gpu",
+        "resnet18",
+        "phone-sd8g3,jetson-nano,h100-sxm",
+        64,
+        8,
+        pin_first="phone-sd8g3-12gb",
+        note="the phone holds the data; 400 Mb/s Wi-Fi uplink",
+    ),
+    Scenario(
+        "pi-cluster-15",
+        "mobilenetv2",
+        "rpi4-4gb:6,rpi5-8gb:4,jetson-nano:2,phone-sd8g3:2,laptop",
+        64,
+        16,
+        note="15 devices: beyond the exact search, heuristic",
+    ),
+    Scenario(
+        "gpt-mixed", "gpt-mini", "rpi5-8gb:2,jetson-nano,nuc,laptop", 32, 8, options={"n_layer": 8}
+    ),
+]
 
 
 def evaluate(problem: PlanningProblem) -> dict[str, Any]:
@@ -98,15 +129,24 @@ def random_large(seed: int, devices: int = 64, units: int = 200) -> PlanningProb
     layers = []
     for i in range(units):
         flops = rng.lognormvariate(17, 1.2)
-        layers.append(LayerSpec(
-            name=f"u{i}", fwd_flops=flops, param_bytes=rng.lognormvariate(13, 1.5),
-            out_bytes=rng.lognormvariate(11, 1.0), act_bytes=rng.lognormvariate(11.5, 1.0),
-        ))  # fmt: skip
+        layers.append(
+            LayerSpec(
+                name=f"u{i}",
+                fwd_flops=flops,
+                param_bytes=rng.lognormvariate(13, 1.5),
+                out_bytes=rng.lognormvariate(11, 1.0),
+                act_bytes=rng.lognormvariate(11.5, 1.0),
+            )
+        )
     fleet = [rng.choice(catalogue).to_device_spec(f"dev{j:02d}") for j in range(devices)]
     return PlanningProblem(
-        version=1, batch_size=64, microbatches=16, layers=layers, devices=fleet,
+        version=1,
+        batch_size=64,
+        microbatches=16,
+        layers=layers,
+        devices=fleet,
         pin_first=fleet[0].id,
-    )  # fmt: skip
+    )
 
 
 def _fmt(sps: float | None, stages: int, feasible: bool = True) -> str:
@@ -161,9 +201,13 @@ def main() -> int:
     out: dict[str, Any] = {"scenarios": {}, "large": []}
     for sc in SCENARIOS:
         problem = build_problem(
-            sc.model, parse_fleet(sc.fleet), batch_size=sc.batch_size,
-            microbatches=sc.microbatches, pin_first=sc.pin_first, model_options=sc.options,
-        )  # fmt: skip
+            sc.model,
+            parse_fleet(sc.fleet),
+            batch_size=sc.batch_size,
+            microbatches=sc.microbatches,
+            pin_first=sc.pin_first,
+            model_options=sc.options,
+        )
         row = evaluate(problem)
         row.update(model=sc.model, fleet=sc.fleet, note=sc.note)
         out["scenarios"][sc.name] = row

@@ -71,8 +71,13 @@ class Case:
     seed: int = 5
 
     def spec(self) -> JobSpec:
-        return JobSpec(model=self.model, steps=self.steps, batch_size=self.batch_size,
-                       microbatches=self.microbatches, seed=self.seed)  # fmt: skip
+        return JobSpec(
+            model=self.model,
+            steps=self.steps,
+            batch_size=self.batch_size,
+            microbatches=self.microbatches,
+            seed=self.seed,
+        )
 
 
 CASES = {
@@ -130,17 +135,23 @@ def run_recovery(case: Case, url: str, reference: dict[str, Any]) -> Run:
     try:
         with LocalFleet(AGENTS, url, threads=1) as fleet:
             fleet.wait_online(control, timeout=120)
-            injector = FaultInjector([parse_fault(f"kill:1@{case.kill_step}")],
-                                     lambda _f, device: fleet.kill(device))  # fmt: skip
+            injector = FaultInjector(
+                [parse_fault(f"kill:1@{case.kill_step}")], lambda _f, device: fleet.kill(device)
+            )
             stages: list[int] = []
             started = time.perf_counter()
             got = run_resilient(
-                case.spec(), even_plan(fleet.ids, n_units), control,
-                lambda alive: even_plan(alive, n_units), list(fleet.ids),
-                replicate_every=case.replicate_every, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
-                faults=injector, timeout_s=600,
+                case.spec(),
+                even_plan(fleet.ids, n_units),
+                control,
+                lambda alive: even_plan(alive, n_units),
+                list(fleet.ids),
+                replicate_every=case.replicate_every,
+                heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+                faults=injector,
+                timeout_s=600,
                 on_attempt=lambda _job, plan, _first: stages.append(len(plan.stages)),
-            )  # fmt: skip
+            )
             wall = time.perf_counter() - started
     finally:
         control.close()
@@ -160,8 +171,9 @@ def _first_attempt(
     n_units = get_model(case.model).num_units
     plan = even_plan(fleet.ids, n_units)
     current = [st.device for st in plan.stages]
-    injector = FaultInjector([parse_fault(f"kill:1@{case.kill_step}")],
-                             lambda _f, device: fleet.kill(device))  # fmt: skip
+    injector = FaultInjector(
+        [parse_fault(f"kill:1@{case.kill_step}")], lambda _f, device: fleet.kill(device)
+    )
     injector.use_plan(current)
     losses: dict[int, float] = {}
 
@@ -179,8 +191,16 @@ def _first_attempt(
             return f"device {dead[0]} died" if dead else None
 
         try:
-            run_on_agents(case.spec(), plan, control, job=job, on_step=on_step, timeout_s=600,
-                          replicate_every=case.replicate_every, abort=abort)  # fmt: skip
+            run_on_agents(
+                case.spec(),
+                plan,
+                control,
+                job=job,
+                on_step=on_step,
+                timeout_s=600,
+                replicate_every=case.replicate_every,
+                abort=abort,
+            )
             raise RuntimeError(f"{case.model}: the job ended without the kill")
         except JobAborted:
             pass
@@ -219,8 +239,14 @@ def run_restart(case: Case, url: str, reference: dict[str, Any], work: Path) -> 
             first = restored.newest_complete(done)
             plan = even_plan(again.ids, len(units))
             job = new_job_id()
-            restore = {s: restored.compose(first, st.start, st.end, job, s)
-                       for s, st in enumerate(plan.stages)} if first > 0 else None  # fmt: skip
+            restore = (
+                {
+                    s: restored.compose(first, st.start, st.end, job, s)
+                    for s, st in enumerate(plan.stages)
+                }
+                if first > 0
+                else None
+            )
             planned = time.time()
             resumed: list[float] = []
 
@@ -228,16 +254,27 @@ def run_restart(case: Case, url: str, reference: dict[str, Any], work: Path) -> 
                 if not resumed:
                     resumed.append(time.time())
 
-            result = run_on_agents(case.spec(), plan, control, job=job, on_step=on_step,
-                                   timeout_s=600, first_step=first,
-                                   replicate_every=case.replicate_every,
-                                   restore=restore)  # fmt: skip
+            result = run_on_agents(
+                case.spec(),
+                plan,
+                control,
+                job=job,
+                on_step=on_step,
+                timeout_s=600,
+                first_step=first,
+                replicate_every=case.replicate_every,
+                restore=restore,
+            )
             wall = time.perf_counter() - started
     finally:
         control.close()
-    parts = {"detect_s": detected - killed, "teardown_s": torn_down - detected,
-             "agents_online_s": online - torn_down, "plan_restore_s": planned - online,
-             "first_step_s": resumed[0] - planned}  # fmt: skip
+    parts = {
+        "detect_s": detected - killed,
+        "teardown_s": torn_down - detected,
+        "agents_online_s": online - torn_down,
+        "plan_restore_s": planned - online,
+        "first_step_s": resumed[0] - planned,
+    }
     diff = max_rel_diff(result.weights, reference)
     plans = [stages, len(plan.stages)]
     return Run(resumed[0] - detected, resumed[0] - killed, wall, first, diff, parts, plans)
@@ -299,8 +336,13 @@ def main() -> int:
                 rows.append({**asdict(case), **summarize(case.model, recovery, restart)})
     finally:
         broker.stop()
-    out = {"agents": AGENTS, "threads_per_agent": 1, "broker": broker.kind,
-           "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S, "rows": rows}  # fmt: skip
+    out = {
+        "agents": AGENTS,
+        "threads_per_agent": 1,
+        "broker": broker.kind,
+        "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+        "rows": rows,
+    }
     if args.save is not None:
         args.save.write_text(json.dumps(out, indent=2) + "\n")
     if args.json:

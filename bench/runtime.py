@@ -45,8 +45,9 @@ def plain_loop(model: str, batch: int, steps: int, seed: int = 0) -> float:
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     data = build_dataset(spec.dataset, "train", **spec.dataset_options)
     gen = torch.Generator().manual_seed(seed)
-    loader = DataLoader(data, batch_size=batch, sampler=RandomSampler(data, generator=gen),
-                        drop_last=True)  # fmt: skip
+    loader = DataLoader(
+        data, batch_size=batch, sampler=RandomSampler(data, generator=gen), drop_last=True
+    )
     done = 0
     started = time.perf_counter()
     while done < steps:
@@ -67,10 +68,16 @@ def one_stage_plan(model: str) -> Plan:
 
 
 def edgetrain_one_stage(model: str, batch: int, steps: int, seed: int = 0) -> float:
-    spec = JobSpec.model_validate({
-        "model": model, "steps": steps, "batch_size": batch, "microbatches": 1, "seed": seed,
-        "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
-    })  # fmt: skip
+    spec = JobSpec.model_validate(
+        {
+            "model": model,
+            "steps": steps,
+            "batch_size": batch,
+            "microbatches": 1,
+            "seed": seed,
+            "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
+        }
+    )
     return run_inprocess(spec, one_stage_plan(model)).samples_per_s
 
 

@@ -172,13 +172,17 @@ class JobResult:
         out = []
         for s in range(len(self.plan.stages)):
             rs = [r for r in self.reports if r.stage == s]
-            out.append({
-                "stage": s, "compute_s": sum(r.compute_s for r in rs),
-                "wait_s": sum(r.wait_s for r in rs), "send_s": sum(r.send_s for r in rs),
-                "bytes_sent": sum(r.bytes_sent for r in rs),
-                "bytes_received": sum(r.bytes_received for r in rs),
-                "frames_dropped": max((r.frames_dropped for r in rs), default=0),
-            })  # fmt: skip
+            out.append(
+                {
+                    "stage": s,
+                    "compute_s": sum(r.compute_s for r in rs),
+                    "wait_s": sum(r.wait_s for r in rs),
+                    "send_s": sum(r.send_s for r in rs),
+                    "bytes_sent": sum(r.bytes_sent for r in rs),
+                    "bytes_received": sum(r.bytes_received for r in rs),
+                    "frames_dropped": max((r.frames_dropped for r in rs), default=0),
+                }
+            )
         return out
 
     def weights_bytes(self) -> bytes:

@@ -93,11 +93,23 @@ class LocalFleet:
     def _spawn(self, device: str, profile: str | None, slowdown: float) -> None:
         program = self.programs.get(device, [sys.executable, "-m", "edgetrain.cli"])
         cmd = [
-            *program, "agent", "--broker", self.broker_url,
-            "--device-id", device, "--data-dir", str(self.work_dir / device),
-            "--threads", str(self.threads), "--measure-seconds", str(self.measure_seconds),
-            "--heartbeat-s", "0.5", "--slowdown", str(slowdown),
-        ]  # fmt: skip
+            *program,
+            "agent",
+            "--broker",
+            self.broker_url,
+            "--device-id",
+            device,
+            "--data-dir",
+            str(self.work_dir / device),
+            "--threads",
+            str(self.threads),
+            "--measure-seconds",
+            str(self.measure_seconds),
+            "--heartbeat-s",
+            "0.5",
+            "--slowdown",
+            str(slowdown),
+        ]
         if profile:
             cmd += ["--profile", profile]
         if device in self.servers:

@@ -123,8 +123,15 @@ class Rebalancer:
         )
         cost = self.replicate_every * now.step_time_s + self.restart_s + moved * 8 / (slowest * 1e6)
         saved = steps_left * (now.step_time_s - new.step_time_s)
-        self.decisions.append({"now_s": now.step_time_s, "new_s": new.step_time_s, "gain": gain,
-                               "cost_s": cost, "saved_s": saved})  # fmt: skip
+        self.decisions.append(
+            {
+                "now_s": now.step_time_s,
+                "new_s": new.step_time_s,
+                "gain": gain,
+                "cost_s": cost,
+                "saved_s": saved,
+            }
+        )
         if gain > self.threshold and saved > cost:
             return new.plan
         return None

@@ -82,8 +82,9 @@ class DeviceRegistry:
 
     def devices(self) -> list[DeviceView]:
         with self._lock:
-            return [DeviceView(**asdict(d)) for d in sorted(self._devices.values(),
-                                                           key=lambda d: d.id)]  # fmt: skip
+            return [
+                DeviceView(**asdict(d)) for d in sorted(self._devices.values(), key=lambda d: d.id)
+            ]
 
     def get(self, device: str) -> DeviceView | None:
         with self._lock:
@@ -119,9 +120,13 @@ class DeviceRegistry:
         if persist or changed or now - self._persisted.get(device, 0) > _PERSIST_EVERY_S:
             self._persisted[device] = now
             self.store.upsert_device(
-                device, state=snapshot["state"], last_seen=snapshot["last_seen"],
-                profile=snapshot["profile"], job=snapshot["job"], stage=snapshot["stage"],
-            )  # fmt: skip
+                device,
+                state=snapshot["state"],
+                last_seen=snapshot["last_seen"],
+                profile=snapshot["profile"],
+                job=snapshot["job"],
+                stage=snapshot["stage"],
+            )
         if changed or "profile" in fields:
             self.bus.publish("device", snapshot)
 
@@ -133,8 +138,7 @@ class DeviceRegistry:
             return
         device = self._device_of(topic)
         seen = time.time() if status.state != "offline" else status.ts
-        self._update(device, state=status.state, job=status.job, stage=status.stage,
-                     last_seen=seen)  # fmt: skip
+        self._update(device, state=status.state, job=status.job, stage=status.stage, last_seen=seen)
 
     def _on_profile(self, topic: str, payload: bytes) -> None:
         device = self._device_of(topic)

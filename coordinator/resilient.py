@@ -200,8 +200,12 @@ class ResilientResult:
         for i, e in enumerate(self.events):
             if e["type"] == "migration":
                 after = next((x for x in self.events[i:] if x["type"] == "attempt_end"), None)
-                out.append({"before_sps": e["before_sps"],
-                            "after_sps": after["samples_per_s"] if after else None})  # fmt: skip
+                out.append(
+                    {
+                        "before_sps": e["before_sps"],
+                        "after_sps": after["samples_per_s"] if after else None,
+                    }
+                )
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -314,8 +318,13 @@ def run_resilient(
         """The attempt's steady samples/s: stage 0's step times after its first two steps."""
         times = [r.step_s for r in current_reports if r.stage == 0 and r.step >= first + 2]
         sps = spec.batch_size * len(times) / sum(times) if times and sum(times) > 0 else None
-        event("attempt_end", job=job, first_step=first, samples_per_s=sps,
-              steps=len({r.step for r in current_reports}))  # fmt: skip
+        event(
+            "attempt_end",
+            job=job,
+            first_step=first,
+            samples_per_s=sps,
+            steps=len({r.step for r in current_reports}),
+        )
 
     with DeviceWatch(control, devices, heartbeat_timeout_s) as watch, replicas.listening(control):
         for _ in range(max_recoveries + 1):
@@ -352,10 +361,17 @@ def run_resilient(
                 }
             try:
                 last = run_on_agents(
-                    spec, plan, control, job=job, on_step=stepped, timeout_s=timeout_s,
-                    first_step=first_step, replicate_every=replicate_every, restore=restore,
+                    spec,
+                    plan,
+                    control,
+                    job=job,
+                    on_step=stepped,
+                    timeout_s=timeout_s,
+                    first_step=first_step,
+                    replicate_every=replicate_every,
+                    restore=restore,
                     abort=abort,
-                )  # fmt: skip
+                )
                 attempt_end(job, first_step)
                 break
             except JobAborted:
@@ -403,9 +419,14 @@ def run_resilient(
             if not dead and migrate:  # no failure: a rebalance
                 plan = migrate["plan"]
                 pending.update(t=migrate["at"], kind="migration")
-                event("migration", rollback_to=first_step, redo_steps=done - first_step,
-                      before_sps=migrate["before_sps"], compute_s=migrate["compute_s"],
-                      plan=plan.to_json())  # fmt: skip
+                event(
+                    "migration",
+                    rollback_to=first_step,
+                    redo_steps=done - first_step,
+                    before_sps=migrate["before_sps"],
+                    compute_s=migrate["compute_s"],
+                    plan=plan.to_json(),
+                )
                 migrate.clear()
                 continue
             migrate.clear()
@@ -416,12 +437,22 @@ def run_resilient(
                 raise JobFailed("every device of the job died")
             plan = replan(alive)
             pending["t"] = detected
-            event("recovery", rollback_to=first_step, redo_steps=done - first_step,
-                  survivors=alive, plan=plan.to_json())  # fmt: skip
+            event(
+                "recovery",
+                rollback_to=first_step,
+                redo_steps=done - first_step,
+                survivors=alive,
+                plan=plan.to_json(),
+            )
         else:
             raise JobFailed(f"gave up after {max_recoveries} recoveries")
     result = JobResult(
-        last.job, plan, spec, [losses[s] for s in sorted(losses)], reports,
-        time.perf_counter() - started, last.weights,
-    )  # fmt: skip
+        last.job,
+        plan,
+        spec,
+        [losses[s] for s in sorted(losses)],
+        reports,
+        time.perf_counter() - started,
+        last.weights,
+    )
     return ResilientResult(result, events, recovery_s, rolled_back, len(losses))

@@ -74,14 +74,21 @@ def run_inprocess(
         try:
             rt.run()
         except Exception as exc:  # a stage's failure becomes the job's, with its reason
-            monitor.on_event(StageFailed(job=job, stage=rt.a.stage, device=rt.device,
-                                         error=f"{type(exc).__name__}: {exc}"))  # fmt: skip
+            monitor.on_event(
+                StageFailed(
+                    job=job,
+                    stage=rt.a.stage,
+                    device=rt.device,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
+            )
             for other in runtimes:
                 other.cancel()
             return
         if not rt.cancelled:
-            monitor.on_event(StageDone(job=job, stage=rt.a.stage, device=rt.device,
-                                       steps=spec.steps))  # fmt: skip
+            monitor.on_event(
+                StageDone(job=job, stage=rt.a.stage, device=rt.device, steps=spec.steps)
+            )
 
     # One stage (the single-device reference) runs in the caller's thread: no pipeline,
     # and torch's intra-op thread pool stays the caller's own.
@@ -105,8 +112,7 @@ def run_inprocess(
     weights: dict[str, torch.Tensor] = {}
     for rt in runtimes:
         weights.update({k: v.detach().clone() for k, v in rt.segment.state_dict().items()})
-    return JobResult(job, plan, spec, monitor.loss_list(spec.steps), monitor.reports, wall,
-                     weights)  # fmt: skip
+    return JobResult(job, plan, spec, monitor.loss_list(spec.steps), monitor.reports, wall, weights)
 
 
 def run_on_agents(
@@ -141,9 +147,13 @@ def run_on_agents(
     """
     job = job or new_job_id()
     assignments = make_assignments(
-        job, spec, plan, first_step=first_step, replicate_every=replicate_every,
+        job,
+        spec,
+        plan,
+        first_step=first_step,
+        replicate_every=replicate_every,
         restore=bool(restore),
-    )  # fmt: skip
+    )
     assignments, store = _server_group(assignments, plan, servers or {}, store_host)
     monitor = JobMonitor(job, len(assignments), on_step, abort)
     weights: dict[int, bytes] = {}
@@ -229,14 +239,24 @@ def _server_group(
         return assignments, None
     import torch.distributed as dist
 
-    store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=120))  # fmt: skip
+    store = dist.TCPStore(
+        "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
+    )
     cuda = all(servers[plan.stages[s].device].startswith("cuda") for s in stages)
-    group = DistGroup(store_host=host, store_port=store.port, world_size=len(stages),
-                      ranks={s: i for i, s in enumerate(stages)},
-                      backend="nccl" if cuda else "gloo")  # fmt: skip
-    log.info("stages %s form a torch.distributed group (%s) with the store on port %d",
-             stages, group.backend, store.port)  # fmt: skip
-    out = [a.model_copy(update={"dist": group}) if a.stage in group.ranks else a
-           for a in assignments]  # fmt: skip
+    group = DistGroup(
+        store_host=host,
+        store_port=store.port,
+        world_size=len(stages),
+        ranks={s: i for i, s in enumerate(stages)},
+        backend="nccl" if cuda else "gloo",
+    )
+    log.info(
+        "stages %s form a torch.distributed group (%s) with the store on port %d",
+        stages,
+        group.backend,
+        store.port,
+    )
+    out = [
+        a.model_copy(update={"dist": group}) if a.stage in group.ranks else a for a in assignments
+    ]
     return out, store

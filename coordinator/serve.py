@@ -28,8 +28,13 @@ def serve_in_thread(settings: Settings, start_timeout_s: float = 60.0) -> Iterat
 
     from coordinator.app import create_app
 
-    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
-                            log_level="warning", timeout_graceful_shutdown=3)  # fmt: skip
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        timeout_graceful_shutdown=3,
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="coordinator", daemon=True)
     thread.start()

@@ -212,9 +212,13 @@ class JobManager:
             self.store.add_job_event(job, "replan", detail)
             stages = len(devices)
         problem = build_problem(
-            spec.model, devices, batch_size=spec.batch_size, microbatches=spec.microbatches,
-            model_options=spec.model_options, pin_first=spec.pin_first,
-        )  # fmt: skip
+            spec.model,
+            devices,
+            batch_size=spec.batch_size,
+            microbatches=spec.microbatches,
+            model_options=spec.model_options,
+            pin_first=spec.pin_first,
+        )
         found = plan_job(
             problem,
             partition=spec.partition,
@@ -224,15 +228,24 @@ class JobManager:
         )
         score = found.score
         sim = simulate(problem, score.plan, spec.schedule)
-        self.store.set_job_plan(job, {
-            **score.to_json(), "method": found.method, "exact": found.exact,
-            "partition": spec.partition, "stages_asked": spec.stages,
-            "compute_s": score.compute_s, "link_s": score.link_s,
-            "units": [la.name for la in problem.layers],
-            "baselines": {k: {"throughput_sps": b.throughput_sps, "feasible": b.feasible}
-                          for k, b in run_baselines(problem).items()},
-            "simulation": sim.to_json(),
-        })  # fmt: skip
+        self.store.set_job_plan(
+            job,
+            {
+                **score.to_json(),
+                "method": found.method,
+                "exact": found.exact,
+                "partition": spec.partition,
+                "stages_asked": spec.stages,
+                "compute_s": score.compute_s,
+                "link_s": score.link_s,
+                "units": [la.name for la in problem.layers],
+                "baselines": {
+                    k: {"throughput_sps": b.throughput_sps, "feasible": b.feasible}
+                    for k, b in run_baselines(problem).items()
+                },
+                "simulation": sim.to_json(),
+            },
+        )
         return score.plan
 
     def _run(self, job: str, spec: JobSpec, allowed: list[str] | None) -> None:
@@ -272,17 +285,24 @@ class JobManager:
             if spec.replicate_every > 0:
                 result = self._run_resilient(job, spec, allowed, plan, on_step)
             else:
-                result = run_on_agents(spec, plan, self.control, job=job, on_step=on_step,
-                                       ready_timeout_s=self.ready_timeout_s,
-                                       servers=self._servers())  # fmt: skip
+                result = run_on_agents(
+                    spec,
+                    plan,
+                    self.control,
+                    job=job,
+                    on_step=on_step,
+                    ready_timeout_s=self.ready_timeout_s,
+                    servers=self._servers(),
+                )
         except JobFailed as exc:
             self._finish(job, "failed", str(exc), finished=time.time())
             return
         path = self.store.model_path(job)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(result.weights_bytes())
-        self._finish(job, "completed", None, finished=time.time(),
-                     samples_per_s=result.samples_per_s)  # fmt: skip
+        self._finish(
+            job, "completed", None, finished=time.time(), samples_per_s=result.samples_per_s
+        )
 
     def _run_resilient(
         self,
@@ -334,20 +354,35 @@ class JobManager:
         control.connect(timeout=15)
         try:
             got = run_resilient(
-                spec, plan, control, replan, devices, replicate_every=spec.replicate_every,
-                on_step=step, replicas=replicas, first_step=first_step, on_attempt=on_attempt,
+                spec,
+                plan,
+                control,
+                replan,
+                devices,
+                replicate_every=spec.replicate_every,
+                on_step=step,
+                replicas=replicas,
+                first_step=first_step,
+                on_attempt=on_attempt,
                 faults=injector,
-            )  # fmt: skip
+            )
         finally:
             control.close()
         for e in got.events:
             if e["type"] in ("failure", "recovery", "migration", "broker-lost", "resumed"):
                 self.store.add_job_event(job, e["type"], e)
         for fault in injector.pending if injector is not None else []:
-            self.store.add_job_event(job, "fault", {
-                "fault": str(fault), "fired": False,
-                "why": f"no stage {fault.stage} was running when step {fault.step} was reported",
-            })  # fmt: skip
+            self.store.add_job_event(
+                job,
+                "fault",
+                {
+                    "fault": str(fault),
+                    "fired": False,
+                    "why": (
+                        f"no stage {fault.stage} was running when step {fault.step} was reported"
+                    ),
+                },
+            )
         with self._lock:
             self._attempt.pop(job, None)
         return got.result
@@ -377,8 +412,11 @@ class JobManager:
     def _servers(self) -> dict[str, str]:
         """Devices that announced themselves as server tier (``edgetrain agent --server`` or
         ``--device cuda``): their stages of a job form one torch.distributed group."""
-        profiles = {d.id: DeviceSpec.model_validate({**d.profile, "id": d.id})
-                    for d in self.registry.devices() if d.profile}  # fmt: skip
+        profiles = {
+            d.id: DeviceSpec.model_validate({**d.profile, "id": d.id})
+            for d in self.registry.devices()
+            if d.profile
+        }
         return server_tier(profiles)
 
     def _wait_idle(self, devices: list[str], timeout_s: float) -> None:
@@ -407,8 +445,9 @@ class JobManager:
         faults = [f for f in (parse_fault(t) for t in spec.faults) if str(f) not in fired]
 
         def record(fault: Fault, **detail: Any) -> None:
-            self.store.add_job_event(job, "fault", {"fault": str(fault), "fired": True,
-                                                    "step": fault.step, **detail})  # fmt: skip
+            self.store.add_job_event(
+                job, "fault", {"fault": str(fault), "fired": True, "step": fault.step, **detail}
+            )
 
         def join(fault: Fault) -> None:
             try:

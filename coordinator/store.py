@@ -69,10 +69,20 @@ from coordinator.store_schema import (
 from edge.messages import StepReport
 
 __all__ = [
-    "MIGRATIONS", "SCHEMA_VERSION", "TERMINAL", "TRANSITIONS",
-    "DeviceRecord", "DeviceState", "JobEventRecord", "JobRecord", "JobState", "Migration",
-    "NotFoundError", "Store", "StoreError",
-]  # fmt: skip
+    "MIGRATIONS",
+    "SCHEMA_VERSION",
+    "TERMINAL",
+    "TRANSITIONS",
+    "DeviceRecord",
+    "DeviceState",
+    "JobEventRecord",
+    "JobRecord",
+    "JobState",
+    "Migration",
+    "NotFoundError",
+    "Store",
+    "StoreError",
+]
 
 SCHEMA_VERSION = 1
 Migration = Callable[[Connection], None]
@@ -221,10 +231,13 @@ class Store:
         """A new ``pending`` job; ``ValueError`` if the id is taken or unusable."""
         _check_job_id(job_id)
         row = _Job(
-            id=job_id, spec=_as_json(spec), state="pending",
-            created=time.time() if created is None else created, steps_done=0,
+            id=job_id,
+            spec=_as_json(spec),
+            state="pending",
+            created=time.time() if created is None else created,
+            steps_done=0,
             devices_allowed=None if devices_allowed is None else list(devices_allowed),
-        )  # fmt: skip
+        )
         try:
             with self._write() as s:
                 s.add(row)
@@ -274,8 +287,12 @@ class Store:
         final state stamps ``finished`` unless given; every change of state is
         also a ``state`` event in :meth:`job_events`.
         """
-        fields = {"started": started, "finished": finished, "steps_done": steps_done,
-                  "samples_per_s": samples_per_s}  # fmt: skip
+        fields = {
+            "started": started,
+            "finished": finished,
+            "steps_done": steps_done,
+            "samples_per_s": samples_per_s,
+        }
         with self._write() as s:
             row = _get_job(s, job_id)
             _transition(s, row, state, reason, time.time())
@@ -321,12 +338,20 @@ class Store:
         if report.job != job_id:
             raise ValueError(f"a report of job {report.job} given for job {job_id}")
         values = {
-            "job_id": job_id, "step": report.step, "stage": report.stage,
-            "device": report.device, "loss": report.loss, "compute_s": report.compute_s,
-            "wait_s": report.wait_s, "send_s": report.send_s, "step_s": report.step_s,
-            "bytes_sent": report.bytes_sent, "bytes_received": report.bytes_received,
-            "frames_dropped": report.frames_dropped, "ts": report.ts,
-        }  # fmt: skip
+            "job_id": job_id,
+            "step": report.step,
+            "stage": report.stage,
+            "device": report.device,
+            "loss": report.loss,
+            "compute_s": report.compute_s,
+            "wait_s": report.wait_s,
+            "send_s": report.send_s,
+            "step_s": report.step_s,
+            "bytes_sent": report.bytes_sent,
+            "bytes_received": report.bytes_received,
+            "frames_dropped": report.frames_dropped,
+            "ts": report.ts,
+        }
         keys = ("job_id", "step", "stage")
         stmt = insert(_JobStep).values(values)
         stmt = stmt.on_conflict_do_update(
@@ -355,8 +380,12 @@ class Store:
         """Log something that happened to a job: a stage failure, a re-plan, a cancel request."""
         with self._write() as s:
             _get_job(s, job_id)
-            row = _JobEvent(job_id=job_id, ts=time.time(), kind=kind,
-                            detail=None if detail is None else dict(detail))  # fmt: skip
+            row = _JobEvent(
+                job_id=job_id,
+                ts=time.time(),
+                kind=kind,
+                detail=None if detail is None else dict(detail),
+            )
             s.add(row)
             s.flush()
             return JobEventRecord.model_validate(row)
@@ -373,8 +402,12 @@ def _on_connect(dbapi_conn: Any, _record: Any) -> None:
     # it is switched off here and _on_begin emits BEGIN (SQLAlchemy's documented recipe).
     dbapi_conn.isolation_level = None
     cursor = dbapi_conn.cursor()
-    for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "foreign_keys=ON",
-                   "busy_timeout=10000"):  # fmt: skip
+    for pragma in (
+        "journal_mode=WAL",
+        "synchronous=NORMAL",
+        "foreign_keys=ON",
+        "busy_timeout=10000",
+    ):
         cursor.execute(f"PRAGMA {pragma}")
     cursor.close()
 

@@ -14,9 +14,14 @@ from sqlalchemy import JSON, ForeignKey
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 __all__ = [
-    "TERMINAL", "TRANSITIONS", "DeviceRecord", "DeviceState", "JobEventRecord", "JobRecord",
+    "TERMINAL",
+    "TRANSITIONS",
+    "DeviceRecord",
+    "DeviceState",
+    "JobEventRecord",
+    "JobRecord",
     "JobState",
-]  # fmt: skip
+]
 
 DeviceState = Literal["online", "offline", "busy"]
 JobState = Literal["pending", "planning", "running", "completed", "failed", "cancelled"]

@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 from edge.errors import UserError
 from edge.logs import bind
@@ -132,16 +133,19 @@ class Agent:
 
     # -- connection ------------------------------------------------------------------
 
-    def _status(self, state: str) -> DeviceStatus:
+    def _status(self, state: Literal["online", "offline", "busy"]) -> DeviceStatus:
         rt = self._runtime
         return DeviceStatus(
-            device=self.device_id, state=state, version=self.version,  # type: ignore[arg-type]
-            job=rt.a.job if rt else None, stage=rt.a.stage if rt else None,
-        )  # fmt: skip
+            device=self.device_id,
+            state=state,
+            version=self.version,
+            job=rt.a.job if rt else None,
+            stage=rt.a.stage if rt else None,
+        )
 
     def _announce(self) -> None:
         """On every (re)connect: status and profile, retained."""
-        state = "busy" if self._runtime is not None else "online"
+        state: Literal["online", "busy"] = "busy" if self._runtime is not None else "online"
         self.transport.publish(
             device_status(self.device_id), self._status(state).model_dump_json(), 1, True
         )
@@ -185,8 +189,12 @@ class Agent:
                 with contextlib.suppress(ConnectionError):
                     self._announce()
             rt = self._runtime
-            beat = Heartbeat(device=self.device_id, job=rt.a.job if rt else None,
-                             stage=rt.a.stage if rt else None, step=self._step)  # fmt: skip
+            beat = Heartbeat(
+                device=self.device_id,
+                job=rt.a.job if rt else None,
+                stage=rt.a.stage if rt else None,
+                step=self._step,
+            )
             # While the broker is away publishing fails; paho reconnects, _announce runs again.
             with contextlib.suppress(ConnectionError):
                 self.transport.publish(device_heartbeat(self.device_id), beat.model_dump_json(), 0)
@@ -256,16 +264,24 @@ class Agent:
                     continue
                 job = getattr(cmd, "job", "unknown")
                 stage = getattr(cmd, "stage", 0)
-                self._event(StageFailed(job=job, stage=stage, device=self.device_id,
-                                        error=f"{type(exc).__name__}: {exc}"))  # fmt: skip
+                self._event(
+                    StageFailed(
+                        job=job,
+                        stage=stage,
+                        device=self.device_id,
+                        error=f"{type(exc).__name__}: {exc}",
+                    )
+                )
 
     def _event(self, event: StageReady | StepReport | StageDone | StageFailed) -> None:
         if isinstance(event, StepReport):
             self._step = event.step
             bind(log, job=event.job, stage=event.stage, step=event.step).info(
                 "step done in %.3f s (compute %.3f, wait %.3f)",
-                event.step_s, event.compute_s, event.wait_s,
-            )  # fmt: skip
+                event.step_s,
+                event.compute_s,
+                event.wait_s,
+            )
         try:
             self.transport.publish(job_events(event.job), event.model_dump_json(), 1)
         except ConnectionError as exc:
@@ -277,20 +293,33 @@ class Agent:
             self._retire(busy)  # a cancelled attempt, or a re-plan of this job
             busy = None
         if busy is not None:
-            self._event(StageFailed(job=a.job, stage=a.stage, device=self.device_id,
-                                    error=f"busy with job {busy.a.job}"))  # fmt: skip
+            self._event(
+                StageFailed(
+                    job=a.job,
+                    stage=a.stage,
+                    device=self.device_id,
+                    error=f"busy with job {busy.a.job}",
+                )
+            )
             return
-        bind(log, job=a.job, stage=a.stage).info("assigned units [%d, %d) of %s", a.start, a.end,
-                                                 a.model)  # fmt: skip
+        bind(log, job=a.job, stage=a.stage).info(
+            "assigned units [%d, %d) of %s", a.start, a.end, a.model
+        )
         self.replicas.forget_other_jobs(a.job)
         replicate = self._replicator(a) if a.replicate_every else None
         transport: Transport = self.transport
         if a.dist is not None:  # blocks until every rank of the group has joined
             transport = join_group(a, self.transport)
         try:
-            rt = StageRuntime(a, transport, device=self.device_id, report=self._event,
-                              slowdown=self.slowdown, replicate=replicate,
-                              torch_device=self.torch_device)  # fmt: skip
+            rt = StageRuntime(
+                a,
+                transport,
+                device=self.device_id,
+                report=self._event,
+                slowdown=self.slowdown,
+                replicate=replicate,
+                torch_device=self.torch_device,
+            )
         except BaseException:
             if a.dist is not None:
                 leave_group()
@@ -306,8 +335,9 @@ class Agent:
             raise
         self._runtime = rt
         self._announce()
-        self._event(StageReady(job=a.job, stage=a.stage, device=self.device_id,
-                               parameters=rt.parameters))  # fmt: skip
+        self._event(
+            StageReady(job=a.job, stage=a.stage, device=self.device_id, parameters=rt.parameters)
+        )
 
     def _retire(self, rt: StageRuntime) -> None:
         """Stop ``rt`` (if it runs, wait a bounded time for it) and forget it."""
@@ -420,8 +450,7 @@ class Agent:
                 out.mkdir(parents=True, exist_ok=True)
                 (out / f"stage{a.stage}.safetensors").write_bytes(weights)
                 self.transport.publish(job_weights(a.job, a.stage), weights, 1)
-                self._event(StageDone(job=a.job, stage=a.stage, device=self.device_id,
-                                      steps=steps))  # fmt: skip
+                self._event(StageDone(job=a.job, stage=a.stage, device=self.device_id, steps=steps))
                 bind(log, job=a.job, stage=a.stage).info(
                     "job done: %d steps in %.1f s", steps, time.perf_counter() - started
                 )
@@ -430,8 +459,14 @@ class Agent:
                 bind(log, job=a.job, stage=a.stage).info("stage cancelled (%s)", exc)
             else:
                 bind(log, job=a.job, stage=a.stage).exception("stage failed")
-                self._event(StageFailed(job=a.job, stage=a.stage, device=self.device_id,
-                                        error=f"{type(exc).__name__}: {exc}"))  # fmt: skip
+                self._event(
+                    StageFailed(
+                        job=a.job,
+                        stage=a.stage,
+                        device=self.device_id,
+                        error=f"{type(exc).__name__}: {exc}",
+                    )
+                )
         finally:
             if a.dist is not None:
                 leave_group()

@@ -374,8 +374,11 @@ def profile_device(
     if dev.type == "cuda":
         gpu = gpu_profile(dev, seconds)
         gflops, memory = gpu.tflops(precision) * 1e3, gpu.memory_free_bytes
-        size, rounds = (gpu.bf16_size, gpu.bf16_rounds) if precision == "bf16" else (
-            gpu.fp32_size, gpu.fp32_rounds)  # fmt: skip
+        size, rounds = (
+            (gpu.bf16_size, gpu.bf16_rounds)
+            if precision == "bf16"
+            else (gpu.fp32_size, gpu.fp32_rounds)
+        )
         dtype = "torch.bfloat16" if precision == "bf16" else "torch.float32"
         matmul = {"dtype": dtype, "size": size, "repeats": rounds}
         threads = torch.get_num_threads()

@@ -135,8 +135,12 @@ DTYPES: dict[int, torch.dtype] = {
     7: torch.float64,
 }
 _DTYPE_CODES = {dt: code for code, dt in DTYPES.items()}
-_WIRE_DTYPE = {Codec.FP32: torch.float32, Codec.FP16: torch.float16, Codec.BF16: torch.bfloat16,
-               Codec.INT8: torch.int8}  # fmt: skip
+_WIRE_DTYPE = {
+    Codec.FP32: torch.float32,
+    Codec.FP16: torch.float16,
+    Codec.BF16: torch.bfloat16,
+    Codec.INT8: torch.int8,
+}
 
 
 _ALIGN = 16
@@ -269,9 +273,20 @@ def encode_frame(
         t = t.to(_WIRE_DTYPE[codec])
     payload = _bytes_of(t)
     prefix = _PREFIXES[t.ndim].pack(
-        MAGIC, VERSION, int(kind), int(codec), dtype_code, t.ndim, job.encode(),
-        step, microbatch, scale, payload.nbytes, crc32c(payload), *t.shape,
-    )  # fmt: skip
+        MAGIC,
+        VERSION,
+        int(kind),
+        int(codec),
+        dtype_code,
+        t.ndim,
+        job.encode(),
+        step,
+        microbatch,
+        scale,
+        payload.nbytes,
+        crc32c(payload),
+        *t.shape,
+    )
     return b"".join((prefix, payload))
 
 
@@ -301,8 +316,9 @@ def decode_frame(data: bytes | bytearray | memoryview) -> Frame:
     view = memoryview(data)
     if len(view) < HEADER.size:
         raise FrameError("truncated", f"{len(view)} bytes is shorter than the header")
-    (magic, version, kind, codec, dtype, ndim, job_raw, step, mb, scale, length,
-     checksum) = HEADER.unpack_from(view)  # fmt: skip
+    (magic, version, kind, codec, dtype, ndim, job_raw, step, mb, scale, length, checksum) = (
+        HEADER.unpack_from(view)
+    )
     if magic != MAGIC:
         raise FrameError("bad-magic", f"magic {magic!r}")
     if version != VERSION:

@@ -70,9 +70,12 @@ def _wait_job(api: httpx.Client, job: str, progress: Progress | None, steps: int
         if progress is not None and task is not None and record["latest"]:
             latest = record["latest"]
             sps = (record["spec"]["batch_size"] / latest["step_s"]) if latest["step_s"] else 0
-            progress.update(task, completed=record["steps_done"],
-                            loss=f"{latest['loss']:.4f}" if latest["loss"] else "-",
-                            sps=f"{sps:.0f}")  # fmt: skip
+            progress.update(
+                task,
+                completed=record["steps_done"],
+                loss=f"{latest['loss']:.4f}" if latest["loss"] else "-",
+                sps=f"{sps:.0f}",
+            )
         if record["state"] in ("completed", "failed", "cancelled"):
             return dict(record)
         time.sleep(0.3)
@@ -112,8 +115,12 @@ def demo_command(
         with tempfile.TemporaryDirectory(prefix="edgetrain-demo-") as tmp:
             from pathlib import Path
 
-            settings = Settings(broker_url=broker.url, data_dir=Path(tmp),
-                                api_token=SecretStr(token), port=port or free_port())  # fmt: skip
+            settings = Settings(
+                broker_url=broker.url,
+                data_dir=Path(tmp),
+                api_token=SecretStr(token),
+                port=port or free_port(),
+            )
             url = f"http://{settings.host}:{settings.port}"
             with (
                 serve_in_thread(settings),
@@ -140,19 +147,31 @@ def demo_command(
                     if time.monotonic() > deadline:
                         raise UserError("the emulated devices did not come online")
                     time.sleep(0.2)
-                body = {"model": "cnn-digits", "model_options": MODEL_OPTIONS,
-                        "dataset": "digits", "steps": steps,
-                        "batch_size": batch_size, "microbatches": microbatches,
-                        "optimizer": {"name": "sgd", "lr": lr, "momentum": 0.9},
-                        "pin_first": agents.ids[0]}  # fmt: skip
+                body = {
+                    "model": "cnn-digits",
+                    "model_options": MODEL_OPTIONS,
+                    "dataset": "digits",
+                    "steps": steps,
+                    "batch_size": batch_size,
+                    "microbatches": microbatches,
+                    "optimizer": {"name": "sgd", "lr": lr, "momentum": 0.9},
+                    "pin_first": agents.ids[0],
+                }
                 created = api.post("/api/v1/jobs", json=body)
                 created.raise_for_status()
                 job = created.json()["id"]
-                bar = None if json_out else Progress(
-                    TextColumn("training"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("loss {task.fields[loss]}"),
-                    TextColumn("{task.fields[sps]} samples/s"), console=console,
-                )  # fmt: skip
+                bar = (
+                    None
+                    if json_out
+                    else Progress(
+                        TextColumn("training"),
+                        BarColumn(),
+                        MofNCompleteColumn(),
+                        TextColumn("loss {task.fields[loss]}"),
+                        TextColumn("{task.fields[sps]} samples/s"),
+                        console=console,
+                    )
+                )
                 if bar is not None:
                     bar.start()
                 try:
@@ -187,11 +206,20 @@ def demo_command(
                     table.add_row(str(s), st["device"], emulates, units, compute, link)
                 console.print(table)
                 summary = {
-                    "accuracy": accuracy, "samples_per_s": record["samples_per_s"],
+                    "accuracy": accuracy,
+                    "samples_per_s": record["samples_per_s"],
                     "single_device_samples_per_s": single_record["samples_per_s"],
-                    "plan": {k: plan[k] for k in ("stages", "step_time_s", "bottleneck_s",
-                                                  "throughput_sps", "feasible")},
-                }  # fmt: skip
+                    "plan": {
+                        k: plan[k]
+                        for k in (
+                            "stages",
+                            "step_time_s",
+                            "bottleneck_s",
+                            "throughput_sps",
+                            "feasible",
+                        )
+                    },
+                }
                 console.print(
                     f"test accuracy {accuracy:.3f}; {record['samples_per_s']:.0f} samples/s "
                     f"on the plan, {single_record['samples_per_s']:.0f} on the fastest device "

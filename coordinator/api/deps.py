@@ -22,8 +22,14 @@ from coordinator.service import JobManager
 from coordinator.store import Store
 
 __all__ = [
-    "ManagerDep", "ReadAuth", "RegistryDep", "Services", "ServicesDep", "StoreDep", "WriteAuth",
-]  # fmt: skip
+    "ManagerDep",
+    "ReadAuth",
+    "RegistryDep",
+    "Services",
+    "ServicesDep",
+    "StoreDep",
+    "WriteAuth",
+]
 
 
 @dataclass

@@ -181,13 +181,17 @@ def jobs_command(
             return
         spec = job["spec"]
         lines = {
-            "id": job["id"], "state": job["state"], "reason": job.get("reason") or "-",
-            "model": spec.get("model"), "dataset": spec.get("dataset"),
+            "id": job["id"],
+            "state": job["state"],
+            "reason": job.get("reason") or "-",
+            "model": spec.get("model"),
+            "dataset": spec.get("dataset"),
             "steps": f"{job['steps_done']}/{spec.get('steps', '?')}",
             "batch": f"{spec.get('batch_size')} in {spec.get('microbatches')} microbatches",
             "samples/s": f"{job['samples_per_s']:.1f}" if job.get("samples_per_s") else "-",
-            "created": _when(job["created"]), "finished": _when(job.get("finished")),
-        }  # fmt: skip
+            "created": _when(job["created"]),
+            "finished": _when(job.get("finished")),
+        }
         latest = job.get("latest") or {}
         if latest.get("loss") is not None:
             lines["loss"] = f"{latest['loss']:.4f}"
@@ -199,12 +203,17 @@ def jobs_command(
         _echo_json(jobs)
         return
     rows = [
-        [j["id"], j["state"], str(j["spec"].get("model", "?")),
-         f"{j['steps_done']}/{j['spec'].get('steps', '?')}",
-         f"{j['samples_per_s']:.1f}" if j.get("samples_per_s") else "-",
-         _when(j["created"]), j.get("reason") or ""]
+        [
+            j["id"],
+            j["state"],
+            str(j["spec"].get("model", "?")),
+            f"{j['steps_done']}/{j['spec'].get('steps', '?')}",
+            f"{j['samples_per_s']:.1f}" if j.get("samples_per_s") else "-",
+            _when(j["created"]),
+            j.get("reason") or "",
+        ]
         for j in jobs["data"]
-    ]  # fmt: skip
+    ]
     columns = ["id", "state", "model", "steps", "samples/s", "created", "reason"]
     _table(f"jobs ({jobs['count']})", columns, rows)
 

@@ -39,7 +39,7 @@ def coordinator_command(
         from coordinator.app import create_app
         from coordinator.core.config import get_settings
 
-    settings = get_settings(host=host, port=port, broker_url=broker, data_dir=data_dir,
-                            testbed_state=testbed_state)  # fmt: skip
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level=log_level)  # fmt: skip
+    settings = get_settings(
+        host=host, port=port, broker_url=broker, data_dir=data_dir, testbed_state=testbed_state
+    )
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level)

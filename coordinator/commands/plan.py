@@ -106,9 +106,13 @@ def _print_report(problem: PlanningProblem, result: SearchResult) -> None:
         units = names[st.start : st.end]
         shown = ",".join(units) if len(units) <= 4 else f"{units[0]}..{units[-1]} ({len(units)})"
         table.add_row(
-            str(s), st.device, shown, f"{score.compute_s[s] * 1e3:.2f}{mark}", link,
+            str(s),
+            st.device,
+            shown,
+            f"{score.compute_s[s] * 1e3:.2f}{mark}",
+            link,
             f"{score.memory_bytes[s] / 1e6:.0f}/{score.memory_limit_bytes[s] / 1e6:.0f}",
-        )  # fmt: skip
+        )
     console = Console()
     console.print(table)
     console.print(
@@ -130,8 +134,10 @@ def _print_report(problem: PlanningProblem, result: SearchResult) -> None:
         base.add_column(col, justify="left" if col == "baseline" else "right")
     for name, b in run_baselines(problem).items():
         base.add_row(
-            name, f"{b.throughput_sps:.1f}", f"{b.step_time_s * 1e3:.1f}",
+            name,
+            f"{b.throughput_sps:.1f}",
+            f"{b.step_time_s * 1e3:.1f}",
             f"{b.step_time_s / score.step_time_s:.2f}x",
             "yes" if b.feasible else "no: " + b.reasons[0],
-        )  # fmt: skip
+        )
     console.print(base)

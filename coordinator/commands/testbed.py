@@ -65,9 +65,15 @@ def _print_devices(rows: list[dict[str, Any]]) -> None:
     for column in ("device", "emulates", "cpus", "memory", "bandwidth", "latency", "state"):
         table.add_column(column)
     for r in rows:
-        table.add_row(r["id"], r["emulates"], f"{r['cpus']:.3g}", _size(r["memory_bytes"]),
-                      f"{r['bandwidth_mbps']:g} Mbit/s", f"{r['latency_ms']:g} ms",
-                      r.get("state", "online"))  # fmt: skip
+        table.add_row(
+            r["id"],
+            r["emulates"],
+            f"{r['cpus']:.3g}",
+            _size(r["memory_bytes"]),
+            f"{r['bandwidth_mbps']:g} Mbit/s",
+            f"{r['latency_ms']:g} ms",
+            r.get("state", "online"),
+        )
     console = Console(soft_wrap=True)
     if not console.is_terminal:  # a pipe or a file: no 80-column truncation of names
         console = Console(soft_wrap=True, width=160)
@@ -105,9 +111,15 @@ def up_command(
     if method not in ("auto", "kernel", "software"):
         raise UserError(f"--method: {method!r} is not auto, kernel or software")
     specs = parse_fleet(devices)
-    bed = Testbed.up(specs, scale=scale, state_dir=_state_dir(state_dir),
-                     method=cast(MethodChoice, method), links=_parse_links(link),
-                     coordinator=not no_coordinator, online_timeout_s=timeout_s)  # fmt: skip
+    bed = Testbed.up(
+        specs,
+        scale=scale,
+        state_dir=_state_dir(state_dir),
+        method=cast(MethodChoice, method),
+        links=_parse_links(link),
+        coordinator=not no_coordinator,
+        online_timeout_s=timeout_s,
+    )
     _print_devices(bed.state.devices)
     typer.echo(f"limits: {bed.method_line}")
     typer.echo(f"this machine: {bed.core_gflops:.1f} GFLOP/s per core (fp32 matmul, 1 thread)")

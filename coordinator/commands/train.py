@@ -47,9 +47,13 @@ def _plan(
         )
         stages = len(devices)
     problem = build_problem(
-        spec.model, devices, batch_size=spec.batch_size, microbatches=spec.microbatches,
-        pin_first=devices[0].id, model_options=spec.model_options,
-    )  # fmt: skip
+        spec.model,
+        devices,
+        batch_size=spec.batch_size,
+        microbatches=spec.microbatches,
+        pin_first=devices[0].id,
+        model_options=spec.model_options,
+    )
     found = plan_job(
         problem, partition=spec.partition, stages=stages, codec=spec.codec, where="these devices"
     )
@@ -159,8 +163,9 @@ def train_command(
     if transport != "dist" and (replicas > 1 or device != "cpu"):
         raise UserError("--replicas and --device are for --transport dist")
     if device not in ("cpu", "cuda") or precision not in ("fp32", "bf16"):
-        raise UserError(f"--device {device!r} / --precision {precision!r}: "
-                        "expected cpu or cuda / fp32 or bf16")  # fmt: skip
+        raise UserError(
+            f"--device {device!r} / --precision {precision!r}: expected cpu or cuda / fp32 or bf16"
+        )
     if servers and (transport != "mqtt" or servers > devices):
         raise UserError("--servers K needs --transport mqtt and K <= --devices")
     if servers and fault:
@@ -173,14 +178,28 @@ def train_command(
         per = "" if replicas == 1 else f" / --replicas {replicas}"
         raise UserError(f"--stages {stages} is more than --devices {devices}{per}")
     try:
-        spec = JobSpec.model_validate({
-            "model": model, "model_options": parse_options(option), "dataset": dataset,
-            "steps": steps, "batch_size": batch_size, "microbatches": microbatches,
-            "schedule": schedule, "codec": codec, "seed": seed, "precision": precision,
-            "partition": partition, "stages": stages,
-            "optimizer": {"name": optimizer, "lr": lr, "momentum": momentum,
-                          "weight_decay": weight_decay},
-        })  # fmt: skip
+        spec = JobSpec.model_validate(
+            {
+                "model": model,
+                "model_options": parse_options(option),
+                "dataset": dataset,
+                "steps": steps,
+                "batch_size": batch_size,
+                "microbatches": microbatches,
+                "schedule": schedule,
+                "codec": codec,
+                "seed": seed,
+                "precision": precision,
+                "partition": partition,
+                "stages": stages,
+                "optimizer": {
+                    "name": optimizer,
+                    "lr": lr,
+                    "momentum": momentum,
+                    "weight_decay": weight_decay,
+                },
+            }
+        )
     except ValidationError as exc:
         raise UserError(describe_validation_error(exc, "train")) from None
     if batch_size % (microbatches * replicas):
@@ -213,11 +232,14 @@ def train_command(
         if transport == "inprocess":
             result, broker_name, score = _run_inprocess(spec, devices, progress)
         elif transport == "dist":
-            result, score = _run_dist(spec, devices, replicas, device, precision,
-                                      threads, progress)  # fmt: skip
+            result, score = _run_dist(spec, devices, replicas, device, precision, threads, progress)
             broker_name = None
-            extra.update(replicas=replicas, processes=len(score.plan.stages) * replicas,
-                         device=device, precision=precision)  # fmt: skip
+            extra.update(
+                replicas=replicas,
+                processes=len(score.plan.stages) * replicas,
+                device=device,
+                precision=precision,
+            )
         else:
             result, broker_name, score = _run_mqtt(
                 spec, devices, broker, progress, threads, resilience, extra, servers
@@ -225,10 +247,17 @@ def train_command(
     if save_weights is not None:
         save_weights.write_bytes(result.weights_bytes())
     out = {
-        "losses": result.losses, "samples_per_s": result.samples_per_s, "plan": score.to_json(),
-        "transport": transport, "broker": broker_name, "job": result.job, "steps": steps,
-        "wall_s": result.wall_s, "stages": result.stage_summary(), **extra,
-    }  # fmt: skip
+        "losses": result.losses,
+        "samples_per_s": result.samples_per_s,
+        "plan": score.to_json(),
+        "transport": transport,
+        "broker": broker_name,
+        "job": result.job,
+        "steps": steps,
+        "wall_s": result.wall_s,
+        "stages": result.stage_summary(),
+        **extra,
+    }
     if json_out:
         typer.echo(json.dumps(out))
     else:
@@ -271,24 +300,45 @@ def _run_dist(
     plan, score = _plan(spec, fleet)
     processes = len(plan.stages) * replicas
     with tempfile.TemporaryDirectory(prefix="edgetrain-dist-") as out:
-        job = DistJob.model_validate(dict(
-            model=spec.model, model_options=spec.model_options, dataset=spec.dataset,
-            dataset_options=spec.dataset_options, steps=spec.steps, batch_size=spec.batch_size,
-            microbatches=spec.microbatches, schedule=spec.schedule, optimizer=spec.optimizer,
-            codec="fp32" if spec.codec.lower() == "auto" else spec.codec, seed=spec.seed,
-            boundaries=[st.start for st in plan.stages[1:]],
-            replicas=replicas, device=device, precision=precision, output=out,
-        ))  # fmt: skip
-        progress.note(f"launching {len(plan.stages)} stages x {replicas} replicas "
-                      f"= {processes} processes (torch.distributed, "
-                      f"{'gloo' if device == 'cpu' else 'NCCL'})")  # fmt: skip
+        job = DistJob.model_validate(
+            dict(
+                model=spec.model,
+                model_options=spec.model_options,
+                dataset=spec.dataset,
+                dataset_options=spec.dataset_options,
+                steps=spec.steps,
+                batch_size=spec.batch_size,
+                microbatches=spec.microbatches,
+                schedule=spec.schedule,
+                optimizer=spec.optimizer,
+                codec="fp32" if spec.codec.lower() == "auto" else spec.codec,
+                seed=spec.seed,
+                boundaries=[st.start for st in plan.stages[1:]],
+                replicas=replicas,
+                device=device,
+                precision=precision,
+                output=out,
+            )
+        )
+        progress.note(
+            f"launching {len(plan.stages)} stages x {replicas} replicas "
+            f"= {processes} processes (torch.distributed, "
+            f"{'gloo' if device == 'cpu' else 'NCCL'})"
+        )
         cores = os.cpu_count() or 1
         launch(job, threads=threads or max(1, cores // processes))
         got = read_results(Path(out), job)
     for report in got.reports:
         progress.update(report)
-    result = JobResult(job=job.job, plan=plan, spec=spec, losses=got.losses,
-                       reports=got.reports, wall_s=got.wall_s, weights=got.weights)  # fmt: skip
+    result = JobResult(
+        job=job.job,
+        plan=plan,
+        spec=spec,
+        losses=got.losses,
+        reports=got.reports,
+        wall_s=got.wall_s,
+        weights=got.weights,
+    )
     return result, score
 
 
@@ -375,25 +425,34 @@ def _run_mqtt(
 
         def problem_for(alive: list[str]) -> Any:
             return build_problem(
-                spec.model, [profiles[d] for d in alive], batch_size=spec.batch_size,
-                microbatches=spec.microbatches, pin_first=alive[0],
+                spec.model,
+                [profiles[d] for d in alive],
+                batch_size=spec.batch_size,
+                microbatches=spec.microbatches,
+                pin_first=alive[0],
                 model_options=spec.model_options,
-            )  # fmt: skip
+            )
 
         if every < 0:
             most = max(1, spec.steps // 10)
             every = replication_interval(problem_for(members), plan, most=most)
             progress.note(f"replicating every {every} steps (5% of a step, at most {most})")
         got = run_resilient(
-            spec, plan, control, replan, members, replicate_every=every,
-            heartbeat_timeout_s=timeout, faults=FaultInjector(faults, act),
+            spec,
+            plan,
+            control,
+            replan,
+            members,
+            replicate_every=every,
+            heartbeat_timeout_s=timeout,
+            faults=FaultInjector(faults, act),
             on_step=progress.update,
             rebalance=(
                 Rebalancer(problem_for, replicate_every=every, stages=spec.stages)
                 if rebalancing
                 else None
             ),
-        )  # fmt: skip
+        )
         if extra is not None:
             extra.update(got.to_json(), replicate_every=every)
         return got.result, name, score
@@ -416,9 +475,12 @@ class _Progress:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
             self._bar = Progress(
-                TextColumn("training"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[sps]} samples/s"),
-            )  # fmt: skip
+                TextColumn("training"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[sps]} samples/s"),
+            )
             self._bar.start()
             self._task = self._bar.add_task("train", total=self._steps, loss="-", sps="-")
         return self
@@ -442,5 +504,6 @@ class _Progress:
         now = time.perf_counter()
         self._first = self._first or now - report.step_s
         sps = (report.step + 1) * self.batch_size / max(now - self._first, 1e-9)
-        self._bar.update(self._task, completed=report.step + 1, loss=f"{report.loss:.4f}",
-                         sps=f"{sps:.0f}")  # fmt: skip
+        self._bar.update(
+            self._task, completed=report.step + 1, loss=f"{report.loss:.4f}", sps=f"{sps:.0f}"
+        )

@@ -73,8 +73,9 @@ def with_codecs(problem: PlanningProblem, plan: Plan, codecs: Sequence[str]) -> 
 
 
 def _scaled(problem: PlanningProblem, codec: str) -> PlanningProblem:
-    layers = [la.model_copy(update={"out_bytes": la.out_bytes * RATIO[codec]})
-              for la in problem.layers]  # fmt: skip
+    layers = [
+        la.model_copy(update={"out_bytes": la.out_bytes * RATIO[codec]}) for la in problem.layers
+    ]
     return problem.model_copy(update={"layers": layers})
 
 

@@ -151,6 +151,14 @@ def score_plan(problem: PlanningProblem, plan: Plan) -> PlanScore:
     # A problem of zero-FLOP layers and free links takes no time at all.
     throughput = problem.batch_size / step if step > 0 else math.inf
     return PlanScore(
-        plan, compute, links, memory, limits, tau, step, throughput,
-        not reasons, reasons,
-    )  # fmt: skip
+        plan,
+        compute,
+        links,
+        memory,
+        limits,
+        tau,
+        step,
+        throughput,
+        not reasons,
+        reasons,
+    )

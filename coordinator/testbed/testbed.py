@@ -267,8 +267,14 @@ class Testbed:
         n = 1
         while f"{source.id}-joined-{n}" in taken:
             n += 1
-        dev = EmulatedDevice(f"{source.id}-joined-{n}", source, cpus, int(source.memory_bytes),
-                             source.bandwidth_mbps, source.latency_ms)  # fmt: skip
+        dev = EmulatedDevice(
+            f"{source.id}-joined-{n}",
+            source,
+            cpus,
+            int(source.memory_bytes),
+            source.bandwidth_mbps,
+            source.latency_ms,
+        )
         self.devices.append(dev)
         self.announced[dev.id] = dev.announced(state.core_gflops)
         profile = state.dir / "profiles" / f"{dev.id}.json"

@@ -158,8 +158,12 @@ def agent_command(
     if threads is not None:
         torch.set_num_threads(threads)
     data_dir.mkdir(parents=True, exist_ok=True)
-    extra: dict[str, Any] = {"username": username, "password": password, "tls_ca": tls_ca,
-                             "link_mbps": link_mbps}  # fmt: skip
+    extra: dict[str, Any] = {
+        "username": username,
+        "password": password,
+        "tls_ca": tls_ca,
+        "link_mbps": link_mbps,
+    }
     settings = MqttSettings(
         url=broker,
         link_latency_ms=link_latency_ms,
@@ -179,8 +183,16 @@ def agent_command(
         latency = spec.latency_ms + link_latency_ms
         return spec.model_copy(update={"bandwidth_mbps": bandwidth, "latency_ms": latency})
 
-    agent = Agent(settings, device_id, measure, data_dir=data_dir, heartbeat_s=heartbeat_s,
-                  version=__version__, slowdown=slowdown, torch_device=device)  # fmt: skip
+    agent = Agent(
+        settings,
+        device_id,
+        measure,
+        data_dir=data_dir,
+        heartbeat_s=heartbeat_s,
+        version=__version__,
+        slowdown=slowdown,
+        torch_device=device,
+    )
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())
     raise typer.Exit(agent.run())

@@ -61,11 +61,18 @@ def launch(
     job_file.parent.mkdir(parents=True, exist_ok=True)
     write_job(job, job_file)
     config = LaunchConfig(
-        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc, run_id=job.job,
-        rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint, max_restarts=0, monitor_interval=0.2,
-        start_method="spawn", rdzv_configs={"join_timeout": 120},
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nproc,
+        run_id=job.job,
+        rdzv_backend="c10d",
+        rdzv_endpoint=rdzv_endpoint,
+        max_restarts=0,
+        monitor_interval=0.2,
+        start_method="spawn",
+        rdzv_configs={"join_timeout": 120},
         local_addr="127.0.0.1" if nnodes == 1 else None,
-    )  # fmt: skip
+    )
     # The workers inherit this process's environment: torch threads per rank.
     previous = os.environ.get("OMP_NUM_THREADS")
     if threads is not None:
@@ -101,18 +108,25 @@ def launch_command(
     launch(job, nnodes=nnodes, nproc_per_node=nproc_per_node, rdzv_endpoint=rdzv_endpoint)
     done = (Path(job.output) / "losses.json").exists()  # on the node of the last stage
     results = read_results(Path(job.output), job) if done else None
-    summary = {"job": job.job, "output": job.output, "stages": job.num_stages,
-               "replicas": job.replicas}  # fmt: skip
+    summary = {
+        "job": job.job,
+        "output": job.output,
+        "stages": job.num_stages,
+        "replicas": job.replicas,
+    }
     if results is not None:
-        summary.update(losses=results.losses, wall_s=results.wall_s,
-                       samples_per_s=_rate(job, results))  # fmt: skip
+        summary.update(
+            losses=results.losses, wall_s=results.wall_s, samples_per_s=_rate(job, results)
+        )
     if json_out:
         typer.echo(json.dumps(summary))
     elif results is not None and results.losses:
-        typer.echo(f"job {job.job}: {len(results.losses)} steps, final loss "
-                   f"{results.losses[-1]:.4f}, {summary['samples_per_s']:.1f} samples/s "
-                   f"({job.num_stages} stages x {job.replicas} replicas); "
-                   f"results in {job.output}")  # fmt: skip
+        typer.echo(
+            f"job {job.job}: {len(results.losses)} steps, final loss "
+            f"{results.losses[-1]:.4f}, {summary['samples_per_s']:.1f} samples/s "
+            f"({job.num_stages} stages x {job.replicas} replicas); "
+            f"results in {job.output}"
+        )
     else:
         typer.echo(f"job {job.job}: done; results in {job.output}")
 

@@ -48,9 +48,13 @@ def list_command(json_out: bool = typer.Option(False, "--json", help="Print JSON
     for r in rows:
         shape = "x".join(map(str, r["input_shape"]))
         table.add_row(
-            r["name"], str(r["units"]), f"{r['parameters']:,}", shape, r["dataset"],
+            r["name"],
+            str(r["units"]),
+            f"{r['parameters']:,}",
+            shape,
+            r["dataset"],
             r["description"],
-        )  # fmt: skip
+        )
     Console().print(table)
 
 
@@ -76,15 +80,27 @@ def profile_command(
         typer.echo(json.dumps(out, indent=2))
         return
     table = Table(title=f"{model}: per-sample costs at batch {batch_size}")
-    for col in ("unit", "fwd MFLOP", "bwd MFLOP", "params KiB", "out KiB", "saved KiB",
-                "fwd ms", "bwd ms"):  # fmt: skip
+    for col in (
+        "unit",
+        "fwd MFLOP",
+        "bwd MFLOP",
+        "params KiB",
+        "out KiB",
+        "saved KiB",
+        "fwd ms",
+        "bwd ms",
+    ):
         table.add_column(col, justify="right")
     for u in prof.units:
         table.add_row(
-            u.name, f"{u.fwd_flops / 1e6:.3f}", f"{u.bwd_flops / 1e6:.3f}",
-            f"{u.param_bytes / 1024:.1f}", f"{u.out_bytes / 1024:.2f}", f"{u.act_bytes / 1024:.2f}",
+            u.name,
+            f"{u.fwd_flops / 1e6:.3f}",
+            f"{u.bwd_flops / 1e6:.3f}",
+            f"{u.param_bytes / 1024:.1f}",
+            f"{u.out_bytes / 1024:.2f}",
+            f"{u.act_bytes / 1024:.2f}",
             "-" if u.fwd_time_s is None else f"{u.fwd_time_s * 1e3:.2f}",
             "-" if u.bwd_time_s is None else f"{u.bwd_time_s * 1e3:.2f}",
-        )  # fmt: skip
+        )
     Console().print(table)
     typer.echo(f"training GFLOP per sample: {prof.train_flops_per_sample / 1e9:.4f}")

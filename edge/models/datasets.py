@@ -45,11 +45,26 @@ from torch.utils.data import Dataset
 from edge.errors import UserError
 
 __all__ = [
-    "DATASETS", "DIGITS_SPLIT_SEED", "DIGITS_TRAIN_SIZE", "SPLITS", "TEXT_MODULES",
-    "TEXT_TRAIN_FRACTION", "TEXT_VOCAB_SIZE", "DatasetEntry", "DatasetInfo", "DigitsDataset",
-    "SyntheticImages", "TextDataset", "build_dataset", "dataset_info", "decode",
-    "digits_split_indices", "list_datasets", "load_digits", "text_corpus",
-]  # fmt: skip
+    "DATASETS",
+    "DIGITS_SPLIT_SEED",
+    "DIGITS_TRAIN_SIZE",
+    "SPLITS",
+    "TEXT_MODULES",
+    "TEXT_TRAIN_FRACTION",
+    "TEXT_VOCAB_SIZE",
+    "DatasetEntry",
+    "DatasetInfo",
+    "DigitsDataset",
+    "SyntheticImages",
+    "TextDataset",
+    "build_dataset",
+    "dataset_info",
+    "decode",
+    "digits_split_indices",
+    "list_datasets",
+    "load_digits",
+    "text_corpus",
+]
 
 Sample = tuple[torch.Tensor, torch.Tensor]
 
@@ -62,11 +77,32 @@ TEXT_TRAIN_FRACTION = 0.9
 # Pure-Python stdlib modules present from Python 3.11 on; read as ``name.py`` or
 # ``name/__init__.py`` under ``sysconfig.get_paths()["stdlib"]``, in this order.
 TEXT_MODULES = (
-    "abc", "argparse", "bisect", "calendar", "colorsys", "contextlib", "copy",
-    "dataclasses", "difflib", "fnmatch", "fractions", "functools", "glob", "heapq",
-    "numbers", "operator", "pprint", "queue", "random", "reprlib", "sched", "shlex",
-    "statistics", "string", "textwrap",
-)  # fmt: skip
+    "abc",
+    "argparse",
+    "bisect",
+    "calendar",
+    "colorsys",
+    "contextlib",
+    "copy",
+    "dataclasses",
+    "difflib",
+    "fnmatch",
+    "fractions",
+    "functools",
+    "glob",
+    "heapq",
+    "numbers",
+    "operator",
+    "pprint",
+    "queue",
+    "random",
+    "reprlib",
+    "sched",
+    "shlex",
+    "statistics",
+    "string",
+    "textwrap",
+)
 
 
 @dataclass(frozen=True)

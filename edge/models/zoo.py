@@ -151,9 +151,15 @@ def _mlp(
     units.append(UnitDef("out", lambda: nn.Linear(hidden, num_classes)))
     shape = (1, 8, 8) if in_features == 64 else (in_features,)
     return ModelSpec(
-        "mlp", "multilayer perceptron for 8x8 digits", tuple(units), shape, torch.float32,
-        num_classes, "digits", seed=seed,
-    )  # fmt: skip
+        "mlp",
+        "multilayer perceptron for 8x8 digits",
+        tuple(units),
+        shape,
+        torch.float32,
+        num_classes,
+        "digits",
+        seed=seed,
+    )
 
 
 def _cnn_digits(seed: int, width: int = 16, num_classes: int = 10, norm: str = "none") -> ModelSpec:
@@ -165,9 +171,15 @@ def _cnn_digits(seed: int, width: int = 16, num_classes: int = 10, norm: str = "
         UnitDef("out", lambda: nn.Linear(64, num_classes)),
     )
     return ModelSpec(
-        "cnn-digits", "small CNN for 8x8 digits (two convolutions, two linear layers)", units,
-        (1, 8, 8), torch.float32, num_classes, "digits", seed=seed,
-    )  # fmt: skip
+        "cnn-digits",
+        "small CNN for 8x8 digits (two convolutions, two linear layers)",
+        units,
+        (1, 8, 8),
+        torch.float32,
+        num_classes,
+        "digits",
+        seed=seed,
+    )
 
 
 _IMAGE_DATA = {"shape": (3, 32, 32)}
@@ -200,9 +212,16 @@ def _vgg11(seed: int, num_classes: int = 10, norm: str = "group", width: int = 6
         cin = cout
     units.append(UnitDef("head", partial(_linear_head, cin, num_classes)))
     return ModelSpec(
-        "vgg11", "VGG-11 for 32x32 images (CIFAR layout, one linear classifier)", tuple(units),
-        (3, 32, 32), torch.float32, num_classes, "synthetic-images", dict(_IMAGE_DATA), seed,
-    )  # fmt: skip
+        "vgg11",
+        "VGG-11 for 32x32 images (CIFAR layout, one linear classifier)",
+        tuple(units),
+        (3, 32, 32),
+        torch.float32,
+        num_classes,
+        "synthetic-images",
+        dict(_IMAGE_DATA),
+        seed,
+    )
 
 
 def _resnet18(seed: int, num_classes: int = 10, norm: str = "group", width: int = 64) -> ModelSpec:
@@ -217,15 +236,28 @@ def _resnet18(seed: int, num_classes: int = 10, norm: str = "group", width: int 
             cin = cout
     units.append(UnitDef("head", partial(_pooled_head, cin, num_classes)))
     return ModelSpec(
-        "resnet18", "ResNet-18 for 32x32 images (CIFAR stem; each basic block is one unit)",
-        tuple(units), (3, 32, 32), torch.float32, num_classes, "synthetic-images",
-        dict(_IMAGE_DATA), seed,
-    )  # fmt: skip
+        "resnet18",
+        "ResNet-18 for 32x32 images (CIFAR stem; each basic block is one unit)",
+        tuple(units),
+        (3, 32, 32),
+        torch.float32,
+        num_classes,
+        "synthetic-images",
+        dict(_IMAGE_DATA),
+        seed,
+    )
 
 
 # (expansion, out channels, repeats, first stride): MobileNetV2 with CIFAR strides.
-_MBV2 = [(1, 16, 1, 1), (6, 24, 2, 1), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
-         (6, 160, 3, 2), (6, 320, 1, 1)]  # fmt: skip
+_MBV2 = [
+    (1, 16, 1, 1),
+    (6, 24, 2, 1),
+    (6, 32, 3, 2),
+    (6, 64, 4, 2),
+    (6, 96, 3, 1),
+    (6, 160, 3, 2),
+    (6, 320, 1, 1),
+]
 
 
 def _mobilenetv2(seed: int, num_classes: int = 10, norm: str = "group") -> ModelSpec:
@@ -240,10 +272,16 @@ def _mobilenetv2(seed: int, num_classes: int = 10, norm: str = "group") -> Model
     units.append(UnitDef("conv_last", lambda: ConvNormAct(320, 1280, 1, norm=norm, act=nn.ReLU6)))
     units.append(UnitDef("head", partial(_pooled_head, 1280, num_classes)))
     return ModelSpec(
-        "mobilenetv2", "MobileNetV2 for 32x32 images (CIFAR strides; each block is one unit)",
-        tuple(units), (3, 32, 32), torch.float32, num_classes, "synthetic-images",
-        dict(_IMAGE_DATA), seed,
-    )  # fmt: skip
+        "mobilenetv2",
+        "MobileNetV2 for 32x32 images (CIFAR strides; each block is one unit)",
+        tuple(units),
+        (3, 32, 32),
+        torch.float32,
+        num_classes,
+        "synthetic-images",
+        dict(_IMAGE_DATA),
+        seed,
+    )
 
 
 def _gpt_mini(
@@ -259,9 +297,16 @@ def _gpt_mini(
         units.append(UnitDef(f"block{i}", lambda: TransformerBlock(d_model, n_head, block_size)))
     units.append(UnitDef("head", lambda: LMHead(d_model, vocab_size)))
     return ModelSpec(
-        "gpt-mini", "small decoder-only transformer, char-level (pre-norm blocks)", tuple(units),
-        (block_size,), torch.int64, vocab_size, "text", {"block_size": block_size}, seed,
-    )  # fmt: skip
+        "gpt-mini",
+        "small decoder-only transformer, char-level (pre-norm blocks)",
+        tuple(units),
+        (block_size,),
+        torch.int64,
+        vocab_size,
+        "text",
+        {"block_size": block_size},
+        seed,
+    )
 
 
 NORMS = ("group", "batch", "none")

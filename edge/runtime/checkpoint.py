@@ -128,9 +128,12 @@ def encode_state(state: StageState, *, job: str | None = None, stage: int | None
                 scalars[full] = type(value).__name__
             elif value is not None:
                 raise TypeError(f"optimizer state {full} is a {type(value).__name__}")
-    metadata = {"format": FORMAT, "job": state.job if job is None else job,
-                "stage": str(state.stage if stage is None else stage),
-                "units": json.dumps(state.units)}  # fmt: skip
+    metadata = {
+        "format": FORMAT,
+        "job": state.job if job is None else job,
+        "stage": str(state.stage if stage is None else stage),
+        "units": json.dumps(state.units),
+    }
     for key in ("step", "start", "end"):
         metadata[key] = str(getattr(state, key))
     if scalars:
@@ -177,9 +180,12 @@ def read_state(data: bytes) -> StageState:
         units = json.loads(meta.get("units", ""))
     except (ValueError, RecursionError):
         units = None
-    if (not isinstance(units, list) or len(units) != end - start
-            or not all(isinstance(u, str) and u and "." not in u for u in units)
-            or len(set(units)) != len(units)):  # fmt: skip
+    if (
+        not isinstance(units, list)
+        or len(units) != end - start
+        or not all(isinstance(u, str) and u and "." not in u for u in units)
+        or len(set(units)) != len(units)
+    ):
         raise ValueError(f"edgetrain state: metadata 'units' is not {end - start} unit names")
     try:
         scalars = json.loads(meta.get("scalars", "{}"))
@@ -274,8 +280,10 @@ def load_state(
     for k, v in own.items():
         got = state.weights[k]
         if got.shape != v.shape or got.dtype != v.dtype:
-            raise ValueError(f"weight {k}: state has {got.dtype}{list(got.shape)}, "
-                             f"the segment {v.dtype}{list(v.shape)}")  # fmt: skip
+            raise ValueError(
+                f"weight {k}: state has {got.dtype}{list(got.shape)}, "
+                f"the segment {v.dtype}{list(v.shape)}"
+            )
     params = dict(segment.named_parameters())
     for name, entries in state.optim.items():
         p = params.get(name)
@@ -289,8 +297,10 @@ def load_state(
                 and value.ndim
                 and (value.shape != p.shape or value.dtype != p.dtype)
             ):
-                raise ValueError(f"optimizer state {name}/{key}: {value.dtype}{list(value.shape)} "
-                                 f"for a parameter {p.dtype}{list(p.shape)}")  # fmt: skip
+                raise ValueError(
+                    f"optimizer state {name}/{key}: {value.dtype}{list(value.shape)} "
+                    f"for a parameter {p.dtype}{list(p.shape)}"
+                )
     if optimizer is None:
         if any(n in params for n in state.optim):
             raise ValueError("the state has optimizer state, the stage has no optimizer")
@@ -312,8 +322,9 @@ def _load_optimizer(
             entries = state.optim.get(names.get(id(p), ""))
             if entries:
                 # Clones: private, writable, 16-byte aligned (see [Note: zero-copy decoding]).
-                new[index] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                              for k, v in entries.items()}  # fmt: skip
+                new[index] = {
+                    k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entries.items()
+                }
                 keys.add(frozenset(entries))
             index += 1
     if len(keys) > 1:

@@ -45,11 +45,20 @@ def join_group(a: StageAssignment, other: Transport) -> RoutedTransport:
     store = dist.TCPStore(g.store_host, g.store_port, is_master=False, timeout=timeout)
     backend = "cpu:gloo,cuda:nccl" if g.backend == "nccl" else "gloo"
     dist.init_process_group(
-        backend, store=dist.PrefixStore(a.job, store), rank=g.ranks[a.stage],
-        world_size=g.world_size, timeout=timeout,
-    )  # fmt: skip
-    log.info("joined the process group of job %s as rank %d of %d (%s)",
-             a.job, g.ranks[a.stage], g.world_size, backend, extra={"job": a.job})  # fmt: skip
+        backend,
+        store=dist.PrefixStore(a.job, store),
+        rank=g.ranks[a.stage],
+        world_size=g.world_size,
+        timeout=timeout,
+    )
+    log.info(
+        "joined the process group of job %s as rank %d of %d (%s)",
+        a.job,
+        g.ranks[a.stage],
+        g.world_size,
+        backend,
+        extra={"job": a.job},
+    )
     route = Route(a.num_stages, dict(g.ranks))
     return RoutedTransport(other, DistTransport(route, join_timeout_s=LEAVE_TIMEOUT_S))
 

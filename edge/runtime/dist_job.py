@@ -137,14 +137,29 @@ class DistJob(BaseModel):
             options = spec.dataset_options if dataset == spec.dataset else {}
         start, end = self.segments()[stage]
         return StageAssignment(
-            job=self.job, stage=stage, num_stages=self.num_stages, start=start, end=end,
-            model=self.model, model_options=self.model_options, dataset=dataset,
-            dataset_options=options, seed=self.seed, batch_size=self.batch_size,
-            microbatches=self.microbatches, steps=self.steps, schedule=self.schedule,
-            optimizer=self.optimizer, codec_in=self.codec, codec_out=self.codec,
-            recv_timeout_s=self.recv_timeout_s, first_step=first_step, replica=replica,
-            replicas=self.replicas, precision=self.precision,
-        )  # fmt: skip
+            job=self.job,
+            stage=stage,
+            num_stages=self.num_stages,
+            start=start,
+            end=end,
+            model=self.model,
+            model_options=self.model_options,
+            dataset=dataset,
+            dataset_options=options,
+            seed=self.seed,
+            batch_size=self.batch_size,
+            microbatches=self.microbatches,
+            steps=self.steps,
+            schedule=self.schedule,
+            optimizer=self.optimizer,
+            codec_in=self.codec,
+            codec_out=self.codec,
+            recv_timeout_s=self.recv_timeout_s,
+            first_step=first_step,
+            replica=replica,
+            replicas=self.replicas,
+            precision=self.precision,
+        )
 
 
 def _unit_flops(job: DistJob, spec: Any) -> list[float]:

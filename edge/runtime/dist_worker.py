@@ -76,9 +76,13 @@ def _run(job: DistJob, rank: int, device: str) -> list[StepReport]:
     transport = DistTransport(route)
     reports: list[StepReport] = []
     rt = StageRuntime(
-        a, transport, device=f"rank{rank}", report=reports.append, torch_device=device,
+        a,
+        transport,
+        device=f"rank{rank}",
+        report=reports.append,
+        torch_device=device,
         data_parallel=dp,
-    )  # fmt: skip
+    )
     if states is not None:
         load_state(rt.segment, rt.optimizer, select(states, a.start, a.end, rt.unit_names))
     dist.barrier()  # every stage is built and receiving before any frame is sent
@@ -112,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc.message}", file=sys.stderr)
         return 2
     except KeyError as exc:
-        print(f"error: {exc.args[0]} is not set: ranks start with edgetrain launch",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"error: {exc.args[0]} is not set: ranks start with edgetrain launch", file=sys.stderr
+        )
         return 2
     return 0
 

@@ -178,8 +178,16 @@ class StageRuntime:
         self._cancelled.set()
         self.inbox.close()
 
-    def _send(self, stage: int, channel: str, kind: Kind, step: int, mb: int,
-              tensor: torch.Tensor, codec: Codec) -> int:  # fmt: skip
+    def _send(
+        self,
+        stage: int,
+        channel: str,
+        kind: Kind,
+        step: int,
+        mb: int,
+        tensor: torch.Tensor,
+        codec: Codec,
+    ) -> int:
         frame = encode_frame(kind, self.a.job, step, mb, tensor, codec)
         self.transport.send(self.a.job, stage, channel, frame)  # type: ignore[arg-type]
         return len(frame)
@@ -208,8 +216,9 @@ class StageRuntime:
             if not a.is_last:
                 t0 = time.perf_counter()
                 for mb, labels in enumerate(ys):
-                    sent += self._send(a.num_stages - 1, "fwd", Kind.LABELS, step, mb, labels,
-                                       Codec.RAW)  # fmt: skip
+                    sent += self._send(
+                        a.num_stages - 1, "fwd", Kind.LABELS, step, mb, labels, Codec.RAW
+                    )
                 send += time.perf_counter() - t0
         for action in self.actions:
             mb = action.microbatch
@@ -240,8 +249,9 @@ class StageRuntime:
                     compute += self._throttle(t0)
                 else:
                     t0 = time.perf_counter()
-                    sent += self._send(a.stage + 1, "fwd", Kind.ACTIVATION, step, mb, out,
-                                       self.codec_out)  # fmt: skip
+                    sent += self._send(
+                        a.stage + 1, "fwd", Kind.ACTIVATION, step, mb, out, self.codec_out
+                    )
                     send += time.perf_counter() - t0
                     outputs[mb] = out
             else:
@@ -258,8 +268,9 @@ class StageRuntime:
                 inp = inputs.pop(mb)
                 if not a.is_first and inp.grad is not None:
                     t0 = time.perf_counter()
-                    sent += self._send(a.stage - 1, "bwd", Kind.GRADIENT, step, mb, inp.grad,
-                                       self.codec_in)  # fmt: skip
+                    sent += self._send(
+                        a.stage - 1, "bwd", Kind.GRADIENT, step, mb, inp.grad, self.codec_in
+                    )
                     send += time.perf_counter() - t0
         loss = float(sum(v.item() for v in losses.values())) if a.is_last else None
         if self.data_parallel is not None:
@@ -275,11 +286,20 @@ class StageRuntime:
         compute += self._throttle(t0)
         self.inbox.forget_before(step + 1)
         return StepReport(
-            job=a.job, stage=a.stage, device=self.device, step=step, loss=loss,
-            compute_s=compute, wait_s=wait, send_s=send, step_s=time.perf_counter() - started,
-            bytes_sent=sent, bytes_received=self.inbox.bytes_received - received_before,
-            frames_dropped=sum(self.inbox.dropped.values()), allreduce_s=reduce,
-        )  # fmt: skip
+            job=a.job,
+            stage=a.stage,
+            device=self.device,
+            step=step,
+            loss=loss,
+            compute_s=compute,
+            wait_s=wait,
+            send_s=send,
+            step_s=time.perf_counter() - started,
+            bytes_sent=sent,
+            bytes_received=self.inbox.bytes_received - received_before,
+            frames_dropped=sum(self.inbox.dropped.values()),
+            allreduce_s=reduce,
+        )
 
     def run(self, first_step: int | None = None) -> int:
         """Run the job's steps from ``first_step`` (the assignment's by default); how many ran.
@@ -318,8 +338,15 @@ class StageRuntime:
     def state(self, step: int) -> bytes:
         """Weights and optimizer state as a state blob for ``step`` (steps done so far)."""
         a = self.a
-        return stage_state(self.segment, self.optimizer, step=step, job=a.job, stage=a.stage,
-                           start=a.start, end=a.end)  # fmt: skip
+        return stage_state(
+            self.segment,
+            self.optimizer,
+            step=step,
+            job=a.job,
+            stage=a.stage,
+            start=a.start,
+            end=a.end,
+        )
 
     def restore(self, data: bytes) -> int:
         """Load a state blob of this job covering this segment, for ``first_step``.
@@ -334,10 +361,12 @@ class StageRuntime:
             if state.job != a.job:
                 raise ValueError(f"the state is of job {state.job}, not {a.job}")
             if state.step != a.first_step:
-                raise ValueError(f"the state is for step {state.step}, "
-                                 f"the stage starts at step {a.first_step}")  # fmt: skip
-            load_state(self.segment, self.optimizer,
-                       select([state], a.start, a.end, self.unit_names))  # fmt: skip
+                raise ValueError(
+                    f"the state is for step {state.step}, the stage starts at step {a.first_step}"
+                )
+            load_state(
+                self.segment, self.optimizer, select([state], a.start, a.end, self.unit_names)
+            )
         except ValueError as exc:
             raise ValueError(f"restore: {exc}") from None
         return state.step

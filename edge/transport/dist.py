@@ -178,8 +178,13 @@ class DistTransport:
         for t in threads:
             t.join(self.join_timeout_s)
             if t.is_alive():
-                log.warning("job %s stage %d: %s did not end within %.0f s",
-                            job, stage, t.name, self.join_timeout_s)  # fmt: skip
+                log.warning(
+                    "job %s stage %d: %s did not end within %.0f s",
+                    job,
+                    stage,
+                    t.name,
+                    self.join_timeout_s,
+                )
         inbox.close()
 
     def close(self) -> None:

@@ -123,9 +123,13 @@ class MqttTransport:
         self.link: LinkShaper[_Up, _Down] | None = None
         if s.link_mbps is not None or s.link_latency_ms > 0:
             self.link = LinkShaper(
-                s.link_mbps, s.link_latency_ms, send=self._release_up, deliver=self._release_down,
-                max_queued=s.max_queued, name=client_id,
-            )  # fmt: skip
+                s.link_mbps,
+                s.link_latency_ms,
+                send=self._release_up,
+                deliver=self._release_down,
+                max_queued=s.max_queued,
+                name=client_id,
+            )
 
     # -- connection ----------------------------------------------------------------
 

@@ -141,9 +141,13 @@ class ShapedDirection(Generic[T]):
 
     def stats(self) -> dict[str, float]:
         return {
-            "frames": self.frames, "bytes": self.bytes, "wait_s": self.wait_s,
-            "held_s": self.held_s, "dropped": self.dropped, "backlog": self.backlog,
-        }  # fmt: skip
+            "frames": self.frames,
+            "bytes": self.bytes,
+            "wait_s": self.wait_s,
+            "held_s": self.held_s,
+            "dropped": self.dropped,
+            "backlog": self.backlog,
+        }
 
     def close(self, timeout: float = 2.0) -> bool:
         """Refuse new frames, keep releasing queued ones (still shaped) for up to

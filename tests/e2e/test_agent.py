@@ -30,8 +30,9 @@ pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not 
 
 def _watch_status(control: MqttTransport, device: str) -> Callable[[], DeviceStatus | None]:
     seen: list[DeviceStatus] = []
-    control.subscribe(device_status(device),
-                      lambda _t, p: seen.append(DeviceStatus.model_validate_json(p)))  # fmt: skip
+    control.subscribe(
+        device_status(device), lambda _t, p: seen.append(DeviceStatus.model_validate_json(p))
+    )
     return lambda: seen[-1] if seen else None
 
 
@@ -124,8 +125,10 @@ def test_agent_rides_out_a_broker_restart() -> None:
                     assert until(lambda: status() is not None and status().state == "online", 30)
                     result = run_on_agents(
                         JobSpec(model="mlp", steps=2, batch_size=8, microbatches=2),
-                        Plan.of((fleet.ids[0], 0, 3)), control, timeout_s=60,
-                    )  # fmt: skip
+                        Plan.of((fleet.ids[0], 0, 3)),
+                        control,
+                        timeout_s=60,
+                    )
                     assert len(result.losses) == 2
                 finally:
                     control.close()

@@ -37,14 +37,23 @@ from edge.runtime.checkpoint import encode_state, read_state
 from edge.transport.mqtt import MqttTransport
 
 STEPS, EVERY, RESUME_AT = 6, 2, 4
-SPEC = JobSpec(model="mlp", steps=STEPS, batch_size=8, microbatches=2, seed=7,
-               optimizer=OptimizerSpec(name="adamw", lr=1e-3), recv_timeout_s=30)  # fmt: skip
+SPEC = JobSpec(
+    model="mlp",
+    steps=STEPS,
+    batch_size=8,
+    microbatches=2,
+    seed=7,
+    optimizer=OptimizerSpec(name="adamw", lr=1e-3),
+    recv_timeout_s=30,
+)
 
 
 def _assignments(job: str, devices: list[str], **extra: Any) -> list[StageAssignment]:
     plan = Plan.of((devices[0], 0, 1), (devices[1], 1, 3))
-    return [StageAssignment.model_validate(a.model_dump() | extra)
-            for a in make_assignments(job, SPEC, plan)]  # fmt: skip
+    return [
+        StageAssignment.model_validate(a.model_dump() | extra)
+        for a in make_assignments(job, SPEC, plan)
+    ]
 
 
 class Job:
@@ -133,8 +142,9 @@ def test_stages_replicate_at_the_right_steps(reference: Job, fleet: LocalFleet) 
     for stage, st in states:
         assert (st.job, st.stage) == ("replref", stage)
         assert (st.start, st.end) == [(0, 1), (1, 3)][stage]
-        assert st.optim and all(set(v) == {"step", "exp_avg", "exp_avg_sq"}
-                                for v in st.optim.values())  # fmt: skip
+        assert st.optim and all(
+            set(v) == {"step", "exp_avg", "exp_avg_sq"} for v in st.optim.values()
+        )
         assert all(float(v["step"]) == st.step for v in st.optim.values())
     with_replica = [r for r in reference.of(StepReport) if r.replica_bytes]
     assert sorted((r.stage, r.step) for r in with_replica) == [(0, 1), (0, 3), (1, 1), (1, 3)]
@@ -199,8 +209,11 @@ def test_a_missing_or_bad_restore_state_fails_the_stage_not_the_agent(
     job = Job(control, name)
     devices = fleet.ids[:2]
     early = next(b for s, b in reference.replicas if s == 0 and read_state(b).step == 2)
-    blob = {"missing": None, "garbage": b"garbage, not a state",
-            "step": encode_state(read_state(early), job=name)}[case]  # fmt: skip
+    blob = {
+        "missing": None,
+        "garbage": b"garbage, not a state",
+        "step": encode_state(read_state(early), job=name),
+    }[case]
     try:
         if blob is not None:
             control.publish(job_restore(name, 0), blob, 1, retain=True)

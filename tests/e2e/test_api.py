@@ -53,8 +53,12 @@ def test_job_over_http_runs_a_three_stage_pipeline(tmp_path: Path) -> None:
             assert client.post("/api/v1/jobs", json=body).status_code == 401
             bad = client.post("/api/v1/jobs", json={**body, "microbatches": 5}, headers=auth)
             assert bad.status_code == 422
-            assert client.post("/api/v1/jobs", json={**body, "model": "nope"},
-                               headers=auth).status_code == 422  # fmt: skip
+            assert (
+                client.post(
+                    "/api/v1/jobs", json={**body, "model": "nope"}, headers=auth
+                ).status_code
+                == 422
+            )
             for extra, why in (
                 ({"stages": 5}, "stages=5 is more than the 4 units of cnn-digits"),
                 ({"stages": 0}, "greater than or equal to 1"),
@@ -70,8 +74,12 @@ def test_job_over_http_runs_a_three_stage_pipeline(tmp_path: Path) -> None:
             created = client.post("/api/v1/jobs", json=body, headers=auth)
             assert created.status_code == 201, created.text
             job = created.json()["id"]
-            assert until(lambda: client.get(f"/api/v1/jobs/{job}").json()["state"]
-                          in ("completed", "failed"), 120)  # fmt: skip
+            assert until(
+                lambda: (
+                    client.get(f"/api/v1/jobs/{job}").json()["state"] in ("completed", "failed")
+                ),
+                120,
+            )
             record = client.get(f"/api/v1/jobs/{job}").json()
             assert record["state"] == "completed", record["reason"]
             assert record["plan"]["feasible"] is True
@@ -114,15 +122,22 @@ def test_what_if_plan_needs_no_devices_online(tmp_path: Path) -> None:
     with mosquitto_broker() as broker:
         settings = Settings(broker_url=broker.url, data_dir=tmp_path / "coord")
         with TestClient(create_app(settings)) as client:
-            body = {"model": "vgg11", "devices": ["rpi4-4gb:2", "jetson-nano", "laptop"],
-                    "batch_size": 64, "microbatches": 8}  # fmt: skip
+            body = {
+                "model": "vgg11",
+                "devices": ["rpi4-4gb:2", "jetson-nano", "laptop"],
+                "batch_size": 64,
+                "microbatches": 8,
+            }
             plan = client.post("/api/v1/plans", json=body)
             assert plan.status_code == 200, plan.text
             out = plan.json()
             assert out["feasible"] is True and out["throughput_sps"] > 0
             assert set(out["baselines"]) == {"single", "even", "pipedream", "ftpipehd"}
-            assert all(out["step_time_s"] <= b["step_time_s"] * (1 + 1e-9)
-                       for b in out["baselines"].values() if b["feasible"])  # fmt: skip
+            assert all(
+                out["step_time_s"] <= b["step_time_s"] * (1 + 1e-9)
+                for b in out["baselines"].values()
+                if b["feasible"]
+            )
             assert out["simulation"]["timeline"]
             bad = client.post("/api/v1/plans", json={**body, "devices": ["rpi9"]})
             assert bad.status_code == 422 and "rpi9" in bad.text
@@ -137,16 +152,19 @@ def test_restart_keeps_devices_jobs_and_metrics_and_fails_the_interrupted_job(
         settings = Settings(broker_url=broker.url, data_dir=data)
         with TestClient(create_app(settings)) as client:
             assert until(lambda: client.get("/api/v1/devices").json()["count"] == 2, 60)
-            assert until(lambda: client.get(f"/api/v1/devices/{fleet.ids[0]}")
-                          .json()["state"] == "online", 30)  # fmt: skip
+            assert until(
+                lambda: client.get(f"/api/v1/devices/{fleet.ids[0]}").json()["state"] == "online",
+                30,
+            )
             assert until(
                 lambda: client.get(f"/api/v1/devices/{fleet.ids[1]}").json()["state"] == "online",
                 30,
             )
             short = {"model": "mlp", "steps": 3, "batch_size": 8, "microbatches": 2, "stages": 2}
             done = client.post("/api/v1/jobs", json=short).json()["id"]
-            assert until(lambda: client.get(f"/api/v1/jobs/{done}").json()["state"]
-                          == "completed", 60)  # fmt: skip
+            assert until(
+                lambda: client.get(f"/api/v1/jobs/{done}").json()["state"] == "completed", 60
+            )
             assert len(client.get(f"/api/v1/jobs/{done}").json()["plan"]["stages"]) == 2
             long = {
                 "model": "gpt-mini",
@@ -156,8 +174,9 @@ def test_restart_keeps_devices_jobs_and_metrics_and_fails_the_interrupted_job(
                 "stages": 2,
             }
             running = client.post("/api/v1/jobs", json=long).json()["id"]
-            assert until(lambda: client.get(f"/api/v1/jobs/{running}").json()["steps_done"]
-                          >= 2, 90)  # fmt: skip
+            assert until(
+                lambda: client.get(f"/api/v1/jobs/{running}").json()["steps_done"] >= 2, 90
+            )
             assert len(client.get(f"/api/v1/jobs/{running}").json()["plan"]["stages"]) == 2
         # The coordinator is gone mid-job; a new one opens the same data directory.
         with TestClient(create_app(settings)) as client:

@@ -43,8 +43,13 @@ def _cli(
         env["EDGETRAIN_API_TOKEN"] = token
     return subprocess.run(
         [sys.executable, "-m", "edgetrain.cli", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +57,9 @@ def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str,
     """The coordinator's URL, with two agents online."""
     data = tmp_path_factory.mktemp("coord")
     with mosquitto_broker() as broker:
-        settings = Settings(broker_url=broker.url, data_dir=data, api_token=SecretStr(TOKEN),
-                            port=free_port())  # fmt: skip
+        settings = Settings(
+            broker_url=broker.url, data_dir=data, api_token=SecretStr(TOKEN), port=free_port()
+        )
         with serve_in_thread(settings) as url, LocalFleet(2, broker.url, threads=1) as fleet:
 
             def online() -> bool:

@@ -30,13 +30,27 @@ def test_job_submitted_over_http_to_a_coordinator_process(tmp_path: Path) -> Non
     port = free_port()
     with mosquitto_broker() as broker, LocalFleet(2, broker.url, threads=1):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "edgetrain.cli", "coordinator", "--port", str(port),
-             "--broker", broker.url, "--data-dir", str(tmp_path / "coord")],
+            [
+                sys.executable,
+                "-m",
+                "edgetrain.cli",
+                "coordinator",
+                "--port",
+                str(port),
+                "--broker",
+                broker.url,
+                "--data-dir",
+                str(tmp_path / "coord"),
+            ],
             env={**os.environ, "EDGETRAIN_API_TOKEN": TOKEN},
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )  # fmt: skip
-        api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
-                           headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        api = httpx.Client(
+            base_url=f"http://127.0.0.1:{port}",
+            timeout=30,
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
         try:
 
             def ready() -> bool:
@@ -61,8 +75,10 @@ def test_job_submitted_over_http_to_a_coordinator_process(tmp_path: Path) -> Non
                 "partition": "even",
             }
             job = api.post("/api/v1/jobs", json=body).json()["id"]
-            assert until(lambda: api.get(f"/api/v1/jobs/{job}").json()["state"]
-                         in ("completed", "failed"), 120)  # fmt: skip
+            assert until(
+                lambda: api.get(f"/api/v1/jobs/{job}").json()["state"] in ("completed", "failed"),
+                120,
+            )
             record = api.get(f"/api/v1/jobs/{job}").json()
             assert record["state"] == "completed", record["reason"]
             plan = record["plan"]

@@ -42,11 +42,22 @@ STEPS = 60  # long enough that the kill lands mid-job
 @contextmanager
 def coordinator(port: int, broker: str, data: Path) -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "edgetrain.cli", "coordinator", "--port", str(port),
-         "--broker", broker, "--data-dir", str(data)],
+        [
+            sys.executable,
+            "-m",
+            "edgetrain.cli",
+            "coordinator",
+            "--port",
+            str(port),
+            "--broker",
+            broker,
+            "--data-dir",
+            str(data),
+        ],
         env={k: v for k, v in os.environ.items() if k != "EDGETRAIN_API_TOKEN"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         yield proc
     finally:
@@ -75,8 +86,15 @@ def test_a_restarted_coordinator_finishes_the_job(tmp_path: Path) -> None:
     def job_state(job: str) -> dict:  # type: ignore[type-arg]
         return api.get(f"/api/v1/jobs/{job}").json()  # type: ignore[no-any-return]
 
-    body = {"model": "gpt-mini", "steps": STEPS, "batch_size": 16, "microbatches": 4, "seed": 2,
-            "replicate_every": 2, "stages": 3}  # fmt: skip
+    body = {
+        "model": "gpt-mini",
+        "steps": STEPS,
+        "batch_size": 16,
+        "microbatches": 4,
+        "seed": 2,
+        "replicate_every": 2,
+        "stages": 3,
+    }
     try:
         with mosquitto_broker() as broker, LocalFleet(3, broker.url, threads=1):
             with coordinator(port, broker.url, data) as first:

@@ -47,8 +47,9 @@ pytestmark = [
 
 def _call(url: str, method: str = "GET", body: dict[str, Any] | None = None) -> Any:
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=10) as response:
         return json.loads(response.read())
 
@@ -76,16 +77,16 @@ def test_dashboard_shows_fleet_timeline_and_a_growing_loss_curve(tmp_path: Path)
             try:
                 assert until(lambda: _call(f"{api}/jobs/{job}")["steps_done"] >= 3, 120)
                 with sync_playwright() as pw:
-                    browser = pw.chromium.launch(executable_path=str(CHROMIUM),
-                                                 args=CHROMIUM_ARGS)  # fmt: skip
+                    browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
                     try:
                         page = browser.new_page(viewport={"width": 1400, "height": 1000})
                         errors: list[str] = []
                         page.on("pageerror", lambda exc: errors.append(str(exc)))
                         page.goto(base + "/")
                         for device in fleet.ids:
-                            page.wait_for_selector(f'#fleet tr[data-device="{device}"]',
-                                                   timeout=15_000)  # fmt: skip
+                            page.wait_for_selector(
+                                f'#fleet tr[data-device="{device}"]', timeout=15_000
+                            )
                         page.wait_for_selector(f'#jobs tr[data-job="{job}"]', timeout=15_000)
                         page.click(f'#jobs a[href="#/jobs/{job}"]')
                         page.wait_for_selector("#timeline .tl-row", timeout=15_000)
@@ -109,8 +110,13 @@ def test_dashboard_shows_fleet_timeline_and_a_growing_loss_curve(tmp_path: Path)
                         grew = until(lambda: points() > first, 20)
                         page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
                         record = _call(f"{api}/jobs/{job}")
-                        assert grew, (first, points(), record["state"], record["steps_done"],
-                                      page.inner_text("#live"))  # fmt: skip
+                        assert grew, (
+                            first,
+                            points(),
+                            record["state"],
+                            record["steps_done"],
+                            page.inner_text("#live"),
+                        )
                         page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
                         assert not errors, errors
                     finally:

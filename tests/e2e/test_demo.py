@@ -22,8 +22,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_demo_trains_digits_to_90_percent_through_the_api() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "edgetrain.cli", "demo", "--exit", "--json"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["accuracy"] >= 0.90

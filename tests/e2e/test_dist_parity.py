@@ -49,10 +49,18 @@ def _reference(model: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 def _job(tmp_path: Path, model: str, stages: int, **extra: object) -> DistJob:
     n = UNITS[model]
     cuts = [round(i * n / stages) for i in range(1, stages)]
-    return DistJob.model_validate({
-        "model": model, "steps": STEPS, "batch_size": BATCH, "microbatches": MICRO,
-        "seed": SEED, "boundaries": cuts, "output": str(tmp_path / "out"), **extra,
-    })  # fmt: skip
+    return DistJob.model_validate(
+        {
+            "model": model,
+            "steps": STEPS,
+            "batch_size": BATCH,
+            "microbatches": MICRO,
+            "seed": SEED,
+            "boundaries": cuts,
+            "output": str(tmp_path / "out"),
+            **extra,
+        }
+    )
 
 
 def _assert_matches_reference(job: DistJob, model: str) -> None:

@@ -198,10 +198,16 @@ def _run(broker: str, model: str, agents: int, faults: list[Fault]) -> Resilient
             fleet.wait_online(control, timeout=90)
             injector = FaultInjector(faults, lambda _f, device: fleet.kill(device))
             return run_resilient(
-                _spec(model), _even(fleet.ids, n_units), control,
-                lambda alive: _even(alive, n_units), list(fleet.ids),
-                replicate_every=EVERY, heartbeat_timeout_s=3.0, faults=injector, timeout_s=300,
-            )  # fmt: skip
+                _spec(model),
+                _even(fleet.ids, n_units),
+                control,
+                lambda alive: _even(alive, n_units),
+                list(fleet.ids),
+                replicate_every=EVERY,
+                heartbeat_timeout_s=3.0,
+                faults=injector,
+                timeout_s=300,
+            )
     finally:
         control.close()
 
@@ -240,11 +246,34 @@ def test_train_cli_reports_the_recovery(broker: str, tmp_path: Path) -> None:
     and the replicas of step 4 are complete, so exactly one step (4) is redone."""
     steps, weights = 8, tmp_path / "w.safetensors"
     cmd = [
-        sys.executable, "-m", "edgetrain.cli", "train", "--model", "cnn-digits", "--devices",
-        "3", "--steps", str(steps), "--batch-size", "16", "--microbatches", "4", "--broker",
-        broker, "--partition", "even", "--threads", "1", "--fault", "kill:1@4",
-        "--replicate-every", "2", "--json", "--save-weights", str(weights),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "edgetrain.cli",
+        "train",
+        "--model",
+        "cnn-digits",
+        "--devices",
+        "3",
+        "--steps",
+        str(steps),
+        "--batch-size",
+        "16",
+        "--microbatches",
+        "4",
+        "--broker",
+        broker,
+        "--partition",
+        "even",
+        "--threads",
+        "1",
+        "--fault",
+        "kill:1@4",
+        "--replicate-every",
+        "2",
+        "--json",
+        "--save-weights",
+        str(weights),
+    ]
     started = time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -275,11 +304,34 @@ def test_a_slowed_device_makes_the_job_migrate_with_the_same_result(
     work off it and still ends where training without the fault ends."""
     steps, weights = 30, tmp_path / "w.safetensors"  # enough left for a move to pay
     cmd = [
-        sys.executable, "-m", "edgetrain.cli", "train", "--model", "gpt-mini", "--devices", "3",
-        "--steps", str(steps), "--batch-size", "16", "--microbatches", "4", "--broker", broker,
-        "--partition", "even", "--threads", "1", "--fault", "slow:1@4:4", "--json",
-        "--save-weights", str(weights), "--heartbeat-timeout", str(HEARTBEAT_S),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "edgetrain.cli",
+        "train",
+        "--model",
+        "gpt-mini",
+        "--devices",
+        "3",
+        "--steps",
+        str(steps),
+        "--batch-size",
+        "16",
+        "--microbatches",
+        "4",
+        "--broker",
+        broker,
+        "--partition",
+        "even",
+        "--threads",
+        "1",
+        "--fault",
+        "slow:1@4:4",
+        "--json",
+        "--save-weights",
+        str(weights),
+        "--heartbeat-timeout",
+        str(HEARTBEAT_S),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout)
@@ -329,10 +381,16 @@ def test_a_broker_restart_is_ridden_out_with_the_same_result() -> None:
                     restart.set()
 
             got = run_resilient(
-                _spec(model), _even(fleet.ids, n_units), control,
-                lambda alive: _even(alive, n_units), list(fleet.ids), replicate_every=2,
-                heartbeat_timeout_s=3.0, on_step=on_step, timeout_s=300,
-            )  # fmt: skip
+                _spec(model),
+                _even(fleet.ids, n_units),
+                control,
+                lambda alive: _even(alive, n_units),
+                list(fleet.ids),
+                replicate_every=2,
+                heartbeat_timeout_s=3.0,
+                on_step=on_step,
+                timeout_s=300,
+            )
     finally:
         restart.set()
         thread.join(30)
@@ -364,8 +422,13 @@ def test_a_faster_device_that_joins_is_taken_in(broker: str) -> None:
             members = list(fleet.ids)
 
             def problem_for(alive: list[str]) -> PlanningProblem:
-                return build_problem(model, [profiles[d] for d in alive], batch_size=16,
-                                     microbatches=4, pin_first=alive[0])  # fmt: skip
+                return build_problem(
+                    model,
+                    [profiles[d] for d in alive],
+                    batch_size=16,
+                    microbatches=4,
+                    pin_first=alive[0],
+                )
 
             def join() -> None:  # its own connection: one callback per topic filter
                 device = fleet.add("laptop")
@@ -382,10 +445,17 @@ def test_a_faster_device_that_joins_is_taken_in(broker: str) -> None:
                 lambda _f, _d: threading.Thread(target=join, daemon=True).start(),
             )
             got = run_resilient(
-                spec, _even(members, 6), control, lambda alive: _even(alive, 6), members,
-                replicate_every=2, faults=injector, timeout_s=300, heartbeat_timeout_s=HEARTBEAT_S,
+                spec,
+                _even(members, 6),
+                control,
+                lambda alive: _even(alive, 6),
+                members,
+                replicate_every=2,
+                faults=injector,
+                timeout_s=300,
+                heartbeat_timeout_s=HEARTBEAT_S,
                 rebalance=Rebalancer(problem_for, replicate_every=2),
-            )  # fmt: skip
+            )
     finally:
         control.close()
     attempts = _of(got.events, "attempt")

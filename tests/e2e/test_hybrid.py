@@ -43,8 +43,9 @@ def test_two_edge_agents_feed_a_gloo_server_tier(
     fleet, profiles = hybrid_fleet
     servers = server_tier(profiles)
     assert servers == {fleet.ids[2]: "cpu", fleet.ids[3]: "cpu"}  # announced by the agents
-    spec = JobSpec(model="gpt-mini", steps=4, batch_size=16, microbatches=4, seed=2,
-                   schedule=schedule)  # fmt: skip
+    spec = JobSpec(
+        model="gpt-mini", steps=4, batch_size=16, microbatches=4, seed=2, schedule=schedule
+    )
     cuts = [0, 1, 2, 4, 6]
     plan = Plan.of(*((fleet.ids[s], cuts[s], cuts[s + 1]) for s in range(4)))
     result = run_on_agents(spec, plan, control, servers=servers, timeout_s=300)
@@ -76,14 +77,24 @@ def test_a_job_moves_from_the_server_tier_to_edge_agents(
     device end."""
     fleet, _ = hybrid_fleet
     spec = JobSpec(model="gpt-mini", steps=4, batch_size=16, microbatches=4, seed=4)
-    servers = DistJob(job="movejob", model="gpt-mini", steps=2, batch_size=16, microbatches=4,
-                      seed=4, boundaries=[3], output=str(tmp_path / "server"))  # fmt: skip
+    servers = DistJob(
+        job="movejob",
+        model="gpt-mini",
+        steps=2,
+        batch_size=16,
+        microbatches=4,
+        seed=4,
+        boundaries=[3],
+        output=str(tmp_path / "server"),
+    )
     launch(servers, threads=1)
-    states = {s: (tmp_path / "server" / f"state-stage{s}.safetensors").read_bytes()
-              for s in range(2)}  # fmt: skip
+    states = {
+        s: (tmp_path / "server" / f"state-stage{s}.safetensors").read_bytes() for s in range(2)
+    }
     plan = Plan.of((fleet.ids[0], 0, 3), (fleet.ids[1], 3, 6))
-    result = run_on_agents(spec, plan, control, job="movejob", first_step=2, restore=states,
-                           timeout_s=300)  # fmt: skip
+    result = run_on_agents(
+        spec, plan, control, job="movejob", first_step=2, restore=states, timeout_s=300
+    )
     assert len(result.plan.stages) == 2
     assert {(r.stage, r.device) for r in result.reports} == {(0, fleet.ids[0]), (1, fleet.ids[1])}
     reference = run_inprocess(spec, Plan.of(("local", 0, 6)))

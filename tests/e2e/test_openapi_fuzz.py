@@ -38,8 +38,9 @@ TOKEN = "fuzzing-token-0123456789"
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     data: Path = tmp_path_factory.mktemp("coord")
     with mosquitto_broker() as broker:
-        cfg = Settings(broker_url=broker.url, data_dir=data, api_token=SecretStr(TOKEN),
-                       port=free_port())  # fmt: skip
+        cfg = Settings(
+            broker_url=broker.url, data_dir=data, api_token=SecretStr(TOKEN), port=free_port()
+        )
         with serve_in_thread(cfg) as url:
             yield url
 
@@ -59,8 +60,9 @@ def test_no_server_errors_and_responses_match_the_schema(base_url: str) -> None:
         )
 
         @given(case=strategy)
-        @settings(max_examples=25, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        @settings(
+            max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+        )
         def check(case: Any) -> None:
             calls.append(case)
             case.call_and_validate(

@@ -34,8 +34,15 @@ _INDEPENDENT: dict[tuple[str, int, int], ReferenceRun] = {}
 def _spec(
     model: str, steps: int, codec: str = "fp32", schedule: str = "1f1b", batch: int = 16
 ) -> JobSpec:
-    return JobSpec(model=model, steps=steps, batch_size=batch, microbatches=4, schedule=schedule,
-                   codec=codec, seed=3)  # fmt: skip
+    return JobSpec(
+        model=model,
+        steps=steps,
+        batch_size=batch,
+        microbatches=4,
+        schedule=schedule,
+        codec=codec,
+        seed=3,
+    )
 
 
 def _three_stages(fleet: LocalFleet, n_units: int) -> Plan:
@@ -73,9 +80,11 @@ def test_three_stages_over_mqtt_equal_one_device(
 ) -> None:
     ref_losses, ref_weights = _reference(fleet, control, model, 6)
     result = run_on_agents(
-        _spec(model, 6, schedule=schedule), _three_stages(fleet, MODELS[model]), control,
+        _spec(model, 6, schedule=schedule),
+        _three_stages(fleet, MODELS[model]),
+        control,
         timeout_s=300,
-    )  # fmt: skip
+    )
     assert len(result.plan.stages) == 3
     assert len(result.losses) == 6
     assert_matches(result.losses, result.weights, _independent(model, 6))
@@ -99,9 +108,11 @@ def test_fp16_links_stay_within_two_percent_of_the_reference(
     descending curve are noisy) is within 2% of the fp32 single-device reference."""
     ref_losses, _ = _reference(fleet, control, model, 50, batch=64)
     result = run_on_agents(
-        _spec(model, 50, codec="fp16", batch=64), _three_stages(fleet, MODELS[model]), control,
+        _spec(model, 50, codec="fp16", batch=64),
+        _three_stages(fleet, MODELS[model]),
+        control,
         timeout_s=300,
-    )  # fmt: skip
+    )
     assert len(result.plan.stages) == 3
     assert_matches(
         ref_losses,
@@ -156,8 +167,14 @@ def test_garbage_frames_are_dropped_and_training_is_unchanged(
                 raw.publish(topic, payload, qos=1).wait_for_publish(5)
 
     try:
-        result = run_on_agents(_spec("cnn-digits", 12), _three_stages(fleet, 4), control,
-                               job=job, on_step=on_step, timeout_s=300)  # fmt: skip
+        result = run_on_agents(
+            _spec("cnn-digits", 12),
+            _three_stages(fleet, 4),
+            control,
+            job=job,
+            on_step=on_step,
+            timeout_s=300,
+        )
     finally:
         raw.loop_stop()
         raw.disconnect()

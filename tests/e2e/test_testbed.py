@@ -76,15 +76,17 @@ def leftovers(state: State) -> list[str]:
 
 
 def device(id: str, gflops: float, mbps: float = 500.0, latency_ms: float = 2.0) -> DeviceSpec:
-    return DeviceSpec(id=id, gflops=gflops, memory_bytes=2 * GIB, bandwidth_mbps=mbps,
-                      latency_ms=latency_ms)  # fmt: skip
+    return DeviceSpec(
+        id=id, gflops=gflops, memory_bytes=2 * GIB, bandwidth_mbps=mbps, latency_ms=latency_ms
+    )
 
 
 def linear_macs(model: str, options: dict[str, int], start: int, end: int) -> int:
     """Multiply-accumulates per sample of the linear layers in units ``[start, end)``."""
     segment = get_model(model, **options).build_segment(start, end)
-    return sum(m.in_features * m.out_features for m in segment.modules()
-               if isinstance(m, torch.nn.Linear))  # fmt: skip
+    return sum(
+        m.in_features * m.out_features for m in segment.modules() if isinstance(m, torch.nn.Linear)
+    )
 
 
 def control_for(url: str) -> MqttTransport:
@@ -104,8 +106,9 @@ def test_kernel_testbed_slows_each_agent_to_its_profile(
     plan = Plan.of(("fast", 0, 3), ("mid", 3, 5), ("slow", 5, 8))
     # Bursts of compute well over the 5 ms quota (see [Note: CFS period]): 128-sample microbatches.
     spec = JobSpec(model="mlp", model_options=options, steps=5, batch_size=256, microbatches=2)
-    with Testbed.up(fleet, scale=1.0, state_dir=state_dir, method="kernel", coordinator=False,
-                    measure_s=0.5) as bed:  # fmt: skip
+    with Testbed.up(
+        fleet, scale=1.0, state_dir=state_dir, method="kernel", coordinator=False, measure_s=0.5
+    ) as bed:
         assert bed.method == "kernel"
         assert [d.cpus for d in bed.devices] == [1.0, 0.5, 0.25]
         state = State.load(state_dir)
@@ -138,9 +141,19 @@ def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 def test_down_after_a_crashed_up_removes_everything(state_dir: Path) -> None:
     """``up`` SIGKILLed while it waits for its agents: ``down`` works from the state alone."""
-    up = subprocess.Popen([*CLI, "up", "--devices", "rpi4-4gb,jetson-nano,laptop",
-                           "--state-dir", str(state_dir), "--no-coordinator"],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    up = subprocess.Popen(
+        [
+            *CLI,
+            "up",
+            "--devices",
+            "rpi4-4gb,jetson-nano,laptop",
+            "--state-dir",
+            str(state_dir),
+            "--no-coordinator",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
 
         def agents_started() -> bool:
@@ -170,8 +183,14 @@ def test_down_after_a_crashed_up_removes_everything(state_dir: Path) -> None:
 
 def test_down_after_killed_agents_and_proxy(state_dir: Path) -> None:
     """A testbed up through the CLI, then SIGKILLs: status says so, down cleans up."""
-    up = _cli("up", "--devices", "rpi4-4gb,jetson-nano,laptop", "--state-dir", str(state_dir),
-              "--no-coordinator")  # fmt: skip
+    up = _cli(
+        "up",
+        "--devices",
+        "rpi4-4gb,jetson-nano,laptop",
+        "--state-dir",
+        str(state_dir),
+        "--no-coordinator",
+    )
     assert up.returncode == 0, up.stdout + up.stderr
     assert "limits: " in up.stdout and "testbed down" in up.stdout
     status = _cli("status", "--state-dir", str(state_dir), "--json")
@@ -208,15 +227,23 @@ def test_software_method_trains_through_the_coordinator(state_dir: Path) -> None
         assert float(argv[argv.index("--slowdown") + 1]) > 1
         assert bed.coordinator_url is not None
         with httpx.Client(base_url=bed.coordinator_url, timeout=30) as api:
-            body = {"model": "mlp", "steps": 3, "batch_size": 32, "microbatches": 2,
-                    "pin_first": "a", "stages": 3}  # fmt: skip
+            body = {
+                "model": "mlp",
+                "steps": 3,
+                "batch_size": 32,
+                "microbatches": 2,
+                "pin_first": "a",
+                "stages": 3,
+            }
             created = api.post("/api/v1/jobs", json=body)
             assert created.status_code < 300, created.text
             job = created.json()["id"]
             deadline = time.monotonic() + 90
             while (record := api.get(f"/api/v1/jobs/{job}").json())["state"] not in (
-                "completed", "failed", "cancelled"
-            ):  # fmt: skip
+                "completed",
+                "failed",
+                "cancelled",
+            ):
                 assert time.monotonic() < deadline, record
                 time.sleep(0.3)
         assert record["state"] == "completed", record

@@ -44,8 +44,13 @@ FLEET = [
     DeviceSpec(id=f"dev{i}", gflops=40, memory_bytes=18 * 2**20, bandwidth_mbps=1000, latency_ms=1)
     for i in range(3)
 ]
-BODY: dict[str, Any] = {"model": "gpt-mini", "steps": STEPS, "batch_size": 16,
-                        "microbatches": 4, "seed": 3}  # fmt: skip
+BODY: dict[str, Any] = {
+    "model": "gpt-mini",
+    "steps": STEPS,
+    "batch_size": 16,
+    "microbatches": 4,
+    "seed": 3,
+}
 
 
 @pytest.fixture

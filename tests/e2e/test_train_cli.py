@@ -17,15 +17,31 @@ from support.reference import assert_matches, train_reference
 ROOT = Path(__file__).resolve().parents[2]
 # One torch thread per agent whatever the number of devices: equal thread counts make
 # the single-device reference and the pipeline agree bit for bit.
-ARGS = ["--model", "mlp", "--steps", "4", "--batch-size", "16", "--microbatches", "4",
-        "--seed", "1", "--threads", "1"]  # fmt: skip
+ARGS = [
+    "--model",
+    "mlp",
+    "--steps",
+    "4",
+    "--batch-size",
+    "16",
+    "--microbatches",
+    "4",
+    "--seed",
+    "1",
+    "--threads",
+    "1",
+]
 
 
 def train(*extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "edgetrain.cli", "train", *ARGS, *extra],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=False,
+    )
 
 
 def ok_json(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
@@ -39,8 +55,17 @@ def test_three_agents_over_mqtt_match_one_device_and_in_process(tmp_path: Path) 
     PyTorch loop) within 1e-5 and one device bit for bit (``--devices 1`` is one stage on
     purpose: the reference), and so do three and, with ``--stages 2``, two stages in
     process."""
-    three = ok_json(train("--devices", "3", "--partition", "even", "--json",
-                          "--save-weights", str(tmp_path / "three.safetensors")))  # fmt: skip
+    three = ok_json(
+        train(
+            "--devices",
+            "3",
+            "--partition",
+            "even",
+            "--json",
+            "--save-weights",
+            str(tmp_path / "three.safetensors"),
+        )
+    )
     assert three["transport"] == "mqtt" and three["broker"] == "mosquitto"
     assert len(three["plan"]["stages"]) == 3 and three["plan"]["feasible"] is True
     assert len(three["losses"]) == 4 and three["samples_per_s"] > 0
@@ -48,15 +73,17 @@ def test_three_agents_over_mqtt_match_one_device_and_in_process(tmp_path: Path) 
     independent = train_reference("mlp", steps=4, batch_size=16, seed=1)
     trained = safetensors.torch.load_file(str(tmp_path / "three.safetensors"))
     assert_matches(three["losses"], trained, independent)
-    one = ok_json(train("--devices", "1", "--json",
-                        "--save-weights", str(tmp_path / "one.safetensors")))  # fmt: skip
+    one = ok_json(
+        train("--devices", "1", "--json", "--save-weights", str(tmp_path / "one.safetensors"))
+    )
     assert len(one["plan"]["stages"]) == 1
     assert one["losses"] == three["losses"]
     a = safetensors.torch.load_file(str(tmp_path / "three.safetensors"))
     b = safetensors.torch.load_file(str(tmp_path / "one.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    local = ok_json(train("--devices", "3", "--partition", "even", "--transport", "inprocess",
-                          "--json"))  # fmt: skip
+    local = ok_json(
+        train("--devices", "3", "--partition", "even", "--transport", "inprocess", "--json")
+    )
     assert local["transport"] == "inprocess" and local["losses"] == three["losses"]
     assert len(local["plan"]["stages"]) == 3
     two = ok_json(train("--devices", "3", "--stages", "2", "--transport", "inprocess", "--json"))

@@ -35,9 +35,13 @@ TIMEOUT_S = 240
 def edgetrain(*args: str) -> subprocess.CompletedProcess[str]:
     """Run ``edgetrain ARGS`` in its own session; on timeout kill it and every rank it started."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "edgetrain.cli", *args], cwd=ROOT, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "edgetrain.cli", *args],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -75,8 +79,19 @@ def independent() -> ReferenceRun:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
     """One device, in process: the JSON and the saved weights (one stage: the reference)."""
     weights = tmp_path_factory.mktemp("reference") / "one.safetensors"
-    out = ok_json(edgetrain("train", *ARGS, "--transport", "inprocess", "--devices", "1",
-                            "--json", "--save-weights", str(weights)))  # fmt: skip
+    out = ok_json(
+        edgetrain(
+            "train",
+            *ARGS,
+            "--transport",
+            "inprocess",
+            "--devices",
+            "1",
+            "--json",
+            "--save-weights",
+            str(weights),
+        )
+    )
     assert len(out["plan"]["stages"]) == 1
     return out, weights
 
@@ -86,12 +101,34 @@ def test_two_ranks_print_the_same_json_and_train_like_one_device(
 ) -> None:
     ref, ref_weights = reference
     weights = tmp_path / "two.safetensors"
-    out = ok_json(edgetrain("train", *ARGS, "--transport", "dist", "--devices", "2",
-                            "--partition", "even", "--json",
-                            "--save-weights", str(weights)))  # fmt: skip
+    out = ok_json(
+        edgetrain(
+            "train",
+            *ARGS,
+            "--transport",
+            "dist",
+            "--devices",
+            "2",
+            "--partition",
+            "even",
+            "--json",
+            "--save-weights",
+            str(weights),
+        )
+    )
     assert set(ref) <= set(out)  # every key of the in-process (and MQTT) path
-    for key in ("losses", "samples_per_s", "plan", "transport", "job", "steps", "wall_s",
-                "stages", "replicas", "processes"):  # fmt: skip
+    for key in (
+        "losses",
+        "samples_per_s",
+        "plan",
+        "transport",
+        "job",
+        "steps",
+        "wall_s",
+        "stages",
+        "replicas",
+        "processes",
+    ):
         assert key in out, key
     assert out["transport"] == "dist" and out["steps"] == STEPS
     assert (out["replicas"], out["processes"]) == (1, 2)
@@ -135,14 +172,20 @@ def test_two_replicas_of_one_stage_train_like_one_device(
 @pytest.mark.parametrize(
     ("extra", "names"),
     [
-        (["--transport", "dist", "--replicas", "2", "--devices", "3"],
-         "--devices 3 is not a multiple of --replicas 2"),
-        (["--transport", "mqtt", "--replicas", "2", "--devices", "2"],
-         "--replicas and --device are for --transport dist"),
-        (["--transport", "dist", "--devices", "2", "--replicas", "2", "-b", "6"],
-         "--batch-size 6 is not a multiple of --microbatches x --replicas"),
+        (
+            ["--transport", "dist", "--replicas", "2", "--devices", "3"],
+            "--devices 3 is not a multiple of --replicas 2",
+        ),
+        (
+            ["--transport", "mqtt", "--replicas", "2", "--devices", "2"],
+            "--replicas and --device are for --transport dist",
+        ),
+        (
+            ["--transport", "dist", "--devices", "2", "--replicas", "2", "-b", "6"],
+            "--batch-size 6 is not a multiple of --microbatches x --replicas",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_dist_input_exits_2_with_one_line(extra: list[str], names: str) -> None:
     """Refused before anything runs: no plan, no stages to count."""
     assert names in one_line_error(edgetrain("train", *ARGS, *extra))
@@ -166,8 +209,14 @@ def test_launch_of_an_invalid_file_names_the_problem(tmp_path: Path) -> None:
 def test_launch_runs_a_job_file_into_the_output_it_is_given(
     tmp_path: Path, reference: tuple[dict[str, Any], Path]
 ) -> None:
-    job = DistJob(model="mlp", steps=STEPS, batch_size=8, microbatches=2, stages=2,
-                  output=str(tmp_path / "not-used"))  # fmt: skip
+    job = DistJob(
+        model="mlp",
+        steps=STEPS,
+        batch_size=8,
+        microbatches=2,
+        stages=2,
+        output=str(tmp_path / "not-used"),
+    )
     path = tmp_path / "job.toml"
     write_job(job, path)
     output = tmp_path / "results"
@@ -181,8 +230,14 @@ def test_launch_runs_a_job_file_into_the_output_it_is_given(
     assert all(math.isfinite(x) for x in out["losses"])
     assert_close_losses(out["losses"], reference[0]["losses"])
     assert json.loads((output / "losses.json").read_text())["losses"] == out["losses"]
-    for name in ("job.toml", "weights-stage0.safetensors", "weights-stage1.safetensors",
-                 "state-stage0.safetensors", "state-stage1.safetensors",
-                 "reports-rank0.jsonl", "reports-rank1.jsonl"):  # fmt: skip
+    for name in (
+        "job.toml",
+        "weights-stage0.safetensors",
+        "weights-stage1.safetensors",
+        "state-stage0.safetensors",
+        "state-stage1.safetensors",
+        "reports-rank0.jsonl",
+        "reports-rank1.jsonl",
+    ):
         assert (output / name).is_file(), name
     assert not (tmp_path / "not-used").exists()  # --output overrides the file's

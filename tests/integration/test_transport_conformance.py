@@ -269,9 +269,13 @@ class TestMqttTransport(TransportConformance):
         inbox.take(Kind.ACTIVATION, 0, 0, timeout=WAIT_S)
         assert a.flush(WAIT_S)
         assert a.stats() == {
-            "frames_sent": 1, "bytes_sent": len(data), "frames_received": 0,
-            "bytes_received": 0, "reconnects": 0, "unacked": 0,
-        }  # fmt: skip
+            "frames_sent": 1,
+            "bytes_sent": len(data),
+            "frames_received": 0,
+            "bytes_received": 0,
+            "reconnects": 0,
+            "unacked": 0,
+        }
         assert b.frames_received == 1 and b.bytes_received == len(data)
         # A subscription nothing routes (white-box: drop the callback behind it) gets
         # messages for a stage that is not attached and for foreign topics: counted, dropped.

@@ -415,9 +415,14 @@ def problems(
             if regime != "zero_latency" and not (mixed and draw(st.booleans())):
                 lat = draw(_pos(0.0, 50.0) if draw(st.booleans()) else _pos(0.0, 2.0))
         devices.append(
-            {"id": f"d{j}", "gflops": gflops, "memory_bytes": 1e18, "bandwidth_mbps": bw,
-             "latency_ms": lat}
-        )  # fmt: skip
+            {
+                "id": f"d{j}",
+                "gflops": gflops,
+                "memory_bytes": 1e18,
+                "bandwidth_mbps": bw,
+                "latency_ms": lat,
+            }
+        )
     pin = None
     if regime == "pinned_tight" or (mixed and draw(st.booleans())):
         pin = f"d{draw(st.integers(0, n_dev - 1))}"
@@ -498,5 +503,6 @@ def random_problem(
     for dev in devices:
         dev["memory_bytes"] = total * rng.uniform(*memory_fraction)
     pin = devices[rng.randrange(n_devices)]["id"] if pinned else None
-    return make_problem(layers, devices, batch_size=batch, microbatches=microbatches, k=k,
-                        pin_first=pin)  # fmt: skip
+    return make_problem(
+        layers, devices, batch_size=batch, microbatches=microbatches, k=k, pin_first=pin
+    )

@@ -32,8 +32,9 @@ def gloo_world(rank: int, world: int, store_path: str) -> Iterator[None]:
 
 def run_ranks(fn: Callable[..., None], world: int, *args: Any, timeout: float) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned processes; kill them at ``timeout``."""
-    ctx = mp.start_processes(fn, args=(world, *args), nprocs=world, join=False,
-                             start_method="spawn")  # fmt: skip
+    ctx = mp.start_processes(
+        fn, args=(world, *args), nprocs=world, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=1.0):

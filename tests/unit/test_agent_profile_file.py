@@ -34,9 +34,23 @@ DEVICE = {
 
 
 def _agent(broker: str, tmp: Path, *args: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "edgetrain.cli", "agent", "--broker", broker,
-           "--data-dir", str(tmp / "data"), "--heartbeat-s", "0.2", "--threads", "1",
-           "--measure-seconds", "0.05", *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "edgetrain.cli",
+        "agent",
+        "--broker",
+        broker,
+        "--data-dir",
+        str(tmp / "data"),
+        "--heartbeat-s",
+        "0.2",
+        "--threads",
+        "1",
+        "--measure-seconds",
+        "0.05",
+        *args,
+    ]
     return subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True
     )
@@ -52,8 +66,9 @@ def control(mosquitto: Broker) -> Iterator[MqttTransport]:
 
 def _announced(control: MqttTransport, device: str) -> list[DeviceSpec]:
     seen: list[DeviceSpec] = []
-    control.subscribe(device_profile(device),
-                      lambda _t, p: seen.append(DeviceSpec.model_validate_json(p)))  # fmt: skip
+    control.subscribe(
+        device_profile(device), lambda _t, p: seen.append(DeviceSpec.model_validate_json(p))
+    )
     return seen
 
 
@@ -143,8 +158,16 @@ def test_a_shaped_agent_announces_the_shaped_link(
     mosquitto: Broker, control: MqttTransport, tmp_path: Path
 ) -> None:
     seen = _announced(control, "emu-10")
-    proc = _agent(mosquitto.url, tmp_path, "--device-id", "emu-10",
-                  "--link-mbps", "5", "--link-latency-ms", "20")  # fmt: skip
+    proc = _agent(
+        mosquitto.url,
+        tmp_path,
+        "--device-id",
+        "emu-10",
+        "--link-mbps",
+        "5",
+        "--link-latency-ms",
+        "20",
+    )
     try:
         assert until(lambda: bool(seen) or proc.poll() is not None, 60)
     finally:

@@ -39,20 +39,30 @@ def test_auto_without_a_choice_is_fp32_and_a_wrong_count_is_refused() -> None:
 
 
 def _device(name: str, **details: object) -> DeviceSpec:
-    return DeviceSpec(id=name, gflops=10, memory_bytes=1e9, bandwidth_mbps=100, latency_ms=1,
-                      details=details or None)  # fmt: skip
+    return DeviceSpec(
+        id=name,
+        gflops=10,
+        memory_bytes=1e9,
+        bandwidth_mbps=100,
+        latency_ms=1,
+        details=details or None,
+    )
 
 
 def test_server_tier_is_what_the_agents_announced() -> None:
-    profiles = {"pi": _device("pi"), "gpu": _device("gpu", server=True, torch_device="cuda:1"),
-                "box": _device("box", server=True)}  # fmt: skip
+    profiles = {
+        "pi": _device("pi"),
+        "gpu": _device("gpu", server=True, torch_device="cuda:1"),
+        "box": _device("box", server=True),
+    }
     assert server_tier(profiles) == {"gpu": "cuda:1", "box": "cpu"}
 
 
 def test_stages_on_two_servers_form_one_group_with_a_store_here() -> None:
     plan = Plan.of(("pi", 0, 2), ("box1", 2, 4), ("box2", 4, 6))
-    out, store = _server_group(make_assignments("j1", SPEC, plan), plan,
-                               {"box1": "cpu", "box2": "cpu"}, "127.0.0.1")  # fmt: skip
+    out, store = _server_group(
+        make_assignments("j1", SPEC, plan), plan, {"box1": "cpu", "box2": "cpu"}, "127.0.0.1"
+    )
     assert out[0].dist is None
     group = out[1].dist
     assert group is not None and out[2].dist == group

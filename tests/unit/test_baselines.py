@@ -28,18 +28,26 @@ def problem(seed: int, layers: int = 9, devices: int = 4, pin: bool = False) -> 
         batch_size=32,
         microbatches=rng.choice([1, 4, 8]),
         layers=[
-            LayerSpec(name=f"l{i}", fwd_flops=rng.uniform(1e6, 5e8),
-                      param_bytes=rng.uniform(1e4, 1e7), out_bytes=rng.uniform(1e3, 1e6))
+            LayerSpec(
+                name=f"l{i}",
+                fwd_flops=rng.uniform(1e6, 5e8),
+                param_bytes=rng.uniform(1e4, 1e7),
+                out_bytes=rng.uniform(1e3, 1e6),
+            )
             for i in range(layers)
         ],
         devices=[
-            DeviceSpec(id=f"d{j}", gflops=rng.choice([5.0, 50.0]) * rng.uniform(0.8, 1.2),
-                       memory_bytes=rng.uniform(1e8, 1e9), bandwidth_mbps=rng.uniform(50, 1000),
-                       latency_ms=rng.uniform(0.1, 3))
+            DeviceSpec(
+                id=f"d{j}",
+                gflops=rng.choice([5.0, 50.0]) * rng.uniform(0.8, 1.2),
+                memory_bytes=rng.uniform(1e8, 1e9),
+                bandwidth_mbps=rng.uniform(50, 1000),
+                latency_ms=rng.uniform(0.1, 3),
+            )
             for j in range(devices)
         ],
         pin_first="d2" if pin else None,
-    )  # fmt: skip
+    )
 
 
 def _given(p: PlanningProblem) -> list[str]:

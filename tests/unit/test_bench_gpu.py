@@ -49,8 +49,16 @@ def test_one_profiled_block_stands_for_every_block(bench: ModuleType) -> None:
 
 
 def test_the_smallest_run_reports_every_stage_and_mfu_exactly(bench: ModuleType) -> None:
-    config = bench.BenchConfig(device="cpu", options=dict(TINY), stages=2, microbatches=(1, 2),
-                               warmup=1, rounds=1, round_s=0.001, peak_seconds=0.01)  # fmt: skip
+    config = bench.BenchConfig(
+        device="cpu",
+        options=dict(TINY),
+        stages=2,
+        microbatches=(1, 2),
+        warmup=1,
+        rounds=1,
+        round_s=0.001,
+        peak_seconds=0.01,
+    )
     result = bench.run_bench(config)
     assert result["device"] == "cpu" and result["cpu_figures"] is True
     assert result["precision"] == "fp32" and result["peak_tflops"] > 0
@@ -69,8 +77,9 @@ def test_the_smallest_run_reports_every_stage_and_mfu_exactly(bench: ModuleType)
         assert r["tokens"] == r["microbatch"] * TINY["block_size"]
         assert r["samples_per_s"] == r["microbatch"] / r["seconds"]
         assert r["tokens_per_s"] == r["tokens"] / r["seconds"]
-        assert r["achieved_tflops"] == tflops_rate(st["flops_per_sample"] * r["microbatch"],
-                                                   r["seconds"])  # fmt: skip
+        assert r["achieved_tflops"] == tflops_rate(
+            st["flops_per_sample"] * r["microbatch"], r["seconds"]
+        )
         assert r["mfu"] == r["achieved_tflops"] / result["peak_tflops"]
         assert r["peak_memory_bytes"] is None and r["iterations"] >= 1
     big = result["largest_stage"]

@@ -26,8 +26,10 @@ def bench() -> ModuleType:
 def test_even_plans_cover_every_unit_once(bench: ModuleType) -> None:
     plan = bench.even_plan(["a", "b", "c"], 6)
     assert [(st.device, st.start, st.end) for st in plan.stages] == [
-        ("a", 0, 2), ("b", 2, 4), ("c", 4, 6),
-    ]  # fmt: skip
+        ("a", 0, 2),
+        ("b", 2, 4),
+        ("c", 4, 6),
+    ]
     assert [st.device for st in bench.even_plan(["a", "b", "c"], 2).stages] == ["a", "b"]
     two = bench.even_plan(["x", "y"], 5)
     assert two.stages[0].start == 0 and two.stages[-1].end == 5

@@ -53,8 +53,15 @@ OPTIMIZERS = {
 def _assignments(
     model: str, cuts: list[int], optimizer: str, steps: int, **extra: object
 ) -> list[StageAssignment]:
-    spec = JobSpec(model=model, steps=steps, batch_size=8, microbatches=2, seed=5,
-                   optimizer=OPTIMIZERS[optimizer], recv_timeout_s=30)  # fmt: skip
+    spec = JobSpec(
+        model=model,
+        steps=steps,
+        batch_size=8,
+        microbatches=2,
+        seed=5,
+        optimizer=OPTIMIZERS[optimizer],
+        recv_timeout_s=30,
+    )
     plan = Plan.of(*((f"d{s}", cuts[s], cuts[s + 1]) for s in range(len(cuts) - 1)))
     return [
         StageAssignment.model_validate(a.model_dump() | extra)
@@ -148,8 +155,10 @@ def test_round_trip_after_real_steps(model: str, optimizer: str) -> None:
         assert set(st.optim) == set(params)
         assert all(set(v) == expected[optimizer] for v in st.optim.values())
         if optimizer == "adamw":
-            assert all(isinstance(v["step"], torch.Tensor) and float(v["step"]) == 3.0
-                       for v in st.optim.values())  # fmt: skip
+            assert all(
+                isinstance(v["step"], torch.Tensor) and float(v["step"]) == 3.0
+                for v in st.optim.values()
+            )
 
         fresh = StageRuntime(
             StageAssignment.model_validate(
@@ -180,8 +189,15 @@ def _blob(meta: dict[str, str] | None, tensors: dict[str, torch.Tensor] | None =
     return safetensors.torch.save(tensors or {"fc1.1.weight": torch.zeros(2)}, metadata=meta)
 
 
-GOOD = {"format": FORMAT, "step": "3", "job": "j1", "stage": "0", "start": "0", "end": "3",
-        "units": '["fc1", "fc2", "out"]'}  # fmt: skip
+GOOD = {
+    "format": FORMAT,
+    "step": "3",
+    "job": "j1",
+    "stage": "0",
+    "start": "0",
+    "end": "3",
+    "units": '["fc1", "fc2", "out"]',
+}
 
 
 @pytest.mark.parametrize(

@@ -26,11 +26,21 @@ def _hybrid(uplink_mbps: float) -> PlanningProblem:
         {"fwd_flops": 2e9, "param_bytes": 4e6, "out_bytes": 2e5} for _ in range(5)
     ]
     devices = [
-        {"id": "phone", "gflops": 20, "memory_bytes": 4 * GB, "bandwidth_mbps": uplink_mbps,
-         "latency_ms": 5},
-        {"id": "server", "gflops": 1000, "memory_bytes": 80 * GB, "bandwidth_mbps": 10_000,
-         "latency_ms": 0.1},
-    ]  # fmt: skip
+        {
+            "id": "phone",
+            "gflops": 20,
+            "memory_bytes": 4 * GB,
+            "bandwidth_mbps": uplink_mbps,
+            "latency_ms": 5,
+        },
+        {
+            "id": "server",
+            "gflops": 1000,
+            "memory_bytes": 80 * GB,
+            "bandwidth_mbps": 10_000,
+            "latency_ms": 0.1,
+        },
+    ]
     return make_problem(layers, devices, batch_size=32, microbatches=4, pin_first="phone")
 
 

@@ -15,9 +15,14 @@ from edge.problem import LayerSpec
 def _spec(shape: tuple[int, ...], *units: tuple[str, nn.Module]) -> ModelSpec:
     # Fresh modules per build, as the zoo does; the lambdas return prepared instances.
     return ModelSpec(
-        "hand", "hand-built", tuple(UnitDef(n, lambda m=m: m) for n, m in units), shape,
-        torch.float32, 10, "synthetic-images",
-    )  # fmt: skip
+        "hand",
+        "hand-built",
+        tuple(UnitDef(n, lambda m=m: m) for n, m in units),
+        shape,
+        torch.float32,
+        10,
+        "synthetic-images",
+    )
 
 
 def _close(measured: float, expected: float) -> bool:

@@ -65,9 +65,12 @@ def _params() -> list[torch.nn.Parameter]:
     """fp32 and fp64 parameters, one frozen, in a fixed order (the same on every rank)."""
     g = torch.Generator().manual_seed(0)
     shapes: list[tuple[tuple[int, ...], torch.dtype]] = [
-        ((3, 4), torch.float32), ((5,), torch.float32), ((2, 2), torch.float64),
-        ((3,), torch.float32), ((4,), torch.float32),
-    ]  # fmt: skip
+        ((3, 4), torch.float32),
+        ((5,), torch.float32),
+        ((2, 2), torch.float64),
+        ((3,), torch.float32),
+        ((4,), torch.float32),
+    ]
     params = [torch.nn.Parameter(torch.randn(s, generator=g, dtype=dt)) for s, dt in shapes]
     params[3].requires_grad_(False)
     return params

@@ -160,11 +160,18 @@ def test_assignment_carries_the_stage_and_replica() -> None:
 
 def test_write_then_load_gives_an_equal_job(tmp_path: Path) -> None:
     job = _job(
-        job="abc-123", boundaries=[1, 3], replicas=2, schedule="gpipe", codec="bf16",
-        model_options={"block_size": 32}, dataset_options={"block_size": 32}, resume_from="runs/x",
+        job="abc-123",
+        boundaries=[1, 3],
+        replicas=2,
+        schedule="gpipe",
+        codec="bf16",
+        model_options={"block_size": 32},
+        dataset_options={"block_size": 32},
+        resume_from="runs/x",
         optimizer=OptimizerSpec(name="adamw", lr=3e-4, weight_decay=0.01, betas=(0.8, 0.95)),
-        output=str(tmp_path / "out"), recv_timeout_s=12.5,
-    )  # fmt: skip
+        output=str(tmp_path / "out"),
+        recv_timeout_s=12.5,
+    )
     path = tmp_path / "job.toml"
     write_job(job, path)
     back = load_job(path)
@@ -232,8 +239,9 @@ def _write_states(directory: Path, step: int, segments: list[tuple[int, int]]) -
     for stage, (start, end) in enumerate(segments):
         segment = spec.build_segment(start, end)
         optimizer = torch.optim.SGD(segment.parameters(), lr=0.1, momentum=0.9)
-        blob = stage_state(segment, optimizer, step=step, job="j1", stage=stage, start=start,
-                           end=end)  # fmt: skip
+        blob = stage_state(
+            segment, optimizer, step=step, job="j1", stage=stage, start=start, end=end
+        )
         (directory / f"step{step}-stage{stage}.safetensors").write_bytes(blob)
 
 

@@ -150,26 +150,38 @@ def _exchange_on_rank(rank: int, world: int, store_path: str, out_dir: str) -> N
         got: dict[str, torch.Tensor] = {}
         if stage == 0:
             for mb in range(MICROBATCHES):
-                transport.send(JOB, 1, "fwd", encode_frame(
-                    Kind.ACTIVATION, JOB, 0, mb, _activation(mb), Codec.FP32))  # fmt: skip
-            transport.send(JOB, 1, "fwd", encode_frame(
-                Kind.LABELS, JOB, 0, 0, _labels(0), Codec.FP32))  # fmt: skip
+                transport.send(
+                    JOB,
+                    1,
+                    "fwd",
+                    encode_frame(Kind.ACTIVATION, JOB, 0, mb, _activation(mb), Codec.FP32),
+                )
+            transport.send(
+                JOB, 1, "fwd", encode_frame(Kind.LABELS, JOB, 0, 0, _labels(0), Codec.FP32)
+            )
             got["gradient"] = inbox.take(Kind.GRADIENT, 0, 1, timeout=10).tensor.clone()
         else:
             # Taken by key, not in the order they were sent.
             for mb in reversed(range(MICROBATCHES)):
                 got[f"act{mb}"] = inbox.take(Kind.ACTIVATION, 0, mb, timeout=10).tensor.clone()
             got["labels"] = inbox.take(Kind.LABELS, 0, 0, timeout=10).tensor.clone()
-            transport.send(JOB, 0, "bwd", encode_frame(
-                Kind.GRADIENT, JOB, 0, 1, _gradient(), Codec.FP32))  # fmt: skip
+            transport.send(
+                JOB, 0, "bwd", encode_frame(Kind.GRADIENT, JOB, 0, 1, _gradient(), Codec.FP32)
+            )
         transport.detach(JOB, stage)
         alive = [t.name for t in receivers if t.is_alive()]
         torch.save(
-            {"got": got, "alive": alive, "closed": inbox.closed, "pending": inbox.pending,
-             "frames_sent": transport.frames_sent, "frames_received": inbox.frames_received,
-             "dropped": sum(inbox.dropped.values())},
+            {
+                "got": got,
+                "alive": alive,
+                "closed": inbox.closed,
+                "pending": inbox.pending,
+                "frames_sent": transport.frames_sent,
+                "frames_received": inbox.frames_received,
+                "dropped": sum(inbox.dropped.values()),
+            },
             Path(out_dir) / f"rank{rank}.pt",
-        )  # fmt: skip
+        )
 
 
 def test_frames_cross_between_two_ranks_and_detach_ends_the_receivers(tmp_path: Path) -> None:

@@ -39,8 +39,12 @@ PROBLEM: dict[str, Any] = {
 def run_plan(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "edgetrain.cli", "plan", *args],
-        capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        check=False,
+    )
 
 
 def write(tmp_path: Path, data: Any, name: str = "problem.json") -> Path:
@@ -114,9 +118,19 @@ def test_model_and_fleet_build_the_problem_and_report_baselines(tmp_path: Path) 
     emitted = tmp_path / "p.json"
     trace = tmp_path / "trace.json"
     done = run_plan(
-        "--model", "cnn-digits", "--devices", "rpi4-4gb:2,jetson-nano", "--batch-size", "16",
-        "--microbatches", "4", "--emit-problem", str(emitted), "--timeline", str(trace),
-    )  # fmt: skip
+        "--model",
+        "cnn-digits",
+        "--devices",
+        "rpi4-4gb:2,jetson-nano",
+        "--batch-size",
+        "16",
+        "--microbatches",
+        "4",
+        "--emit-problem",
+        str(emitted),
+        "--timeline",
+        str(trace),
+    )
     assert done.returncode == 0, done.stderr
     for word in ("stage", "bottleneck", "samples/s", "pipedream", "ftpipehd", "even", "single"):
         assert word in done.stdout

@@ -135,8 +135,16 @@ def test_pareto_reference_matches_brute_force(data: st.DataObject) -> None:
 @pytest.mark.parametrize(("n_dev", "n_units", "pin"), [(3, 4, None), (4, 6, None), (4, 6, "d2")])
 def test_enumeration_covers_every_plan_once(n_dev: int, n_units: int, pin: str | None) -> None:
     layers = [{"fwd_flops": 1e9, "param_bytes": 1.0, "out_bytes": 1.0}] * n_units
-    devices = [{"id": f"d{j}", "gflops": 1.0, "memory_bytes": 1e9, "bandwidth_mbps": 1.0,
-                "latency_ms": 1.0} for j in range(n_dev)]  # fmt: skip
+    devices = [
+        {
+            "id": f"d{j}",
+            "gflops": 1.0,
+            "memory_bytes": 1e9,
+            "bandwidth_mbps": 1.0,
+            "latency_ms": 1.0,
+        }
+        for j in range(n_dev)
+    ]
     problem = make_problem(layers, devices, pin_first=pin)
     plans = list(all_plans(problem))
     assert all(validate_plan(problem, p) == [] and plan_errors(problem, p) == [] for p in plans)
@@ -154,10 +162,17 @@ def test_memory_limit_is_inclusive_to_the_last_bit() -> None:
     memory check must round exactly as score_plan does (on Python 3.12+ ``sum``
     of floats is compensated, which a left-to-right accumulation would not match).
     """
-    layers = [{"fwd_flops": 1e9, "param_bytes": p, "out_bytes": 0.0, "act_bytes": 0.0}
-              for p in (0.1, 0.2, 0.3)]  # fmt: skip
-    device = {"id": "a", "gflops": 1.0, "memory_bytes": 1.0, "bandwidth_mbps": 1.0,
-              "latency_ms": 0.0}  # fmt: skip
+    layers = [
+        {"fwd_flops": 1e9, "param_bytes": p, "out_bytes": 0.0, "act_bytes": 0.0}
+        for p in (0.1, 0.2, 0.3)
+    ]
+    device = {
+        "id": "a",
+        "gflops": 1.0,
+        "memory_bytes": 1.0,
+        "bandwidth_mbps": 1.0,
+        "latency_ms": 0.0,
+    }
     draft = make_problem(layers, [device], k=1.0)
     need = score_plan(draft, Plan((Stage("a", 0, 3),))).memory_bytes[0]
     for memory, feasible in ((need, True), (math.nextafter(need, 0), False)):
@@ -171,8 +186,13 @@ def test_zero_work_model_is_scored() -> None:
     work, one device. The spec's throughput B / step_time is undefined at 0; the planner
     must still return the plan, not crash (it once raised ZeroDivisionError)."""
     layers = [{"fwd_flops": 0.0, "param_bytes": 0.0, "out_bytes": 0.0}]
-    device = {"id": "d0", "gflops": 1.0, "memory_bytes": 1.0, "bandwidth_mbps": 1.0,
-              "latency_ms": 0.0}  # fmt: skip
+    device = {
+        "id": "d0",
+        "gflops": 1.0,
+        "memory_bytes": 1.0,
+        "bandwidth_mbps": 1.0,
+        "latency_ms": 0.0,
+    }
     problem = make_problem(layers, [device], batch_size=1.0, microbatches=1, k=1.0)
     result = plan_problem(problem)
     assert result.plan == Plan((Stage("d0", 0, 1),))
@@ -180,8 +200,13 @@ def test_zero_work_model_is_scored() -> None:
 
 
 def _device(name: str, gflops: float, memory: float, bw: float = 1.0) -> dict[str, Any]:
-    return {"id": name, "gflops": gflops, "memory_bytes": memory, "bandwidth_mbps": bw,
-            "latency_ms": 0.0}  # fmt: skip
+    return {
+        "id": name,
+        "gflops": gflops,
+        "memory_bytes": memory,
+        "bandwidth_mbps": bw,
+        "latency_ms": 0.0,
+    }
 
 
 def test_optimum_whose_bottleneck_is_a_link() -> None:
@@ -363,8 +388,16 @@ def test_large_fleet_no_worse_than_best_single_device() -> None:
     always shortlisted finds it (before that rule the planner returned ``big1`` alone,
     50 times slower)."""
     n = 100
-    layers = [{"fwd_flops": 1e9 / n, "bwd_flops": 0.0, "param_bytes": 1e8 / n,
-               "out_bytes": 1e7, "act_bytes": 0.0} for _ in range(n)]  # fmt: skip
+    layers = [
+        {
+            "fwd_flops": 1e9 / n,
+            "bwd_flops": 0.0,
+            "param_bytes": 1e8 / n,
+            "out_bytes": 1e7,
+            "act_bytes": 0.0,
+        }
+        for _ in range(n)
+    ]
     devices = [_device(f"f{j}", 100.0 - 5 * j, 1e8, 0.05) for j in range(1, 6)]
     devices += [_device("l1", 60.0, 1e8, 1.0)]
     devices += [_device(f"big{j}", 1.0, 1e10, 0.05) for j in (1, 2)]

@@ -134,10 +134,15 @@ def test_the_cpu_path_reports_the_cpu() -> None:
 
 
 def test_a_gpu_profile_round_trips_through_json_and_the_device_spec() -> None:
-    details = {"link_source": "default", "device": "cuda:0", "precision": "bf16",
-               "gpu": asdict(H200ISH)}  # fmt: skip
-    measured = MeasuredProfile("gpu-0", 702_250.0, H200ISH.memory_free_bytes, 25_000.0, 0.01,
-                               details)  # fmt: skip
+    details = {
+        "link_source": "default",
+        "device": "cuda:0",
+        "precision": "bf16",
+        "gpu": asdict(H200ISH),
+    }
+    measured = MeasuredProfile(
+        "gpu-0", 702_250.0, H200ISH.memory_free_bytes, 25_000.0, 0.01, details
+    )
     assert measured.gpu == H200ISH
     text = json.dumps(measured.to_json())
     spec = DeviceSpec.model_validate_json(text)

@@ -40,10 +40,31 @@ from edge.protocol import (
     valid_job_id,
 )
 
-FIELDS = ("magic", "version", "kind", "codec", "dtype", "ndim", "job", "step", "microbatch",
-          "scale", "length", "checksum")  # fmt: skip
-REASONS = {"bad-magic", "bad-version", "bad-field", "bad-shape", "bad-job", "truncated",
-           "bad-length", "too-large", "bad-checksum"}  # fmt: skip
+FIELDS = (
+    "magic",
+    "version",
+    "kind",
+    "codec",
+    "dtype",
+    "ndim",
+    "job",
+    "step",
+    "microbatch",
+    "scale",
+    "length",
+    "checksum",
+)
+REASONS = {
+    "bad-magic",
+    "bad-version",
+    "bad-field",
+    "bad-shape",
+    "bad-job",
+    "truncated",
+    "bad-length",
+    "too-large",
+    "bad-checksum",
+}
 JOB_CHARS = string.ascii_letters + string.digits + "_-"
 JOB_IDS = st.from_regex(r"[A-Za-z0-9_-]{1,16}", fullmatch=True)
 SHAPES = st.lists(st.integers(0, 5), max_size=4).map(tuple)
@@ -74,8 +95,9 @@ def is_lossy(dtype: torch.dtype, codec: Codec) -> bool:
     return codec is not Codec.FP32 or dtype is torch.float64
 
 
-def make(shape: tuple[int, ...], dtype: torch.dtype, finite: bool, magnitude: float,
-         gen: torch.Generator) -> torch.Tensor:  # fmt: skip
+def make(
+    shape: tuple[int, ...], dtype: torch.dtype, finite: bool, magnitude: float, gen: torch.Generator
+) -> torch.Tensor:
     if finite and dtype.is_floating_point:
         return (torch.randn(shape, generator=gen, dtype=torch.float64) * magnitude).to(dtype)
     n = math.prod(shape) * dtype.itemsize
@@ -127,9 +149,14 @@ def good_frame(codec: Codec = Codec.FP32) -> bytes:
     microbatch=st.integers(0, 2**32 - 1),
 )
 def test_every_dtype_and_codec_round_trips(
-    data: st.DataObject, dtype: torch.dtype, codec: Codec, kind: Kind, job: str, step: int,
+    data: st.DataObject,
+    dtype: torch.dtype,
+    codec: Codec,
+    kind: Kind,
+    job: str,
+    step: int,
     microbatch: int,
-) -> None:  # fmt: skip
+) -> None:
     lossy = is_lossy(dtype, codec)
     t = data.draw(tensors(dtype, finite=lossy))
     frame = encode_frame(kind, job, step, microbatch, t, codec)
@@ -261,37 +288,60 @@ GARBAGE = {
     "bad-magic": [b"XXXX" + GOOD[4:], patched(GOOD, magic=b"ETF2")],
     "bad-version": [patched(GOOD, version=0), patched(GOOD, version=2)],
     "bad-field": [
-        patched(GOOD, kind=0), patched(GOOD, kind=5), patched(GOOD, kind=255),
-        patched(GOOD, codec=5), patched(GOOD, codec=255),
-        patched(GOOD, dtype=8), patched(GOOD, dtype=255),
+        patched(GOOD, kind=0),
+        patched(GOOD, kind=5),
+        patched(GOOD, kind=255),
+        patched(GOOD, codec=5),
+        patched(GOOD, codec=255),
+        patched(GOOD, dtype=8),
+        patched(GOOD, dtype=255),
         patched(good_frame(Codec.INT8), dtype=3),  # int8-coded int64: integers travel raw
     ],
     "bad-shape": [
-        patched(GOOD, ndim=MAX_NDIM + 1), patched(GOOD, ndim=255),
-        with_shape(GOOD, 9, 8), with_shape(GOOD, 4, 0), with_shape(GOOD, 1, 1),
+        patched(GOOD, ndim=MAX_NDIM + 1),
+        patched(GOOD, ndim=255),
+        with_shape(GOOD, 9, 8),
+        with_shape(GOOD, 4, 0),
+        with_shape(GOOD, 1, 1),
     ],
     "bad-job": [
-        patched(GOOD, job=b""), patched(GOOD, job=b"a b"), patched(GOOD, job=b"\xff"),
-        patched(GOOD, job=b"ab\0cd"), patched(GOOD, job=b"abc\n"), patched(GOOD, job=b"a/b"),
+        patched(GOOD, job=b""),
+        patched(GOOD, job=b"a b"),
+        patched(GOOD, job=b"\xff"),
+        patched(GOOD, job=b"ab\0cd"),
+        patched(GOOD, job=b"abc\n"),
+        patched(GOOD, job=b"a/b"),
     ],
     "truncated": [
-        b"", b"\x00" * 3, GOOD[:4], GOOD[: HEADER.size - 1],
-        GOOD[: HEADER.size], GOOD[: HEADER.size + 12], GOOD[: HEADER.size + 16],  # shape, padding
+        b"",
+        b"\x00" * 3,
+        GOOD[:4],
+        GOOD[: HEADER.size - 1],
+        GOOD[: HEADER.size],
+        GOOD[: HEADER.size + 12],
+        GOOD[: HEADER.size + 16],  # shape, padding
     ],
     "bad-length": [
-        patched(GOOD, length=GOOD_LENGTH + 1), patched(GOOD, length=GOOD_LENGTH - 1),
-        patched(GOOD, length=1 << 20), GOOD + b"\0", GOOD[:-1], GOOD[: len(GOOD) - GOOD_LENGTH],
+        patched(GOOD, length=GOOD_LENGTH + 1),
+        patched(GOOD, length=GOOD_LENGTH - 1),
+        patched(GOOD, length=1 << 20),
+        GOOD + b"\0",
+        GOOD[:-1],
+        GOOD[: len(GOOD) - GOOD_LENGTH],
     ],
     "too-large": [
-        with_shape(GOOD, 1 << 40, 8), with_shape(GOOD, 2**64 - 1, 2**64 - 1),
-        with_shape(GOOD, MAX_ELEMENTS + 1, 1), with_shape(GOOD, 1 << 16, 1 << 16),
-        with_shape(GOOD, 0, 2**64 - 1), with_shape(GOOD, 0, MAX_ELEMENTS + 1),
+        with_shape(GOOD, 1 << 40, 8),
+        with_shape(GOOD, 2**64 - 1, 2**64 - 1),
+        with_shape(GOOD, MAX_ELEMENTS + 1, 1),
+        with_shape(GOOD, 1 << 16, 1 << 16),
+        with_shape(GOOD, 0, 2**64 - 1),
+        with_shape(GOOD, 0, MAX_ELEMENTS + 1),
     ],
     "bad-checksum": [
         patched(GOOD, checksum=header(GOOD)["checksum"] ^ 1),  # type: ignore[operator]
         GOOD[:-1] + bytes([GOOD[-1] ^ 0x80]),
     ],
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize(
@@ -425,18 +475,31 @@ def test_only_canonical_stage_topics_parse(
 @pytest.mark.parametrize(
     "topic",
     [
-        device_status("d1"), device_profile("d1"), device_cmd("d1"), device_heartbeat("d1"),
-        job_events("j"), job_weights("j", 1), "", "edgetrain/v1/jobs/j/stage/1",
-        f"{TOPIC_ROOT}/jobs/j/stage/1/side", f"{TOPIC_ROOT}/jobs/j/stage/-1/fwd",
-        f"{TOPIC_ROOT}/jobs/j/stage/01/fwd", f"{TOPIC_ROOT}/jobs/j/stage/x/fwd",
-        f"{TOPIC_ROOT}/jobs/j/stage/1/fwd/", f"{TOPIC_ROOT}/jobs/j/stage/1/fwd\n",
-        f"{TOPIC_ROOT}/jobs/j/stage/\u0663/fwd", f"/{TOPIC_ROOT}/jobs/j/stage/1/fwd",
-        "edgetrain/v2/jobs/j/stage/1/fwd", f"{TOPIC_ROOT}/jobs/+/stage/1/fwd",
-        f"{TOPIC_ROOT}/jobs/{'a' * 17}/stage/1/fwd", f"{TOPIC_ROOT}/jobs/a.b/stage/1/fwd",
-        f"{TOPIC_ROOT}/jobs//stage/1/fwd", f"{TOPIC_ROOT}/jobs/a b/stage/1/bwd",
+        device_status("d1"),
+        device_profile("d1"),
+        device_cmd("d1"),
+        device_heartbeat("d1"),
+        job_events("j"),
+        job_weights("j", 1),
+        "",
+        "edgetrain/v1/jobs/j/stage/1",
+        f"{TOPIC_ROOT}/jobs/j/stage/1/side",
+        f"{TOPIC_ROOT}/jobs/j/stage/-1/fwd",
+        f"{TOPIC_ROOT}/jobs/j/stage/01/fwd",
+        f"{TOPIC_ROOT}/jobs/j/stage/x/fwd",
+        f"{TOPIC_ROOT}/jobs/j/stage/1/fwd/",
+        f"{TOPIC_ROOT}/jobs/j/stage/1/fwd\n",
+        f"{TOPIC_ROOT}/jobs/j/stage/\u0663/fwd",
+        f"/{TOPIC_ROOT}/jobs/j/stage/1/fwd",
+        "edgetrain/v2/jobs/j/stage/1/fwd",
+        f"{TOPIC_ROOT}/jobs/+/stage/1/fwd",
+        f"{TOPIC_ROOT}/jobs/{'a' * 17}/stage/1/fwd",
+        f"{TOPIC_ROOT}/jobs/a.b/stage/1/fwd",
+        f"{TOPIC_ROOT}/jobs//stage/1/fwd",
+        f"{TOPIC_ROOT}/jobs/a b/stage/1/bwd",
         f"{TOPIC_ROOT}/jobs/j\n/stage/1/bwd",
     ],
-)  # fmt: skip
+)
 def test_other_topics_do_not_parse(topic: str) -> None:
     assert parse_stage_topic(topic) is None
 

@@ -28,8 +28,10 @@ def problem_for(alive: list[str], model: str = "gpt-mini") -> PlanningProblem:
 def measured(slow: dict[str, float]) -> dict[str, float]:
     """Compute seconds per step as the plan predicts, times a slowness per device."""
     score = score_plan(problem_for(["d0", "d1", "d2"]), EVEN)
-    return {st.device: score.compute_s[s] * 4 * slow.get(st.device, 1.0)
-            for s, st in enumerate(EVEN.stages)}  # fmt: skip
+    return {
+        st.device: score.compute_s[s] * 4 * slow.get(st.device, 1.0)
+        for s, st in enumerate(EVEN.stages)
+    }
 
 
 def test_a_device_four_times_slower_is_moved_off() -> None:
@@ -69,16 +71,17 @@ def test_replication_interval_follows_the_cost() -> None:
     problem = problem_for(["d0", "d1", "d2"])
     score = score_plan(problem, EVEN)
     worst = max(
-        2 * sum(layer.param_bytes for layer in problem.layers[st.start : st.end])
+        2
+        * sum(layer.param_bytes for layer in problem.layers[st.start : st.end])
         * (1 / 1e9 + 8 / 1000e6)
         for st in EVEN.stages
-    )  # fmt: skip
+    )
     r = replication_interval(problem, EVEN)
     assert worst <= r * 0.05 * score.step_time_s  # within the budget...
     assert r == 1 or worst > (r - 1) * 0.05 * score.step_time_s  # ...and no more often
-    slow_link = problem.model_copy(update={"devices": [
-        d.model_copy(update={"bandwidth_mbps": 1.0}) for d in problem.devices
-    ]})  # fmt: skip
+    slow_link = problem.model_copy(
+        update={"devices": [d.model_copy(update={"bandwidth_mbps": 1.0}) for d in problem.devices]}
+    )
     fast, slow = replication_interval(problem, EVEN), replication_interval(slow_link, EVEN)
     assert slow > fast >= 1
     assert replication_interval(problem, EVEN, budget=0.5) <= fast
@@ -95,8 +98,9 @@ def test_fault_specs() -> None:
 
 def test_faults_of_one_step_fire_together_on_the_current_plan() -> None:
     fired: list[tuple[str, str]] = []
-    injector = FaultInjector([parse_fault("kill:1@5"), parse_fault("kill:2@5")],
-                             lambda f, d: fired.append((str(f), d)))  # fmt: skip
+    injector = FaultInjector(
+        [parse_fault("kill:1@5"), parse_fault("kill:2@5")], lambda f, d: fired.append((str(f), d))
+    )
     injector.use_plan(["a", "b", "c"])
     report = StepReport(job="j1", stage=0, device="a", step=4)
     injector.on_step(report)
@@ -109,8 +113,8 @@ def test_faults_of_one_step_fire_together_on_the_current_plan() -> None:
 
 def test_replication_interval_can_be_capped() -> None:
     problem = problem_for(["d0", "d1", "d2"])
-    slow_link = problem.model_copy(update={"devices": [
-        d.model_copy(update={"bandwidth_mbps": 1.0}) for d in problem.devices
-    ]})  # fmt: skip
+    slow_link = problem.model_copy(
+        update={"devices": [d.model_copy(update={"bandwidth_mbps": 1.0}) for d in problem.devices]}
+    )
     assert replication_interval(slow_link, EVEN) > 3
     assert replication_interval(slow_link, EVEN, most=3) == 3

@@ -37,9 +37,20 @@ def store(tmp_path: Path) -> Iterator[Store]:
 
 
 def report(job: str, step: int, stage: int, loss: float | None = None) -> StepReport:
-    return StepReport(job=job, step=step, stage=stage, device=f"dev{stage}", ts=100.0 + step,
-                      compute_s=0.5, wait_s=0.1, send_s=0.05, step_s=0.7,
-                      bytes_sent=1000, bytes_received=2000, loss=loss)  # fmt: skip
+    return StepReport(
+        job=job,
+        step=step,
+        stage=stage,
+        device=f"dev{stage}",
+        ts=100.0 + step,
+        compute_s=0.5,
+        wait_s=0.1,
+        send_s=0.05,
+        step_s=0.7,
+        bytes_sent=1000,
+        bytes_received=2000,
+        loss=loss,
+    )
 
 
 def db_version(path: Path) -> int:
@@ -60,10 +71,25 @@ def test_fresh_database_is_versioned_and_in_wal_mode(tmp_path: Path) -> None:
 
 
 def test_everything_survives_a_restart(tmp_path: Path) -> None:
-    profile = DeviceSpec(id="pi4", gflops=8.0, memory_bytes=4e9, bandwidth_mbps=100,
-                         latency_ms=2.0, details={"cpu": "cortex-a72"})  # fmt: skip
-    score = PlanScore(Plan.of(("pi4", 0, 3), ("jetson", 3, 7)), [0.1, 0.2], [0.01], [1e6, 2e6],
-                      [4e9, 8e9], 0.2, 0.9, 35.5, True)  # fmt: skip
+    profile = DeviceSpec(
+        id="pi4",
+        gflops=8.0,
+        memory_bytes=4e9,
+        bandwidth_mbps=100,
+        latency_ms=2.0,
+        details={"cpu": "cortex-a72"},
+    )
+    score = PlanScore(
+        Plan.of(("pi4", 0, 3), ("jetson", 3, 7)),
+        [0.1, 0.2],
+        [0.01],
+        [1e6, 2e6],
+        [4e9, 8e9],
+        0.2,
+        0.9,
+        35.5,
+        True,
+    )
     with Store(tmp_path) as s:
         s.upsert_device("pi4", state="busy", last_seen=50.0, profile=profile, job="j1", stage=0)
         s.create_job("j1", SPEC, ["pi4", "jetson"], created=10.0)
@@ -261,10 +287,13 @@ ILLEGAL = [(a, b) for a in TRANSITIONS for b in TRANSITIONS if b not in TRANSITI
 @pytest.mark.parametrize(("old", "new"), [*ILLEGAL, ("completed", "completed")])
 def test_illegal_transitions_are_refused(store: Store, old: JobState, new: JobState) -> None:
     path: dict[JobState, list[JobState]] = {
-        "pending": [], "planning": ["planning"], "running": ["planning", "running"],
-        "completed": ["planning", "running", "completed"], "failed": ["failed"],
+        "pending": [],
+        "planning": ["planning"],
+        "running": ["planning", "running"],
+        "completed": ["planning", "running", "completed"],
+        "failed": ["failed"],
         "cancelled": ["cancelled"],
-    }  # fmt: skip
+    }
     store.create_job("j1", SPEC)
     for state in path[old]:
         store.set_job_state("j1", state)
@@ -310,9 +339,12 @@ def test_list_jobs_pages_newest_first_and_filters(store: Store) -> None:
 def test_mark_interrupted_fails_only_jobs_in_flight(tmp_path: Path) -> None:
     with Store(tmp_path) as s:
         paths: list[list[JobState]] = [
-            [], ["planning"], ["planning", "running"],
-            ["planning", "running", "completed"], ["cancelled"],
-        ]  # fmt: skip
+            [],
+            ["planning"],
+            ["planning", "running"],
+            ["planning", "running", "completed"],
+            ["cancelled"],
+        ]
         for i, path in enumerate(paths):
             s.create_job(f"j{i}", SPEC, created=float(i))
             for state in path:
@@ -366,8 +398,12 @@ def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPatch:
 def test_settings_defaults(env: pytest.MonkeyPatch, tmp_path: Path) -> None:
     s = Settings()
     assert (s.host, s.port, s.broker_url, s.api_token, s.api_read_auth) == (
-        "127.0.0.1", 8000, None, None, False,
-    )  # fmt: skip
+        "127.0.0.1",
+        8000,
+        None,
+        None,
+        False,
+    )
     assert (s.heartbeat_timeout_s, s.environment, s.token) == (3.0, "development", None)
     assert s.data_dir == tmp_path / ".edgetrain" / "coordinator"
     assert s.db_path == s.data_dir / "edgetrain.db"
@@ -385,8 +421,11 @@ def test_settings_from_the_environment(env: pytest.MonkeyPatch, tmp_path: Path) 
     env.setenv("EDGETRAIN_ENVIRONMENT", "production")
     s = Settings()
     assert (s.host, s.port, s.broker_url, s.heartbeat_timeout_s) == (
-        "0.0.0.0", 9001, "mqtt://broker:1883", 1.5,
-    )  # fmt: skip
+        "0.0.0.0",
+        9001,
+        "mqtt://broker:1883",
+        1.5,
+    )
     assert (s.data_dir, s.token, s.api_read_auth) == (tmp_path / "data", GOOD_TOKEN, True)
     assert GOOD_TOKEN not in repr(s)
     env.setenv("EDGETRAIN_API_READ_AUTH", "true")
@@ -397,8 +436,10 @@ def test_settings_from_the_environment(env: pytest.MonkeyPatch, tmp_path: Path) 
     assert Settings().api_token is None
 
 
-@pytest.mark.parametrize("token", ["changethis", "changeme", "secret", "short-random",
-                                   "changethis-changethis-changethis"])  # fmt: skip
+@pytest.mark.parametrize(
+    "token",
+    ["changethis", "changeme", "secret", "short-random", "changethis-changethis-changethis"],
+)
 def test_placeholder_token_is_refused_in_production(env: pytest.MonkeyPatch, token: str) -> None:
     env.setenv("EDGETRAIN_ENVIRONMENT", "production")
     env.setenv("EDGETRAIN_API_TOKEN", token)

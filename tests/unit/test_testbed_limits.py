@@ -83,8 +83,15 @@ def test_cgroup_limits_v1_and_v2() -> None:
 
 def test_tbf_burst_and_limit_scale_with_the_rate() -> None:
     slow = netns.tbf_args(1)
-    assert slow == ["tbf", "rate", "1000kbit", "burst", str(16 * 1024),
-                    "limit", str(16 * 1024 + 64 * 1024)]  # fmt: skip
+    assert slow == [
+        "tbf",
+        "rate",
+        "1000kbit",
+        "burst",
+        str(16 * 1024),
+        "limit",
+        str(16 * 1024 + 64 * 1024),
+    ]
     fast = netns.tbf_args(1000)  # 125 MB/s: 4 ms is 500 kB of burst, 50 ms of queue
     assert fast[fast.index("burst") + 1] == "500000"
     assert fast[fast.index("limit") + 1] == str(500000 + 6250000)
@@ -100,9 +107,14 @@ def test_link_names_fit_ifnamsiz() -> None:
 
 
 def test_agent_command_joins_cgroups_then_namespace() -> None:
-    agent = procs.agent_command("mqtt://10.0.0.1:1883", "rpi", profile=Path("/s/rpi.json"),
-                                data_dir=Path("/s/agents/rpi"), threads=1,
-                                shaping={"--slowdown": 4.0, "--link-mbps": 100.0})  # fmt: skip
+    agent = procs.agent_command(
+        "mqtt://10.0.0.1:1883",
+        "rpi",
+        profile=Path("/s/rpi.json"),
+        data_dir=Path("/s/agents/rpi"),
+        threads=1,
+        shaping={"--slowdown": 4.0, "--link-mbps": 100.0},
+    )
     assert agent[agent.index("--profile") + 1] == "/s/rpi.json"
     assert agent[-4:] == ["--slowdown", "4", "--link-mbps", "100"]
     files = [Path("/c/a/cgroup.procs"), Path("/m/a/cgroup.procs")]

@@ -23,8 +23,14 @@ from edge.errors import UserError
 
 
 def test_state_round_trips_through_its_file(tmp_path: Path) -> None:
-    state = State(dir=tmp_path, id="ab12", token="t0k3n", method="kernel",
-                  method_reason="root", broker_url="mqtt://127.0.0.1:1")  # fmt: skip
+    state = State(
+        dir=tmp_path,
+        id="ab12",
+        token="t0k3n",
+        method="kernel",
+        method_reason="root",
+        broker_url="mqtt://127.0.0.1:1",
+    )
     state.intend("cgroups", "/sys/fs/cgroup/cpu/edgetrain-testbed-ab12")
     state.intend("cgroups", "/sys/fs/cgroup/cpu/edgetrain-testbed-ab12")  # listed once
     state.intend("namespaces", "et-ab12-0")

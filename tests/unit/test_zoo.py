@@ -124,8 +124,11 @@ def test_bad_model_names_ranges_and_options_are_refused() -> None:
     with pytest.raises(UserError, match="norm"):
         get_model("vgg11", norm="layer").build()
     assert parse_options(["norm=batch", "width=32", "p=0.5", "x=true"]) == {
-        "norm": "batch", "width": 32, "p": 0.5, "x": True,
-    }  # fmt: skip
+        "norm": "batch",
+        "width": 32,
+        "p": 0.5,
+        "x": True,
+    }
     with pytest.raises(UserError, match="key=value"):
         parse_options(["width"])
 

@@ -105,8 +105,10 @@ class JobCreate(BaseModel):
         if self.batch_size % self.microbatches:
             raise ValueError("batch_size must be a multiple of microbatches")
         if self.faults and self.replicate_every == 0:
-            raise ValueError("faults need fault tolerance: give replicate_every > 0 or leave "
-                             "it out for the default")  # fmt: skip
+            raise ValueError(
+                "faults need fault tolerance: give replicate_every > 0 or leave "
+                "it out for the default"
+            )
         return self
 
 
@@ -134,8 +136,10 @@ def zoo_model_name(value: str) -> str:
     """A model named over the API must be from the zoo: ``package.module:function``
     would import and call code the client chose, so it is for the command line only."""
     if ":" in value:
-        raise ValueError("user models (package.module:function) are accepted only from the "
-                         "command line; name a zoo model")  # fmt: skip
+        raise ValueError(
+            "user models (package.module:function) are accepted only from the "
+            "command line; name a zoo model"
+        )
     return value
 
 
@@ -164,14 +168,25 @@ def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPubl
         replicate_every = body.replicate_every
         if replicate_every is None:
             replicate_every = max(1, steps // 10) if body.faults else 0
-        spec = JobSpec(model=body.model, model_options=body.model_options, dataset=dataset,
-                       dataset_options=options, steps=steps, batch_size=body.batch_size,
-                       microbatches=body.microbatches, schedule=body.schedule,
-                       optimizer=body.optimizer, codec=body.codec, seed=body.seed,
-                       precision=body.precision,
-                       pin_first=body.pin_first, partition=body.partition, stages=body.stages,
-                       replicate_every=replicate_every,
-                       faults=tuple(body.faults))  # fmt: skip
+        spec = JobSpec(
+            model=body.model,
+            model_options=body.model_options,
+            dataset=dataset,
+            dataset_options=options,
+            steps=steps,
+            batch_size=body.batch_size,
+            microbatches=body.microbatches,
+            schedule=body.schedule,
+            optimizer=body.optimizer,
+            codec=body.codec,
+            seed=body.seed,
+            precision=body.precision,
+            pin_first=body.pin_first,
+            partition=body.partition,
+            stages=body.stages,
+            replicate_every=replicate_every,
+            faults=tuple(body.faults),
+        )
     except UserError as exc:
         raise unprocessable(["body", "model"], exc.message) from None
     _check_stages(body, model.num_units)
@@ -227,8 +242,12 @@ def get_job(job_id: str, store: StoreDep) -> JobPublic:
     return _public(record, latest)
 
 
-@router.post("/{job_id}/cancel", response_model=JobPublic, dependencies=[WriteAuth],
-             responses={**NOT_FOUND, **CONFLICT})  # fmt: skip
+@router.post(
+    "/{job_id}/cancel",
+    response_model=JobPublic,
+    dependencies=[WriteAuth],
+    responses={**NOT_FOUND, **CONFLICT},
+)
 def cancel_job(job_id: str, store: StoreDep, manager: ManagerDep) -> JobPublic:
     _job_or_404(store, job_id)
     if not manager.cancel(job_id):
@@ -247,11 +266,18 @@ def job_metrics(job_id: str, store: StoreDep) -> dict[str, Any]:
         if r.loss is not None:
             row["loss"] = r.loss
             row["samples_per_s"] = batch / r.step_s if r.step_s > 0 else None
-        row["stages"].append({
-            "stage": r.stage, "device": r.device, "compute_s": r.compute_s, "wait_s": r.wait_s,
-            "send_s": r.send_s, "step_s": r.step_s, "bytes_sent": r.bytes_sent,
-            "bytes_received": r.bytes_received,
-        })  # fmt: skip
+        row["stages"].append(
+            {
+                "stage": r.stage,
+                "device": r.device,
+                "compute_s": r.compute_s,
+                "wait_s": r.wait_s,
+                "send_s": r.send_s,
+                "step_s": r.step_s,
+                "bytes_sent": r.bytes_sent,
+                "bytes_received": r.bytes_received,
+            }
+        )
     return {"job": job_id, "steps": [steps[k] for k in sorted(steps)]}
 
 
@@ -266,8 +292,9 @@ def job_events(job_id: str, store: StoreDep) -> dict[str, Any]:
 
 def _download(data: bytes, filename: str) -> Response:
     disposition = f'attachment; filename="{filename}"'
-    return Response(data, media_type="application/octet-stream",
-                    headers={"Content-Disposition": disposition})  # fmt: skip
+    return Response(
+        data, media_type="application/octet-stream", headers={"Content-Disposition": disposition}
+    )
 
 
 def _weights(store: Any, job_id: str) -> bytes:
@@ -291,6 +318,7 @@ def job_model_onnx(job_id: str, store: StoreDep) -> Response:
     from coordinator.export import export_onnx
 
     spec = _job_or_404(store, job_id).spec
-    onnx = export_onnx(spec["model"], _weights(store, job_id),
-                       model_options=spec.get("model_options") or {})  # fmt: skip
+    onnx = export_onnx(
+        spec["model"], _weights(store, job_id), model_options=spec.get("model_options") or {}
+    )
     return _download(onnx, f"{job_id}.onnx")

@@ -56,13 +56,19 @@ def create_plan(body: PlanCreate, registry: RegistryDep) -> dict[str, Any]:
         for name in body.devices:
             device = known.get(name)
             if device is not None and device.profile is not None:
-                fleet.append(DeviceSpec.model_validate({**device.profile, "id": name,
-                                                        "details": None}))  # fmt: skip
+                fleet.append(
+                    DeviceSpec.model_validate({**device.profile, "id": name, "details": None})
+                )
             else:
                 fleet += parse_fleet(name)
-        problem = build_problem(body.model, fleet, batch_size=body.batch_size,
-                                microbatches=body.microbatches, pin_first=body.pin_first,
-                                model_options=body.model_options)  # fmt: skip
+        problem = build_problem(
+            body.model,
+            fleet,
+            batch_size=body.batch_size,
+            microbatches=body.microbatches,
+            pin_first=body.pin_first,
+            model_options=body.model_options,
+        )
     except UserError as exc:
         raise unprocessable(["body"], exc.message) from None
     found = plan_problem(problem, time_budget_s=5.0)
@@ -71,10 +77,20 @@ def create_plan(body: PlanCreate, registry: RegistryDep) -> dict[str, Any]:
     sim = simulate(problem, found.score.plan, body.schedule)
     baselines = run_baselines(problem)
     return {
-        **found.score.to_json(), "method": found.method, "exact": found.exact,
-        "units": [la.name for la in problem.layers], "compute_s": found.score.compute_s,
-        "link_s": found.score.link_s, "memory_bytes": found.score.memory_bytes,
-        "baselines": {k: {"throughput_sps": b.throughput_sps, "step_time_s": b.step_time_s,
-                          "feasible": b.feasible} for k, b in baselines.items()},
+        **found.score.to_json(),
+        "method": found.method,
+        "exact": found.exact,
+        "units": [la.name for la in problem.layers],
+        "compute_s": found.score.compute_s,
+        "link_s": found.score.link_s,
+        "memory_bytes": found.score.memory_bytes,
+        "baselines": {
+            k: {
+                "throughput_sps": b.throughput_sps,
+                "step_time_s": b.step_time_s,
+                "feasible": b.feasible,
+            }
+            for k, b in baselines.items()
+        },
         "simulation": sim.to_json(),
-    }  # fmt: skip
+    }

@@ -41,8 +41,9 @@ def events(services: ServicesDep) -> StreamingResponse:
         finally:
             sub.close()
 
-    return StreamingResponse(stream(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})  # fmt: skip
+    return StreamingResponse(
+        stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
 
 
 class FleetCollector(Collector):
@@ -56,14 +57,21 @@ class FleetCollector(Collector):
         online = GaugeMetricFamily("edgetrain_devices_online", "Devices online or busy")
         online.add_metric([], sum(d.state != "offline" for d in devices))
         yield online
-        step = GaugeMetricFamily("edgetrain_stage_step_seconds", "Last step time per stage",
-                                 labels=["job", "stage", "device"])  # fmt: skip
-        wait = GaugeMetricFamily("edgetrain_stage_wait_fraction",
-                                 "Share of the last step a stage spent waiting (bubble)",
-                                 labels=["job", "stage"])  # fmt: skip
-        link = GaugeMetricFamily("edgetrain_link_bytes_per_second",
-                                 "Bytes a stage sent per second in its last step",
-                                 labels=["job", "stage"])  # fmt: skip
+        step = GaugeMetricFamily(
+            "edgetrain_stage_step_seconds",
+            "Last step time per stage",
+            labels=["job", "stage", "device"],
+        )
+        wait = GaugeMetricFamily(
+            "edgetrain_stage_wait_fraction",
+            "Share of the last step a stage spent waiting (bubble)",
+            labels=["job", "stage"],
+        )
+        link = GaugeMetricFamily(
+            "edgetrain_link_bytes_per_second",
+            "Bytes a stage sent per second in its last step",
+            labels=["job", "stage"],
+        )
         loss = GaugeMetricFamily("edgetrain_job_loss", "Last loss of a job", labels=["job"])
         store = self.services.store
         for job in store.list_jobs(limit=20, offset=0, state="running"):
