@@ -28,10 +28,10 @@ from coordinator.faults import FaultActuator, ThrottleActuator
 from coordinator.registry import DeviceRegistry
 from coordinator.service import JobManager
 from coordinator.store import Store
+from edge import __version__
 from edge.errors import UserError
 from edge.transport.mqtt import MqttTransport
 from edge.transport.settings import MqttSettings
-from edgetrain import __version__
 
 __all__ = ["create_app", "start_services"]
 

@@ -4,7 +4,15 @@ The device side: the model zoo and layer-cost profiling (:mod:`edge.models`),
 device self-profiling (:mod:`edge.profiler`), the device-profile catalogue
 loader (:mod:`edge.catalog`), the planning-problem types shared with the
 coordinator (:mod:`edge.problem`), and the command-line commands a device needs
-(:mod:`edge.commands`). Nothing here imports :mod:`coordinator`.
+(:mod:`edge.commands`). Nothing here imports :mod:`coordinator` or :mod:`edgetrain`;
+``__version__`` is the installed distribution's, read from its package metadata.
 """
 
-__all__: list[str] = []
+from importlib.metadata import PackageNotFoundError, version
+
+__all__ = ["__version__"]
+
+try:
+    __version__ = version("edgetrain")
+except PackageNotFoundError:  # sources on the path that were never installed
+    __version__ = "0+unknown"

@@ -2,9 +2,10 @@
 
 The distribution holds three import packages: :mod:`edge` (everything a device
 runs), :mod:`coordinator` (the service and the planner) and this one, which only
-carries the version and the ``edgetrain`` command that joins the two.
+carries the ``edgetrain`` command that joins the two, and the version (the
+package metadata's, read once in :mod:`edge`).
 """
 
-__all__ = ["__version__"]
+from edge import __version__
 
-__version__ = "0.1.0"
+__all__ = ["__version__"]

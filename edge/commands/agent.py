@@ -131,11 +131,11 @@ def agent_command(
         raise UserError(f"--link-latency-ms: must be 0 to 60000 (got {link_latency_ms:g})")
     import torch
 
+    from edge import __version__
     from edge.agent import Agent
     from edge.logs import setup_logging
     from edge.runtime.allocator import tune_malloc
     from edge.transport.settings import MqttSettings, parse_broker_url
-    from edgetrain import __version__
 
     if device != "cpu" and not device.startswith("cuda"):
         raise UserError(f"--device: {device!r} is not cpu, cuda or cuda:N")

@@ -1,5 +1,6 @@
-"""The dependency rules of shared/DESIGN.md: edge never imports coordinator, and a
-device install (no coordinator extras) runs every device command.
+"""The dependency rules of shared/DESIGN.md: imports run only downwards (``edgetrain`` ->
+``coordinator`` -> ``edge``), and a device install (no coordinator extras) runs every
+device command.
 
 The coordinator-only packages are read from pyproject.toml (the ``coordinator``
 extra), with every package only they bring in, so a new extra is blocked here the
@@ -89,16 +90,23 @@ def test_the_blocked_modules_are_the_coordinator_extras() -> None:
         assert module not in COORDINATOR_ONLY
 
 
-def test_edge_never_imports_coordinator() -> None:
-    files = sorted((ROOT / "edge").rglob("*.py"))
+def _upward_imports(package: str, above: tuple[str, ...]) -> list[str]:
+    files = sorted((ROOT / package).rglob("*.py"))
     assert len(files) > 5
-    offenders = [
+    return [
         f"{f.relative_to(ROOT)} imports {name}"
         for f in files
         for name in _imports(f)
-        if name == "coordinator" or name.startswith("coordinator.")
+        if name.split(".")[0] in above
     ]
-    assert offenders == []
+
+
+def test_edge_never_imports_coordinator_or_edgetrain() -> None:
+    assert _upward_imports("edge", ("coordinator", "edgetrain")) == []
+
+
+def test_coordinator_never_imports_edgetrain() -> None:
+    assert _upward_imports("coordinator", ("edgetrain",)) == []
 
 
 def test_edge_never_imports_coordinator_only_packages() -> None:
