@@ -23,15 +23,15 @@ the model FLOPs utilisation, MFU = achieved TFLOP/s / peak TFLOP/s.
 - Inputs: random token ids within the vocabulary (only speed is measured);
   stages after the first get a random activation that requires a gradient, so
   their backward computes the input gradient a real stage sends back.
-- Model FLOPs: from the layer-cost profiler (:func:`edge.models.costs.profile_model`,
+- Model FLOPs: from the layer-cost profiler (:func:`edge.models.unit_costs.profile_model`,
   ``torch.utils.flop_counter``) on one sample: training FLOPs = counted forward
   + counted backward (input and weight gradients; about 3x forward); embedding
   lookups and element-wise work count zero, the causal attention counts its full
   T x T matmuls as the unit computes them. All blocks have one shape, so one
   block is profiled and counted ``n_layer`` times.
 - Peak: the device's sustained matmul rate in the training precision, measured
-  by :func:`edge.matmul.gpu_profile` (bf16, n = 8192) on a GPU, or
-  :func:`edge.matmul.matmul_benchmark` (fp32; the higher of a measurement
+  by :func:`edge.profiling.matmul.gpu_profile` (bf16, n = 8192) on a GPU, or
+  :func:`edge.profiling.matmul.matmul_benchmark` (fp32; the higher of a measurement
   before the stages and one after) on the CPU. MFU is against that *measured*
   rate, not the datasheet's (989 TFLOP/s dense bf16 for an H200).
 - Timing: after warm-up, rounds of back-to-back iterations between device
@@ -71,15 +71,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 
 from edge.errors import UserError
-from edge.matmul import (
+from edge.models.unit_costs import profile_model
+from edge.models.zoo import ModelSpec, get_model, parse_options
+from edge.profiling.matmul import (
     Precision,
     gpu_profile,
     matmul_benchmark,
     resolve_device,
     tflops_rate,
 )
-from edge.models.costs import profile_model
-from edge.models.zoo import ModelSpec, get_model, parse_options
 from edge.runtime.stage import loss_fn
 
 GPU_OPTIONS: dict[str, int] = {
@@ -258,7 +258,7 @@ def measure_peak(dev: torch.device, precision: Precision, seconds: float) -> dic
         size = gpu.bf16_size if precision == "bf16" else gpu.fp32_size
         return {
             "tflops": gpu.tflops(precision),
-            "how": f"{precision} matmul n={size} on {gpu.name} (edge.matmul.gpu_profile)",
+            "how": f"{precision} matmul n={size} on {gpu.name} (edge.profiling.matmul.gpu_profile)",
             "device_name": gpu.name,
             "gpu": {
                 "fp32_tflops": gpu.fp32_tflops,
@@ -271,7 +271,7 @@ def measure_peak(dev: torch.device, precision: Precision, seconds: float) -> dic
     return {
         "tflops": mm.gflops / 1e3,
         "how": f"CPU {precision} matmul n={mm.size}, {mm.threads} threads "
-        "(edge.matmul.matmul_benchmark)",
+        "(edge.profiling.matmul.matmul_benchmark)",
         "device_name": "CPU",
     }
 

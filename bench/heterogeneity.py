@@ -57,14 +57,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 
-from coordinator.jobs import JobSpec
+from coordinator.engine.runners import run_on_agents
+from coordinator.engine.spec import JobSpec
 from coordinator.planner.baselines import even_split, ftpipehd, pipedream, single_device
-from coordinator.planner.fleet import plan_problem
 from coordinator.planner.score import Plan, score_plan
 from coordinator.planner.simulator import simulate
-from coordinator.runners import run_on_agents
+from coordinator.planner.solve import plan_problem
 from coordinator.testbed.testbed import Testbed
-from edge.models.costs import profile_model
+from edge.models.unit_costs import profile_model
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, LayerSpec, PlanningProblem
 from edge.runtime.allocator import tune_malloc

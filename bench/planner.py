@@ -27,9 +27,9 @@ from typing import Any
 from coordinator.planner.baselines import run_baselines
 from coordinator.planner.bounds import lower_bound
 from coordinator.planner.build import build_problem, parse_fleet
-from coordinator.planner.fleet import plan_problem
-from edge.catalog import all_resolved, load_catalogue
+from coordinator.planner.solve import plan_problem
 from edge.problem import LayerSpec, PlanningProblem
+from edge.profiling.catalog import all_resolved, load_catalogue
 
 
 @dataclass

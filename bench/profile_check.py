@@ -1,7 +1,7 @@
 """Check ``edgetrain profile``'s GFLOP/s against a plain torch matmul loop timed by hand.
 
 Runs ``edgetrain profile --json`` in a subprocess, then, separately and with its
-own code (nothing from ``edge.profiler``), times a plain loop of ``n x n`` fp32
+own code (nothing from ``edge.profiling.device``), times a plain loop of ``n x n`` fp32
 matmuls: total FLOPs (``2 n^3`` each) over total wall time. The two alternate for
 ``--rounds`` rounds; the medians of each side and their ratio (profile / plain)
 are printed. The profile is acceptable when the ratio lies within a factor 1.5

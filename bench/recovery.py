@@ -1,15 +1,15 @@
 """Recovery after a device dies versus restarting the job from its last checkpoint.
 
-Each model trains on three local agents (:class:`~coordinator.localfleet.LocalFleet`,
+Each model trains on three local agents (:class:`~coordinator.local.fleet.LocalFleet`,
 a real Mosquitto) with every stage replicating its state every ``R`` steps, and
 the agent of stage 1 is SIGKILLed once step ``K`` is reported. Two ways on from there,
 one after the other on fresh fleets, the same job, the same seed:
 
-- **recovery** (what edgetrain does, :func:`coordinator.resilient.run_resilient`):
+- **recovery** (what edgetrain does, :func:`coordinator.engine.resilient.run_resilient`):
   the death is detected (last will), the survivors' stages are cancelled, the
   job is re-planned over them and resumes from the newest step the replicas cover.
 - **restart** (what a job without recovery would do): the death is detected the
-  same way (:class:`~coordinator.resilient.DeviceWatch`), the job is torn down
+  same way (:class:`~coordinator.engine.resilient.DeviceWatch`), the job is torn down
   (every agent stopped), the survivors' agents start again (new processes, torch
   imported anew), come online and announce their profiles, the plan is made over
   them, each stage is restored from the checkpoint (the replicas, reloaded from
@@ -44,17 +44,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 
-from coordinator.broker import start_broker
-from coordinator.faults import FaultInjector, parse_fault
-from coordinator.jobs import JobAborted, JobFailed, JobSpec, new_job_id
-from coordinator.localfleet import LocalFleet
+from coordinator.engine.faults import FaultInjector, parse_fault
+from coordinator.engine.replicas import ReplicaStore
+from coordinator.engine.resilient import DeviceWatch, run_resilient
+from coordinator.engine.runners import run_inprocess, run_on_agents
+from coordinator.engine.spec import JobAborted, JobFailed, JobSpec, new_job_id
+from coordinator.local.broker import start_broker
+from coordinator.local.fleet import LocalFleet
 from coordinator.planner.score import Plan
-from coordinator.replicas import ReplicaStore
-from coordinator.resilient import DeviceWatch, run_resilient
-from coordinator.runners import run_inprocess, run_on_agents
-from edge.messages import StepReport
 from edge.models.zoo import get_model
 from edge.transport.mqtt import MqttSettings, MqttTransport
+from edge.wire.messages import StepReport
 
 HEARTBEAT_TIMEOUT_S = 3.0
 AGENTS = 3

@@ -3,7 +3,7 @@
 Both train the same zoo model from the same seed on the same dataset with the
 same optimizer and batch size, for the same number of steps, in this process;
 edgetrain runs its real stage runtime (schedule executor, loss scaling, step
-reports) through :func:`coordinator.runners.run_inprocess` with one stage and
+reports) through :func:`coordinator.engine.runners.run_inprocess` with one stage and
 one microbatch, the plain loop is a ``DataLoader`` and the textbook four lines.
 Rounds alternate between the two and the median of each is reported, so both
 see the same machine. Target: edgetrain at least 0.95x the plain loop.
@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, RandomSampler
 
-from coordinator.jobs import JobSpec
+from coordinator.engine.runners import run_inprocess
+from coordinator.engine.spec import JobSpec
 from coordinator.planner.score import Plan
-from coordinator.runners import run_inprocess
 from edge.models.datasets import build_dataset
 from edge.models.zoo import get_model
 from edge.runtime.stage import loss_fn

@@ -55,9 +55,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 
-from edge.protocol import Codec, Kind, decode_frame, encode_frame
 from edge.runtime.allocator import tune_malloc
 from edge.transport.mqtt import MqttSettings, MqttTransport
+from edge.wire.frames import Codec, Kind, decode_frame, encode_frame
 
 SIZES = {"64 KiB": 64 << 10, "1 MiB": 1 << 20, "16 MiB": 16 << 20}
 HOST = "127.0.0.1"

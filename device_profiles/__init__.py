@@ -2,7 +2,7 @@
 
 Each ``<id>.yaml`` here describes one device that edgetrain can plan for (compute,
 memory, link, power) and where every figure comes from. The files ship as
-package data; :mod:`edge.catalog` owns their schema, validates them and resolves
+package data; :mod:`edge.profiling.catalog` owns their schema, validates them and resolves
 names such as ``rpi4-4gb``. ``edgetrain devices list`` shows the catalogue.
 """
 

@@ -46,7 +46,14 @@ from typing import Literal
 
 from edge.errors import UserError
 from edge.logs import bind
-from edge.messages import (
+from edge.problem import DeviceSpec
+from edge.runtime.checkpoint import ReplicaKeeper
+from edge.runtime.stage import Replicator, StageRuntime
+from edge.server.groups import join_group, leave_group
+from edge.transport.base import Transport
+from edge.transport.mqtt import MqttTransport
+from edge.transport.settings import MqttSettings
+from edge.wire.messages import (
     CancelJob,
     DeviceStatus,
     Heartbeat,
@@ -60,8 +67,7 @@ from edge.messages import (
     Throttle,
     parse_command,
 )
-from edge.problem import DeviceSpec
-from edge.protocol import (
+from edge.wire.topics import (
     device_cmd,
     device_heartbeat,
     device_profile,
@@ -71,12 +77,6 @@ from edge.protocol import (
     job_restore,
     job_weights,
 )
-from edge.runtime.checkpoint import ReplicaKeeper
-from edge.runtime.dist_group import join_group, leave_group
-from edge.runtime.stage import Replicator, StageRuntime
-from edge.transport.base import Transport
-from edge.transport.mqtt import MqttTransport
-from edge.transport.settings import MqttSettings
 
 __all__ = ["Agent"]
 

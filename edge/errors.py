@@ -4,13 +4,25 @@ Every command-line entry point catches :class:`UserError` and prints its message
 on one line to standard error with the exit status it carries (2 for bad input,
 by the convention of ``shared/spec/planning.md``). Validation errors from
 pydantic are folded into that one line by :func:`describe_validation_error`.
+
+A device installs ``edgetrain`` without extras (no FastAPI, SQLAlchemy, uvicorn,
+httpx, pydantic-settings or amqtt: ``[project.optional-dependencies]
+coordinator`` in pyproject.toml). Every command must still start there, so the
+modules that need those packages are imported inside the commands that use them,
+under :func:`needs_coordinator_extras`, which turns the missing module into a
+:class:`UserError` naming the install that has it instead of a traceback.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from pydantic import ValidationError
 
-__all__ = ["UserError", "describe_validation_error"]
+__all__ = ["INSTALL_HINT", "UserError", "describe_validation_error", "needs_coordinator_extras"]
+
+INSTALL_HINT = "pip install 'edgetrain[coordinator]'"
 
 
 class UserError(Exception):
@@ -51,3 +63,15 @@ def describe_validation_error(exc: ValidationError, source: str) -> str:
         shown = f" (got {got!r})"
     more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{source}: {loc}: {msg}{shown}{more}".replace("\n", " ")
+
+
+@contextmanager
+def needs_coordinator_extras(what: str) -> Iterator[None]:
+    """Imports in this block that fail for a missing module end as one line about ``what``."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        missing = exc.name or str(exc)
+        raise UserError(
+            f"{what} needs the coordinator extras (no module {missing!r} here): {INSTALL_HINT}"
+        ) from None

@@ -73,7 +73,7 @@ MUTANTS = [
     Mutant(
         "rebalancer-misreads-time",
         "the rebalancer reads stage 1's measured compute time three times too long",
-        "coordinator/rebalance.py",
+        "coordinator/engine/rebalance.py",
         "st.device: compute_s[st.device] / (score.compute_s[s] * m)",
         "st.device: compute_s[st.device] * (3 if s == 1 else 1) / (score.compute_s[s] * m)",
         ("tests/unit/test_rebalance.py",),
@@ -121,7 +121,7 @@ MUTANTS = [
     Mutant(
         "planner-memory-off-by-one",
         "the planner counts each stage one position nearer the end in its 1F1B memory",
-        "coordinator/planner/costs.py",
+        "coordinator/planner/tables.py",
         "factor = min(position_from_end, self.m)",
         "factor = min(position_from_end - 1, self.m)",
         ("tests/unit/test_planner_exact.py",),

@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from coordinator.planner.costs import CostTables
 from coordinator.planner.score import Plan, PlanScore, Stage, score_plan
+from coordinator.planner.tables import CostTables
 from edge.problem import PlanningProblem
 
 __all__ = ["BASELINES", "run_baselines"]

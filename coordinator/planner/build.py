@@ -1,6 +1,6 @@
 """Build a planning problem from a zoo model and a fleet, so nobody writes one by hand.
 
-The layers come from :func:`edge.models.costs.profile_model` (counted FLOPs and
+The layers come from :func:`edge.models.unit_costs.profile_model` (counted FLOPs and
 measured bytes; no timing, so problems are reproducible). The devices come from
 a fleet description such as ``rpi4-4gb:2,jetson-nano,laptop,./me.json``: each
 item is a catalogue name with an optional ``:count``, or the path of a JSON file
@@ -17,11 +17,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from edge.catalog import resolve
 from edge.errors import UserError, describe_validation_error
-from edge.models.costs import profile_model
+from edge.models.unit_costs import profile_model
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem
+from edge.profiling.catalog import resolve
 
 __all__ = ["build_problem", "parse_fleet"]
 

@@ -1,7 +1,7 @@
 """Choosing the codec of every link of a plan: compress a link only where it pays.
 
 The spec's score (``shared/spec/planning.md``) prices a link by the bytes of
-the activation crossing it; a codec (:class:`edge.protocol.Codec`) shrinks those
+the activation crossing it; a codec (:class:`edge.wire.frames.Codec`) shrinks those
 bytes, both ways (activations forward, their gradients back), by
 :data:`RATIO` and costs accuracy: fp32 is exact, bf16 and fp16 round to 8 or
 11 bits of mantissa, int8 quantises with one scale per tensor. AccEPT's

@@ -5,7 +5,7 @@ many stages (``stages``); :func:`plan_job` turns that, a planning problem and
 the job's ``codec`` into a scored plan:
 
 - ``partition="plan"`` (the default): the planner's best plan
-  (:func:`~coordinator.planner.fleet.plan_problem`); with ``stages=N``, its best
+  (:func:`~coordinator.planner.solve.plan_problem`); with ``stages=N``, its best
   plan of exactly ``N`` stages, under the same score (provably so on small fleets).
 - ``partition="even"``: the units shared out as evenly as counts allow
   (:func:`~coordinator.planner.baselines.even_split`) over every device, in the
@@ -28,8 +28,8 @@ from typing import Literal, get_args
 
 from coordinator.planner.baselines import even_split
 from coordinator.planner.codecs import choose_codecs, plan_with_codecs, with_codecs
-from coordinator.planner.fleet import plan_problem
 from coordinator.planner.score import Plan, PlanScore, score_plan
+from coordinator.planner.solve import plan_problem
 from edge.errors import UserError
 from edge.problem import PlanningProblem
 

@@ -8,7 +8,7 @@ planner and baseline is judged by this one function, so any plan can be checked
 by anyone with a calculator.
 
 The search does not call this per candidate (it works on prefix sums, see
-:mod:`coordinator.planner.costs`), but every plan it returns is re-scored here.
+:mod:`coordinator.planner.tables`), but every plan it returns is re-scored here.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class PlanScore:
 
 
 def _sum(values: Iterable[float]) -> float:
-    """Left-to-right float sum: what :mod:`coordinator.planner.costs` reproduces exactly.
+    """Left-to-right float sum: what :mod:`coordinator.planner.tables` reproduces exactly.
 
     Python 3.12's ``sum()`` compensates rounding, so it is not used here: the
     search's feasibility must agree with the score to the last bit on every version.

@@ -28,7 +28,7 @@ it tractable:
 - *fixed order* (:func:`sequence_dp`): the devices and their order are given;
   state ``(stage index, first layer)``, ``O(k * L^2)`` per threshold. It is
   exact for that sequence; which sequences to try is the heuristic part,
-  in :mod:`coordinator.planner.fleet`.
+  in :mod:`coordinator.planner.solve`.
 
 A fixed stage count ``N`` (a job's ``stages``) restricts both to plans of exactly
 ``N`` stages: the set size is the stage count, so :func:`subset_dp` keeps sets
@@ -47,8 +47,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.planner.costs import CostTables
 from coordinator.planner.score import Plan, Stage
+from coordinator.planner.tables import CostTables
 
 __all__ = ["ThresholdResult", "sequence_dp", "subset_dp", "threshold_search"]
 

@@ -1,6 +1,6 @@
 """The emulation testbed: one machine made to behave like a fleet of catalogue devices.
 
-:mod:`coordinator.testbed.fleet` maps devices onto this machine (CPU shares,
+:mod:`coordinator.testbed.sizing` maps devices onto this machine (CPU shares,
 memory, links); the rest of the package enforces those limits (cgroups, network
 namespaces, ``tc``, a delay proxy, or the software throttle), keeps the state
 that ``testbed down`` needs, and writes docker-compose files:

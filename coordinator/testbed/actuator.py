@@ -2,7 +2,7 @@
 
 A coordinator given a testbed's state directory (``edgetrain coordinator
 --testbed-state DIR``; ``edgetrain testbed up`` starts its coordinator so) acts
-on that testbed's agents when a job's faults fire (:mod:`coordinator.faults`):
+on that testbed's agents when a job's faults fire (:mod:`coordinator.engine.faults`):
 
 - ``kill``: SIGKILL to the agent process the state records for the device, after
   checking that the pid still names that process (its start time, as ``down``
@@ -23,7 +23,7 @@ import signal
 import threading
 from pathlib import Path
 
-from coordinator.faults import Fault, ThrottleActuator
+from coordinator.engine.faults import Fault, ThrottleActuator
 from coordinator.testbed.state import State, locked, proc_alive
 from coordinator.testbed.testbed import Testbed
 from edge.errors import UserError
@@ -62,7 +62,7 @@ class TestbedActuator(ThrottleActuator):
                     f"join faults need a software-method testbed; the one in {self.state_dir} "
                     f"uses {state.method} limits"
                 )
-            from edge.catalog import resolve
+            from edge.profiling.catalog import resolve
 
             try:
                 resolve(fault.profile or "")
@@ -83,7 +83,7 @@ class TestbedActuator(ThrottleActuator):
         return f"SIGKILL to the agent of {device} (pid {record.pid})"
 
     def join(self, profile: str) -> str:
-        from edge.catalog import resolve
+        from edge.profiling.catalog import resolve
 
         source = resolve(profile).to_device_spec()
         self._reap()

@@ -2,7 +2,7 @@
 
 This module owns the text of the compose file that ``edgetrain testbed compose``
 prints and ``docker/compose.yaml`` ships. The numbers come from
-:func:`coordinator.testbed.fleet.emulate`, so a container gets the same CPU share
+:func:`coordinator.testbed.sizing.emulate`, so a container gets the same CPU share
 (``cpus``) and memory limit (``mem_limit``, swap included) as the same device in
 the local testbed. Each agent announces its catalogue profile (a DeviceSpec JSON
 that the agent image's entry point hands to ``--profile``), and its link is
@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from coordinator.testbed.fleet import EmulatedDevice
+from coordinator.testbed.sizing import EmulatedDevice
 from edge.errors import UserError
 from edge.problem import DeviceSpec
 

@@ -31,12 +31,12 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from coordinator.broker import _mosquitto_conf, find_mosquitto, free_port
+from coordinator.local.broker import _mosquitto_conf, find_mosquitto, free_port
 from coordinator.testbed.state import ENV_TOKEN, State
-from edge.messages import DeviceStatus, MessageError
-from edge.protocol import TOPIC_ROOT
 from edge.transport.mqtt import MqttTransport
 from edge.transport.settings import MqttSettings
+from edge.wire.messages import DeviceStatus, MessageError
+from edge.wire.topics import TOPIC_ROOT
 
 __all__ = [
     "CGROUP_EXEC",
@@ -278,7 +278,7 @@ def _amqtt_main(port: int) -> None:
     """The embedded broker as a process of its own, until SIGTERM."""
     import signal
 
-    from coordinator.broker import running_broker
+    from coordinator.local.broker import running_broker
 
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

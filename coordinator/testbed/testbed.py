@@ -1,7 +1,7 @@
 """Bringing a testbed up and down: the Python API behind ``edgetrain testbed``.
 
 :meth:`Testbed.up` maps the devices onto this machine
-(:func:`~coordinator.testbed.fleet.emulate`), measures this machine's
+(:func:`~coordinator.testbed.sizing.emulate`), measures this machine's
 single-core speed once (so each agent announces the speed it really gets),
 picks the method (:func:`~coordinator.testbed.limits.detect`), and starts, each
 recorded in the state before it exists (:mod:`coordinator.testbed.state`):
@@ -33,7 +33,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 from coordinator.testbed import limits, netns, procs
-from coordinator.testbed.fleet import MIN_CPUS, EmulatedDevice, emulate
+from coordinator.testbed.sizing import MIN_CPUS, EmulatedDevice, emulate
 from coordinator.testbed.state import State, locked
 from coordinator.testbed.teardown import down, status, teardown
 from edge.errors import UserError
@@ -48,7 +48,7 @@ def measure_core_gflops(seconds: float) -> float:
     """This machine's fp32 matmul GFLOP/s on one thread (torch's thread count restored)."""
     import torch
 
-    from edge.matmul import measure_matmul_gflops
+    from edge.profiling.matmul import measure_matmul_gflops
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)

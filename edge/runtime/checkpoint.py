@@ -1,9 +1,9 @@
 """A stage's state (weights and optimizer state) as safetensors bytes, and back.
 
 This module owns the replica format: what a stage publishes every
-``replicate_every`` steps (:func:`edge.protocol.job_replica`), what a device
+``replicate_every`` steps (:func:`edge.wire.topics.job_replica`), what a device
 keeps of its neighbour's, and what a new stage is restored from
-(:func:`edge.protocol.job_restore`). It is a plain safetensors file, never a
+(:func:`edge.wire.topics.job_restore`). It is a plain safetensors file, never a
 pickle: reading one from the network runs no code.
 
 Layout of a state blob:
@@ -42,7 +42,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from edge.protocol import valid_job_id
+from edge.wire.topics import valid_job_id
 
 __all__ = [
     "FORMAT",

@@ -17,7 +17,7 @@ On a server (``torch_device`` ``cuda:N``) the segment, its inputs and its
 gradients live on the GPU; frames are encoded from and decoded to host memory.
 With ``precision="bf16"`` the forward runs under bf16 autocast (weights,
 gradients and optimizer state stay fp32). With ``replicas = R`` (data
-parallelism, :mod:`edge.runtime.data_parallel`) replica ``r``'s stage 0 takes
+parallelism, :mod:`edge.server.data_parallel`) replica ``r``'s stage 0 takes
 rows ``[r B/R, (r+1) B/R)`` of every step's batch, and before the optimizer
 steps the stage averages its gradients with its copies in the other replicas.
 
@@ -49,17 +49,17 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 
-from edge.messages import OptimizerSpec, StageAssignment, StepReport
 from edge.models.datasets import build_dataset
 from edge.models.zoo import get_model
-from edge.protocol import Codec, Kind, encode_frame
 from edge.runtime.checkpoint import load_state, read_state, select, stage_state
 from edge.runtime.data import EpochSampler, load_batch
 from edge.runtime.schedules import make_schedule
 from edge.transport.base import Transport
+from edge.wire.frames import Codec, Kind, encode_frame
+from edge.wire.messages import OptimizerSpec, StageAssignment, StepReport
 
 if TYPE_CHECKING:
-    from edge.runtime.data_parallel import DataParallel
+    from edge.server.data_parallel import DataParallel
 
 __all__ = ["StageRuntime", "build_optimizer", "loss_fn"]
 
@@ -304,7 +304,7 @@ class StageRuntime:
     def run(self, first_step: int | None = None) -> int:
         """Run the job's steps from ``first_step`` (the assignment's by default); how many ran.
 
-        The caller reports :class:`~edge.messages.StageDone` (after saving or
+        The caller reports :class:`~edge.wire.messages.StageDone` (after saving or
         sending the weights, which the coordinator expects before it).
         """
         a, done = self.a, 0

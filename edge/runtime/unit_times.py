@@ -1,6 +1,6 @@
 """Per-unit seconds of a real training step: the measured layer times a planner can trust.
 
-:func:`edge.models.costs.profile_model` times each unit alone, on one input,
+:func:`edge.models.unit_costs.profile_model` times each unit alone, on one input,
 over and over: warm caches and no loss, no optimizer, no data. A pipeline stage
 does more per microbatch. :func:`measure_unit_times` runs the model the way the
 stage runtime does (:mod:`edge.runtime.stage`), with every unit as its own
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-from edge.messages import OptimizerSpec
 from edge.models.datasets import build_dataset
 from edge.models.zoo import ModelSpec
 from edge.runtime.data import EpochSampler, load_batch
 from edge.runtime.stage import build_optimizer, loss_fn
+from edge.wire.messages import OptimizerSpec
 
 __all__ = ["UnitTime", "measure_unit_times"]
 

@@ -1,6 +1,6 @@
 """The one interface every tensor transport implements, and the inbox behind it.
 
-A transport moves encoded frames (:mod:`edge.protocol`) to a stage of a job.
+A transport moves encoded frames (:mod:`edge.wire.frames`) to a stage of a job.
 A stage :meth:`Transport.attach`\\ es to get its :class:`Inbox`, then takes the
 frames it needs by ``(kind, step, microbatch)`` in whatever order its schedule
 asks for them; frames may arrive in any order.
@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from typing import Literal, Protocol, runtime_checkable
 
-from edge.protocol import Frame, FrameError, Kind, decode_frame
+from edge.wire.frames import Frame, FrameError, Kind, decode_frame
 
 __all__ = ["Channel", "Inbox", "InboxClosed", "Transport"]
 

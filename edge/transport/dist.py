@@ -3,7 +3,7 @@
 This module owns :class:`DistTransport`, the :class:`~edge.transport.base.Transport`
 of the server tier: the stages of one pipeline replica are ranks of one
 torch.distributed job, and a frame to another stage is a ``send`` to that
-stage's rank. It carries exactly the frames (:mod:`edge.protocol`) the MQTT and
+stage's rank. It carries exactly the frames (:mod:`edge.wire.frames`) the MQTT and
 in-process transports carry, so a stage runs the same code, the same schedule
 actions and gets the same bits whatever the wire.
 
@@ -26,7 +26,7 @@ that executor over c10d keeps one schedule implementation and makes a
 server-tier run bit-comparable with an MQTT run and able to move between tiers
 (same checkpoints). What the server tier needs from c10d is point-to-point
 transfer, which this module provides, and the gradient all-reduce of data
-parallelism (:mod:`edge.runtime.data_parallel`).
+parallelism (:mod:`edge.server.data_parallel`).
 
 [Note: host frames]
 Frames are host bytes (the wire format every transport shares), so they travel

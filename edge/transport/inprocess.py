@@ -74,7 +74,7 @@ class InProcessTransport:
     def send(self, job: str, stage: int, channel: Channel, frame: bytes) -> None:
         """Deliver ``frame`` to ``stage`` of ``job`` now, or keep it until that stage attaches."""
         # An immutable copy: the inbox decodes without copying (see [Note: zero-copy
-        # decoding] in edge.protocol), so the sender must not be able to change it later.
+        # decoding] in edge.wire.frames), so the sender must not be able to change it later.
         data = frame if isinstance(frame, bytes) else bytes(frame)
         key = (job, stage)
         with self._lock:

@@ -49,10 +49,10 @@ from typing import Any, cast
 import paho.mqtt.client as mqtt
 
 from edge.errors import UserError
-from edge.protocol import parse_stage_topic, stage_topic
 from edge.transport.base import Channel, Inbox
 from edge.transport.settings import MqttSettings, new_client, parse_broker_url
 from edge.transport.shaping import LinkShaper
+from edge.wire.topics import parse_stage_topic, stage_topic
 
 __all__ = ["ControlCallback", "MqttSettings", "MqttTransport", "parse_broker_url"]
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from support.mosquitto import find_mosquitto, mosquitto_broker
 
-from coordinator.localfleet import LocalFleet
+from coordinator.local.fleet import LocalFleet
 from edge.transport.mqtt import MqttSettings, MqttTransport
 
 

@@ -17,13 +17,13 @@ import pytest
 from support.mosquitto import find_mosquitto, mosquitto_broker
 from support.waiting import until
 
-from coordinator.jobs import JobFailed, JobSpec
-from coordinator.localfleet import LocalFleet
+from coordinator.engine.runners import run_on_agents
+from coordinator.engine.spec import JobFailed, JobSpec
+from coordinator.local.fleet import LocalFleet
 from coordinator.planner.score import Plan
-from coordinator.runners import run_on_agents
-from edge.messages import DeviceStatus
-from edge.protocol import device_cmd, device_status
 from edge.transport.mqtt import MqttSettings, MqttTransport
+from edge.wire.messages import DeviceStatus
+from edge.wire.topics import device_cmd, device_status
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 

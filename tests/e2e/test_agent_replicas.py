@@ -17,10 +17,12 @@ import safetensors.torch
 import torch
 from support.waiting import until
 
-from coordinator.jobs import JobSpec, make_assignments
-from coordinator.localfleet import LocalFleet
+from coordinator.engine.spec import JobSpec, make_assignments
+from coordinator.local.fleet import LocalFleet
 from coordinator.planner.score import Plan
-from edge.messages import (
+from edge.runtime.checkpoint import encode_state, read_state
+from edge.transport.mqtt import MqttTransport
+from edge.wire.messages import (
     CancelJob,
     MessageError,
     OptimizerSpec,
@@ -32,9 +34,7 @@ from edge.messages import (
     StepReport,
     parse_event,
 )
-from edge.protocol import TOPIC_ROOT, device_cmd, job_events, job_restore
-from edge.runtime.checkpoint import encode_state, read_state
-from edge.transport.mqtt import MqttTransport
+from edge.wire.topics import TOPIC_ROOT, device_cmd, job_events, job_restore
 
 STEPS, EVERY, RESUME_AT = 6, 2, 4
 SPEC = JobSpec(

@@ -16,10 +16,10 @@ from support.mosquitto import find_mosquitto, mosquitto_broker
 from support.reference import assert_matches, train_reference
 from support.waiting import until
 
-from coordinator.app import create_app
-from coordinator.core.config import Settings
-from coordinator.export import check_onnx
-from coordinator.localfleet import LocalFleet
+from coordinator.local.fleet import LocalFleet
+from coordinator.service.app import create_app
+from coordinator.service.export import check_onnx
+from coordinator.service.settings import Settings
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 TOKEN = "s3cret-token-for-the-tests"

@@ -21,10 +21,10 @@ from pydantic import SecretStr
 from support.mosquitto import find_mosquitto, mosquitto_broker
 from support.waiting import until
 
-from coordinator.broker import free_port
-from coordinator.core.config import Settings
-from coordinator.localfleet import LocalFleet
-from coordinator.serve import serve_in_thread
+from coordinator.local.broker import free_port
+from coordinator.local.fleet import LocalFleet
+from coordinator.service.serve import serve_in_thread
+from coordinator.service.settings import Settings
 
 pytestmark = [
     pytest.mark.broker,

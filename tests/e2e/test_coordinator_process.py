@@ -18,9 +18,9 @@ import safetensors.torch
 from support.mosquitto import find_mosquitto, mosquitto_broker
 from support.waiting import until
 
-from coordinator.broker import free_port
-from coordinator.export import check_onnx
-from coordinator.localfleet import LocalFleet
+from coordinator.local.broker import free_port
+from coordinator.local.fleet import LocalFleet
+from coordinator.service.export import check_onnx
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 TOKEN = "another-long-test-token-123"

@@ -25,11 +25,11 @@ from support.mosquitto import find_mosquitto, mosquitto_broker
 from support.reference import ReferenceRun, assert_matches, one_thread, train_reference
 from support.waiting import until
 
-from coordinator.broker import free_port
-from coordinator.jobs import JobSpec
-from coordinator.localfleet import LocalFleet
+from coordinator.engine.runners import run_inprocess
+from coordinator.engine.spec import JobSpec
+from coordinator.local.broker import free_port
+from coordinator.local.fleet import LocalFleet
 from coordinator.planner.score import Plan
-from coordinator.runners import run_inprocess
 from edge.models.zoo import get_model
 
 pytestmark = [

@@ -1,7 +1,7 @@
 """``edgetrain demo --exit --json``: the whole product on embedded defaults.
 
 The demo's job is planned by the planner alone (no ``stages``); on the default
-fleet its best plan is a 2-stage pipeline (``edgetrain.demo.MODEL_OPTIONS`` says
+fleet its best plan is a 2-stage pipeline (``edgetrain.cli.demo.MODEL_OPTIONS`` says
 why), which the test asserts.
 """
 

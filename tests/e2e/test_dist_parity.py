@@ -18,13 +18,13 @@ import pytest
 import torch
 from support.reference import ReferenceRun, assert_matches, train_reference
 
-from coordinator.jobs import JobSpec
+from coordinator.engine.runners import run_inprocess
+from coordinator.engine.spec import JobSpec
 from coordinator.planner.score import Plan
-from coordinator.runners import run_inprocess
-from edge.commands.launch import launch
 from edge.errors import UserError
-from edge.messages import StepReport
-from edge.runtime.dist_job import DistJob, read_results
+from edge.server.job_file import DistJob, read_results
+from edge.server.launch import launch
+from edge.wire.messages import StepReport
 
 UNITS = {"gpt-mini": 6, "cnn-digits": 4}
 STEPS, BATCH, MICRO, SEED = 4, 16, 4, 5

@@ -1,4 +1,4 @@
-"""Devices die mid-run and training goes on, with the same result (coordinator/resilient.py).
+"""Devices die mid-run and training goes on, with the same result (coordinator/engine/resilient.py).
 
 Real agent processes killed with SIGKILL, a real Mosquitto: the broker sends the
 dead agent's last will, the coordinator re-plans over the survivors, every stage
@@ -39,20 +39,20 @@ import torch
 from support.mosquitto import find_mosquitto, mosquitto_broker
 from support.reference import ReferenceRun, assert_matches, train_reference
 
-from coordinator.broker import start_broker
-from coordinator.faults import Fault, FaultInjector, parse_fault
-from coordinator.jobs import JobSpec
-from coordinator.localfleet import LocalFleet
+from coordinator.engine.faults import Fault, FaultInjector, parse_fault
+from coordinator.engine.rebalance import Rebalancer
+from coordinator.engine.resilient import ResilientResult, run_resilient
+from coordinator.engine.runners import run_inprocess
+from coordinator.engine.spec import JobSpec
+from coordinator.local.broker import start_broker
+from coordinator.local.fleet import LocalFleet
 from coordinator.planner.build import build_problem
 from coordinator.planner.score import Plan
-from coordinator.rebalance import Rebalancer
-from coordinator.resilient import ResilientResult, run_resilient
-from coordinator.runners import run_inprocess
 from edge.errors import UserError
-from edge.messages import StepReport
 from edge.models.zoo import get_model
 from edge.problem import PlanningProblem
 from edge.transport.mqtt import MqttSettings, MqttTransport
+from edge.wire.messages import StepReport
 
 pytestmark = pytest.mark.slow
 

@@ -18,13 +18,13 @@ import pytest
 import torch
 from support.reference import assert_matches, train_reference
 
-from coordinator.jobs import JobSpec
-from coordinator.localfleet import LocalFleet
+from coordinator.engine.runners import run_inprocess, run_on_agents, server_tier
+from coordinator.engine.spec import JobSpec
+from coordinator.local.fleet import LocalFleet
 from coordinator.planner.score import Plan
-from coordinator.runners import run_inprocess, run_on_agents, server_tier
-from edge.commands.launch import launch
 from edge.problem import DeviceSpec
-from edge.runtime.dist_job import DistJob
+from edge.server.job_file import DistJob
+from edge.server.launch import launch
 from edge.transport.mqtt import MqttTransport
 
 

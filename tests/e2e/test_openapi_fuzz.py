@@ -27,9 +27,9 @@ from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi.checks import response_schema_conformance  # noqa: E402
 
-from coordinator.broker import free_port  # noqa: E402
-from coordinator.core.config import Settings  # noqa: E402
-from coordinator.serve import serve_in_thread  # noqa: E402
+from coordinator.local.broker import free_port  # noqa: E402
+from coordinator.service.serve import serve_in_thread  # noqa: E402
+from coordinator.service.settings import Settings  # noqa: E402
 
 TOKEN = "fuzzing-token-0123456789"
 

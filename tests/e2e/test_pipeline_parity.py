@@ -17,14 +17,15 @@ import pytest
 import torch
 from support.reference import ReferenceRun, assert_matches, train_reference
 
-from coordinator.jobs import JobSpec
-from coordinator.localfleet import LocalFleet
+from coordinator.engine.runners import run_on_agents
+from coordinator.engine.spec import JobSpec
+from coordinator.local.fleet import LocalFleet
 from coordinator.planner.score import Plan
-from coordinator.runners import run_on_agents
-from edge.messages import StepReport
 from edge.models.zoo import get_model
-from edge.protocol import HEADER, Codec, Kind, encode_frame, stage_topic
 from edge.transport.mqtt import MqttTransport
+from edge.wire.frames import HEADER, Codec, Kind, encode_frame
+from edge.wire.messages import StepReport
+from edge.wire.topics import stage_topic
 
 MODELS = {"mlp": 3, "cnn-digits": 4, "gpt-mini": 6}
 _REFERENCES: dict[tuple[str, int, int], tuple[list[float], dict[str, torch.Tensor]]] = {}

@@ -12,12 +12,12 @@ import safetensors.torch
 from support.mosquitto import mosquitto_broker
 from support.waiting import until
 
-from coordinator.events import EventBus
-from coordinator.jobs import JobSpec
-from coordinator.localfleet import LocalFleet
-from coordinator.registry import DeviceRegistry
-from coordinator.service import JobManager
-from coordinator.store import Store
+from coordinator.engine.spec import JobSpec
+from coordinator.local.fleet import LocalFleet
+from coordinator.service.events import EventBus
+from coordinator.service.manager import JobManager
+from coordinator.service.registry import DeviceRegistry
+from coordinator.service.store.sqlite import Store
 from edge.models.zoo import get_model
 from edge.transport.mqtt import MqttTransport
 from edge.transport.settings import MqttSettings

@@ -23,10 +23,10 @@ import pytest
 import torch
 from support.waiting import until
 
-from coordinator.broker import find_mosquitto
-from coordinator.jobs import JobSpec
+from coordinator.engine.runners import run_on_agents
+from coordinator.engine.spec import JobSpec
+from coordinator.local.broker import find_mosquitto
 from coordinator.planner.score import Plan
-from coordinator.runners import run_on_agents
 from coordinator.testbed import limits, netns
 from coordinator.testbed.state import State, find_marked, proc_alive
 from coordinator.testbed.testbed import Testbed, down

@@ -23,10 +23,10 @@ import pytest
 import safetensors.torch
 from support.reference import ReferenceRun, assert_matches, train_reference
 
-from coordinator.broker import find_mosquitto
-from coordinator.jobs import JobSpec
+from coordinator.engine.runners import run_inprocess
+from coordinator.engine.spec import JobSpec
+from coordinator.local.broker import find_mosquitto
 from coordinator.planner.score import Plan
-from coordinator.runners import run_inprocess
 from coordinator.testbed.state import State, find_marked, proc_alive
 from coordinator.testbed.testbed import Testbed, down
 from edge.models.zoo import get_model

@@ -24,7 +24,7 @@ import safetensors.torch
 import torch
 from support.reference import ReferenceRun, assert_matches, train_reference
 
-from edge.runtime.dist_job import DistJob, write_job
+from edge.server.job_file import DistJob, write_job
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3

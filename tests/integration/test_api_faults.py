@@ -16,8 +16,8 @@ import pytest
 from fastapi.testclient import TestClient
 from support.mosquitto import Broker
 
-from coordinator.app import create_app
-from coordinator.core.config import Settings
+from coordinator.service.app import create_app
+from coordinator.service.settings import Settings
 from coordinator.testbed.state import State
 
 pytestmark = pytest.mark.broker

@@ -20,8 +20,8 @@ import paho.mqtt.client as mqtt
 import psutil
 import pytest
 
-import coordinator.broker as broker_mod
-from coordinator.broker import (
+import coordinator.local.broker as broker_mod
+from coordinator.local.broker import (
     BrokerStartError,
     RunningBroker,
     find_mosquitto,

@@ -19,9 +19,9 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from coordinator.commands.testbed_compose import compose_command
 from coordinator.planner.build import parse_fleet
-from coordinator.testbed.fleet import EmulatedDevice, emulate
+from coordinator.testbed.sizing import EmulatedDevice, emulate
+from edgetrain.cli.testbed_compose import compose_command
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "docker" / "compose.yaml"

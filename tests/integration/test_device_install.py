@@ -36,10 +36,10 @@ from packaging.requirements import Requirement
 from support.mosquitto import Broker
 from support.reference import assert_matches, train_reference
 
-from coordinator.jobs import JobSpec
-from coordinator.localfleet import LocalFleet
+from coordinator.engine.runners import run_inprocess, run_on_agents
+from coordinator.engine.spec import JobSpec
+from coordinator.local.fleet import LocalFleet
 from coordinator.planner.score import Plan
-from coordinator.runners import run_inprocess, run_on_agents
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec
 from edge.transport.mqtt import MqttSettings, MqttTransport

@@ -26,7 +26,7 @@ from support.waiting import until
 from coordinator.testbed import limits, netns
 from edge.errors import UserError
 from edge.problem import DeviceSpec
-from edge.profiler import measure_broker_link
+from edge.profiling.device import measure_broker_link
 
 pytestmark = pytest.mark.broker
 REPO = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ and the final weights still equal single-device training. So this test looks
 at what each replica actually fed its model. Two real processes form a gloo
 group; each runs replica ``r`` of a one-stage cnn-digits job (edgetrain's
 :class:`~edge.runtime.stage.StageRuntime` with
-:class:`~edge.runtime.data_parallel.DataParallel`) and records every input its
+:class:`~edge.server.data_parallel.DataParallel`) and records every input its
 segment's forward received. Replica ``r``'s inputs of step ``t`` must be rows
 ``[r B/2, (r+1) B/2)`` of the batch the independent reference reads at step
 ``t``; the two shares are disjoint and make up the whole batch; and both
@@ -24,12 +24,12 @@ import torch.distributed as dist
 from support.ranks import gloo_world, run_ranks
 from support.reference import assert_matches, batch_indices, train_reference
 
-from edge.messages import StageAssignment
 from edge.models.datasets import build_dataset
 from edge.models.zoo import get_model
-from edge.runtime.data_parallel import DataParallel
 from edge.runtime.stage import StageRuntime
+from edge.server.data_parallel import DataParallel
 from edge.transport.inprocess import InProcessTransport
+from edge.wire.messages import StageAssignment
 
 MODEL, STEPS, BATCH, MICRO, SEED, REPLICAS = "cnn-digits", 4, 16, 2, 7, 2
 

@@ -17,9 +17,9 @@ import torch
 from support.mosquitto import Broker
 from test_transport_conformance import Pair, TransportConformance
 
-from edge.protocol import Codec, Kind, encode_frame
 from edge.transport.base import Inbox
 from edge.transport.mqtt import MqttSettings, MqttTransport
+from edge.wire.frames import Codec, Kind, encode_frame
 
 pytestmark = [pytest.mark.broker, pytest.mark.serial]  # link times asserted
 

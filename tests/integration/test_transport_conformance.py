@@ -25,10 +25,10 @@ import torch
 from support.mosquitto import Broker, find_mosquitto, free_port, mosquitto_broker
 
 from edge.errors import UserError
-from edge.protocol import Codec, Kind, encode_frame
 from edge.transport.base import Inbox, InboxClosed, Transport
 from edge.transport.inprocess import InProcessTransport
 from edge.transport.mqtt import MqttSettings, MqttTransport, parse_broker_url
+from edge.wire.frames import Codec, Kind, encode_frame
 
 JOB = "job-7"
 WAIT_S = 10.0  # generous bound for anything asynchronous on a loaded machine

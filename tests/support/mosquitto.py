@@ -1,6 +1,6 @@
 """A throwaway Mosquitto broker on a free loopback port, for tests and benchmarks.
 
-A thin wrapper over :mod:`coordinator.broker`, the one implementation of starting
+A thin wrapper over :mod:`coordinator.local.broker`, the one implementation of starting
 and stopping Mosquitto (its own config in a temporary directory, ready once that
 process listens, ended by its own pid: SIGTERM, then SIGKILL after a grace
 period). This module keeps the names the tests import.
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from coordinator.broker import (
+from coordinator.local.broker import (
     BrokerStartError,
     MosquittoBroker,
     find_mosquitto,

@@ -17,11 +17,11 @@ import pytest
 from support.mosquitto import Broker
 from support.waiting import until
 
-from edge.commands.agent import load_device_file
 from edge.errors import UserError
 from edge.problem import DeviceSpec
-from edge.protocol import device_profile
+from edge.profiling.catalog import load_device_file
 from edge.transport.mqtt import MqttSettings, MqttTransport
+from edge.wire.topics import device_profile
 
 DEVICE = {
     "id": "from-the-file",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.jobs import JobSpec, make_assignments
+from coordinator.engine.runners import _server_group, server_tier
+from coordinator.engine.spec import JobSpec, make_assignments
 from coordinator.planner import Plan
-from coordinator.runners import _server_group, server_tier
 from edge.problem import DeviceSpec
 
 SPEC = JobSpec(model="gpt-mini", steps=2, batch_size=8, microbatches=2)

@@ -16,8 +16,8 @@ from coordinator.planner.baselines import (
     single_device,
 )
 from coordinator.planner.bounds import lower_bound
-from coordinator.planner.costs import CostTables
 from coordinator.planner.score import Plan, Stage, validate_plan
+from coordinator.planner.tables import CostTables
 from edge.problem import DeviceSpec, LayerSpec, PlanningProblem
 
 

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import pytest
 
-from edge.matmul import tflops_rate
+from edge.profiling.matmul import tflops_rate
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
 TINY = {"vocab_size": 32, "block_size": 8, "d_model": 16, "n_head": 2, "n_layer": 3}
@@ -40,7 +40,7 @@ def test_stages_split_blocks_evenly_with_embed_first_and_head_last(bench: Module
 def test_one_profiled_block_stands_for_every_block(bench: ModuleType) -> None:
     import torch
 
-    from edge.models.costs import profile_model
+    from edge.models.unit_costs import profile_model
     from edge.models.zoo import get_model
 
     flops = bench.unit_train_flops(TINY, torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""The device-profile catalogue (edge.catalog, device_profiles/, `edgetrain devices`).
+"""The device-profile catalogue (edge.profiling.catalog, device_profiles/, `edgetrain devices`).
 
 Every shipped profile loads and converts into a planning-problem device; names
 resolve to profiles and memory variants; corrupted copies of a profile are refused
@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 import yaml
 
-from edge.catalog import (
+from edge.errors import UserError
+from edge.problem import DeviceSpec, PlanningProblem
+from edge.profiling.catalog import (
     GIB,
     DeviceProfile,
     all_resolved,
@@ -28,8 +30,6 @@ from edge.catalog import (
     profile_names,
     resolve,
 )
-from edge.errors import UserError
-from edge.problem import DeviceSpec, PlanningProblem
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIRED = {

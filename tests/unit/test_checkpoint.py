@@ -16,9 +16,8 @@ import safetensors.torch
 import torch
 from support.reference import assert_matches, one_thread, train_reference
 
-from coordinator.jobs import JobSpec, make_assignments
+from coordinator.engine.spec import JobSpec, make_assignments
 from coordinator.planner.score import Plan
-from edge.messages import OptimizerSpec, StageAssignment, StepReport
 from edge.models.zoo import get_model
 from edge.runtime.checkpoint import (
     FORMAT,
@@ -32,6 +31,7 @@ from edge.runtime.checkpoint import (
 )
 from edge.runtime.stage import StageRuntime
 from edge.transport.inprocess import InProcessTransport
+from edge.wire.messages import OptimizerSpec, StageAssignment, StepReport
 
 MODELS = {"mlp": 3, "cnn-digits": 4, "gpt-mini": 6}
 

@@ -17,12 +17,12 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from coordinator.commands.testbed_compose import compose_command
 from coordinator.planner.build import parse_fleet
 from coordinator.testbed.compose import render_compose
-from coordinator.testbed.fleet import EmulatedDevice, emulate
+from coordinator.testbed.sizing import EmulatedDevice, emulate
 from edge.errors import UserError
 from edge.problem import DeviceSpec
+from edgetrain.cli.testbed_compose import compose_command
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "docker" / "compose.yaml"
@@ -186,7 +186,7 @@ def test_shipped_compose_file_is_what_the_command_generates() -> None:
 
 def test_command_module_does_not_import_fastapi() -> None:
     code = (
-        "import sys, coordinator.commands.testbed_compose, coordinator.testbed.compose; "
+        "import sys, edgetrain.cli.testbed_compose, coordinator.testbed.compose; "
         "sys.exit('fastapi' in sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from edge.models.costs import profile_model
+from edge.models.unit_costs import profile_model
 from edge.models.units import TransformerBlock
 from edge.models.zoo import ModelSpec, UnitDef, get_model
 from edge.problem import LayerSpec

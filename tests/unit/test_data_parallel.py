@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from support.ranks import gloo_world, run_ranks
 
-from edge.runtime.data_parallel import DataParallel, buckets
+from edge.server.data_parallel import DataParallel, buckets
 
 # -- buckets ---------------------------------------------------------------------------
 

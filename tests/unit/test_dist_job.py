@@ -12,16 +12,16 @@ import torch
 from pydantic import ValidationError
 
 from edge.errors import UserError
-from edge.messages import OptimizerSpec
 from edge.models.zoo import get_model
 from edge.runtime.checkpoint import stage_state
-from edge.runtime.dist_job import (
+from edge.server.job_file import (
     DistJob,
     balanced_boundaries,
     load_job,
     resume_states,
     write_job,
 )
+from edge.wire.messages import OptimizerSpec
 
 BASE = {"model": "gpt-mini", "steps": 2, "batch_size": 12, "microbatches": 2}
 

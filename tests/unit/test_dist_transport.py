@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from support.ranks import gloo_world, run_ranks
 
-from edge.protocol import Codec, Kind, encode_frame
 from edge.transport.base import Channel, Transport
 from edge.transport.dist import DistTransport, Route
+from edge.wire.frames import Codec, Kind, encode_frame
 
 Stream = tuple[int, Channel]
 

@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 
-from coordinator.export import (
+from coordinator.service.export import (
     OnnxMismatchError,
     check_onnx,
     export_onnx,

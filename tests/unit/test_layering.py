@@ -186,7 +186,7 @@ for args in (['coordinator'], ['demo', '--exit'],
     needs[args[0]] = done.exception.message
     assert "pip install 'edgetrain[coordinator]'" in done.exception.message, needs
 
-from coordinator.broker import start_broker
+from coordinator.local.broker import start_broker
 try:
     start_broker('amqtt').stop()
 except UserError as exc:

@@ -31,10 +31,10 @@ from support.planning import (
     random_problem,
 )
 
-from coordinator.planner.fleet import plan_problem
+from coordinator.engine.rebalance import Rebalancer
 from coordinator.planner.partition import even_devices, plan_job
 from coordinator.planner.score import Plan, score_plan
-from coordinator.rebalance import Rebalancer
+from coordinator.planner.solve import plan_problem
 from edge.errors import UserError
 from edge.problem import PlanningProblem
 

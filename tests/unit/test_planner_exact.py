@@ -37,8 +37,8 @@ from support.planning import (
     random_problem,
 )
 
-from coordinator.planner.fleet import SearchResult, plan_problem
 from coordinator.planner.score import Plan, Stage, score_plan, validate_plan
+from coordinator.planner.solve import SearchResult, plan_problem
 from edge.problem import PlanningProblem
 
 REL = 1e-9

@@ -10,11 +10,11 @@ import psutil
 import pytest
 import torch
 
-from edge import matmul, profiler
 from edge.errors import UserError
-from edge.matmul import measure_matmul_gflops
 from edge.problem import DeviceSpec, parse_problem
-from edge.profiler import (
+from edge.profiling import device as profiler
+from edge.profiling import matmul
+from edge.profiling.device import (
     cgroup_limits,
     default_link,
     effective_cpu_count,
@@ -22,6 +22,7 @@ from edge.profiler import (
     profile_device,
     usable_memory_bytes,
 )
+from edge.profiling.matmul import measure_matmul_gflops
 
 MiB = 1 << 20
 V1_NO_LIMIT = "9223372036854771712"

@@ -15,12 +15,12 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from edge import matmul as matmul_mod
-from edge.commands.profile import profile_command
 from edge.errors import UserError
-from edge.matmul import GpuProfile, gpu_profile, matmul_flops, resolve_device, tflops_rate
 from edge.problem import DeviceSpec
-from edge.profiler import MeasuredProfile, profile_device
+from edge.profiling import matmul as matmul_mod
+from edge.profiling.device import MeasuredProfile, profile_device
+from edge.profiling.matmul import GpuProfile, gpu_profile, matmul_flops, resolve_device, tflops_rate
+from edgetrain.cli.profile import profile_command
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

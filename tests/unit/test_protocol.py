@@ -1,4 +1,4 @@
-"""The wire contract (edge/protocol.py): frames round-trip, garbage is refused, topics parse.
+"""The wire contract (edge/wire/frames.py): frames round-trip, garbage is refused, topics parse.
 
 Tensors are drawn as a seed plus a shape, a layout (contiguous, transposed, every
 other row) and a magnitude, so hypothesis explores shapes and dtypes while torch
@@ -17,22 +17,24 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge.protocol import (
+from edge.wire.frames import (
     DTYPES,
     HEADER,
     MAX_ELEMENTS,
     MAX_NDIM,
-    TOPIC_ROOT,
     Codec,
     Frame,
     FrameError,
     Kind,
     decode_frame,
+    encode_frame,
+)
+from edge.wire.topics import (
+    TOPIC_ROOT,
     device_cmd,
     device_heartbeat,
     device_profile,
     device_status,
-    encode_frame,
     job_events,
     job_weights,
     parse_stage_topic,

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.faults import Fault, FaultInjector, parse_fault
+from coordinator.engine.faults import Fault, FaultInjector, parse_fault
+from coordinator.engine.rebalance import Rebalancer, replication_interval
 from coordinator.planner.build import build_problem
-from coordinator.planner.fleet import plan_problem
 from coordinator.planner.score import Plan, score_plan
-from coordinator.rebalance import Rebalancer, replication_interval
+from coordinator.planner.solve import plan_problem
 from edge.errors import UserError
-from edge.messages import StepReport
 from edge.problem import DeviceSpec, PlanningProblem
+from edge.wire.messages import StepReport
 
 DEVICES = [
     DeviceSpec(id=f"d{i}", gflops=50.0, memory_bytes=8 << 30, bandwidth_mbps=1000.0, latency_ms=0.5)

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 from support.reference import ReferenceRun, assert_matches, train_reference
 
-from coordinator.jobs import JobResult, JobSpec
+from coordinator.engine.runners import run_inprocess
+from coordinator.engine.spec import JobResult, JobSpec
 from coordinator.planner.score import Plan
-from coordinator.runners import run_inprocess
 from edge.models.zoo import get_model
 
 SEED = 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.replicas import ReplicaStore
+from coordinator.engine.replicas import ReplicaStore
 from edge.runtime.checkpoint import StageState, encode_state, read_state
 
 UNITS = ["u0", "u1", "u2"]

@@ -12,9 +12,9 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy import Connection
 
-from coordinator.core import Settings, get_settings
 from coordinator.planner.score import Plan, PlanScore
-from coordinator.store import (
+from coordinator.service.settings import Settings, get_settings
+from coordinator.service.store.sqlite import (
     SCHEMA_VERSION,
     TRANSITIONS,
     JobState,
@@ -23,8 +23,8 @@ from coordinator.store import (
     StoreError,
 )
 from edge.errors import UserError
-from edge.messages import StepReport
 from edge.problem import DeviceSpec
+from edge.wire.messages import StepReport
 
 SPEC = {"model": "cnn-digits", "steps": 3, "batch_size": 32, "microbatches": 4}
 GOOD_TOKEN = "x7Qm2vLr9TzKpW4nB8sD"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from support.waiting import until
 
-from coordinator.faults import parse_fault
+from coordinator.engine.faults import parse_fault
 from coordinator.testbed import procs
 from coordinator.testbed.actuator import TestbedActuator
 from coordinator.testbed.state import State, proc_alive

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.commands.testbed import _parse_links
 from coordinator.testbed import limits, netns, procs
 from coordinator.testbed.limits import Controller, Detection, find_controllers
 from edge.errors import UserError
+from edgetrain.cli.testbed import _parse_links
 
 V1 = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755

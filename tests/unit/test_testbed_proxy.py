@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from coordinator.broker import free_port
+from coordinator.local.broker import free_port
 from coordinator.testbed.proxy import serve
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from coordinator.jobs import JobSpec, make_assignments
+from coordinator.engine.spec import JobSpec, make_assignments
 from coordinator.planner.score import Plan
 from edge.models.zoo import get_model
 from edge.runtime.stage import StageRuntime

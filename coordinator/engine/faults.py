@@ -1,0 +1,168 @@
+"""Fault injection for users and tests: ``--fault kill:STAGE@STEP`` and friends.
+
+A :class:`Fault` names what happens (``kill``: SIGKILL the agent; ``slow``: its
+compute becomes FACTOR times slower, through the software throttle; ``join``: a
+new agent with a catalogue profile starts), to which stage of the plan in
+force at the time (so ``kill:1@3`` then ``kill:1@7`` kills whichever device runs
+stage 1 after the first recovery), and when: as soon as any stage reports step
+``STEP`` done, so faults of the same step fire together (``kill:1@5 kill:2@5``
+kills two devices at once). :class:`FaultInjector` watches step reports and fires each fault
+once, through a callback that does the deed (``LocalFleet.kill`` sends SIGKILL
+to the agent's process), and records when it did, for the job's events.
+
+In the coordinator service the deed is done by a :class:`FaultActuator`: a plain
+coordinator has a :class:`ThrottleActuator`, which can slow any device (a
+``Throttle`` command on its ``cmd`` topic) but neither kill nor start agents;
+one that runs a testbed (``--testbed-state``) has
+:class:`~coordinator.testbed.actuator.TestbedActuator`, which also kills the
+testbed's agent processes and starts new ones.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from edge.errors import UserError
+from edge.wire.messages import StepReport, Throttle
+from edge.wire.topics import device_cmd
+
+if TYPE_CHECKING:
+    from edge.transport.mqtt import MqttTransport
+
+__all__ = ["Fault", "FaultActuator", "FaultInjector", "ThrottleActuator", "parse_fault"]
+
+_FAULT = re.compile(r"^(kill|slow):(\d+)@(\d+)(?::(\d+(?:\.\d+)?))?$")
+_JOIN = re.compile(r"^join:([A-Za-z0-9][A-Za-z0-9._-]{0,63})@(\d+)$")
+_FORMS = (
+    "kill:STAGE@STEP, slow:STAGE@STEP:FACTOR or join:PROFILE@STEP "
+    "(e.g. kill:1@5, slow:0@4:4, join:laptop@6)"
+)
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: Literal["kill", "slow", "join"]
+    stage: int
+    step: int
+    factor: float = 1.0
+    """``slow``: how many times slower the device computes from then on."""
+    profile: str | None = None
+    """``join``: the catalogue profile of the device that joins (``stage`` is unused)."""
+
+    def __str__(self) -> str:
+        if self.kind == "join":
+            return f"join:{self.profile}@{self.step}"
+        tail = f":{self.factor:g}" if self.kind == "slow" else ""
+        return f"{self.kind}:{self.stage}@{self.step}{tail}"
+
+
+def parse_fault(text: str, label: str = "--fault") -> Fault:
+    """``kill:STAGE@STEP``, ``slow:STAGE@STEP:FACTOR`` or ``join:PROFILE@STEP``; else a
+    one-line :class:`UserError` that starts with ``label`` and the text."""
+    joined = _JOIN.match(text.strip())
+    if joined is not None:
+        return Fault("join", 0, int(joined.group(2)), profile=joined.group(1))
+    m = _FAULT.match(text.strip())
+    if m is None or (m.group(1) == "slow") != (m.group(4) is not None):
+        raise UserError(f"{label} {text!r}: expected {_FORMS}")
+    factor = float(m.group(4) or 1.0)
+    if m.group(1) == "slow" and not 1.0 <= factor <= 1000.0:
+        raise UserError(f"{label} {text!r}: FACTOR must be between 1 and 1000")
+    return Fault(m.group(1), int(m.group(2)), int(m.group(3)), factor)  # type: ignore[arg-type]
+
+
+@dataclass
+class FaultInjector:
+    """Fires each fault once, at its step, on the device of its stage in the current plan."""
+
+    faults: list[Fault]
+    act: Callable[[Fault, str], None]
+    """``act(fault, device)``: do it to ``device`` (the one running the stage now)."""
+    fired: list[tuple[Fault, str, float]] = field(default_factory=list)
+    _pending: list[Fault] = field(default_factory=list)
+    _devices: list[str] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self._pending = sorted(self.faults, key=lambda f: f.step)
+
+    def use_plan(self, devices: list[str]) -> None:
+        """The device of each stage of the plan now in force."""
+        with self._lock:
+            self._devices = list(devices)
+
+    def on_step(self, report: StepReport) -> list[tuple[Fault, str]]:
+        """Fire the faults due at ``report``'s step; the ``(fault, device)`` pairs fired."""
+        due = []
+        with self._lock:
+            for fault in list(self._pending):
+                if report.step >= fault.step and fault.stage < len(self._devices):
+                    self._pending.remove(fault)
+                    due.append((fault, self._devices[fault.stage]))
+        for fault, device in due:
+            self.fired.append((fault, device, time.time()))
+            self.act(fault, device)
+        return due
+
+    @property
+    def pending(self) -> list[Fault]:
+        with self._lock:
+            return list(self._pending)
+
+
+class FaultActuator(Protocol):
+    """What the coordinator service does to a device when a fault fires."""
+
+    def refusal(self, fault: Fault) -> str | None:
+        """Why ``fault`` cannot be done by this coordinator (one line), or ``None``."""
+        ...
+
+    def kill(self, device: str) -> str:
+        """End ``device``'s agent abruptly (no goodbye); what was done, in words."""
+        ...
+
+    def slow(self, device: str, factor: float) -> str:
+        """Make ``device`` compute ``factor`` times slower from now on; what was done."""
+        ...
+
+    def join(self, profile: str) -> str:
+        """Start one more agent with the catalogue ``profile``; its device id (it comes
+        online later)."""
+        ...
+
+
+_NEEDS_TESTBED = (
+    "{kind} faults need a testbed coordinator, one that can {can} (started by "
+    "'edgetrain testbed up', or 'edgetrain coordinator --testbed-state DIR'); "
+    "this coordinator can only inject slow faults"
+)
+
+
+class ThrottleActuator:
+    """Any fleet: ``slow`` is a :class:`~edge.wire.messages.Throttle` command on the device's
+    ``cmd`` topic; ``kill`` and ``join`` are refused (no agent process is ours)."""
+
+    def __init__(self, control: MqttTransport) -> None:
+        self.control = control
+
+    def refusal(self, fault: Fault) -> str | None:
+        if fault.kind == "kill":
+            return _NEEDS_TESTBED.format(kind="kill", can="kill its agents' processes")
+        if fault.kind == "join":
+            return _NEEDS_TESTBED.format(kind="join", can="start agents")
+        return None
+
+    def slow(self, device: str, factor: float) -> str:
+        self.control.publish(device_cmd(device), Throttle(slowdown=factor).model_dump_json(), 1)
+        return f"{device} computes {factor:g}x slower"
+
+    def kill(self, device: str) -> str:
+        raise UserError(self.refusal(Fault("kill", 0, 0)) or "")
+
+    def join(self, profile: str) -> str:
+        raise UserError(self.refusal(Fault("join", 0, 0, profile=profile)) or "")

@@ -1,0 +1,269 @@
+"""Runners: where a job's stages run, and how they are driven.
+
+- :func:`run_inprocess`: every stage in a thread of this process over the
+  in-process transport (tests, single-machine runs, the 1-device reference);
+- :func:`run_on_agents`: every stage on an agent daemon, driven over MQTT by
+  commands on the devices' ``cmd`` topics (:mod:`edge.agent` is the other side):
+  assign every stage, wait until all are built and subscribed (``ready``), then
+  ``start`` them all, so no frame is sent before its receiver listens.
+  Stages on server-tier agents (``servers``, see :func:`server_tier`) also
+  join one torch.distributed group, whose rendezvous store this process
+  hosts, and frames between two of them travel over c10d
+  (:mod:`edge.transport.dist`): a hybrid pipeline of edge devices and servers.
+
+Both take a :class:`~coordinator.engine.spec.JobSpec` and a plan and return a
+:class:`~coordinator.engine.spec.JobResult`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from coordinator.engine.spec import (
+    JobFailed,
+    JobMonitor,
+    JobResult,
+    JobSpec,
+    make_assignments,
+    new_job_id,
+)
+from coordinator.planner.score import Plan
+from edge.problem import DeviceSpec
+from edge.runtime.stage import StageRuntime
+from edge.transport.inprocess import InProcessTransport
+from edge.transport.mqtt import MqttTransport
+from edge.wire.messages import (
+    CancelJob,
+    DistGroup,
+    MessageError,
+    StageAssignment,
+    StageDone,
+    StageFailed,
+    StartJob,
+    StepReport,
+    parse_event,
+)
+from edge.wire.topics import TOPIC_ROOT, device_cmd, job_events, job_restore
+
+__all__ = ["run_inprocess", "run_on_agents", "server_tier"]
+
+log = logging.getLogger(__name__)
+
+
+def run_inprocess(
+    spec: JobSpec,
+    plan: Plan,
+    *,
+    job: str | None = None,
+    on_step: Callable[[StepReport], None] | None = None,
+    timeout_s: float = 3600.0,
+) -> JobResult:
+    """Run every stage of ``plan`` in a thread of this process."""
+    job = job or new_job_id()
+    assignments = make_assignments(job, spec, plan)
+    monitor = JobMonitor(job, len(assignments), on_step)
+    transport = InProcessTransport()
+    runtimes = [
+        StageRuntime(a, transport, device=plan.stages[a.stage].device, report=monitor.on_event)
+        for a in assignments
+    ]
+
+    def work(rt: StageRuntime) -> None:
+        try:
+            rt.run()
+        except Exception as exc:  # a stage's failure becomes the job's, with its reason
+            monitor.on_event(
+                StageFailed(
+                    job=job,
+                    stage=rt.a.stage,
+                    device=rt.device,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
+            )
+            for other in runtimes:
+                other.cancel()
+            return
+        if not rt.cancelled:
+            monitor.on_event(
+                StageDone(job=job, stage=rt.a.stage, device=rt.device, steps=spec.steps)
+            )
+
+    # One stage (the single-device reference) runs in the caller's thread: no pipeline,
+    # and torch's intra-op thread pool stays the caller's own.
+    threads = [threading.Thread(target=work, args=(rt,), daemon=True) for rt in runtimes]
+    started = time.perf_counter()
+    if len(runtimes) == 1:
+        work(runtimes[0])
+        threads = []
+    for t in threads:
+        t.start()
+    try:
+        monitor.wait_done(timeout_s)
+    finally:
+        for rt in runtimes:
+            if rt.a.stage not in monitor.done:
+                rt.cancel()
+        for t in threads:
+            t.join(timeout=10)
+        transport.close()
+    wall = time.perf_counter() - started
+    weights: dict[str, torch.Tensor] = {}
+    for rt in runtimes:
+        weights.update({k: v.detach().clone() for k, v in rt.segment.state_dict().items()})
+    return JobResult(job, plan, spec, monitor.loss_list(spec.steps), monitor.reports, wall, weights)
+
+
+def run_on_agents(
+    spec: JobSpec,
+    plan: Plan,
+    control: MqttTransport,
+    *,
+    job: str | None = None,
+    on_step: Callable[[StepReport], None] | None = None,
+    ready_timeout_s: float = 120.0,
+    timeout_s: float = 3600.0,
+    first_step: int = 0,
+    replicate_every: int = 0,
+    restore: dict[int, bytes] | None = None,
+    abort: Callable[[], str | None] | None = None,
+    servers: Mapping[str, str] | None = None,
+    store_host: str = "127.0.0.1",
+) -> JobResult:
+    """Run ``plan`` on the agents named by its stages, through the connected ``control``.
+
+    For fault tolerance (:mod:`coordinator.engine.resilient`): start at ``first_step``
+    with the state in ``restore`` (one blob per stage, published retained on its
+    restore topic before the assignments), have stages publish their state every
+    ``replicate_every`` steps, and stop with :class:`~coordinator.engine.spec.JobAborted`
+    as soon as ``abort()`` gives a reason. However it ends, the stages are told to
+    stop unless they finished, and the retained restore blobs are cleared.
+
+    ``servers`` maps server-tier devices to their torch device (``cpu``,
+    ``cuda:0``); when two or more stages run on them, those stages form a
+    torch.distributed group with a store hosted here, which agents reach at
+    ``store_host``.
+    """
+    job = job or new_job_id()
+    assignments = make_assignments(
+        job,
+        spec,
+        plan,
+        first_step=first_step,
+        replicate_every=replicate_every,
+        restore=bool(restore),
+    )
+    assignments, store = _server_group(assignments, plan, servers or {}, store_host)
+    monitor = JobMonitor(job, len(assignments), on_step, abort)
+    weights: dict[int, bytes] = {}
+    got_weights = threading.Condition()
+
+    def on_event(_topic: str, payload: bytes) -> None:
+        try:
+            monitor.on_event(parse_event(payload))
+        except MessageError as exc:
+            log.warning("job %s: ignored an event: %s", job, exc)
+
+    def on_weights(topic: str, payload: bytes) -> None:
+        stage = int(topic.rsplit("/", 1)[1])
+        with got_weights:
+            weights[stage] = payload
+            got_weights.notify_all()
+
+    events_topic, weights_topic = job_events(job), f"{TOPIC_ROOT}/jobs/{job}/weights/+"
+    control.subscribe(events_topic, on_event)
+    control.subscribe(weights_topic, on_weights)
+    devices = [st.device for st in plan.stages]
+    try:
+        for stage, blob in (restore or {}).items():
+            control.publish(job_restore(job, stage), blob, 1, retain=True)
+        for a in assignments:
+            control.publish(device_cmd(devices[a.stage]), a.model_dump_json(), 1)
+        monitor.wait_ready(ready_timeout_s)
+        started = time.perf_counter()
+        for device in devices:
+            control.publish(device_cmd(device), StartJob(job=job).model_dump_json(), 1)
+        monitor.wait_done(timeout_s)
+        wall = time.perf_counter() - started
+        with got_weights:
+            got_weights.wait_for(lambda: len(weights) == len(devices), timeout=60)
+        merged: dict[str, torch.Tensor] = {}
+        for stage in sorted(weights):
+            merged.update(safetensors.torch.load(weights[stage]))
+        if len(weights) != len(devices):
+            missing = sorted(set(range(len(devices))) - set(weights))
+            raise JobFailed(f"job {job}: the weights of stages {missing} never arrived")
+        return JobResult(
+            job, plan, spec, monitor.loss_list(spec.steps), monitor.reports, wall, merged
+        )
+    except BaseException:
+        if len(monitor.done) == len(devices):
+            raise
+        for device in devices:
+            control.publish(
+                device_cmd(device),
+                CancelJob(job=job, reason="coordinator gave up").model_dump_json(),
+                1,
+            )
+        raise
+    finally:
+        del store  # the rendezvous store lives as long as the job
+        control.unsubscribe(events_topic)
+        control.unsubscribe(weights_topic)
+        for stage in restore or {}:
+            with contextlib.suppress(ConnectionError):
+                control.publish(job_restore(job, stage), b"", 1, retain=True)  # clears it
+
+
+def server_tier(profiles: Mapping[str, DeviceSpec]) -> dict[str, str]:
+    """The devices that announced themselves as servers, with their torch device."""
+    out = {}
+    for device, spec in profiles.items():
+        details = spec.details or {}
+        if details.get("server"):
+            out[device] = str(details.get("torch_device") or "cpu")
+    return out
+
+
+def _server_group(
+    assignments: list[StageAssignment], plan: Plan, servers: Mapping[str, str], host: str
+) -> tuple[list[StageAssignment], Any]:
+    """Put the stages on ``servers`` into one torch.distributed group, if two or more are.
+
+    Returns the assignments and the rendezvous store (hosted by this process on a
+    free port) that the group's ranks connect to, or ``None`` for no group.
+    """
+    stages = [a.stage for a in assignments if plan.stages[a.stage].device in servers]
+    if len(stages) < 2:
+        return assignments, None
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
+    )
+    cuda = all(servers[plan.stages[s].device].startswith("cuda") for s in stages)
+    group = DistGroup(
+        store_host=host,
+        store_port=store.port,
+        world_size=len(stages),
+        ranks={s: i for i, s in enumerate(stages)},
+        backend="nccl" if cuda else "gloo",
+    )
+    log.info(
+        "stages %s form a torch.distributed group (%s) with the store on port %d",
+        stages,
+        group.backend,
+        store.port,
+    )
+    out = [
+        a.model_copy(update={"dist": group}) if a.stage in group.ranks else a for a in assignments
+    ]
+    return out, store

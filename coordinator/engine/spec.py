@@ -1,0 +1,266 @@
+"""Running a training job: from a plan to stage assignments, stages to results.
+
+A :class:`JobSpec` says what to train; :func:`make_assignments` turns it and a
+plan into one :class:`~edge.wire.messages.StageAssignment` per stage; a
+:class:`JobMonitor` folds the stages' events into losses, timings and a
+failure, if any; a :class:`JobResult` holds the per-step losses, the per-stage
+step reports and the trained weights of the whole model. The runners that use
+them are in :mod:`coordinator.engine.runners`.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import safetensors.torch
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from coordinator.planner.score import Plan
+from edge.models.zoo import get_model
+from edge.wire.messages import (
+    OptimizerSpec,
+    StageAssignment,
+    StageDone,
+    StageFailed,
+    StageReady,
+    StepReport,
+)
+
+__all__ = [
+    "JobAborted",
+    "JobFailed",
+    "JobMonitor",
+    "JobResult",
+    "JobSpec",
+    "make_assignments",
+    "new_job_id",
+]
+
+
+class JobSpec(BaseModel):
+    """What to train and how; the plan says where."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    model_options: dict[str, Any] = Field(default_factory=dict)
+    dataset: str | None = None
+    """Defaults to the model's own dataset."""
+    dataset_options: dict[str, Any] | None = None
+    steps: int = Field(ge=1)
+    batch_size: int = Field(ge=1)
+    microbatches: int = Field(default=1, ge=1)
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    optimizer: OptimizerSpec = OptimizerSpec()
+    codec: str = Field(default="fp32", pattern=r"^(?i:fp32|fp16|bf16|int8|auto)$")
+    """On every link, or ``auto``: the planner picks each link's (see
+    :mod:`coordinator.planner.codecs`; fp32 where a plan carries no choice)."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """``bf16``: stages compute under bf16 autocast (weights and optimizer stay fp32)."""
+    seed: int = 0
+    recv_timeout_s: float = Field(default=120.0, gt=0)
+    pin_first: str | None = None
+    """The device that must run stage 0 (it holds the data); planning only."""
+    partition: Literal["plan", "even"] = "plan"
+    """How the units are split: ``plan``, the planner's best plan; ``even``, the same number
+    of units on each device (:mod:`coordinator.planner.partition`); planning only."""
+    stages: int | None = Field(default=None, ge=1)
+    """Exactly this many stages, each on its own device (``None``: what the partition
+    gives); planning only. A re-plan over fewer survivors plans as many as survive."""
+    replicate_every: int = Field(default=0, ge=0, le=100_000)
+    """Fault tolerance in the service: replicate every stage's state every R steps
+    (0: off). Such a job survives devices dying and the coordinator restarting."""
+    faults: tuple[str, ...] = ()
+    """Faults the service injects into this job (``kill:STAGE@STEP`` and the other forms
+    of :mod:`coordinator.engine.faults`); for testing fault tolerance, so only with it."""
+
+
+class JobFailed(RuntimeError):
+    """A stage reported a failure, or the job timed out."""
+
+
+class JobAborted(JobFailed):
+    """The caller's ``abort`` check gave a reason to stop (e.g. a device died)."""
+
+
+def new_job_id() -> str:
+    return "j" + secrets.token_hex(6)
+
+
+def make_assignments(
+    job: str,
+    spec: JobSpec,
+    plan: Plan,
+    *,
+    first_step: int = 0,
+    replicate_every: int = 0,
+    restore: bool = False,
+) -> list[StageAssignment]:
+    """One assignment per stage of ``plan``; each link uses the plan's codec for it
+    (``plan.codecs``), else ``spec.codec`` (fp32 for ``auto``).
+
+    ``first_step``, ``replicate_every`` and ``restore`` are for fault tolerance
+    (:mod:`coordinator.engine.resilient`): start at that step, publish the stage's state
+    every that many steps, load the state published for the stage before starting.
+    """
+    model = get_model(spec.model, seed=spec.seed, **spec.model_options)
+    dataset = spec.dataset or model.dataset
+    options = spec.dataset_options
+    if options is None:
+        options = model.dataset_options if dataset == model.dataset else {}
+    stages = plan.stages
+    default = "fp32" if spec.codec.lower() == "auto" else spec.codec
+    links = list(plan.codecs) if plan.codecs else [default] * (len(stages) - 1)
+    if len(links) != len(stages) - 1:
+        raise ValueError(f"the plan has {len(links)} link codecs for {len(stages) - 1} links")
+    out = []
+    for s, st in enumerate(stages):
+        out.append(
+            StageAssignment(
+                job=job,
+                stage=s,
+                num_stages=len(stages),
+                start=st.start,
+                end=st.end,
+                model=spec.model,
+                model_options=spec.model_options,
+                dataset=dataset,
+                dataset_options=options,
+                seed=spec.seed,
+                batch_size=spec.batch_size,
+                microbatches=spec.microbatches,
+                steps=spec.steps,
+                schedule=spec.schedule,
+                optimizer=spec.optimizer,
+                codec_in=links[s - 1] if s > 0 else default,
+                codec_out=links[s] if s + 1 < len(stages) else default,
+                precision=spec.precision,
+                prev_device=stages[s - 1].device if s > 0 else None,
+                next_device=stages[s + 1].device if s + 1 < len(stages) else None,
+                recv_timeout_s=spec.recv_timeout_s,
+                first_step=first_step,
+                replicate_every=replicate_every,
+                restore=restore,
+            )
+        )
+    return out
+
+
+@dataclass
+class JobResult:
+    job: str
+    plan: Plan
+    spec: JobSpec
+    losses: list[float]
+    reports: list[StepReport]
+    wall_s: float
+    """From the start of the first step to the end of the last."""
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.spec.steps * self.spec.batch_size / self.wall_s if self.wall_s > 0 else 0.0
+
+    def stage_summary(self) -> list[dict[str, float]]:
+        """Per stage, totals over the job: compute, waiting, sending, bytes."""
+        out = []
+        for s in range(len(self.plan.stages)):
+            rs = [r for r in self.reports if r.stage == s]
+            out.append(
+                {
+                    "stage": s,
+                    "compute_s": sum(r.compute_s for r in rs),
+                    "wait_s": sum(r.wait_s for r in rs),
+                    "send_s": sum(r.send_s for r in rs),
+                    "bytes_sent": sum(r.bytes_sent for r in rs),
+                    "bytes_received": sum(r.bytes_received for r in rs),
+                    "frames_dropped": max((r.frames_dropped for r in rs), default=0),
+                }
+            )
+        return out
+
+    def weights_bytes(self) -> bytes:
+        return safetensors.torch.save(self.weights)
+
+
+class JobMonitor:
+    """Folds one job's events into its state; safe to feed from any thread."""
+
+    def __init__(
+        self,
+        job: str,
+        num_stages: int,
+        on_step: Callable[[StepReport], None] | None = None,
+        abort: Callable[[], str | None] | None = None,
+    ) -> None:
+        self.job = job
+        self.num_stages = num_stages
+        self.on_step = on_step
+        self.abort = abort
+        """Polled while waiting (every 50 ms): a reason to stop waiting, or ``None``."""
+        self.ready: set[int] = set()
+        self.done: set[int] = set()
+        self.failures: list[StageFailed] = []
+        self.reports: list[StepReport] = []
+        self.losses: dict[int, float] = {}
+        self._cond = threading.Condition()
+
+    def on_event(self, event: Any) -> None:
+        if getattr(event, "job", None) != self.job:
+            return
+        with self._cond:
+            if isinstance(event, StageReady):
+                self.ready.add(event.stage)
+            elif isinstance(event, StepReport):
+                self.reports.append(event)
+                if event.loss is not None:
+                    self.losses[event.step] = event.loss
+            elif isinstance(event, StageDone):
+                self.done.add(event.stage)
+            elif isinstance(event, StageFailed):
+                self.failures.append(event)
+            self._cond.notify_all()
+        if isinstance(event, StepReport) and self.on_step is not None:
+            self.on_step(event)
+
+    def _wait(self, what: Callable[[], bool], timeout: float, label: str) -> None:
+        """Wait until ``what()`` holds; raise on an ``abort`` reason, a failure or the timeout.
+
+        ``abort`` is called without the lock held: it may take seconds (a resilient run
+        weighs a migration in it), and every event fed to :meth:`on_event`, on the MQTT
+        client's thread, would wait for it meanwhile, heartbeats of other devices too.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._cond:
+                if what():
+                    return
+            reason = self.abort() if self.abort is not None else None
+            if reason is not None:
+                raise JobAborted(f"job {self.job}: {reason}")
+            with self._cond:
+                if what():
+                    return
+                if self.failures:
+                    f = self.failures[0]
+                    raise JobFailed(f"stage {f.stage} on {f.device} failed: {f.error}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise JobFailed(f"job {self.job}: timed out after {timeout:.0f} s {label}")
+                self._cond.wait(remaining if self.abort is None else min(remaining, 0.05))
+
+    def wait_ready(self, timeout: float) -> None:
+        self._wait(lambda: len(self.ready) == self.num_stages, timeout, "waiting for stages")
+
+    def wait_done(self, timeout: float) -> None:
+        self._wait(lambda: len(self.done) == self.num_stages, timeout, "waiting for the end")
+
+    def loss_list(self, steps: int) -> list[float]:
+        with self._cond:
+            return [self.losses[s] for s in range(steps) if s in self.losses]

@@ -1,0 +1,324 @@
+"""``/api/v1/jobs``: submit, list, inspect, cancel; metrics, weights and ONNX of a job.
+
+A job may carry ``faults`` to inject (for testing fault tolerance; the forms of
+:mod:`coordinator.engine.faults`): each is checked when the job is submitted, against
+the job (its step below ``steps``) and against what this coordinator can do
+(``kill`` and ``join`` need a testbed coordinator), and a refused one is a 422
+naming it. Faults imply fault tolerance: without ``replicate_every`` a job with
+faults replicates every ``max(1, steps // 10)`` steps.
+
+``partition`` and ``stages`` shape the plan (:mod:`coordinator.planner.partition`):
+a ``stages`` above the model's units, or above the devices the job allows, is a
+422 naming ``stages``; one above the devices online when the job is planned
+fails the job with that reason.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, HTTPException, Query, Response
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from coordinator.engine.faults import FaultActuator, parse_fault
+from coordinator.engine.spec import JobSpec
+from coordinator.service.api.deps import ManagerDep, ReadAuth, StoreDep, WriteAuth
+from coordinator.service.api.routes.errors import AUTH, CONFLICT, NOT_FOUND, unprocessable
+from coordinator.service.store.sqlite import JobRecord
+from edge.errors import UserError
+from edge.models.datasets import build_dataset
+from edge.models.zoo import get_model
+from edge.wire.messages import OptimizerSpec
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/jobs", tags=["jobs"], responses=AUTH)
+
+
+def _fault_form(text: str) -> str:
+    try:
+        parse_fault(text, "fault")
+    except UserError as exc:
+        raise ValueError(exc.message) from None
+    return text
+
+
+FaultText = Annotated[str, Field(max_length=100), AfterValidator(_fault_form)]
+
+
+class JobCreate(BaseModel):
+    """A training job; give ``steps`` or ``epochs``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, examples=["cnn-digits"])
+    model_options: dict[str, Any] = Field(default_factory=dict)
+    dataset: str | None = None
+    steps: int | None = Field(default=None, ge=1, le=1_000_000)
+    epochs: float | None = Field(default=None, gt=0, le=10_000)
+    batch_size: int = Field(default=32, ge=1, le=65_536)
+    microbatches: int = Field(default=4, ge=1, le=1024)
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    optimizer: OptimizerSpec = OptimizerSpec()
+    codec: Literal["fp32", "fp16", "bf16", "int8", "auto"] = "fp32"
+    """Activations on every link, or ``auto``: the planner compresses the slow links."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """``bf16``: stages compute under bf16 autocast (a GPU server's fast path)."""
+    seed: int = Field(default=0, ge=0, le=2**31)
+    devices: list[str] | None = None
+    """Devices the job may use (all online devices when absent)."""
+    pin_first: str | None = None
+    """The device that holds the data and must run stage 0."""
+    partition: Literal["plan", "even"] = "plan"
+    """``plan``: the planner's best plan; ``even``: the units shared out evenly over the
+    devices (over the ``stages`` fastest when ``stages`` is given)."""
+    stages: int | None = Field(default=None, ge=1, le=1024)
+    """Exactly this many stages, each on its own device (absent: what the partition gives;
+    with ``plan``, the planner's best plan of that many stages)."""
+    replicate_every: int | None = Field(default=None, ge=0, le=100_000)
+    """Replicate every stage's state every R steps (0 or absent: off, but absent with
+    faults means every max(1, steps // 10) steps): the job then survives devices
+    dying and a coordinator restart."""
+    faults: list[FaultText] = Field(
+        default_factory=list, max_length=32, examples=[["kill:1@8", "slow:0@4:3", "join:laptop@6"]]
+    )
+    """Faults to inject, for testing fault tolerance: kill:STAGE@STEP (SIGKILL the agent
+    of that stage once STEP is reported), slow:STAGE@STEP:FACTOR, join:PROFILE@STEP (a
+    new agent with that catalogue profile). Kill and join need a testbed coordinator."""
+
+    @field_validator("model")
+    @classmethod
+    def _zoo_only(cls, value: str) -> str:
+        return zoo_model_name(value)
+
+    @model_validator(mode="after")
+    def _check(self) -> JobCreate:
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of steps and epochs")
+        if self.batch_size % self.microbatches:
+            raise ValueError("batch_size must be a multiple of microbatches")
+        if self.faults and self.replicate_every == 0:
+            raise ValueError(
+                "faults need fault tolerance: give replicate_every > 0 or leave "
+                "it out for the default"
+            )
+        return self
+
+
+class JobPublic(BaseModel):
+    id: str
+    state: str
+    reason: str | None
+    spec: dict[str, Any]
+    plan: dict[str, Any] | None
+    created: float
+    started: float | None
+    finished: float | None
+    steps_done: int
+    samples_per_s: float | None
+    devices_allowed: list[str] | None
+    latest: dict[str, Any] | None = None
+
+
+class JobsPublic(BaseModel):
+    data: list[JobPublic]
+    count: int
+
+
+def zoo_model_name(value: str) -> str:
+    """A model named over the API must be from the zoo: ``package.module:function``
+    would import and call code the client chose, so it is for the command line only."""
+    if ":" in value:
+        raise ValueError(
+            "user models (package.module:function) are accepted only from the "
+            "command line; name a zoo model"
+        )
+    return value
+
+
+def _public(record: JobRecord, latest: dict[str, Any] | None = None) -> JobPublic:
+    return JobPublic(**record.model_dump(), latest=latest)
+
+
+def _job_or_404(store: Any, job_id: str) -> JobRecord:
+    record = store.get_job(job_id) if len(job_id) <= 16 else None
+    if record is None:
+        raise HTTPException(404, f"no job {job_id!r}")
+    return record
+
+
+@router.post("", response_model=JobPublic, status_code=201, dependencies=[WriteAuth])
+def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPublic:
+    """Queue a job; it is planned over the online devices when its turn comes."""
+    try:
+        model = get_model(body.model, **body.model_options)
+        dataset = body.dataset or model.dataset
+        options = model.dataset_options if dataset == model.dataset else {}
+        steps = body.steps
+        if steps is None:
+            size = len(build_dataset(dataset, "train", **options))  # type: ignore[arg-type]
+            steps = max(1, round((body.epochs or 1) * size / body.batch_size))
+        replicate_every = body.replicate_every
+        if replicate_every is None:
+            replicate_every = max(1, steps // 10) if body.faults else 0
+        spec = JobSpec(
+            model=body.model,
+            model_options=body.model_options,
+            dataset=dataset,
+            dataset_options=options,
+            steps=steps,
+            batch_size=body.batch_size,
+            microbatches=body.microbatches,
+            schedule=body.schedule,
+            optimizer=body.optimizer,
+            codec=body.codec,
+            seed=body.seed,
+            precision=body.precision,
+            pin_first=body.pin_first,
+            partition=body.partition,
+            stages=body.stages,
+            replicate_every=replicate_every,
+            faults=tuple(body.faults),
+        )
+    except UserError as exc:
+        raise unprocessable(["body", "model"], exc.message) from None
+    _check_stages(body, model.num_units)
+    _check_faults(body, steps, manager.actuator)
+    job = manager.submit(spec, body.devices)
+    return _public(_job_or_404(store, job))
+
+
+def _check_stages(body: JobCreate, units: int) -> None:
+    """A 422 naming ``stages`` when no plan of that many stages can exist for this job."""
+    if body.stages is None:
+        return
+    if body.stages > units:
+        why = f"stages={body.stages} is more than the {units} units of {body.model}"
+        raise unprocessable(["body", "stages"], why)
+    if body.devices is not None and body.stages > len(set(body.devices)):
+        why = f"stages={body.stages} is more than the {len(set(body.devices))} devices allowed"
+        raise unprocessable(["body", "stages"], why)
+
+
+def _check_faults(body: JobCreate, steps: int, actuator: FaultActuator) -> None:
+    """A 422 naming the first fault that cannot happen in this job on this coordinator."""
+    for i, text in enumerate(body.faults):
+        fault = parse_fault(text, "fault")
+        why: str | None
+        if fault.step >= steps:
+            why = f"step {fault.step} is not below the job's {steps} steps"
+        elif fault.kind != "join" and body.stages is not None and fault.stage >= body.stages:
+            why = f"stage {fault.stage} is not below the job's {body.stages} stages"
+        elif fault.kind != "join" and body.devices is not None and fault.stage >= len(body.devices):
+            why = f"stage {fault.stage} is not below the {len(body.devices)} devices allowed"
+        else:
+            why = actuator.refusal(fault)
+        if why is not None:
+            raise unprocessable(["body", "faults", i], f"fault {text!r}: {why}")
+
+
+@router.get("", response_model=JobsPublic, dependencies=[ReadAuth])
+def list_jobs(
+    store: StoreDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0, le=2**62)] = 0,
+) -> JobsPublic:
+    data = [_public(r) for r in store.list_jobs(limit=limit, offset=offset)]
+    return JobsPublic(data=data, count=store.count_jobs())
+
+
+@router.get("/{job_id}", response_model=JobPublic, dependencies=[ReadAuth], responses=NOT_FOUND)
+def get_job(job_id: str, store: StoreDep) -> JobPublic:
+    record = _job_or_404(store, job_id)
+    steps = store.job_steps(job_id, since_step=max(0, record.steps_done - 1))
+    latest = max(steps, key=lambda r: (r.step, r.stage)).model_dump() if steps else None
+    return _public(record, latest)
+
+
+@router.post(
+    "/{job_id}/cancel",
+    response_model=JobPublic,
+    dependencies=[WriteAuth],
+    responses={**NOT_FOUND, **CONFLICT},
+)
+def cancel_job(job_id: str, store: StoreDep, manager: ManagerDep) -> JobPublic:
+    _job_or_404(store, job_id)
+    if not manager.cancel(job_id):
+        raise HTTPException(409, f"job {job_id} has already ended")
+    return _public(_job_or_404(store, job_id))
+
+
+@router.get("/{job_id}/metrics", dependencies=[ReadAuth], responses=NOT_FOUND)
+def job_metrics(job_id: str, store: StoreDep) -> dict[str, Any]:
+    """Per step: loss, samples/s, and per stage compute, wait and bytes."""
+    record = _job_or_404(store, job_id)
+    batch = int(record.spec.get("batch_size", 0))
+    steps: dict[int, dict[str, Any]] = {}
+    for r in store.job_steps(job_id):
+        row = steps.setdefault(r.step, {"step": r.step, "loss": None, "stages": []})
+        if r.loss is not None:
+            row["loss"] = r.loss
+            row["samples_per_s"] = batch / r.step_s if r.step_s > 0 else None
+        row["stages"].append(
+            {
+                "stage": r.stage,
+                "device": r.device,
+                "compute_s": r.compute_s,
+                "wait_s": r.wait_s,
+                "send_s": r.send_s,
+                "step_s": r.step_s,
+                "bytes_sent": r.bytes_sent,
+                "bytes_received": r.bytes_received,
+            }
+        )
+    return {"job": job_id, "steps": [steps[k] for k in sorted(steps)]}
+
+
+@router.get("/{job_id}/events", dependencies=[ReadAuth], responses=NOT_FOUND)
+def job_events(job_id: str, store: StoreDep) -> dict[str, Any]:
+    """What happened to the job, in order: state changes, attempts, failures (with the
+    time each was detected), recoveries, migrations."""
+    _job_or_404(store, job_id)
+    events = [{"ts": e.ts, "kind": e.kind, "detail": e.detail} for e in store.job_events(job_id)]
+    return {"job": job_id, "events": events}
+
+
+def _download(data: bytes, filename: str) -> Response:
+    disposition = f'attachment; filename="{filename}"'
+    return Response(
+        data, media_type="application/octet-stream", headers={"Content-Disposition": disposition}
+    )
+
+
+def _weights(store: Any, job_id: str) -> bytes:
+    record = _job_or_404(store, job_id)
+    path = store.model_path(job_id)
+    if record.state != "completed" or not path.exists():
+        raise HTTPException(409, f"job {job_id} has no trained model (state {record.state})")
+    data: bytes = path.read_bytes()
+    return data
+
+
+@router.get("/{job_id}/model", dependencies=[ReadAuth], responses={**NOT_FOUND, **CONFLICT})
+def job_model(job_id: str, store: StoreDep) -> Response:
+    """The trained weights (safetensors; keys are unit-prefixed)."""
+    return _download(_weights(store, job_id), f"{job_id}.safetensors")
+
+
+@router.get("/{job_id}/model.onnx", dependencies=[ReadAuth], responses={**NOT_FOUND, **CONFLICT})
+def job_model_onnx(job_id: str, store: StoreDep) -> Response:
+    """The trained model exported to ONNX (checked by onnx.checker)."""
+    from coordinator.service.export import export_onnx
+
+    spec = _job_or_404(store, job_id).spec
+    onnx = export_onnx(
+        spec["model"], _weights(store, job_id), model_options=spec.get("model_options") or {}
+    )
+    return _download(onnx, f"{job_id}.onnx")

@@ -1,0 +1,112 @@
+"""The coordinator as a FastAPI application.
+
+:func:`start_services` brings up what the API stands on, in order: the data
+directory and store, the broker (the embedded default when no URL is
+configured), one MQTT control connection, the device registry, the fault
+actuator (a testbed's when ``testbed_state`` is set: see
+:mod:`coordinator.testbed.actuator`) and the job manager; :func:`create_app`
+serves them under ``/api/v1`` (OpenAPI at ``/docs``), plus ``/healthz``,
+``/metrics`` and ``/api/v1/events``. A user error in a request (bad model name,
+bad option) is a 422 naming the field; nothing a client sends produces a 500.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from coordinator.engine.faults import FaultActuator, ThrottleActuator
+from coordinator.service.api.deps import Services
+from coordinator.service.api.routes import devices, jobs, plans, system
+from coordinator.service.api.routes.errors import validation_detail
+from coordinator.service.events import EventBus
+from coordinator.service.manager import JobManager
+from coordinator.service.registry import DeviceRegistry
+from coordinator.service.settings import Settings
+from coordinator.service.store.sqlite import Store
+from edge import __version__
+from edge.errors import UserError
+from edge.transport.mqtt import MqttTransport
+from edge.transport.settings import MqttSettings
+
+__all__ = ["create_app", "start_services"]
+
+
+def start_services(settings: Settings) -> tuple[Services, Callable[[], None]]:
+    """Everything the API needs, started; and the function that stops it all."""
+    stack = contextlib.ExitStack()
+    try:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        store = Store(settings.data_dir)
+        stack.callback(store.close)
+        url = settings.broker_url
+        if url is None:
+            from coordinator.local.broker import start_broker
+
+            broker = start_broker()
+            stack.callback(broker.stop)
+            url = broker.url
+        control = MqttTransport(MqttSettings(url=url))
+        control.connect(timeout=15)
+        stack.callback(control.close)
+        bus = EventBus()
+        stack.callback(bus.close)
+        registry = DeviceRegistry(store, bus, control, settings.heartbeat_timeout_s)
+        registry.start()
+        stack.callback(registry.stop)
+        actuator: FaultActuator = ThrottleActuator(control)
+        if settings.testbed_state is not None:
+            from coordinator.testbed.actuator import TestbedActuator
+
+            actuator = TestbedActuator(settings.testbed_state, control)
+        manager = JobManager(store, bus, registry, control, actuator=actuator)
+        manager.start()
+        stack.callback(manager.stop)
+    except BaseException:
+        stack.close()
+        raise
+    services = Services(settings, store, bus, registry, manager)
+    services.broker_url = url  # type: ignore[attr-defined]
+    return services, stack.close
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The coordinator app; services start with the app and stop with it."""
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        services, stop = start_services(settings)
+        app.state.services = services
+        try:
+            yield
+        finally:
+            stop()
+
+    app = FastAPI(title="edgetrain coordinator", version=__version__, lifespan=lifespan)
+    app.include_router(devices.router, prefix="/api/v1")
+    app.include_router(jobs.router, prefix="/api/v1")
+    app.include_router(plans.router, prefix="/api/v1")
+    app.include_router(system.router)
+
+    from fastapi.responses import FileResponse
+    from fastapi.staticfiles import StaticFiles
+
+    from coordinator.service.dashboard import INDEX_HTML, STATIC_DIR
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/", include_in_schema=False)
+    def dashboard() -> FileResponse:
+        """The dashboard (static HTML, CSS and JavaScript; see coordinator.service.dashboard)."""
+        return FileResponse(INDEX_HTML, headers={"Cache-Control": "no-cache"})
+
+    @app.exception_handler(UserError)
+    async def user_error(_request: Request, exc: UserError) -> JSONResponse:
+        return JSONResponse({"detail": validation_detail([], exc.message)}, status_code=422)
+
+    return app

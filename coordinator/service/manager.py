@@ -1,0 +1,491 @@
+"""The job manager: accepts jobs, plans them over the fleet, drives them, stores everything.
+
+A job moves through the states of :mod:`coordinator.service.store.sqlite`: ``pending`` when
+submitted; ``planning`` while a plan over the online devices it may use is
+searched; ``running`` while its stages run on the agents
+(:func:`coordinator.engine.runners.run_on_agents`); then ``completed``, ``failed``
+(with the reason) or ``cancelled``. One job runs at a time, in submission
+order, on a worker thread; every step report is stored and announced on the
+event bus as it arrives, and the trained weights are kept as safetensors in
+the data directory. On start, jobs a previous coordinator left planning or
+running are marked failed (``coordinator restarted``) and pending ones are
+queued again.
+
+A job is planned with its ``partition`` and ``stages`` (:func:`JobManager._plan`);
+with ``stages=N`` it fails when fewer than ``N`` devices may run it, except when
+it is planned again (after a device died, or when a restarted coordinator
+resumes it): then it runs on one stage per device left and logs a ``replan``
+event saying so.
+
+A job with ``replicate_every`` runs resiliently (:mod:`coordinator.engine.resilient`),
+on an MQTT connection of its own: its device watch takes over the status and
+heartbeat subscriptions of the connection it watches, and the registry keeps
+``control``'s. Its ``faults`` fire through the manager's
+:class:`~coordinator.engine.faults.FaultActuator`; each is a ``fault`` event of the job
+when it fires (a coordinator that resumes the job skips those), and a device
+that joins is added to the job's devices once the registry has it online.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from coordinator.engine.faults import (
+    Fault,
+    FaultActuator,
+    FaultInjector,
+    ThrottleActuator,
+    parse_fault,
+)
+from coordinator.engine.replicas import ReplicaStore
+from coordinator.engine.resilient import run_resilient
+from coordinator.engine.runners import run_on_agents, server_tier
+from coordinator.engine.spec import JobFailed, JobSpec, new_job_id
+from coordinator.planner.baselines import run_baselines
+from coordinator.planner.build import build_problem
+from coordinator.planner.partition import plan_job
+from coordinator.planner.simulator import simulate
+from coordinator.service.events import EventBus
+from coordinator.service.registry import DeviceRegistry
+from edge.errors import UserError
+from edge.models.zoo import get_model
+from edge.problem import DeviceSpec
+from edge.runtime.checkpoint import write_atomically
+from edge.transport.mqtt import MqttTransport
+from edge.wire.messages import CancelJob, StepReport
+from edge.wire.topics import device_cmd
+
+__all__ = ["JobManager"]
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 10.0
+"""Before re-planning: how long survivors of a cancelled attempt may take to say ``online``."""
+RESUME_WAIT_S = 20.0
+"""Resuming a job: how long the devices of its last attempt may take to be idle again."""
+JOIN_WAIT_S = 120.0
+"""How long a device started by a ``join`` fault may take to come online."""
+
+
+class JobManager:
+    """Runs submitted jobs one at a time (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: Any,
+        bus: EventBus,
+        registry: DeviceRegistry,
+        control: MqttTransport,
+        *,
+        ready_timeout_s: float = 120.0,
+        on_step: Callable[[str, StepReport], None] | None = None,
+        actuator: FaultActuator | None = None,
+    ) -> None:
+        self.store = store
+        self.bus = bus
+        self.registry = registry
+        self.control = control
+        self.actuator: FaultActuator = actuator or ThrottleActuator(control)
+        """What jobs' faults are done with (kill and join need a testbed's)."""
+        self.ready_timeout_s = ready_timeout_s
+        self.on_step = on_step
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._cancelled: set[str] = set()
+        self._running: dict[str, list[str]] = {}
+        self._attempt: dict[str, str] = {}  # job -> id of the attempt its stages run under
+        self._resume: set[str] = set()  # jobs a previous coordinator left running
+        self._stopping = False
+        self._lock = threading.Lock()
+        self._worker = threading.Thread(target=self._work, name="job-worker", daemon=True)
+
+    def start(self) -> None:
+        for record in self.store.list_jobs(limit=10_000, offset=0, state="running"):
+            if JobSpec.model_validate(record.spec).replicate_every > 0:
+                why = "coordinator restarted: resuming from the replicas"
+                self.store.set_job_state(record.id, "planning", reason=why)
+                self._resume.add(record.id)
+                log.warning("job %s was running when the coordinator stopped: resuming", record.id)
+        for job in self.store.mark_interrupted("coordinator restarted", keep=self._resume):
+            log.warning("job %s was running when the coordinator stopped: failed", job)
+        for job in sorted(self._resume):
+            self._queue.put(job)
+        for job in reversed(self.store.list_jobs(limit=10_000, offset=0, state="pending")):
+            self._queue.put(job.id)
+        self._worker.start()
+
+    def stop(self) -> None:
+        """Stop the agents' stages and the worker; a running job stays ``running`` in the
+        store, so the next coordinator marks it failed (``coordinator restarted``)."""
+        with self._lock:
+            self._stopping = True
+            running = dict(self._running)
+        for job, devices in running.items():
+            for device in devices:
+                attempt = self._attempt.get(job, job)
+                cancel = CancelJob(job=attempt, reason="coordinator stopping")
+                with contextlib.suppress(ConnectionError):
+                    self.control.publish(device_cmd(device), cancel.model_dump_json(), 1)
+        self._queue.put(None)
+        self._worker.join(timeout=10)
+
+    def submit(self, spec: JobSpec, devices_allowed: list[str] | None = None) -> str:
+        job = new_job_id()
+        self.store.create_job(job, spec.model_dump(mode="json"), devices_allowed)
+        self._announce(job)
+        self._queue.put(job)
+        return job
+
+    def cancel(self, job: str) -> bool:
+        """Cancel a pending or running job; ``False`` if it had already ended."""
+        record = self.store.get_job(job)
+        if record is None or record.state in ("completed", "failed", "cancelled"):
+            return False
+        with self._lock:
+            self._cancelled.add(job)
+            devices = self._running.get(job, [])
+            attempt = self._attempt.get(job, job)
+        for device in devices:
+            self.control.publish(device_cmd(device), CancelJob(job=attempt).model_dump_json(), 1)
+        if record.state == "pending":
+            with contextlib.suppress(ValueError):  # the worker may have just taken it
+                self.store.set_job_state(job, "cancelled", reason="cancelled by the user")
+            self._announce(job)
+        return True
+
+    def _announce(self, job: str) -> None:
+        record = self.store.get_job(job)
+        if record is not None:
+            self.bus.publish("job", {"id": job, "state": record.state, "reason": record.reason})
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            record = self.store.get_job(job)
+            resuming = job in self._resume and record is not None and record.state == "planning"
+            if record is None or (record.state != "pending" and not resuming):
+                continue
+            try:
+                self._run(job, JobSpec.model_validate(record.spec), record.devices_allowed)
+            except Exception as exc:  # never let one job end the worker
+                log.exception("job %s failed", job)
+                self._finish(job, "failed", f"{type(exc).__name__}: {exc}")
+
+    def _finish(self, job: str, state: str, reason: str | None = None, **fields: Any) -> None:
+        with self._lock:
+            self._running.pop(job, None)
+            if self._stopping and state != "completed":
+                return  # the next start marks it failed: "coordinator restarted"
+            if job in self._cancelled and state == "failed":
+                state, reason = "cancelled", "cancelled by the user"
+            self._cancelled.discard(job)
+        try:
+            self.store.set_job_state(job, state, reason=reason, **fields)
+        except ValueError:  # it reached a final state meanwhile (a cancel won the race)
+            log.info("job %s already ended; not marking it %s", job, state)
+        self._announce(job)
+
+    def _plan(
+        self, job: str, spec: JobSpec, allowed: list[str] | None, *, again: bool = False
+    ) -> Any:
+        """Plan ``job`` over the online devices it may use, with its ``partition`` and
+        ``stages`` (:func:`~coordinator.planner.partition.plan_job`), and store the plan.
+
+        ``again``: a re-plan of a job that has run (after a failure, or resuming it). With
+        fewer devices than its ``stages`` it then plans one stage per device, and says so
+        in a ``replan`` event, rather than failing the job.
+        """
+        devices = self.registry.available(allowed)
+        if not devices:
+            raise UserError("no online device may run this job")
+        if spec.pin_first is not None and spec.pin_first not in {d.id for d in devices}:
+            raise UserError(f"pin_first device {spec.pin_first} is not online")
+        stages = spec.stages
+        if stages is not None and len(devices) < stages:
+            have = f"{len(devices)} online and allowed ({', '.join(d.id for d in devices)})"
+            if not again:
+                raise UserError(f"stages={stages} needs {stages} devices; {have}")
+            why = f"stages={stages}, but only {have}: planning {len(devices)} stages"
+            detail = {"stages_asked": stages, "stages": len(devices), "why": why}
+            self.store.add_job_event(job, "replan", detail)
+            stages = len(devices)
+        problem = build_problem(
+            spec.model,
+            devices,
+            batch_size=spec.batch_size,
+            microbatches=spec.microbatches,
+            model_options=spec.model_options,
+            pin_first=spec.pin_first,
+        )
+        found = plan_job(
+            problem,
+            partition=spec.partition,
+            stages=stages,
+            codec=spec.codec,
+            where="the online devices",
+        )
+        score = found.score
+        sim = simulate(problem, score.plan, spec.schedule)
+        self.store.set_job_plan(
+            job,
+            {
+                **score.to_json(),
+                "method": found.method,
+                "exact": found.exact,
+                "partition": spec.partition,
+                "stages_asked": spec.stages,
+                "compute_s": score.compute_s,
+                "link_s": score.link_s,
+                "units": [la.name for la in problem.layers],
+                "baselines": {
+                    k: {"throughput_sps": b.throughput_sps, "feasible": b.feasible}
+                    for k, b in run_baselines(problem).items()
+                },
+                "simulation": sim.to_json(),
+            },
+        )
+        return score.plan
+
+    def _run(self, job: str, spec: JobSpec, allowed: list[str] | None) -> None:
+        try:
+            self.store.set_job_state(job, "planning")
+        except ValueError:  # cancelled between the queue and here
+            return
+        self._announce(job)
+        resuming = job in self._resume
+        if resuming:
+            self._stop_previous(job)
+        try:
+            plan = self._plan(job, spec, allowed, again=resuming)
+        except UserError as exc:
+            self._finish(job, "failed", exc.message)
+            return
+        with self._lock:
+            cancelled = job in self._cancelled
+            if not cancelled:
+                self._running[job] = [st.device for st in plan.stages]
+        if cancelled:
+            self._finish(job, "cancelled", "cancelled by the user")
+            return
+        self.store.set_job_state(job, "running", started=time.time())
+        self._announce(job)
+
+        def on_step(report: StepReport) -> None:
+            self.store.add_step(job, report)
+            if report.loss is not None:  # the last stage's report closes the step
+                with contextlib.suppress(ValueError):
+                    self.store.set_job_state(job, "running", steps_done=report.step + 1)
+            self.bus.publish("step", {"job": job, **report.model_dump(mode="json")})
+            if self.on_step is not None:
+                self.on_step(job, report)
+
+        try:
+            if spec.replicate_every > 0:
+                result = self._run_resilient(job, spec, allowed, plan, on_step)
+            else:
+                result = run_on_agents(
+                    spec,
+                    plan,
+                    self.control,
+                    job=job,
+                    on_step=on_step,
+                    ready_timeout_s=self.ready_timeout_s,
+                    servers=self._servers(),
+                )
+        except JobFailed as exc:
+            self._finish(job, "failed", str(exc), finished=time.time())
+            return
+        path = self.store.model_path(job)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(result.weights_bytes())
+        self._finish(
+            job, "completed", None, finished=time.time(), samples_per_s=result.samples_per_s
+        )
+
+    def _run_resilient(
+        self,
+        job: str,
+        spec: JobSpec,
+        allowed: list[str] | None,
+        plan: Any,
+        on_step: Callable[[StepReport], None],
+    ) -> Any:
+        """Run ``job`` surviving device deaths, resuming what a previous coordinator began.
+
+        Its replicas live in the job's folder (``replicas/``) and the attempts it
+        ran in ``attempts.json``: a restarted coordinator cancels those attempts
+        on their devices and resumes from the newest step the replicas cover.
+        """
+        folder = self.store.model_path(job).parent
+        attempts_file = folder / "attempts.json"
+        units = get_model(spec.model, **spec.model_options).unit_names
+        replicas = ReplicaStore(units, folder / "replicas")
+        attempts: list[dict[str, Any]] = (
+            json.loads(attempts_file.read_text()) if attempts_file.exists() else []
+        )
+        self._resume.discard(job)  # _stop_previous stopped what a previous coordinator ran
+        first_step = replicas.newest_complete(spec.steps)
+
+        def on_attempt(attempt: str, attempt_plan: Any, first: int) -> None:
+            devices = [st.device for st in attempt_plan.stages]
+            with self._lock:
+                self._attempt[job], self._running[job] = attempt, devices
+            attempts.append({"job": attempt, "devices": devices})
+            folder.mkdir(parents=True, exist_ok=True)
+            write_atomically(attempts_file, json.dumps(attempts).encode())
+            detail = {"attempt": attempt, "devices": devices, "first_step": first}
+            self.store.add_job_event(job, "attempt", detail)
+
+        devices = [d.id for d in self.registry.available(allowed)]
+        members = None if allowed is None else list(allowed)  # devices that join are added
+        injector = self._injector(job, spec, devices, members)
+
+        def replan(alive: list[str]) -> Any:
+            self._wait_idle(alive, IDLE_WAIT_S)
+            alive = [d for d in alive if members is None or d in members]
+            return self._plan(job, spec, alive, again=True)
+
+        def step(report: StepReport) -> None:  # stored as the job's, not the attempt's
+            on_step(report.model_copy(update={"job": job}))
+
+        control = MqttTransport(self.control.settings.model_copy(update={"client_id": None}))
+        control.connect(timeout=15)
+        try:
+            got = run_resilient(
+                spec,
+                plan,
+                control,
+                replan,
+                devices,
+                replicate_every=spec.replicate_every,
+                on_step=step,
+                replicas=replicas,
+                first_step=first_step,
+                on_attempt=on_attempt,
+                faults=injector,
+            )
+        finally:
+            control.close()
+        for e in got.events:
+            if e["type"] in ("failure", "recovery", "migration", "broker-lost", "resumed"):
+                self.store.add_job_event(job, e["type"], e)
+        for fault in injector.pending if injector is not None else []:
+            self.store.add_job_event(
+                job,
+                "fault",
+                {
+                    "fault": str(fault),
+                    "fired": False,
+                    "why": (
+                        f"no stage {fault.stage} was running when step {fault.step} was reported"
+                    ),
+                },
+            )
+        with self._lock:
+            self._attempt.pop(job, None)
+        return got.result
+
+    def _stop_previous(self, job: str) -> None:
+        """Cancel the attempts a previous coordinator left running for ``job`` and wait
+        (at most :data:`RESUME_WAIT_S`) until the devices of the last one are idle, so
+        that the job is planned again over all of them."""
+        attempts_file = self.store.model_path(job).parent / "attempts.json"
+        if not attempts_file.exists():
+            return
+        attempts: list[dict[str, Any]] = json.loads(attempts_file.read_text())
+        for old in attempts:
+            for device in old["devices"]:
+                cancel = CancelJob(job=old["job"], reason="coordinator restarted")
+                with contextlib.suppress(ConnectionError):
+                    self.control.publish(device_cmd(device), cancel.model_dump_json(), 1)
+        last = attempts[-1]["devices"] if attempts else []
+        deadline = time.monotonic() + RESUME_WAIT_S
+        while time.monotonic() < deadline:
+            views = [self.registry.get(d) for d in last]
+            if all(v is not None and v.state == "online" for v in views):
+                return
+            time.sleep(0.1)
+        log.warning("job %s: not every device of its last attempt is idle: %s", job, last)
+
+    def _servers(self) -> dict[str, str]:
+        """Devices that announced themselves as server tier (``edgetrain agent --server`` or
+        ``--device cuda``): their stages of a job form one torch.distributed group."""
+        profiles = {
+            d.id: DeviceSpec.model_validate({**d.profile, "id": d.id})
+            for d in self.registry.devices()
+            if d.profile
+        }
+        return server_tier(profiles)
+
+    def _wait_idle(self, devices: list[str], timeout_s: float) -> None:
+        """Wait (bounded) until none of ``devices`` is ``busy`` in the registry: survivors
+        of a cancelled attempt say ``online`` once their stage has stopped."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            views = [self.registry.get(d) for d in devices]
+            if not any(v is not None and v.state == "busy" for v in views):
+                return
+            time.sleep(0.05)
+
+    def _injector(
+        self, job: str, spec: JobSpec, devices: list[str], members: list[str] | None
+    ) -> FaultInjector | None:
+        """The job's faults, less those a previous coordinator already fired, acting through
+        :attr:`actuator`; each one fired is a ``fault`` event. A device that joins is
+        appended to ``devices`` (and ``members``) once the registry has it online."""
+        if not spec.faults:
+            return None
+        fired = {
+            e.detail.get("fault")
+            for e in self.store.job_events(job)
+            if e.kind == "fault" and e.detail and e.detail.get("fired")
+        }
+        faults = [f for f in (parse_fault(t) for t in spec.faults) if str(f) not in fired]
+
+        def record(fault: Fault, **detail: Any) -> None:
+            self.store.add_job_event(
+                job, "fault", {"fault": str(fault), "fired": True, "step": fault.step, **detail}
+            )
+
+        def join(fault: Fault) -> None:
+            try:
+                device = self.actuator.join(fault.profile or "")
+            except (UserError, OSError, RuntimeError) as exc:
+                record(fault, error=getattr(exc, "message", str(exc)))
+                return
+            record(fault, device=device, done=f"started {device} ({fault.profile})")
+            deadline = time.monotonic() + JOIN_WAIT_S
+            while not self.registry.available([device]):
+                if time.monotonic() > deadline:
+                    self.store.add_job_event(job, "joined", {"device": device, "online": False})
+                    return
+                time.sleep(0.1)
+            if members is not None:
+                members.append(device)
+            devices.append(device)
+            self.store.add_job_event(job, "joined", {"device": device, "online": True})
+
+        def act(fault: Fault, device: str) -> None:  # on paho's thread: nothing slow here
+            if fault.kind == "join":
+                threading.Thread(target=join, args=(fault,), name="join", daemon=True).start()
+                return
+            try:
+                if fault.kind == "kill":
+                    done = self.actuator.kill(device)
+                else:
+                    done = self.actuator.slow(device, fault.factor)
+            except (UserError, OSError, ConnectionError) as exc:
+                record(fault, device=device, error=getattr(exc, "message", str(exc)))
+                return
+            log.warning("job %s: fault %s: %s", job, fault, done)
+            record(fault, device=device, done=done)
+
+        return FaultInjector(faults, act)

@@ -1,0 +1,178 @@
+"""The fleet as the coordinator sees it: devices, their state, profile and last sign of life.
+
+The registry listens to every device's retained ``status`` and ``profile``
+topics and to heartbeats. A device is ``online`` (or ``busy``) from its status
+until its last-will says ``offline`` or no heartbeat has come for
+``heartbeat_timeout_s``; it is then marked ``offline`` with the time it was
+last seen. Every change is written to the store (heartbeats at most every
+few seconds per device) and announced on the event bus.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from coordinator.service.events import EventBus
+from edge.problem import DeviceSpec
+from edge.transport.mqtt import MqttTransport
+from edge.wire.messages import DeviceStatus, Heartbeat
+from edge.wire.topics import TOPIC_ROOT
+
+__all__ = ["DeviceRegistry", "DeviceView"]
+
+log = logging.getLogger(__name__)
+
+_PERSIST_EVERY_S = 5.0
+
+
+@dataclass
+class DeviceView:
+    """What the coordinator knows of one device."""
+
+    id: str
+    state: str = "offline"
+    last_seen: float | None = None
+    profile: dict[str, Any] | None = None
+    job: str | None = None
+    stage: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class DeviceRegistry:
+    """Tracks devices from MQTT (see the module docstring)."""
+
+    def __init__(
+        self, store: Any, bus: EventBus, control: MqttTransport, heartbeat_timeout_s: float = 3.0
+    ) -> None:
+        self.store = store
+        self.bus = bus
+        self.control = control
+        self.timeout = heartbeat_timeout_s
+        self._lock = threading.Lock()
+        self._devices: dict[str, DeviceView] = {}
+        self._persisted: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="device-watchdog", daemon=True)
+        for record in store.list_devices():
+            # What the store knew before a restart; MQTT's retained messages refresh it.
+            self._devices[record.id] = DeviceView(
+                record.id, "offline", record.last_seen, record.profile, None, None
+            )
+
+    def start(self) -> None:
+        self.control.subscribe(f"{TOPIC_ROOT}/devices/+/status", self._on_status)
+        self.control.subscribe(f"{TOPIC_ROOT}/devices/+/profile", self._on_profile)
+        self.control.subscribe(f"{TOPIC_ROOT}/devices/+/heartbeat", self._on_heartbeat, qos=0)
+        self._watchdog.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._watchdog.is_alive():
+            self._watchdog.join(timeout=5)
+
+    # -- reads -------------------------------------------------------------------------
+
+    def devices(self) -> list[DeviceView]:
+        with self._lock:
+            return [
+                DeviceView(**asdict(d)) for d in sorted(self._devices.values(), key=lambda d: d.id)
+            ]
+
+    def get(self, device: str) -> DeviceView | None:
+        with self._lock:
+            d = self._devices.get(device)
+            return None if d is None else DeviceView(**asdict(d))
+
+    def available(self, allowed: list[str] | None = None) -> list[DeviceSpec]:
+        """Profiles of online, idle devices (in ``allowed`` when given), by id."""
+        out = []
+        for d in self.devices():
+            if d.state != "online" or d.profile is None:
+                continue
+            if allowed is not None and d.id not in allowed:
+                continue
+            out.append(DeviceSpec.model_validate({**d.profile, "id": d.id, "details": None}))
+        return out
+
+    # -- MQTT callbacks (paho's network thread) ---------------------------------------
+
+    @staticmethod
+    def _device_of(topic: str) -> str:
+        return topic.split("/")[-2]
+
+    def _update(self, device: str, persist: bool = True, **fields: Any) -> None:
+        with self._lock:
+            view = self._devices.setdefault(device, DeviceView(device))
+            before = (view.state, view.job, view.stage, view.profile is None)
+            for key, value in fields.items():
+                setattr(view, key, value)
+            changed = before != (view.state, view.job, view.stage, view.profile is None)
+            snapshot = view.to_json()
+        now = time.monotonic()
+        if persist or changed or now - self._persisted.get(device, 0) > _PERSIST_EVERY_S:
+            self._persisted[device] = now
+            self.store.upsert_device(
+                device,
+                state=snapshot["state"],
+                last_seen=snapshot["last_seen"],
+                profile=snapshot["profile"],
+                job=snapshot["job"],
+                stage=snapshot["stage"],
+            )
+        if changed or "profile" in fields:
+            self.bus.publish("device", snapshot)
+
+    def _on_status(self, topic: str, payload: bytes) -> None:
+        try:
+            status = DeviceStatus.model_validate_json(payload)
+        except ValidationError:
+            log.warning("ignored a malformed status on %s", topic)
+            return
+        device = self._device_of(topic)
+        seen = time.time() if status.state != "offline" else status.ts
+        self._update(device, state=status.state, job=status.job, stage=status.stage, last_seen=seen)
+
+    def _on_profile(self, topic: str, payload: bytes) -> None:
+        device = self._device_of(topic)
+        try:
+            spec = DeviceSpec.model_validate_json(payload)
+        except ValidationError:
+            log.warning("ignored a malformed profile from %s", device)
+            return
+        self._update(device, profile=spec.model_dump(mode="json", exclude_none=True))
+
+    def _on_heartbeat(self, topic: str, payload: bytes) -> None:
+        device = self._device_of(topic)
+        try:
+            beat = Heartbeat.model_validate_json(payload)
+        except ValidationError:
+            return
+        with self._lock:
+            current = self._devices.get(device)
+            state = current.state if current is not None else "offline"
+        if state == "offline":
+            state = "busy" if beat.job else "online"
+        self._update(device, persist=False, state=state, last_seen=time.time())
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout / 3)):
+            now = time.time()
+            with self._lock:
+                stale = [
+                    d.id
+                    for d in self._devices.values()
+                    if d.state != "offline"
+                    and d.last_seen is not None
+                    and now - d.last_seen > self.timeout
+                ]
+            for device in stale:
+                log.info("device %s missed its heartbeats: offline", device)
+                self._update(device, state="offline", job=None, stage=None)

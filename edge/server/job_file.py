@@ -1,0 +1,271 @@
+"""A server-tier job: its file (``job.toml``), its rank layout and the results it leaves.
+
+``edgetrain launch job.toml`` and ``edgetrain train --transport dist`` run the
+same :class:`DistJob`: ``S`` pipeline stages times ``R`` data-parallel replicas,
+one process each (world size ``S x R``). Rank ``r x S + s`` runs stage ``s`` of
+replica ``r``; the copies of a stage across replicas form its data-parallel
+group.
+
+A job file is TOML with the fields of :class:`DistJob`, for example::
+
+    model = "gpt-mini"
+    steps = 100
+    batch_size = 64
+    microbatches = 8
+    boundaries = [3, 5]     # stages [0,3) [3,5) [5,n); or `stages = 3` to balance FLOPs
+    replicas = 2
+    device = "cuda"         # one GPU per process (LOCAL_RANK), NCCL for gradients
+    precision = "bf16"
+    output = "runs/gpt"
+    [optimizer]
+    name = "adamw"
+    lr = 3e-4
+
+Results go to ``output``: ``losses.json`` (the loss of every step, averaged over
+the replicas), ``reports-rank{k}.jsonl`` (every step report of rank ``k``),
+``weights-stage{s}.safetensors`` and ``state-stage{s}.safetensors`` (the state
+blob format of :mod:`edge.runtime.checkpoint`, weights and optimizer state, as
+the edge runtime writes them). ``resume_from`` names a directory of state blobs
+(from either tier: these, or the coordinator's replicas) to start from, at the
+step they are for: a job moves between tiers through them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import secrets
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import safetensors.torch
+import tomli_w
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from edge.errors import UserError, describe_validation_error
+from edge.models.unit_costs import profile_model
+from edge.models.zoo import get_model
+from edge.runtime.checkpoint import StageState, read_state
+from edge.wire.messages import JobId, OptimizerSpec, StageAssignment, StepReport
+
+__all__ = [
+    "DistJob",
+    "DistResults",
+    "balanced_boundaries",
+    "load_job",
+    "read_results",
+    "resume_states",
+    "write_job",
+]
+
+
+class DistJob(BaseModel):
+    """What a server-tier job trains, how it is split and where it runs (see the module)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    job: JobId = Field(default_factory=lambda: "d" + secrets.token_hex(6))
+    model: str = Field(min_length=1)
+    model_options: dict[str, Any] = Field(default_factory=dict)
+    dataset: str | None = None
+    dataset_options: dict[str, Any] | None = None
+    steps: int = Field(ge=1)
+    batch_size: int = Field(ge=1)
+    microbatches: int = Field(default=1, ge=1)
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    optimizer: OptimizerSpec = OptimizerSpec()
+    codec: str = Field(default="fp32", pattern=r"^(?i:fp32|fp16|bf16|int8)$")
+    seed: int = 0
+    boundaries: list[int] | None = None
+    """Where stages 1.. start (ascending unit indices); or give ``stages``."""
+    stages: int | None = Field(default=None, ge=1)
+    """Stages to balance by training FLOPs when ``boundaries`` is not given."""
+    replicas: int = Field(default=1, ge=1)
+    device: Literal["cpu", "cuda"] = "cpu"
+    precision: Literal["fp32", "bf16"] = "fp32"
+    output: str = "edgetrain-dist"
+    resume_from: str | None = None
+    recv_timeout_s: float = Field(default=300.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> DistJob:
+        if self.boundaries is not None and self.stages is not None:
+            raise ValueError("give boundaries or stages, not both")
+        if self.boundaries is not None and sorted(set(self.boundaries)) != self.boundaries:
+            raise ValueError(f"boundaries {self.boundaries} must be ascending, no repeats")
+        if self.batch_size % (self.microbatches * self.replicas):
+            raise ValueError(
+                f"batch_size {self.batch_size} is not a multiple of microbatches "
+                f"{self.microbatches} x replicas {self.replicas}"
+            )
+        return self
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.boundaries) + 1 if self.boundaries is not None else self.stages or 1
+
+    @property
+    def world_size(self) -> int:
+        return self.num_stages * self.replicas
+
+    def segments(self) -> list[tuple[int, int]]:
+        """``[start, end)`` of every stage's units."""
+        spec = get_model(self.model, seed=self.seed, **self.model_options)
+        cuts = self.boundaries
+        if cuts is None:
+            cuts = balanced_boundaries(_unit_flops(self, spec), self.num_stages)
+        edges = [0, *cuts, spec.num_units]
+        if cuts and (cuts[0] <= 0 or cuts[-1] >= spec.num_units):
+            raise UserError(f"boundaries {cuts} must lie inside the {spec.num_units} units")
+        return list(itertools.pairwise(edges))
+
+    def rank(self, stage: int, replica: int) -> int:
+        return replica * self.num_stages + stage
+
+    def place(self, rank: int) -> tuple[int, int]:
+        """``(stage, replica)`` of ``rank``."""
+        return rank % self.num_stages, rank // self.num_stages
+
+    def assignment(self, stage: int, replica: int, first_step: int = 0) -> StageAssignment:
+        spec = get_model(self.model, seed=self.seed, **self.model_options)
+        dataset = self.dataset or spec.dataset
+        options = self.dataset_options
+        if options is None:
+            options = spec.dataset_options if dataset == spec.dataset else {}
+        start, end = self.segments()[stage]
+        return StageAssignment(
+            job=self.job,
+            stage=stage,
+            num_stages=self.num_stages,
+            start=start,
+            end=end,
+            model=self.model,
+            model_options=self.model_options,
+            dataset=dataset,
+            dataset_options=options,
+            seed=self.seed,
+            batch_size=self.batch_size,
+            microbatches=self.microbatches,
+            steps=self.steps,
+            schedule=self.schedule,
+            optimizer=self.optimizer,
+            codec_in=self.codec,
+            codec_out=self.codec,
+            recv_timeout_s=self.recv_timeout_s,
+            first_step=first_step,
+            replica=replica,
+            replicas=self.replicas,
+            precision=self.precision,
+        )
+
+
+def _unit_flops(job: DistJob, spec: Any) -> list[float]:
+    costs = profile_model(spec, 1, timing=False, seed=job.seed)
+    return [u.fwd_flops + u.bwd_flops for u in costs.units]
+
+
+def balanced_boundaries(costs: list[float], stages: int) -> list[int]:
+    """Cut ``costs`` into ``stages`` contiguous runs minimising the largest run's sum.
+
+    Dynamic programming over (units, stages); ties go to the earliest cut. Every
+    stage gets at least one unit.
+    """
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise UserError(f"cannot split {n} units into {stages} stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: the least largest sum cutting the first i units into k stages.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    out, i = [], n
+    for k in range(stages, 0, -1):
+        i = cut[k][i]
+        out.append(i)
+    return sorted(out)[1:]
+
+
+def load_job(path: Path, **overrides: Any) -> DistJob:
+    """Read and validate a job file; a bad one is a one-line :class:`UserError`."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise UserError(f"{path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{path}: not valid TOML: {exc}") from None
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return DistJob.model_validate(data)
+    except ValidationError as exc:
+        raise UserError(describe_validation_error(exc, str(path))) from None
+
+
+def write_job(job: DistJob, path: Path) -> None:
+    """Write ``job`` as a job file :func:`load_job` reads back equal (tomli-w)."""
+    data = job.model_dump(mode="json", exclude_none=True)
+    try:
+        text = tomli_w.dumps(data)
+    except (TypeError, ValueError) as exc:  # e.g. a None inside model_options
+        raise UserError(f"job {job.job} cannot be written as TOML: {exc}") from None
+    path.write_text(text)
+
+
+@dataclass
+class DistResults:
+    """What the ranks of a finished job left in its output directory."""
+
+    losses: list[float]
+    reports: list[StepReport]
+    weights: dict[str, torch.Tensor]
+
+    @property
+    def wall_s(self) -> float:
+        """From the start of the first step to the end of the last, over every rank."""
+        if not self.reports:
+            return 0.0
+        return max(r.ts for r in self.reports) - min(r.ts - r.step_s for r in self.reports)
+
+
+def read_results(output: Path, job: DistJob) -> DistResults:
+    """Read the losses, replica 0's step reports and the whole model's weights."""
+    losses = json.loads((output / "losses.json").read_text())["losses"]
+    reports: list[StepReport] = []
+    for stage in range(job.num_stages):
+        lines = (output / f"reports-rank{job.rank(stage, 0)}.jsonl").read_text().splitlines()
+        reports.extend(StepReport.model_validate_json(line) for line in lines if line)
+    weights: dict[str, torch.Tensor] = {}
+    for stage in range(job.num_stages):
+        weights.update(safetensors.torch.load_file(output / f"weights-stage{stage}.safetensors"))
+    return DistResults(losses=losses, reports=reports, weights=weights)
+
+
+def resume_states(directory: Path, num_units: int) -> tuple[int, list[StageState]]:
+    """The newest step whose state blobs in ``directory`` cover all ``num_units`` units.
+
+    Any ``*.safetensors`` file with edgetrain state metadata counts (the states
+    this module writes, or a coordinator's replicas); other files are skipped.
+    """
+    by_step: dict[int, list[StageState]] = {}
+    for path in sorted(directory.glob("**/*.safetensors")):
+        try:
+            state = read_state(path.read_bytes())
+        except ValueError:
+            continue  # weights-only files sit next to the states
+        by_step.setdefault(state.step, []).append(state)
+    for step in sorted(by_step, reverse=True):
+        covered = {u for s in by_step[step] for u in range(s.start, s.end)}
+        if covered >= set(range(num_units)):
+            return step, by_step[step]
+    raise UserError(f"resume_from {directory}: no step has states covering all {num_units} units")

@@ -1,0 +1,267 @@
+"""Control messages: the JSON half of the wire contract, validated by pydantic.
+
+Commands go to a device's ``cmd`` topic (:func:`edge.wire.topics.device_cmd`);
+events come back on the job's ``events`` topic; a device's status, profile and
+heartbeat go to its own topics. Every message carries a ``type`` field, so one
+parse (:func:`parse_command`, :func:`parse_event`) tells them apart and refuses
+anything else with a one-line reason. Tensors never travel here: see
+:mod:`edge.wire.frames` for the binary frame.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from edge.errors import describe_validation_error
+
+__all__ = [
+    "CancelJob",
+    "Command",
+    "DeviceStatus",
+    "DistGroup",
+    "Event",
+    "Heartbeat",
+    "MessageError",
+    "OptimizerSpec",
+    "StageAssignment",
+    "StageDone",
+    "StageFailed",
+    "StageReady",
+    "StartJob",
+    "StepReport",
+    "Throttle",
+    "parse_command",
+    "parse_event",
+]
+
+
+class MessageError(ValueError):
+    """A control message that cannot be used; the text is one line."""
+
+
+JobId = Annotated[str, Field(min_length=1, max_length=16), Field(pattern=r"^[A-Za-z0-9_-]+$")]
+CodecName = Annotated[str, Field(pattern=r"^(?i:fp32|fp16|bf16|int8)$")]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class OptimizerSpec(_Message):
+    """Which optimizer a stage builds over its own parameters."""
+
+    name: Literal["sgd", "adamw"] = "sgd"
+    lr: float = Field(default=0.05, gt=0, allow_inf_nan=False)
+    momentum: float = Field(default=0.9, ge=0, lt=1)
+    weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(default=1e-8, gt=0)
+
+
+class DistGroup(_Message):
+    """Server tier inside a pipeline: the stages in ``ranks`` talk over torch.distributed.
+
+    The coordinator hosts the rendezvous store at ``store_host:store_port``; each
+    such stage joins the process group as ``ranks[stage]`` (of ``world_size``),
+    and frames between two of them travel over c10d (:mod:`edge.transport.dist`)
+    while every other link stays on MQTT.
+    """
+
+    store_host: str = Field(min_length=1)
+    store_port: int = Field(ge=1, le=65535)
+    world_size: int = Field(ge=1)
+    ranks: dict[int, int] = Field(min_length=1)
+    """Stage -> rank, for the stages in the group."""
+    backend: Literal["gloo", "nccl"] = "gloo"
+    """``nccl``: GPUs; host frames still use gloo (:mod:`edge.transport.dist`)."""
+    timeout_s: float = Field(default=120.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> DistGroup:
+        if sorted(self.ranks.values()) != list(range(self.world_size)):
+            raise ValueError(f"ranks {self.ranks} are not 0..{self.world_size - 1} once each")
+        return self
+
+
+class StageAssignment(_Message):
+    """Everything a device needs to run one stage of a job."""
+
+    type: Literal["assign"] = "assign"
+    job: JobId
+    stage: int = Field(ge=0)
+    num_stages: int = Field(ge=1)
+    start: int = Field(ge=0)
+    """First unit of the segment; ``end`` is one past the last."""
+    end: int = Field(ge=1)
+    model: str = Field(min_length=1)
+    model_options: dict[str, Any] = Field(default_factory=dict)
+    dataset: str = Field(min_length=1)
+    dataset_options: dict[str, Any] = Field(default_factory=dict)
+    seed: int = 0
+    batch_size: int = Field(ge=1)
+    microbatches: int = Field(ge=1)
+    steps: int = Field(ge=1)
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    optimizer: OptimizerSpec = OptimizerSpec()
+    codec_in: CodecName = "fp32"
+    """Codec of the link to the previous stage (the gradients this stage sends back)."""
+    codec_out: CodecName = "fp32"
+    """Codec of the link to the next stage (the activations this stage sends)."""
+    prev_device: str | None = None
+    next_device: str | None = None
+    recv_timeout_s: float = Field(default=120.0, gt=0)
+    """How long a stage waits for one frame before it gives up on the job."""
+    first_step: int = Field(default=0, ge=0)
+    """The step the stage starts at (below ``steps``); see [Note: the step of a state]."""
+    replicate_every: int = Field(default=0, ge=0)
+    """Publish the stage's state on ``job_replica`` every this many steps (0: never)."""
+    restore: bool = False
+    """Load the state retained on ``job_restore`` (for step ``first_step``) before ``ready``."""
+    replica: int = Field(default=0, ge=0)
+    """Which of ``replicas`` data-parallel copies of the pipeline this stage belongs to."""
+    replicas: int = Field(default=1, ge=1)
+    """Copies of the pipeline; each trains on ``1/replicas`` of every batch."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """``bf16``: the segment computes under bf16 autocast (weights and optimizer stay fp32)."""
+    dist: DistGroup | None = None
+    """Set when this stage is in a torch.distributed group with some of its neighbours."""
+
+    @model_validator(mode="after")
+    def _check(self) -> StageAssignment:
+        if self.stage >= self.num_stages:
+            raise ValueError(f"stage {self.stage} is not below num_stages {self.num_stages}")
+        if self.end <= self.start:
+            raise ValueError(f"empty segment [{self.start}, {self.end})")
+        if self.batch_size % (self.microbatches * self.replicas):
+            raise ValueError(
+                f"batch_size {self.batch_size} is not a multiple of microbatches "
+                f"{self.microbatches} x replicas {self.replicas}"
+            )
+        if self.replica >= self.replicas:
+            raise ValueError(f"replica {self.replica} is not below replicas {self.replicas}")
+        if self.dist is not None and self.stage not in self.dist.ranks:
+            raise ValueError(f"stage {self.stage} has a dist group without a rank in it")
+        if self.first_step >= self.steps:
+            raise ValueError(f"first_step {self.first_step} is not below steps {self.steps}")
+        return self
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+class StartJob(_Message):
+    """Every stage is ready: start stepping."""
+
+    type: Literal["start"] = "start"
+    job: JobId
+
+
+class CancelJob(_Message):
+    type: Literal["cancel"] = "cancel"
+    job: JobId
+    reason: str = "cancelled"
+
+
+class Throttle(_Message):
+    """Run this device's compute ``slowdown`` times slower from now on (fault injection)."""
+
+    type: Literal["throttle"] = "throttle"
+    slowdown: float = Field(ge=1.0, le=1000.0, allow_inf_nan=False)
+
+
+Command = Annotated[StageAssignment | StartJob | CancelJob | Throttle, Field(discriminator="type")]
+
+
+class _Event(_Message):
+    job: JobId
+    stage: int = Field(ge=0)
+    device: str
+    ts: float = Field(default_factory=time.time)
+
+
+class StageReady(_Event):
+    """The stage is built and subscribed; it waits for :class:`StartJob`."""
+
+    type: Literal["ready"] = "ready"
+    parameters: int = 0
+
+
+class StepReport(_Event):
+    """One step of one stage: what it cost and, on the last stage, the loss."""
+
+    type: Literal["step"] = "step"
+    step: int = Field(ge=0)
+    loss: float | None = None
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    send_s: float = 0.0
+    step_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    frames_dropped: int = 0
+    replica_bytes: int = 0
+    """Size of the state published after this step, for step ``step + 1`` (0: none was)."""
+    replica_s: float = 0.0
+    """Seconds spent serialising and handing over that state."""
+    allreduce_s: float = 0.0
+    """Data parallelism: seconds averaging gradients (and the loss) over the replicas."""
+
+
+class StageDone(_Event):
+    type: Literal["done"] = "done"
+    steps: int = 0
+
+
+class StageFailed(_Event):
+    type: Literal["failed"] = "failed"
+    error: str
+
+
+Event = Annotated[StageReady | StepReport | StageDone | StageFailed, Field(discriminator="type")]
+
+
+class DeviceStatus(_Message):
+    """Retained on a device's ``status`` topic; the last-will says ``offline``."""
+
+    device: str
+    state: Literal["online", "offline", "busy"]
+    ts: float = Field(default_factory=time.time)
+    job: str | None = None
+    stage: int | None = None
+    version: str = ""
+
+
+class Heartbeat(_Message):
+    device: str
+    ts: float = Field(default_factory=time.time)
+    job: str | None = None
+    stage: int | None = None
+    step: int | None = None
+
+
+_COMMAND: TypeAdapter[StageAssignment | StartJob | CancelJob | Throttle] = TypeAdapter(Command)
+_EVENT: TypeAdapter[StageReady | StepReport | StageDone | StageFailed] = TypeAdapter(Event)
+
+
+def parse_command(payload: bytes | str) -> StageAssignment | StartJob | CancelJob | Throttle:
+    """A command from JSON, or :class:`MessageError` with one line saying what is wrong."""
+    try:
+        return _COMMAND.validate_json(payload)
+    except ValidationError as exc:
+        raise MessageError(describe_validation_error(exc, "command")) from None
+
+
+def parse_event(payload: bytes | str) -> StageReady | StepReport | StageDone | StageFailed:
+    """An event from JSON, or :class:`MessageError` with one line saying what is wrong."""
+    try:
+        return _EVENT.validate_json(payload)
+    except ValidationError as exc:
+        raise MessageError(describe_validation_error(exc, "event")) from None

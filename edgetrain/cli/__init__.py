@@ -1,0 +1,86 @@
+"""The ``edgetrain`` command: one typer app whose subcommands live by area.
+
+Device-side commands come from :mod:`edgetrain.cli`; coordinator-side commands
+are imported only when they are registered from :mod:`edgetrain.cli`,
+whose modules must not import FastAPI at import time, so an agent-only install
+runs every device command.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from edge.errors import UserError
+from edgetrain import __version__
+from edgetrain.cli import (
+    agent,
+    client,
+    coordinator,
+    devices,
+    launch,
+    models,
+    plan,
+    profile,
+    testbed,
+    train,
+)
+from edgetrain.cli.demo import demo_command
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="edgetrain",
+    help=(
+        "Train one neural network across a fleet of edge devices and GPU servers: "
+        "profile devices, split the model into device-sized segments, and run "
+        "pipelined split training."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+app.command("profile")(profile.profile_command)
+app.command("agent")(agent.agent_command)
+app.command("demo")(demo_command)
+app.command("plan")(plan.plan_command)
+app.command("train")(train.train_command)
+app.command("launch")(launch.launch_command)
+app.command("coordinator")(coordinator.coordinator_command)
+app.command("submit")(client.submit_command)
+app.command("jobs")(client.jobs_command)
+app.command("fleet")(client.fleet_command)
+app.add_typer(devices.app, name="devices")
+app.add_typer(models.app, name="models")
+app.add_typer(testbed.app, name="testbed")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"edgetrain {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """edgetrain: pipelined split training across heterogeneous devices."""
+
+
+def main() -> None:
+    """Entry point: run the app; bad input ends with one line on stderr and status 2."""
+    try:
+        app()
+    except UserError as exc:
+        typer.echo(f"error: {exc.message}", err=True)
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    main()

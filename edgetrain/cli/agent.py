@@ -1,0 +1,182 @@
+"""``edgetrain agent``: run the device daemon until SIGTERM or Ctrl-C.
+
+This module owns the command's options and what the agent announces: a measured
+profile, a catalogue profile, or one read from a JSON file
+(:func:`edge.profiling.catalog.load_device_file`).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from edge.errors import UserError
+
+if TYPE_CHECKING:
+    from edge.problem import DeviceSpec
+
+__all__ = ["agent_command"]
+
+
+def _measured(device_id: str, seconds: float, device: str, precision: str) -> DeviceSpec:
+    from edge.profiling.device import profile_device
+
+    if device == "cpu":
+        return profile_device(device_id, seconds=seconds).to_device_spec()
+    return profile_device(
+        device_id,
+        seconds=seconds,
+        device=device,
+        precision=precision,  # type: ignore[arg-type]
+    ).to_device_spec()
+
+
+def agent_command(
+    broker: str = typer.Option(..., "--broker", help="Broker URL: mqtt://HOST:PORT or mqtts://."),
+    device_id: str = typer.Option(
+        socket.gethostname(), "--device-id", help="This device's id (default: the hostname)."
+    ),
+    profile: str | None = typer.Option(
+        None,
+        "--profile",
+        metavar="NAME|FILE.json",
+        help=(
+            "Announce a catalogue profile (e.g. rpi4-4gb), or the device in a JSON file "
+            "(as `edgetrain profile --json` writes; its id becomes --device-id), "
+            "instead of measuring this machine."
+        ),
+    ),
+    data_dir: Path = typer.Option(
+        Path.home() / ".edgetrain" / "agent", "--data-dir", help="Where stage weights are kept."
+    ),
+    threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads."),
+    heartbeat_s: float = typer.Option(1.0, "--heartbeat-s", min=0.05, help="Heartbeat period."),
+    measure_seconds: float = typer.Option(
+        1.0, "--measure-seconds", min=0.05, help="How long to time matmuls when measuring."
+    ),
+    slowdown: float = typer.Option(
+        1.0,
+        "--slowdown",
+        min=1.0,
+        help="Emulate a device this many times slower (software duty-cycling of compute).",
+    ),
+    link_mbps: float | None = typer.Option(
+        None,
+        "--link-mbps",
+        metavar="MBPS",
+        help=(
+            "Emulate a link of this many Mbit/s each way for tensor frames (software "
+            "shaping, for emulated devices; control traffic is not slowed)."
+        ),
+    ),
+    link_latency_ms: float = typer.Option(
+        0.0,
+        "--link-latency-ms",
+        metavar="MS",
+        help="Emulate this one-way latency on tensor frames, each way (software shaping).",
+    ),
+    username: str | None = typer.Option(None, "--username", help="Broker user name."),
+    password: str | None = typer.Option(
+        None, "--password", envvar="EDGETRAIN_MQTT_PASSWORD", help="Broker password."
+    ),
+    tls_ca: Path | None = typer.Option(None, "--tls-ca", help="CA bundle for mqtts://."),
+    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+    device: str = typer.Option(
+        "cpu", "--device", help="Where stages compute: cpu, cuda or cuda:N (a GPU server)."
+    ),
+    precision: str = typer.Option(
+        "fp32", "--precision", help="With cuda: announce the fp32 or the bf16 (autocast) rate."
+    ),
+    server: bool = typer.Option(
+        False, "--server", help="Server tier: may join torch.distributed groups (implied by cuda)."
+    ),
+) -> None:
+    """Run the agent daemon: register this device and run the stages it is assigned.
+
+    It connects with a last-will (offline, retained), publishes its profile and a
+    heartbeat, runs assignments from its cmd topic, reports per-step timings on
+    the job's events topic, and rides out the broker going away. Logs are JSON
+    lines on standard error. SIGTERM stops it cleanly.
+
+    --slowdown, --link-mbps and --link-latency-ms emulate a slower device on
+    this machine without root; a measured profile then announces the link as
+    shaped (its rate capped, the latency added).
+    """
+    if link_mbps is not None and not (math.isfinite(link_mbps) and link_mbps > 0):
+        raise UserError(f"--link-mbps: must be a positive number (got {link_mbps:g})")
+    if not (math.isfinite(link_latency_ms) and 0 <= link_latency_ms <= 60_000):
+        raise UserError(f"--link-latency-ms: must be 0 to 60000 (got {link_latency_ms:g})")
+    import torch
+
+    from edge import __version__
+    from edge.agent import Agent
+    from edge.logs import setup_logging
+    from edge.runtime.allocator import tune_malloc
+    from edge.transport.settings import MqttSettings, parse_broker_url
+
+    if device != "cpu" and not device.startswith("cuda"):
+        raise UserError(f"--device: {device!r} is not cpu, cuda or cuda:N")
+    if precision not in ("fp32", "bf16"):
+        raise UserError(f"--precision: {precision!r} is not fp32 or bf16")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: torch sees no CUDA GPU on this machine")
+    if not device_id.strip() or "/" in device_id or "+" in device_id or "#" in device_id:
+        raise UserError(f"--device-id: {device_id!r} must be non-empty without / + #")
+    parse_broker_url(broker)
+    announced: DeviceSpec | None = None  # bad input fails here, before connecting
+    if profile is not None and (profile.endswith(".json") or Path(profile).is_file()):
+        from edge.profiling.catalog import load_device_file
+
+        announced = load_device_file(Path(profile), device_id)
+    elif profile is not None:
+        from edge.profiling.catalog import resolve
+
+        announced = resolve(profile).to_device_spec(device_id)
+    setup_logging(log_level, device=device_id)
+    tune_malloc()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    extra: dict[str, Any] = {
+        "username": username,
+        "password": password,
+        "tls_ca": tls_ca,
+        "link_mbps": link_mbps,
+    }
+    settings = MqttSettings(
+        url=broker,
+        link_latency_ms=link_latency_ms,
+        **{k: v for k, v in extra.items() if v is not None},
+    )
+
+    tier = {"server": True, "torch_device": device} if server or device != "cpu" else {}
+
+    def measure() -> DeviceSpec:
+        spec = announced or _measured(device_id, measure_seconds, device, precision)
+        if tier:
+            spec = spec.model_copy(update={"details": {**(spec.details or {}), **tier}})
+        if announced is not None or (link_mbps is None and not link_latency_ms):
+            return spec
+        # Shaping caps the rate of the real link and adds to its latency.
+        bandwidth = min(spec.bandwidth_mbps, link_mbps or math.inf)
+        latency = spec.latency_ms + link_latency_ms
+        return spec.model_copy(update={"bandwidth_mbps": bandwidth, "latency_ms": latency})
+
+    agent = Agent(
+        settings,
+        device_id,
+        measure,
+        data_dir=data_dir,
+        heartbeat_s=heartbeat_s,
+        version=__version__,
+        slowdown=slowdown,
+        torch_device=device,
+    )
+    signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    signal.signal(signal.SIGINT, lambda *_: agent.stop())
+    raise typer.Exit(agent.run())

@@ -1,0 +1,45 @@
+"""``edgetrain coordinator``: serve the REST API (and start a broker when none is given)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from edge.errors import needs_coordinator_extras
+
+__all__ = ["coordinator_command"]
+
+
+def coordinator_command(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to serve the API on."),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port to serve the API on."),
+    broker: str | None = typer.Option(
+        None, "--broker", help="Broker URL; without it the embedded default broker is started."
+    ),
+    data_dir: Path | None = typer.Option(
+        None, "--data-dir", help="Where the database and trained models are kept."
+    ),
+    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+    testbed_state: Path | None = typer.Option(
+        None,
+        "--testbed-state",
+        help="A testbed's state directory: jobs' kill and join faults act on its agents "
+        "(without it a job may only have slow faults).",
+    ),
+) -> None:
+    """Run the coordinator: track the fleet, accept jobs, plan and drive them, store results.
+
+    The API is under /api/v1 (OpenAPI at /docs). With EDGETRAIN_API_TOKEN set,
+    every mutating request needs 'Authorization: Bearer <token>'.
+    """
+    with needs_coordinator_extras("edgetrain coordinator"):
+        import uvicorn
+
+        from coordinator.service.app import create_app
+        from coordinator.service.settings import get_settings
+
+    settings = get_settings(
+        host=host, port=port, broker_url=broker, data_dir=data_dir, testbed_state=testbed_state
+    )
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level)

@@ -1,0 +1,143 @@
+"""``edgetrain plan``: plan a problem file, or a zoo model on a fleet from the catalogue."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from coordinator.planner.baselines import run_baselines
+from coordinator.planner.build import build_problem, parse_fleet
+from coordinator.planner.simulator import simulate
+from coordinator.planner.solve import SearchResult, plan_problem
+from edge.errors import UserError
+from edge.models.zoo import parse_options
+from edge.problem import PlanningProblem, load_problem
+
+__all__ = ["plan_command"]
+
+INFEASIBLE_EXIT = 3
+
+
+def plan_command(
+    problem_file: Path | None = typer.Option(
+        None, "--problem", help="A planning problem (JSON, shared/spec/planning.md)."
+    ),
+    model: str | None = typer.Option(None, "--model", help="Zoo model to plan instead."),
+    devices: str | None = typer.Option(
+        None,
+        "--devices",
+        help="Fleet for --model: catalogue names with optional :count, or JSON device files, "
+        "comma-separated (e.g. rpi4-4gb:2,jetson-nano,laptop).",
+    ),
+    batch_size: int = typer.Option(32, "--batch-size", "-b", min=1, help="Samples per step."),
+    microbatches: int = typer.Option(4, "--microbatches", "-m", min=1, help="Microbatches."),
+    pin_first: str | None = typer.Option(
+        None, "--pin-first", help="Device that must run stage 0 (it holds the data)."
+    ),
+    option: list[str] = typer.Option([], "--option", "-o", help="Model option key=value."),
+    optimizer_state_factor: float = typer.Option(
+        4.0, "--optimizer-state-factor", help="Bytes held per parameter byte (k)."
+    ),
+    time_budget: float = typer.Option(8.0, "--time-budget", help="Search seconds, large fleets."),
+    emit_problem: Path | None = typer.Option(
+        None, "--emit-problem", help="Write the planning problem to this file."
+    ),
+    timeline: Path | None = typer.Option(
+        None, "--timeline", help="Write the simulated 1F1B step as a Chrome trace (JSON)."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print the spec's JSON plan object."),
+) -> None:
+    """Split a model across devices so that a training step takes the least time.
+
+    Either --problem FILE, or --model with --devices (the problem is built from
+    the model's layer costs and the device catalogue). Exit status 2 for bad
+    input, 3 when no plan fits the devices' memory.
+    """
+    if (problem_file is None) == (model is None):
+        raise UserError("give either --problem FILE or --model NAME (with --devices)")
+    if problem_file is not None:
+        problem = load_problem(problem_file)
+    else:
+        assert model is not None
+        if not devices:
+            raise UserError("--model needs --devices")
+        problem = build_problem(
+            model,
+            parse_fleet(devices),
+            batch_size=batch_size,
+            microbatches=microbatches,
+            pin_first=pin_first,
+            optimizer_state_factor=optimizer_state_factor,
+            model_options=parse_options(option),
+        )
+    if emit_problem is not None:
+        emit_problem.write_text(json.dumps(problem.to_json(), indent=2) + "\n")
+    result = plan_problem(problem, time_budget_s=time_budget)
+    if result.score is None:
+        typer.echo(json.dumps({"feasible": False, "reason": result.reason}))
+        raise typer.Exit(INFEASIBLE_EXIT)
+    if timeline is not None:
+        simulate(problem, result.score.plan, "1f1b").write_chrome_trace(timeline)
+    if json_out:
+        typer.echo(json.dumps(result.score.to_json()))
+        return
+    _print_report(problem, result)
+
+
+def _print_report(problem: PlanningProblem, result: SearchResult) -> None:
+    score = result.score
+    assert score is not None
+    names = [la.name for la in problem.layers]
+    table = Table(title=f"plan: {len(score.plan.stages)} stages, {result.method}")
+    for col in ("stage", "device", "units", "compute ms", "link ms", "memory MB"):
+        left = col in ("device", "units")
+        table.add_column(col, justify="left" if left else "right", no_wrap=col != "units")
+    for s, st in enumerate(score.plan.stages):
+        mark = " *" if score.compute_s[s] == score.bottleneck_s else ""
+        link = "-"
+        if s < len(score.link_s):
+            link = f"{score.link_s[s] * 1e3:.2f}" + (
+                " *" if score.link_s[s] == score.bottleneck_s else ""
+            )
+        units = names[st.start : st.end]
+        shown = ",".join(units) if len(units) <= 4 else f"{units[0]}..{units[-1]} ({len(units)})"
+        table.add_row(
+            str(s),
+            st.device,
+            shown,
+            f"{score.compute_s[s] * 1e3:.2f}{mark}",
+            link,
+            f"{score.memory_bytes[s] / 1e6:.0f}/{score.memory_limit_bytes[s] / 1e6:.0f}",
+        )
+    console = Console()
+    console.print(table)
+    console.print(
+        f"* bottleneck {score.bottleneck_s * 1e3:.2f} ms per microbatch; step "
+        f"{score.step_time_s * 1e3:.1f} ms; predicted {score.throughput_sps:.1f} samples/s "
+        f"(planned in {result.wall_s:.2f} s, {'exact' if result.exact else 'heuristic'})"
+    )
+    sims = {name: simulate(problem, score.plan, name) for name in ("1f1b", "gpipe")}
+    console.print(
+        "simulated step: "
+        + "; ".join(
+            f"{name} {sim.step_time_s * 1e3:.1f} ms, bubble {sim.bubble_fraction:.0%}, "
+            f"peak memory {max(sim.peak_memory_bytes) / 1e6:.1f} MB"
+            for name, sim in sims.items()
+        )
+    )
+    base = Table(title="baselines (same score)")
+    for col in ("baseline", "samples/s", "step ms", "edgetrain speed-up", "feasible"):
+        base.add_column(col, justify="left" if col == "baseline" else "right")
+    for name, b in run_baselines(problem).items():
+        base.add_row(
+            name,
+            f"{b.throughput_sps:.1f}",
+            f"{b.step_time_s * 1e3:.1f}",
+            f"{b.step_time_s / score.step_time_s:.2f}x",
+            "yes" if b.feasible else "no: " + b.reasons[0],
+        )
+    console.print(base)

@@ -1,0 +1,509 @@
+"""``edgetrain train``: plan a model over N local devices and train it as a pipeline.
+
+With ``--transport mqtt`` (the default) it starts a broker unless ``--broker``
+is given, starts N real agent processes, and drives them over MQTT exactly as
+the coordinator service drives a fleet; ``--transport inprocess`` runs the
+stages as threads of this process; ``--transport dist`` runs the server tier
+(:mod:`edge.transport.dist`): one process per stage and replica, launched with
+torchrun semantics (:mod:`edgetrain.cli.launch`), gloo on CPUs and NCCL with
+``--device cuda``, ``--replicas R`` data-parallel copies of the pipeline.
+``--devices 1`` is the single-device reference: the same code path, one stage,
+no pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from coordinator.engine.spec import JobResult, JobSpec
+from edge.errors import UserError
+from edge.models.zoo import parse_options
+from edge.wire.messages import StepReport
+
+__all__ = ["train_command"]
+
+
+def _plan(
+    spec: JobSpec, devices: list[Any], note: Callable[[str], None] | None = None
+) -> tuple[Any, Any]:
+    """The plan over ``devices`` (the first holds the data) with the spec's ``partition``
+    and ``stages``, and its spec score. ``note``: this is a re-plan over the survivors of
+    a failure; with fewer of them than ``stages`` it plans one stage each and says so."""
+    from coordinator.planner.build import build_problem
+    from coordinator.planner.partition import plan_job
+
+    stages = spec.stages
+    if note is not None and stages is not None and len(devices) < stages:
+        note(
+            f"--stages {stages}, but only {len(devices)} devices survive: "
+            f"planning {len(devices)} stages"
+        )
+        stages = len(devices)
+    problem = build_problem(
+        spec.model,
+        devices,
+        batch_size=spec.batch_size,
+        microbatches=spec.microbatches,
+        pin_first=devices[0].id,
+        model_options=spec.model_options,
+    )
+    found = plan_job(
+        problem, partition=spec.partition, stages=stages, codec=spec.codec, where="these devices"
+    )
+    return found.plan, found.score
+
+
+def train_command(
+    model: str = typer.Option("cnn-digits", "--model", help="Zoo model or package.module:fn."),
+    dataset: str | None = typer.Option(None, "--dataset", help="Dataset (default: the model's)."),
+    option: list[str] = typer.Option([], "--option", "-o", help="Model option key=value."),
+    devices: int = typer.Option(3, "--devices", min=1, help="Local devices (agents) to use."),
+    steps: int = typer.Option(50, "--steps", min=1, help="Optimizer steps."),
+    batch_size: int = typer.Option(64, "--batch-size", "-b", min=1, help="Samples per step."),
+    microbatches: int = typer.Option(4, "--microbatches", "-m", min=1, help="Per step."),
+    schedule: str = typer.Option("1f1b", "--schedule", help="1f1b or gpipe."),
+    optimizer: str = typer.Option("sgd", "--optimizer", help="sgd or adamw."),
+    lr: float = typer.Option(0.05, "--lr", help="Learning rate."),
+    momentum: float = typer.Option(0.9, "--momentum", help="SGD momentum."),
+    weight_decay: float = typer.Option(0.0, "--weight-decay", help="Weight decay."),
+    codec: str = typer.Option(
+        "fp32",
+        "--codec",
+        help="fp32, fp16, bf16 or int8 on every link; auto: the planner "
+        "compresses only the links that would otherwise slow the step.",
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seed of the weights and the data order."),
+    transport: str = typer.Option(
+        "mqtt", "--transport", help="mqtt, inprocess or dist (torch.distributed, the server tier)."
+    ),
+    replicas: int = typer.Option(
+        1, "--replicas", min=1, help="dist: data-parallel pipeline copies (divides --devices)."
+    ),
+    device: str = typer.Option("cpu", "--device", help="dist: cpu or cuda (one GPU per process)."),
+    servers: int = typer.Option(
+        0,
+        "--servers",
+        min=0,
+        help="mqtt: the last K agents are a server tier (a hybrid "
+        "pipeline: frames between servers go over torch.distributed).",
+    ),
+    precision: str = typer.Option(
+        "fp32", "--precision", help="fp32, or bf16 (autocast; weights stay fp32)."
+    ),
+    broker: str | None = typer.Option(
+        None, "--broker", help="Broker URL; without it one is started (mosquitto, else amqtt)."
+    ),
+    partition: str = typer.Option(
+        "plan",
+        "--partition",
+        help="plan (the planner decides) or even (an even split over all devices, or --stages).",
+    ),
+    stages: int | None = typer.Option(
+        None,
+        "--stages",
+        min=1,
+        help="Exactly N stages: with plan, the planner's best plan of N stages; with even, "
+        "the N fastest devices (the first always among them). Default: what --partition gives.",
+    ),
+    save_weights: Path | None = typer.Option(
+        None, "--save-weights", help="Write the trained model here (safetensors)."
+    ),
+    threads: int | None = typer.Option(
+        None,
+        "--threads",
+        min=1,
+        help="torch threads per agent (default: cores / devices). Equal counts give "
+        "bit-identical results across runs with different numbers of devices.",
+    ),
+    fault: list[str] = typer.Option(
+        [],
+        "--fault",
+        help="Inject a fault: kill:STAGE@STEP (SIGKILL that stage's agent once it "
+        "reports STEP). Repeatable; implies fault tolerance.",
+    ),
+    replicate_every: int | None = typer.Option(
+        None,
+        "--replicate-every",
+        min=0,
+        help="Fault tolerance: replicate every stage's state every R steps (0: off). "
+        "Default: off, or with --fault chosen so replication costs at most 5% of a step and "
+        "happens at least 10 times a job (coordinator/engine/rebalance.py). A failed device is "
+        "replaced by re-planning over the rest.",
+    ),
+    heartbeat_timeout: float = typer.Option(
+        3.0,
+        "--heartbeat-timeout",
+        min=0.1,
+        help="Seconds without a heartbeat before a device "
+        "is declared dead (its last will is quicker).",
+    ),
+    rebalance: bool = typer.Option(
+        True,
+        "--rebalance/--no-rebalance",
+        help="Fault tolerance: migrate layers when measured "
+        "stage times say another plan is over 10% faster and worth the move.",
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object at the end."),
+) -> None:
+    """Train MODEL split across N local devices over MQTT (or in-process threads)."""
+    from pydantic import ValidationError
+
+    from edge.errors import describe_validation_error
+    from edge.runtime.allocator import tune_malloc
+
+    if transport not in ("mqtt", "inprocess", "dist"):
+        raise UserError(f"--transport: {transport!r} is not mqtt, inprocess or dist")
+    if transport != "dist" and (replicas > 1 or device != "cpu"):
+        raise UserError("--replicas and --device are for --transport dist")
+    if device not in ("cpu", "cuda") or precision not in ("fp32", "bf16"):
+        raise UserError(
+            f"--device {device!r} / --precision {precision!r}: expected cpu or cuda / fp32 or bf16"
+        )
+    if servers and (transport != "mqtt" or servers > devices):
+        raise UserError("--servers K needs --transport mqtt and K <= --devices")
+    if servers and fault:
+        raise UserError("--servers and --fault cannot be combined yet")
+    if devices % replicas:
+        raise UserError(f"--devices {devices} is not a multiple of --replicas {replicas}")
+    if partition not in ("plan", "even"):
+        raise UserError(f"--partition: {partition!r} is not plan or even")
+    if stages is not None and stages > devices // replicas:
+        per = "" if replicas == 1 else f" / --replicas {replicas}"
+        raise UserError(f"--stages {stages} is more than --devices {devices}{per}")
+    try:
+        spec = JobSpec.model_validate(
+            {
+                "model": model,
+                "model_options": parse_options(option),
+                "dataset": dataset,
+                "steps": steps,
+                "batch_size": batch_size,
+                "microbatches": microbatches,
+                "schedule": schedule,
+                "codec": codec,
+                "seed": seed,
+                "precision": precision,
+                "partition": partition,
+                "stages": stages,
+                "optimizer": {
+                    "name": optimizer,
+                    "lr": lr,
+                    "momentum": momentum,
+                    "weight_decay": weight_decay,
+                },
+            }
+        )
+    except ValidationError as exc:
+        raise UserError(describe_validation_error(exc, "train")) from None
+    if batch_size % (microbatches * replicas):
+        raise UserError(
+            f"--batch-size {batch_size} is not a multiple of --microbatches x --replicas"
+        )
+    from coordinator.engine.faults import parse_fault
+
+    faults = [parse_fault(f) for f in fault]
+    if replicate_every is None:
+        replicate_every = -1 if faults else 0  # -1: from the plan's measured costs
+    if replicate_every and transport != "mqtt":
+        raise UserError("--fault and --replicate-every need --transport mqtt (agents to lose)")
+    for f in faults:
+        if f.kind == "join":
+            from edge.profiling.catalog import resolve
+
+            resolve(f.profile or "")  # an unknown profile fails here, before anything starts
+        if f.stage >= (stages or devices) or f.step >= steps:
+            raise UserError(
+                f"--fault {f}: stage must be below --stages (else --devices) and step below --steps"
+            )
+    resilience = (
+        (faults, replicate_every, heartbeat_timeout, rebalance) if replicate_every else None
+    )
+    extra: dict[str, Any] = {}
+    tune_malloc()  # the in-process paths train here; agents tune their own
+    progress = _Progress(steps, batch_size, enabled=not json_out)
+    with progress:
+        if transport == "inprocess":
+            result, broker_name, score = _run_inprocess(spec, devices, progress)
+        elif transport == "dist":
+            result, score = _run_dist(spec, devices, replicas, device, precision, threads, progress)
+            broker_name = None
+            extra.update(
+                replicas=replicas,
+                processes=len(score.plan.stages) * replicas,
+                device=device,
+                precision=precision,
+            )
+        else:
+            result, broker_name, score = _run_mqtt(
+                spec, devices, broker, progress, threads, resilience, extra, servers
+            )
+    if save_weights is not None:
+        save_weights.write_bytes(result.weights_bytes())
+    out = {
+        "losses": result.losses,
+        "samples_per_s": result.samples_per_s,
+        "plan": score.to_json(),
+        "transport": transport,
+        "broker": broker_name,
+        "job": result.job,
+        "steps": steps,
+        "wall_s": result.wall_s,
+        "stages": result.stage_summary(),
+        **extra,
+    }
+    if json_out:
+        typer.echo(json.dumps(out))
+    else:
+        typer.echo(
+            f"job {result.job}: {steps} steps, final loss {result.losses[-1]:.4f}, "
+            f"{result.samples_per_s:.1f} samples/s over {len(score.plan.stages)} stages "
+            f"({transport}{', ' + broker_name if broker_name else ''})"
+        )
+
+
+def _run_inprocess(spec: JobSpec, n: int, progress: _Progress) -> tuple[JobResult, str | None, Any]:
+    from coordinator.engine.runners import run_inprocess
+    from edge.profiling.device import profile_device
+
+    me = profile_device("local", seconds=0.3).to_device_spec()
+    fleet = [me.model_copy(update={"id": f"local-{i}"}) for i in range(n)]
+    plan, score = _plan(spec, fleet)
+    return run_inprocess(spec, plan, on_step=progress.update), None, score
+
+
+def _run_dist(
+    spec: JobSpec,
+    n: int,
+    replicas: int,
+    device: str,
+    precision: str,
+    threads: int | None,
+    progress: _Progress,
+) -> tuple[JobResult, Any]:
+    """Plan over ``n / replicas`` local devices and run it as a server-tier job."""
+    import os
+    import tempfile
+
+    from edge.profiling.device import profile_device
+    from edge.server.job_file import DistJob, read_results
+    from edge.server.launch import launch
+
+    me = profile_device("local", seconds=0.3).to_device_spec()
+    fleet = [me.model_copy(update={"id": f"rank-{i}"}) for i in range(n // replicas)]
+    plan, score = _plan(spec, fleet)
+    processes = len(plan.stages) * replicas
+    with tempfile.TemporaryDirectory(prefix="edgetrain-dist-") as out:
+        job = DistJob.model_validate(
+            dict(
+                model=spec.model,
+                model_options=spec.model_options,
+                dataset=spec.dataset,
+                dataset_options=spec.dataset_options,
+                steps=spec.steps,
+                batch_size=spec.batch_size,
+                microbatches=spec.microbatches,
+                schedule=spec.schedule,
+                optimizer=spec.optimizer,
+                codec="fp32" if spec.codec.lower() == "auto" else spec.codec,
+                seed=spec.seed,
+                boundaries=[st.start for st in plan.stages[1:]],
+                replicas=replicas,
+                device=device,
+                precision=precision,
+                output=out,
+            )
+        )
+        progress.note(
+            f"launching {len(plan.stages)} stages x {replicas} replicas "
+            f"= {processes} processes (torch.distributed, "
+            f"{'gloo' if device == 'cpu' else 'NCCL'})"
+        )
+        cores = os.cpu_count() or 1
+        launch(job, threads=threads or max(1, cores // processes))
+        got = read_results(Path(out), job)
+    for report in got.reports:
+        progress.update(report)
+    result = JobResult(
+        job=job.job,
+        plan=plan,
+        spec=spec,
+        losses=got.losses,
+        reports=got.reports,
+        wall_s=got.wall_s,
+        weights=got.weights,
+    )
+    return result, score
+
+
+def _run_mqtt(
+    spec: JobSpec,
+    n: int,
+    broker: str | None,
+    progress: _Progress,
+    threads: int | None,
+    resilience: tuple[list[Any], int, float, bool] | None = None,
+    extra: dict[str, Any] | None = None,
+    servers: int = 0,
+) -> tuple[JobResult, str, Any]:
+    from coordinator.engine.runners import run_on_agents, server_tier
+    from coordinator.local.broker import BrokerStartError, start_broker
+    from coordinator.local.fleet import LocalFleet
+    from edge.transport.mqtt import MqttSettings, MqttTransport
+
+    name: str
+    with contextlib.ExitStack() as stack:
+        if broker is None:
+            try:
+                running = start_broker()
+            except BrokerStartError as exc:
+                raise UserError(f"could not start a broker: {str(exc).splitlines()[0]}") from None
+            stack.callback(running.stop)
+            url, name = running.url, running.kind
+            progress.note(f"started {running.describe()}")
+        else:
+            url, name = broker, broker
+            progress.note(f"using the broker at {broker}")
+        control = MqttTransport(MqttSettings(url=url))
+        control.connect(timeout=15)
+        stack.callback(control.close)
+        fleet = stack.enter_context(LocalFleet(n, url, threads=threads, servers=servers))
+        profiles = fleet.wait_online(control)
+        plan, score = _plan(spec, [profiles[d] for d in fleet.ids])
+        if resilience is None:
+            tier = server_tier({d: profiles[d] for d in fleet.ids})
+            if extra is not None and tier:
+                extra["servers"] = sorted(tier)
+            result = run_on_agents(spec, plan, control, on_step=progress.update, servers=tier)
+            return result, name, score
+        from coordinator.engine.faults import FaultInjector
+        from coordinator.engine.rebalance import Rebalancer, replication_interval
+        from coordinator.engine.resilient import run_resilient
+        from coordinator.planner.build import build_problem
+        from edge.wire.messages import Throttle
+        from edge.wire.topics import device_cmd
+
+        faults, every, timeout, rebalancing = resilience
+
+        members = list(fleet.ids)  # devices the job may use; joins are appended when online
+
+        def join(profile: str) -> None:
+            device = fleet.add(profile)
+            # Its own connection: the job's watch holds the status filter on `control`.
+            watcher = MqttTransport(MqttSettings(url=url))
+            try:
+                watcher.connect(timeout=15)
+                profiles.update(fleet.wait_online(watcher, timeout=60))
+            except (RuntimeError, UserError) as exc:
+                progress.note(f"fault join:{profile}: the new agent did not come up: {exc}")
+                return
+            finally:
+                watcher.close()
+            members.append(device)
+            progress.note(f"{device} ({profile}) joined")
+
+        def act(fault: Any, device: str) -> None:
+            if fault.kind == "join":  # starting an agent takes seconds: not on paho's thread
+                threading.Thread(target=join, args=(fault.profile,), daemon=True).start()
+            elif fault.kind == "kill":
+                progress.note(f"fault {fault}: killing {device}")
+                fleet.kill(device)
+            else:
+                progress.note(f"fault {fault}: {device} computes {fault.factor:g}x slower")
+                control.publish(
+                    device_cmd(device), Throttle(slowdown=fault.factor).model_dump_json()
+                )
+
+        def replan(alive: list[str]) -> Any:
+            return _plan(spec, [profiles[d] for d in alive], progress.note)[0]
+
+        def problem_for(alive: list[str]) -> Any:
+            return build_problem(
+                spec.model,
+                [profiles[d] for d in alive],
+                batch_size=spec.batch_size,
+                microbatches=spec.microbatches,
+                pin_first=alive[0],
+                model_options=spec.model_options,
+            )
+
+        if every < 0:
+            most = max(1, spec.steps // 10)
+            every = replication_interval(problem_for(members), plan, most=most)
+            progress.note(f"replicating every {every} steps (5% of a step, at most {most})")
+        got = run_resilient(
+            spec,
+            plan,
+            control,
+            replan,
+            members,
+            replicate_every=every,
+            heartbeat_timeout_s=timeout,
+            faults=FaultInjector(faults, act),
+            on_step=progress.update,
+            rebalance=(
+                Rebalancer(problem_for, replicate_every=every, stages=spec.stages)
+                if rebalancing
+                else None
+            ),
+        )
+        if extra is not None:
+            extra.update(got.to_json(), replicate_every=every)
+        return got.result, name, score
+    raise AssertionError("unreachable")
+
+
+class _Progress:
+    """A rich progress bar with the loss and samples/s, or nothing (``--json``)."""
+
+    def __init__(self, steps: int, batch_size: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.batch_size = batch_size
+        self._bar: Any = None
+        self._task: Any = None
+        self._steps = steps
+        self._first: float | None = None
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self._bar = Progress(
+                TextColumn("training"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("{task.fields[sps]} samples/s"),
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("train", total=self._steps, loss="-", sps="-")
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def note(self, text: str) -> None:
+        """A line for the user: above the bar, or on standard error under ``--json``."""
+        if self._bar is not None:
+            self._bar.console.print(text)
+        else:
+            typer.echo(text, err=True)
+
+    def update(self, report: StepReport) -> None:
+        import time
+
+        if self._bar is None or report.loss is None:
+            return
+        now = time.perf_counter()
+        self._first = self._first or now - report.step_s
+        sps = (report.step + 1) * self.batch_size / max(now - self._first, 1e-9)
+        self._bar.update(
+            self._task, completed=report.step + 1, loss=f"{report.loss:.4f}", sps=f"{sps:.0f}"
+        )
