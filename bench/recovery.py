@@ -5,11 +5,11 @@ a real Mosquitto) with every stage replicating its state every ``R`` steps, and
 the agent of stage 1 is SIGKILLed once step ``K`` is reported. Two ways on from there,
 one after the other on fresh fleets, the same job, the same seed:
 
-- **recovery** (what edgetrain does, :func:`coordinator.engine.resilient.run_resilient`):
+- **recovery** (what edgetrain does, :class:`coordinator.engine.resilient.ResilientRun`):
   the death is detected (last will), the survivors' stages are cancelled, the
   job is re-planned over them and resumes from the newest step the replicas cover.
 - **restart** (what a job without recovery would do): the death is detected the
-  same way (:class:`~coordinator.engine.resilient.DeviceWatch`), the job is torn down
+  same way (:class:`~coordinator.engine.watch.DeviceWatch`), the job is torn down
   (every agent stopped), the survivors' agents start again (new processes, torch
   imported anew), come online and announce their profiles, the plan is made over
   them, each stage is restored from the checkpoint (the replicas, reloaded from
@@ -46,9 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's p
 
 from coordinator.engine.faults import FaultInjector, parse_fault
 from coordinator.engine.replicas import ReplicaStore
-from coordinator.engine.resilient import DeviceWatch, run_resilient
+from coordinator.engine.resilient import ResilientRun
 from coordinator.engine.runners import run_inprocess, run_on_agents
 from coordinator.engine.spec import JobAborted, JobFailed, JobSpec, new_job_id
+from coordinator.engine.watch import DeviceWatch
 from coordinator.local.broker import start_broker
 from coordinator.local.fleet import LocalFleet
 from coordinator.planner.score import Plan
@@ -129,7 +130,7 @@ def _control(url: str) -> MqttTransport:
 
 
 def run_recovery(case: Case, url: str, reference: dict[str, Any]) -> Run:
-    """The job under :func:`run_resilient`; the kill is recovered from."""
+    """The job under :class:`ResilientRun`; the kill is recovered from."""
     n_units = get_model(case.model).num_units
     control = _control(url)
     try:
@@ -140,9 +141,8 @@ def run_recovery(case: Case, url: str, reference: dict[str, Any]) -> Run:
             )
             stages: list[int] = []
             started = time.perf_counter()
-            got = run_resilient(
+            got = ResilientRun(
                 case.spec(),
-                even_plan(fleet.ids, n_units),
                 control,
                 lambda alive: even_plan(alive, n_units),
                 list(fleet.ids),
@@ -151,7 +151,7 @@ def run_recovery(case: Case, url: str, reference: dict[str, Any]) -> Run:
                 faults=injector,
                 timeout_s=600,
                 on_attempt=lambda _job, plan, _first: stages.append(len(plan.stages)),
-            )
+            ).run(even_plan(fleet.ids, n_units))
             wall = time.perf_counter() - started
     finally:
         control.close()

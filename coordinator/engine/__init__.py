@@ -1,11 +1,13 @@
 """The job engine, with no FastAPI: plan -> assign -> run -> watch -> replicate -> recover/migrate.
 
+- :mod:`coordinator.engine.engine`: :class:`JobEngine`, the one driver of jobs over agents;
 - :mod:`coordinator.engine.spec`: a job's spec, its stage assignments and results;
-- :mod:`coordinator.engine.runners`: where stages run (agents, in-process, ranks);
-- :mod:`coordinator.engine.resilient`: the loop that survives deaths and migrates;
+- :mod:`coordinator.engine.runners`: where stages run (agents, in-process threads);
+- :mod:`coordinator.engine.resilient`: the attempts loop that survives deaths and migrates;
 - :mod:`coordinator.engine.replicas`: the coordinator's copy of every stage's state;
 - :mod:`coordinator.engine.rebalance`: when measured times call for a new plan;
-- :mod:`coordinator.engine.faults`: injected faults and the actuator protocol.
+- :mod:`coordinator.engine.faults`: injected faults and the actuator that does them;
+- :mod:`coordinator.engine.watch`: the one subscription to devices' status and heartbeats.
 """
 
 __all__: list[str] = []

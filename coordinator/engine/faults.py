@@ -73,7 +73,7 @@ def parse_fault(text: str, label: str = "--fault") -> Fault:
     factor = float(m.group(4) or 1.0)
     if m.group(1) == "slow" and not 1.0 <= factor <= 1000.0:
         raise UserError(f"{label} {text!r}: FACTOR must be between 1 and 1000")
-    return Fault(m.group(1), int(m.group(2)), int(m.group(3)), factor)  # type: ignore[arg-type]
+    return Fault(kind=m.group(1), stage=int(m.group(2)), step=int(m.group(3)), factor=factor)  # type: ignore[arg-type]
 
 
 @dataclass

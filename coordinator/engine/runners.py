@@ -119,7 +119,15 @@ def run_inprocess(
     weights: dict[str, torch.Tensor] = {}
     for rt in runtimes:
         weights.update({k: v.detach().clone() for k, v in rt.segment.state_dict().items()})
-    return JobResult(job, plan, spec, monitor.loss_list(spec.steps), monitor.reports, wall, weights)
+    return JobResult(
+        job=job,
+        plan=plan,
+        spec=spec,
+        losses=monitor.loss_list(spec.steps),
+        reports=monitor.reports,
+        wall_s=wall,
+        weights=weights,
+    )
 
 
 def run_on_agents(
@@ -202,7 +210,13 @@ def run_on_agents(
             missing = sorted(set(range(len(devices))) - set(weights))
             raise JobFailed(f"job {job}: the weights of stages {missing} never arrived")
         return JobResult(
-            job, plan, spec, monitor.loss_list(spec.steps), monitor.reports, wall, merged
+            job=job,
+            plan=plan,
+            spec=spec,
+            losses=monitor.loss_list(spec.steps),
+            reports=monitor.reports,
+            wall_s=wall,
+            weights=merged,
         )
     except BaseException:
         if len(monitor.done) == len(devices):

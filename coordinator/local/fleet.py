@@ -5,6 +5,12 @@ broker, waits until each has announced itself (status ``online`` and a
 profile, both retained, newer than the fleet's start), and ends them by their
 own pids (SIGTERM, then SIGKILL after a grace period) when the block ends,
 also when the block fails.
+
+It is the :class:`~coordinator.engine.engine.Fleet` and the
+:class:`~coordinator.engine.faults.FaultActuator` of a job that
+``edgetrain train`` drives over it: its available devices are those whose
+agent announced a profile and still runs; it kills an agent with SIGKILL,
+slows one with a ``Throttle`` command and starts a new one to join.
 """
 
 from __future__ import annotations
@@ -20,10 +26,14 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from coordinator.engine.faults import Fault
+from coordinator.engine.watch import DeviceFeed
+from edge.errors import UserError
 from edge.problem import DeviceSpec
 from edge.transport.mqtt import MqttTransport
-from edge.wire.messages import DeviceStatus, MessageError
-from edge.wire.topics import TOPIC_ROOT
+from edge.transport.settings import MqttSettings
+from edge.wire.messages import DeviceStatus, Throttle
+from edge.wire.topics import device_cmd
 
 __all__ = ["LocalFleet"]
 
@@ -71,6 +81,10 @@ class LocalFleet:
         self.work_dir = work_dir or Path(self._tmp.name)  # type: ignore[union-attr]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.started_at = 0.0
+        self.announced: dict[str, DeviceSpec] = {}
+        """The profile each agent announced, once :meth:`wait_online` saw it."""
+        self.control: MqttTransport | None = None
+        """The connection :meth:`wait_online` last used; ``slow`` faults are sent on it."""
 
     def log_path(self, device: str) -> Path:
         return self.work_dir / f"{device}.log"
@@ -120,62 +134,89 @@ class LocalFleet:
         )
         log.close()
 
-    def wait_online(self, control: MqttTransport, timeout: float = 60.0) -> dict[str, DeviceSpec]:
-        """Each agent's announced profile, once all are online; raises if one is not."""
+    def wait_online(
+        self, control: MqttTransport, timeout: float = 60.0, devices: list[str] | None = None
+    ) -> dict[str, DeviceSpec]:
+        """Each agent's announced profile, once all (or ``devices``) are online; raises
+        if one is not."""
+        ids = list(self.ids if devices is None else devices)
+        self.control = control
         profiles: dict[str, DeviceSpec] = {}
         online: set[str] = set()
         cond = threading.Condition()
 
-        def on_status(_topic: str, payload: bytes) -> None:
-            try:
-                status = DeviceStatus.model_validate_json(payload)
-            except (ValueError, MessageError):
-                return
+        def on_status(device: str, status: DeviceStatus) -> None:
             fresh = status.ts >= self.started_at - 1  # not a retained leftover of an old run
-            if status.device in self.procs and status.state != "offline" and fresh:
+            if device in self.procs and status.state != "offline" and fresh:
                 with cond:
-                    online.add(status.device)
+                    online.add(device)
                     cond.notify_all()
 
-        def on_profile(topic: str, payload: bytes) -> None:
-            device = topic.split("/")[-2]
+        def on_profile(device: str, spec: DeviceSpec) -> None:
             if device in self.procs:
-                try:
-                    spec = DeviceSpec.model_validate_json(payload)
-                except ValueError:
-                    return
                 with cond:
                     profiles[device] = spec
                     cond.notify_all()
 
-        status_topic = f"{TOPIC_ROOT}/devices/+/status"
-        profile_topic = f"{TOPIC_ROOT}/devices/+/profile"
-        control.subscribe(profile_topic, on_profile)
-        control.subscribe(status_topic, on_status)
         deadline = time.monotonic() + timeout
+        with DeviceFeed(control, on_status=on_status, on_profile=on_profile), cond:
+            while not (online >= set(ids) and set(profiles) >= set(ids)):
+                dead = [d for d in ids if self.procs[d].poll() is not None]
+                if dead:
+                    raise RuntimeError(f"agent {dead[0]} exited: {self.tail(dead[0])}")
+                if time.monotonic() > deadline:
+                    missing = sorted(set(ids) - online)
+                    raise RuntimeError(f"agents {missing} not online within {timeout:.0f} s")
+                cond.wait(0.2)
+        self.announced.update(profiles)
+        return {d: profiles[d] for d in ids}
+
+    def available(self, allowed: list[str] | None = None) -> list[DeviceSpec]:
+        """Announced profiles of the agents still running (in ``allowed`` when given)."""
+        return [
+            self.announced[d]
+            for d in self.ids
+            if d in self.announced
+            and self.procs[d].poll() is None
+            and (allowed is None or d in allowed)
+        ]
+
+    # -- faults (the FaultActuator protocol) ----------------------------------------------
+
+    def refusal(self, fault: Fault) -> str | None:
+        if fault.kind == "slow" and self.control is None:
+            return "slow faults need the fleet's connection: call wait_online first"
+        return None
+
+    def slow(self, device: str, factor: float) -> str:
+        if self.control is None:
+            raise UserError(self.refusal(Fault(kind="slow", stage=0, step=0, factor=factor)) or "")
+        throttle = Throttle(slowdown=factor).model_dump_json()
+        self.control.publish(device_cmd(device), throttle, 1)
+        return f"{device} computes {factor:g}x slower"
+
+    def join(self, profile: str) -> str:
+        """Start an agent with the catalogue ``profile`` and wait until it is online, on a
+        connection of its own (a job's device watch may hold the status filter of
+        :attr:`control`'s)."""
+        device = self.add(profile)
+        watcher = MqttTransport(MqttSettings(url=self.broker_url))
         try:
-            with cond:
-                while not (online >= set(self.ids) and set(profiles) >= set(self.ids)):
-                    dead = [d for d, p in self.procs.items() if p.poll() is not None]
-                    if dead:
-                        raise RuntimeError(f"agent {dead[0]} exited: {self.tail(dead[0])}")
-                    if time.monotonic() > deadline:
-                        missing = sorted(set(self.ids) - online)
-                        raise RuntimeError(f"agents {missing} not online within {timeout:.0f} s")
-                    cond.wait(0.2)
+            watcher.connect(timeout=15)
+            self.wait_online(watcher, timeout=60, devices=[device])
         finally:
-            control.unsubscribe(status_topic)
-            control.unsubscribe(profile_topic)
-        return {d: profiles[d] for d in self.ids}
+            watcher.close()
+        return device
 
     def tail(self, device: str, lines: int = 5) -> str:
         path = self.log_path(device)
         text = path.read_text(errors="replace") if path.exists() else ""
         return " | ".join(text.strip().splitlines()[-lines:])
 
-    def kill(self, device: str, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to one agent (fault injection and tests)."""
+    def kill(self, device: str, sig: int = signal.SIGKILL) -> str:
+        """Send ``sig`` to one agent (fault injection and tests); what was done."""
         self.procs[device].send_signal(sig)
+        return f"sent {signal.Signals(sig).name} to {device}'s agent"
 
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM every agent, wait, SIGKILL those still running; idempotent."""

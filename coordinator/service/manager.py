@@ -1,29 +1,31 @@
 """The job manager: accepts jobs, plans them over the fleet, drives them, stores everything.
 
-A job moves through the states of :mod:`coordinator.service.store.sqlite`: ``pending`` when
-submitted; ``planning`` while a plan over the online devices it may use is
-searched; ``running`` while its stages run on the agents
-(:func:`coordinator.engine.runners.run_on_agents`); then ``completed``, ``failed``
-(with the reason) or ``cancelled``. One job runs at a time, in submission
-order, on a worker thread; every step report is stored and announced on the
+A job moves through the states of :mod:`coordinator.service.store.sqlite`:
+``pending`` when submitted; ``planning`` while a plan over the online devices
+it may use is searched; ``running`` while the job engine
+(:class:`~coordinator.engine.engine.JobEngine`) runs its stages on the agents;
+then ``completed``, ``failed`` (with the reason) or ``cancelled``. One job runs
+at a time, in submission order, on a worker thread; every step report is stored and announced on the
 event bus as it arrives, and the trained weights are kept as safetensors in
 the data directory. On start, jobs a previous coordinator left planning or
 running are marked failed (``coordinator restarted``) and pending ones are
 queued again.
 
-A job is planned with its ``partition`` and ``stages`` (:func:`JobManager._plan`);
-with ``stages=N`` it fails when fewer than ``N`` devices may run it, except when
+A job is planned by the engine with its ``partition`` and ``stages``; with
+``stages=N`` it fails when fewer than ``N`` devices may run it, except when
 it is planned again (after a device died, or when a restarted coordinator
 resumes it): then it runs on one stage per device left and logs a ``replan``
 event saying so.
 
-A job with ``replicate_every`` runs resiliently (:mod:`coordinator.engine.resilient`),
-on an MQTT connection of its own: its device watch takes over the status and
-heartbeat subscriptions of the connection it watches, and the registry keeps
-``control``'s. Its ``faults`` fire through the manager's
-:class:`~coordinator.engine.faults.FaultActuator`; each is a ``fault`` event of the job
-when it fires (a coordinator that resumes the job skips those), and a device
-that joins is added to the job's devices once the registry has it online.
+A job with ``replicate_every`` runs resiliently, exactly as ``edgetrain train``
+runs one: it survives device deaths and migrates to a faster plan when its
+measured stage times drift or a device joins. Its ``faults`` fire through the
+manager's :class:`~coordinator.engine.faults.FaultActuator`; each is a
+``fault`` event of the job when it fires (a coordinator that resumes the job
+skips those), and a device that joins is added to the job's devices once the
+registry has it online. The manager keeps what the engine reports: steps,
+plans, attempts (in ``attempts.json``, so that a restarted coordinator can
+cancel them and resume from the replicas), and events.
 """
 
 from __future__ import annotations
@@ -37,20 +39,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from coordinator.engine.faults import (
-    Fault,
-    FaultActuator,
-    FaultInjector,
-    ThrottleActuator,
-    parse_fault,
-)
+from coordinator.engine.engine import JobEngine, JobHooks, PlannedJob
+from coordinator.engine.faults import Fault, FaultActuator, ThrottleActuator, parse_fault
 from coordinator.engine.replicas import ReplicaStore
-from coordinator.engine.resilient import run_resilient
-from coordinator.engine.runners import run_on_agents, server_tier
-from coordinator.engine.spec import JobFailed, JobSpec, new_job_id
+from coordinator.engine.runners import server_tier
+from coordinator.engine.spec import JobFailed, JobResult, JobSpec, new_job_id
 from coordinator.planner.baselines import run_baselines
-from coordinator.planner.build import build_problem
-from coordinator.planner.partition import plan_job
+from coordinator.planner.score import Plan
 from coordinator.planner.simulator import simulate
 from coordinator.service.events import EventBus
 from coordinator.service.registry import DeviceRegistry
@@ -66,12 +61,8 @@ __all__ = ["JobManager"]
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 10.0
-"""Before re-planning: how long survivors of a cancelled attempt may take to say ``online``."""
 RESUME_WAIT_S = 20.0
 """Resuming a job: how long the devices of its last attempt may take to be idle again."""
-JOIN_WAIT_S = 120.0
-"""How long a device started by a ``join`` fault may take to come online."""
 
 
 class JobManager:
@@ -95,6 +86,14 @@ class JobManager:
         self.actuator: FaultActuator = actuator or ThrottleActuator(control)
         """What jobs' faults are done with (kill and join need a testbed's)."""
         self.ready_timeout_s = ready_timeout_s
+        self.engine = JobEngine(
+            control,
+            registry,
+            self.actuator,
+            ready_timeout_s=ready_timeout_s,
+            servers=self._servers,
+        )
+        """Every job is driven by it: planned, run, recovered, migrated."""
         self.on_step = on_step
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._cancelled: set[str] = set()
@@ -195,56 +194,37 @@ class JobManager:
 
     def _plan(
         self, job: str, spec: JobSpec, allowed: list[str] | None, *, again: bool = False
-    ) -> Any:
-        """Plan ``job`` over the online devices it may use, with its ``partition`` and
-        ``stages`` (:func:`~coordinator.planner.partition.plan_job`), and store the plan.
+    ) -> Plan:
+        """Plan ``job`` over the online devices it may use (:meth:`JobEngine.plan`) and
+        store the plan. ``again``: a re-plan of a job that has run (after a failure, or
+        resuming it), which runs on fewer stages than its ``stages`` rather than failing."""
+        planned = self.engine.plan(spec, allowed, again=again)
+        self._store_plan(job, spec, planned)
+        return planned.plan
 
-        ``again``: a re-plan of a job that has run (after a failure, or resuming it). With
-        fewer devices than its ``stages`` it then plans one stage per device, and says so
-        in a ``replan`` event, rather than failing the job.
-        """
-        devices = self.registry.available(allowed)
-        if not devices:
-            raise UserError("no online device may run this job")
-        if spec.pin_first is not None and spec.pin_first not in {d.id for d in devices}:
-            raise UserError(f"pin_first device {spec.pin_first} is not online")
-        stages = spec.stages
-        if stages is not None and len(devices) < stages:
-            have = f"{len(devices)} online and allowed ({', '.join(d.id for d in devices)})"
-            if not again:
-                raise UserError(f"stages={stages} needs {stages} devices; {have}")
-            why = f"stages={stages}, but only {have}: planning {len(devices)} stages"
-            detail = {"stages_asked": stages, "stages": len(devices), "why": why}
+    def _store_plan(self, job: str, spec: JobSpec, planned: PlannedJob) -> None:
+        """The job's plan, its baselines and simulation, as the API shows them; a re-plan
+        on fewer stages than asked is a ``replan`` event."""
+        if planned.fewer_stages is not None:
+            detail = {
+                "stages_asked": spec.stages,
+                "stages": len(planned.plan.stages),
+                "why": planned.fewer_stages,
+            }
             self.store.add_job_event(job, "replan", detail)
-            stages = len(devices)
-        problem = build_problem(
-            spec.model,
-            devices,
-            batch_size=spec.batch_size,
-            microbatches=spec.microbatches,
-            model_options=spec.model_options,
-            pin_first=spec.pin_first,
-        )
-        found = plan_job(
-            problem,
-            partition=spec.partition,
-            stages=stages,
-            codec=spec.codec,
-            where="the online devices",
-        )
-        score = found.score
+        problem, score = planned.problem, planned.found.score
         sim = simulate(problem, score.plan, spec.schedule)
         self.store.set_job_plan(
             job,
             {
                 **score.to_json(),
-                "method": found.method,
-                "exact": found.exact,
+                "method": planned.found.method,
+                "exact": planned.found.exact,
                 "partition": spec.partition,
                 "stages_asked": spec.stages,
                 "compute_s": score.compute_s,
                 "link_s": score.link_s,
-                "units": [la.name for la in problem.layers],
+                "units": [unit.name for unit in problem.layers],
                 "baselines": {
                     k: {"throughput_sps": b.throughput_sps, "feasible": b.feasible}
                     for k, b in run_baselines(problem).items()
@@ -252,7 +232,6 @@ class JobManager:
                 "simulation": sim.to_json(),
             },
         )
-        return score.plan
 
     def _run(self, job: str, spec: JobSpec, allowed: list[str] | None) -> None:
         try:
@@ -264,10 +243,12 @@ class JobManager:
         if resuming:
             self._stop_previous(job)
         try:
-            plan = self._plan(job, spec, allowed, again=resuming)
+            planned = self.engine.plan(spec, allowed, again=resuming)
         except UserError as exc:
             self._finish(job, "failed", exc.message)
             return
+        self._store_plan(job, spec, planned)
+        plan = planned.plan
         with self._lock:
             cancelled = job in self._cancelled
             if not cancelled:
@@ -289,17 +270,9 @@ class JobManager:
 
         try:
             if spec.replicate_every > 0:
-                result = self._run_resilient(job, spec, allowed, plan, on_step)
+                result = self._run_resilient(job, spec, allowed, planned, on_step)
             else:
-                result = run_on_agents(
-                    spec,
-                    plan,
-                    self.control,
-                    job=job,
-                    on_step=on_step,
-                    ready_timeout_s=self.ready_timeout_s,
-                    servers=self._servers(),
-                )
+                result = self.engine.run(job, spec, planned, hooks=JobHooks(on_step=on_step)).result
         except JobFailed as exc:
             self._finish(job, "failed", str(exc), finished=time.time())
             return
@@ -315,10 +288,11 @@ class JobManager:
         job: str,
         spec: JobSpec,
         allowed: list[str] | None,
-        plan: Any,
+        planned: PlannedJob,
         on_step: Callable[[StepReport], None],
-    ) -> Any:
-        """Run ``job`` surviving device deaths, resuming what a previous coordinator began.
+    ) -> JobResult:
+        """Run ``job`` through the engine surviving device deaths and migrating to faster
+        plans, resuming what a previous coordinator began.
 
         Its replicas live in the job's folder (``replicas/``) and the attempts it
         ran in ``attempts.json``: a restarted coordinator cancels those attempts
@@ -334,7 +308,7 @@ class JobManager:
         self._resume.discard(job)  # _stop_previous stopped what a previous coordinator ran
         first_step = replicas.newest_complete(spec.steps)
 
-        def on_attempt(attempt: str, attempt_plan: Any, first: int) -> None:
+        def on_attempt(attempt: str, attempt_plan: Plan, first: int) -> None:
             devices = [st.device for st in attempt_plan.stages]
             with self._lock:
                 self._attempt[job], self._running[job] = attempt, devices
@@ -344,50 +318,41 @@ class JobManager:
             detail = {"attempt": attempt, "devices": devices, "first_step": first}
             self.store.add_job_event(job, "attempt", detail)
 
-        devices = [d.id for d in self.registry.available(allowed)]
-        members = None if allowed is None else list(allowed)  # devices that join are added
-        injector = self._injector(job, spec, devices, members)
+        def on_fault(fault: Fault, detail: dict[str, Any]) -> None:
+            event = {"fault": str(fault), "fired": True, "step": fault.step, **detail}
+            self.store.add_job_event(job, "fault", event)
 
-        def replan(alive: list[str]) -> Any:
-            self._wait_idle(alive, IDLE_WAIT_S)
-            alive = [d for d in alive if members is None or d in members]
-            return self._plan(job, spec, alive, again=True)
+        def on_join(device: str, online: bool) -> None:
+            self.store.add_job_event(job, "joined", {"device": device, "online": online})
 
         def step(report: StepReport) -> None:  # stored as the job's, not the attempt's
             on_step(report.model_copy(update={"job": job}))
 
-        control = MqttTransport(self.control.settings.model_copy(update={"client_id": None}))
-        control.connect(timeout=15)
-        try:
-            got = run_resilient(
-                spec,
-                plan,
-                control,
-                replan,
-                devices,
-                replicate_every=spec.replicate_every,
-                on_step=step,
-                replicas=replicas,
-                first_step=first_step,
-                on_attempt=on_attempt,
-                faults=injector,
-            )
-        finally:
-            control.close()
-        for e in got.events:
+        hooks = JobHooks(
+            on_step=step,
+            on_plan=lambda again: self._store_plan(job, spec, again),
+            on_attempt=on_attempt,
+            on_fault=on_fault,
+            on_join=on_join,
+        )
+        got = self.engine.run(
+            job,
+            spec,
+            planned,
+            hooks=hooks,
+            allowed=allowed,
+            faults=self._faults_left(job, spec),
+            replicas=replicas,
+            first_step=first_step,
+        )
+        events = got.resilient.events if got.resilient is not None else []
+        for e in events:
             if e["type"] in ("failure", "recovery", "migration", "broker-lost", "resumed"):
                 self.store.add_job_event(job, e["type"], e)
-        for fault in injector.pending if injector is not None else []:
+        for fault in got.unfired:
+            why = f"no stage {fault.stage} was running when step {fault.step} was reported"
             self.store.add_job_event(
-                job,
-                "fault",
-                {
-                    "fault": str(fault),
-                    "fired": False,
-                    "why": (
-                        f"no stage {fault.stage} was running when step {fault.step} was reported"
-                    ),
-                },
+                job, "fault", {"fault": str(fault), "fired": False, "why": why}
             )
         with self._lock:
             self._attempt.pop(job, None)
@@ -425,67 +390,11 @@ class JobManager:
         }
         return server_tier(profiles)
 
-    def _wait_idle(self, devices: list[str], timeout_s: float) -> None:
-        """Wait (bounded) until none of ``devices`` is ``busy`` in the registry: survivors
-        of a cancelled attempt say ``online`` once their stage has stopped."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            views = [self.registry.get(d) for d in devices]
-            if not any(v is not None and v.state == "busy" for v in views):
-                return
-            time.sleep(0.05)
-
-    def _injector(
-        self, job: str, spec: JobSpec, devices: list[str], members: list[str] | None
-    ) -> FaultInjector | None:
-        """The job's faults, less those a previous coordinator already fired, acting through
-        :attr:`actuator`; each one fired is a ``fault`` event. A device that joins is
-        appended to ``devices`` (and ``members``) once the registry has it online."""
-        if not spec.faults:
-            return None
+    def _faults_left(self, job: str, spec: JobSpec) -> list[Fault]:
+        """The job's faults, less those a previous coordinator already fired."""
         fired = {
             e.detail.get("fault")
             for e in self.store.job_events(job)
             if e.kind == "fault" and e.detail and e.detail.get("fired")
         }
-        faults = [f for f in (parse_fault(t) for t in spec.faults) if str(f) not in fired]
-
-        def record(fault: Fault, **detail: Any) -> None:
-            self.store.add_job_event(
-                job, "fault", {"fault": str(fault), "fired": True, "step": fault.step, **detail}
-            )
-
-        def join(fault: Fault) -> None:
-            try:
-                device = self.actuator.join(fault.profile or "")
-            except (UserError, OSError, RuntimeError) as exc:
-                record(fault, error=getattr(exc, "message", str(exc)))
-                return
-            record(fault, device=device, done=f"started {device} ({fault.profile})")
-            deadline = time.monotonic() + JOIN_WAIT_S
-            while not self.registry.available([device]):
-                if time.monotonic() > deadline:
-                    self.store.add_job_event(job, "joined", {"device": device, "online": False})
-                    return
-                time.sleep(0.1)
-            if members is not None:
-                members.append(device)
-            devices.append(device)
-            self.store.add_job_event(job, "joined", {"device": device, "online": True})
-
-        def act(fault: Fault, device: str) -> None:  # on paho's thread: nothing slow here
-            if fault.kind == "join":
-                threading.Thread(target=join, args=(fault,), name="join", daemon=True).start()
-                return
-            try:
-                if fault.kind == "kill":
-                    done = self.actuator.kill(device)
-                else:
-                    done = self.actuator.slow(device, fault.factor)
-            except (UserError, OSError, ConnectionError) as exc:
-                record(fault, device=device, error=getattr(exc, "message", str(exc)))
-                return
-            log.warning("job %s: fault %s: %s", job, fault, done)
-            record(fault, device=device, done=done)
-
-        return FaultInjector(faults, act)
+        return [f for f in (parse_fault(t) for t in spec.faults) if str(f) not in fired]

@@ -1,11 +1,12 @@
 """The fleet as the coordinator sees it: devices, their state, profile and last sign of life.
 
 The registry listens to every device's retained ``status`` and ``profile``
-topics and to heartbeats. A device is ``online`` (or ``busy``) from its status
-until its last-will says ``offline`` or no heartbeat has come for
-``heartbeat_timeout_s``; it is then marked ``offline`` with the time it was
-last seen. Every change is written to the store (heartbeats at most every
-few seconds per device) and announced on the event bus.
+topics and to heartbeats, through a :class:`~coordinator.engine.watch.DeviceFeed`.
+A device is ``online`` (or ``busy``) from its status until its last-will says
+``offline`` or no heartbeat has come for ``heartbeat_timeout_s``; it is then
+marked ``offline`` with the time it was last seen. Every change is written to
+the store (heartbeats at most every few seconds per device) and announced on
+the event bus.
 """
 
 from __future__ import annotations
@@ -16,13 +17,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pydantic import ValidationError
-
+from coordinator.engine.watch import DeviceFeed
 from coordinator.service.events import EventBus
 from edge.problem import DeviceSpec
 from edge.transport.mqtt import MqttTransport
 from edge.wire.messages import DeviceStatus, Heartbeat
-from edge.wire.topics import TOPIC_ROOT
 
 __all__ = ["DeviceRegistry", "DeviceView"]
 
@@ -61,19 +60,29 @@ class DeviceRegistry:
         self._persisted: dict[str, float] = {}
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="device-watchdog", daemon=True)
+        self._feed = DeviceFeed(
+            control,
+            on_status=self._on_status,
+            on_profile=self._on_profile,
+            on_heartbeat=self._on_heartbeat,
+        )
         for record in store.list_devices():
             # What the store knew before a restart; MQTT's retained messages refresh it.
             self._devices[record.id] = DeviceView(
-                record.id, "offline", record.last_seen, record.profile, None, None
+                id=record.id,
+                state="offline",
+                last_seen=record.last_seen,
+                profile=record.profile,
+                job=None,
+                stage=None,
             )
 
     def start(self) -> None:
-        self.control.subscribe(f"{TOPIC_ROOT}/devices/+/status", self._on_status)
-        self.control.subscribe(f"{TOPIC_ROOT}/devices/+/profile", self._on_profile)
-        self.control.subscribe(f"{TOPIC_ROOT}/devices/+/heartbeat", self._on_heartbeat, qos=0)
+        self._feed.start()
         self._watchdog.start()
 
     def stop(self) -> None:
+        self._feed.stop()
         self._stop.set()
         if self._watchdog.is_alive():
             self._watchdog.join(timeout=5)
@@ -104,10 +113,6 @@ class DeviceRegistry:
 
     # -- MQTT callbacks (paho's network thread) ---------------------------------------
 
-    @staticmethod
-    def _device_of(topic: str) -> str:
-        return topic.split("/")[-2]
-
     def _update(self, device: str, persist: bool = True, **fields: Any) -> None:
         with self._lock:
             view = self._devices.setdefault(device, DeviceView(device))
@@ -130,31 +135,14 @@ class DeviceRegistry:
         if changed or "profile" in fields:
             self.bus.publish("device", snapshot)
 
-    def _on_status(self, topic: str, payload: bytes) -> None:
-        try:
-            status = DeviceStatus.model_validate_json(payload)
-        except ValidationError:
-            log.warning("ignored a malformed status on %s", topic)
-            return
-        device = self._device_of(topic)
+    def _on_status(self, device: str, status: DeviceStatus) -> None:
         seen = time.time() if status.state != "offline" else status.ts
         self._update(device, state=status.state, job=status.job, stage=status.stage, last_seen=seen)
 
-    def _on_profile(self, topic: str, payload: bytes) -> None:
-        device = self._device_of(topic)
-        try:
-            spec = DeviceSpec.model_validate_json(payload)
-        except ValidationError:
-            log.warning("ignored a malformed profile from %s", device)
-            return
+    def _on_profile(self, device: str, spec: DeviceSpec) -> None:
         self._update(device, profile=spec.model_dump(mode="json", exclude_none=True))
 
-    def _on_heartbeat(self, topic: str, payload: bytes) -> None:
-        device = self._device_of(topic)
-        try:
-            beat = Heartbeat.model_validate_json(payload)
-        except ValidationError:
-            return
+    def _on_heartbeat(self, device: str, beat: Heartbeat) -> None:
         with self._lock:
             current = self._devices.get(device)
             state = current.state if current is not None else "offline"

@@ -31,12 +31,12 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from coordinator.engine.watch import DeviceFeed
 from coordinator.local.broker import _mosquitto_conf, find_mosquitto, free_port
 from coordinator.testbed.state import ENV_TOKEN, State
 from edge.transport.mqtt import MqttTransport
 from edge.transport.settings import MqttSettings
-from edge.wire.messages import DeviceStatus, MessageError
-from edge.wire.topics import TOPIC_ROOT
+from edge.wire.messages import DeviceStatus
 
 __all__ = [
     "CGROUP_EXEC",
@@ -211,21 +211,18 @@ def in_cgroups_and_netns(cmd: list[str], procs_files: list[Path], namespace: str
 def _watch(
     broker_url: str, client_id: str
 ) -> tuple[MqttTransport, dict[str, DeviceStatus], threading.Condition]:
+    """A connection whose :class:`DeviceFeed` keeps each device's newest status in ``seen``."""
     control = MqttTransport(MqttSettings(url=broker_url, client_id=client_id))
     control.connect(timeout=10)
     seen: dict[str, DeviceStatus] = {}
     cond = threading.Condition()
 
-    def on_status(_topic: str, payload: bytes) -> None:
-        try:
-            status = DeviceStatus.model_validate_json(payload)
-        except (ValueError, MessageError):
-            return
+    def on_status(device: str, status: DeviceStatus) -> None:
         with cond:
-            seen[status.device] = status
+            seen[device] = status
             cond.notify_all()
 
-    control.subscribe(f"{TOPIC_ROOT}/devices/+/status", on_status)
+    DeviceFeed(control, on_status=on_status).start()  # ends with the connection
     return control, seen, cond
 
 

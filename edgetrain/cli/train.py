@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,33 +28,12 @@ from edge.wire.messages import StepReport
 __all__ = ["train_command"]
 
 
-def _plan(
-    spec: JobSpec, devices: list[Any], note: Callable[[str], None] | None = None
-) -> tuple[Any, Any]:
+def _plan(spec: JobSpec, devices: list[Any]) -> tuple[Any, Any]:
     """The plan over ``devices`` (the first holds the data) with the spec's ``partition``
-    and ``stages``, and its spec score. ``note``: this is a re-plan over the survivors of
-    a failure; with fewer of them than ``stages`` it plans one stage each and says so."""
-    from coordinator.planner.build import build_problem
-    from coordinator.planner.partition import plan_job
+    and ``stages``, and its spec score."""
+    from coordinator.engine.engine import plan_over
 
-    stages = spec.stages
-    if note is not None and stages is not None and len(devices) < stages:
-        note(
-            f"--stages {stages}, but only {len(devices)} devices survive: "
-            f"planning {len(devices)} stages"
-        )
-        stages = len(devices)
-    problem = build_problem(
-        spec.model,
-        devices,
-        batch_size=spec.batch_size,
-        microbatches=spec.microbatches,
-        pin_first=devices[0].id,
-        model_options=spec.model_options,
-    )
-    found = plan_job(
-        problem, partition=spec.partition, stages=stages, codec=spec.codec, where="these devices"
-    )
+    found = plan_over(spec, devices, pin_first=devices[0].id, where="these devices").found
     return found.plan, found.score
 
 
@@ -352,7 +329,12 @@ def _run_mqtt(
     extra: dict[str, Any] | None = None,
     servers: int = 0,
 ) -> tuple[JobResult, str, Any]:
-    from coordinator.engine.runners import run_on_agents, server_tier
+    """N agents on this machine, driven by the job engine exactly as the service drives
+    a fleet: planned, run, and with ``resilience`` (faults, replicate-every, heartbeat
+    timeout, rebalance) recovered from deaths and migrated to faster plans."""
+    from coordinator.engine.engine import JobEngine, JobHooks
+    from coordinator.engine.runners import server_tier
+    from coordinator.engine.spec import new_job_id
     from coordinator.local.broker import BrokerStartError, start_broker
     from coordinator.local.fleet import LocalFleet
     from edge.transport.mqtt import MqttSettings, MqttTransport
@@ -375,87 +357,50 @@ def _run_mqtt(
         stack.callback(control.close)
         fleet = stack.enter_context(LocalFleet(n, url, threads=threads, servers=servers))
         profiles = fleet.wait_online(control)
-        plan, score = _plan(spec, [profiles[d] for d in fleet.ids])
-        if resilience is None:
-            tier = server_tier({d: profiles[d] for d in fleet.ids})
-            if extra is not None and tier:
-                extra["servers"] = sorted(tier)
-            result = run_on_agents(spec, plan, control, on_step=progress.update, servers=tier)
-            return result, name, score
-        from coordinator.engine.faults import FaultInjector
-        from coordinator.engine.rebalance import Rebalancer, replication_interval
-        from coordinator.engine.resilient import run_resilient
-        from coordinator.planner.build import build_problem
-        from edge.wire.messages import Throttle
-        from edge.wire.topics import device_cmd
-
-        faults, every, timeout, rebalancing = resilience
-
-        members = list(fleet.ids)  # devices the job may use; joins are appended when online
-
-        def join(profile: str) -> None:
-            device = fleet.add(profile)
-            # Its own connection: the job's watch holds the status filter on `control`.
-            watcher = MqttTransport(MqttSettings(url=url))
-            try:
-                watcher.connect(timeout=15)
-                profiles.update(fleet.wait_online(watcher, timeout=60))
-            except (RuntimeError, UserError) as exc:
-                progress.note(f"fault join:{profile}: the new agent did not come up: {exc}")
-                return
-            finally:
-                watcher.close()
-            members.append(device)
-            progress.note(f"{device} ({profile}) joined")
-
-        def act(fault: Any, device: str) -> None:
-            if fault.kind == "join":  # starting an agent takes seconds: not on paho's thread
-                threading.Thread(target=join, args=(fault.profile,), daemon=True).start()
-            elif fault.kind == "kill":
-                progress.note(f"fault {fault}: killing {device}")
-                fleet.kill(device)
-            else:
-                progress.note(f"fault {fault}: {device} computes {fault.factor:g}x slower")
-                control.publish(
-                    device_cmd(device), Throttle(slowdown=fault.factor).model_dump_json()
-                )
-
-        def replan(alive: list[str]) -> Any:
-            return _plan(spec, [profiles[d] for d in alive], progress.note)[0]
-
-        def problem_for(alive: list[str]) -> Any:
-            return build_problem(
-                spec.model,
-                [profiles[d] for d in alive],
-                batch_size=spec.batch_size,
-                microbatches=spec.microbatches,
-                pin_first=alive[0],
-                model_options=spec.model_options,
-            )
-
-        if every < 0:
-            most = max(1, spec.steps // 10)
-            every = replication_interval(problem_for(members), plan, most=most)
-            progress.note(f"replicating every {every} steps (5% of a step, at most {most})")
-        got = run_resilient(
-            spec,
-            plan,
+        faults, every, timeout, rebalancing = resilience or ([], 0, 3.0, False)
+        engine = JobEngine(
             control,
-            replan,
-            members,
-            replicate_every=every,
+            fleet,
+            fleet,
             heartbeat_timeout_s=timeout,
-            faults=FaultInjector(faults, act),
-            on_step=progress.update,
-            rebalance=(
-                Rebalancer(problem_for, replicate_every=every, stages=spec.stages)
-                if rebalancing
-                else None
-            ),
+            servers=lambda: server_tier({d.id: d for d in fleet.available()}),
         )
-        if extra is not None:
-            extra.update(got.to_json(), replicate_every=every)
-        return got.result, name, score
+        first = fleet.ids[0]
+        planned = engine.plan(spec, pin_first=first, where="these devices")
+        tier = server_tier(profiles)
+        if extra is not None and tier and not every:
+            extra["servers"] = sorted(tier)
+
+        def on_plan(again: Any) -> None:
+            if again.fewer_stages:
+                progress.note(again.fewer_stages.replace("stages=", "--stages "))
+
+        def on_fault(fault: Any, detail: dict[str, Any]) -> None:
+            progress.note(f"fault {fault}: {detail.get('done') or detail.get('error')}")
+
+        def on_join(device: str, online: bool) -> None:
+            progress.note(f"{device} joined" if online else f"{device} did not come online")
+
+        hooks = JobHooks(
+            on_step=progress.update, on_plan=on_plan, on_fault=on_fault, on_join=on_join
+        )
+        if every < 0:
+            every = engine.replication(spec, planned, every)
+            most = max(1, spec.steps // 10)
+            progress.note(f"replicating every {every} steps (5% of a step, at most {most})")
+        run = engine.run(
+            new_job_id(),
+            spec,
+            planned,
+            hooks=hooks,
+            faults=faults,
+            replicate_every=every,
+            rebalance=rebalancing,
+            pin_first=first,
+        )
+        if extra is not None and run.resilient is not None:
+            extra.update(run.resilient.to_json(), replicate_every=run.replicate_every)
+        return run.result, name, planned.found.score
     raise AssertionError("unreachable")
 
 

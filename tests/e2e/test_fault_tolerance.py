@@ -41,7 +41,7 @@ from support.reference import ReferenceRun, assert_matches, train_reference
 
 from coordinator.engine.faults import Fault, FaultInjector, parse_fault
 from coordinator.engine.rebalance import Rebalancer
-from coordinator.engine.resilient import ResilientResult, run_resilient
+from coordinator.engine.resilient import ResilientResult, ResilientRun
 from coordinator.engine.runners import run_inprocess
 from coordinator.engine.spec import JobSpec
 from coordinator.local.broker import start_broker
@@ -197,9 +197,8 @@ def _run(broker: str, model: str, agents: int, faults: list[Fault]) -> Resilient
         with LocalFleet(agents, broker, threads=1) as fleet:
             fleet.wait_online(control, timeout=90)
             injector = FaultInjector(faults, lambda _f, device: fleet.kill(device))
-            return run_resilient(
+            return ResilientRun(
                 _spec(model),
-                _even(fleet.ids, n_units),
                 control,
                 lambda alive: _even(alive, n_units),
                 list(fleet.ids),
@@ -207,7 +206,7 @@ def _run(broker: str, model: str, agents: int, faults: list[Fault]) -> Resilient
                 heartbeat_timeout_s=3.0,
                 faults=injector,
                 timeout_s=300,
-            )
+            ).run(_even(fleet.ids, n_units))
     finally:
         control.close()
 
@@ -380,9 +379,8 @@ def test_a_broker_restart_is_ridden_out_with_the_same_result() -> None:
                 if report.step == 5:
                     restart.set()
 
-            got = run_resilient(
+            got = ResilientRun(
                 _spec(model),
-                _even(fleet.ids, n_units),
                 control,
                 lambda alive: _even(alive, n_units),
                 list(fleet.ids),
@@ -390,7 +388,7 @@ def test_a_broker_restart_is_ridden_out_with_the_same_result() -> None:
                 heartbeat_timeout_s=3.0,
                 on_step=on_step,
                 timeout_s=300,
-            )
+            ).run(_even(fleet.ids, n_units))
     finally:
         restart.set()
         thread.join(30)
@@ -444,9 +442,8 @@ def test_a_faster_device_that_joins_is_taken_in(broker: str) -> None:
                 [parse_fault("join:laptop@2")],
                 lambda _f, _d: threading.Thread(target=join, daemon=True).start(),
             )
-            got = run_resilient(
+            got = ResilientRun(
                 spec,
-                _even(members, 6),
                 control,
                 lambda alive: _even(alive, 6),
                 members,
@@ -455,7 +452,7 @@ def test_a_faster_device_that_joins_is_taken_in(broker: str) -> None:
                 timeout_s=300,
                 heartbeat_timeout_s=HEARTBEAT_S,
                 rebalance=Rebalancer(problem_for, replicate_every=2),
-            )
+            ).run(_even(members, 6))
     finally:
         control.close()
     attempts = _of(got.events, "attempt")
