@@ -23,7 +23,7 @@ the model FLOPs utilisation, MFU = achieved TFLOP/s / peak TFLOP/s.
 - Inputs: random token ids within the vocabulary (only speed is measured);
   stages after the first get a random activation that requires a gradient, so
   their backward computes the input gradient a real stage sends back.
-- Model FLOPs: from the layer-cost profiler (:func:`edge.models.unit_costs.profile_model`,
+- Model FLOPs: from the unit-cost profiler (:func:`edge.models.unit_costs.profile_model`,
   ``torch.utils.flop_counter``) on one sample: training FLOPs = counted forward
   + counted backward (input and weight gradients; about 3x forward); embedding
   lookups and element-wise work count zero, the causal attention counts its full
@@ -163,7 +163,7 @@ def stage_ranges(n_layer: int, stages: int) -> list[tuple[int, int]]:
 
 
 def unit_train_flops(options: dict[str, int], device: torch.device) -> list[tuple[float, float]]:
-    """Per unit of gpt-mini, (forward, backward) FLOPs per sample from the layer-cost profiler.
+    """Per unit of gpt-mini, (forward, backward) FLOPs per sample from the unit-cost profiler.
 
     The profiled model has one block; every block has the same shape and cost,
     so that block's figures stand for each of the ``n_layer`` blocks.

@@ -24,7 +24,7 @@ a comparison of two plans.
 
 The planning problem is *calibrated*: every unit's FLOPs are replaced by its
 measured single-core time inside real training steps on this machine x this
-machine's single-core matmul rate (PipeDream's profiler: measured layer times,
+machine's single-core matmul rate (PipeDream's profiler: measured unit times,
 not FLOP counts; see :mod:`edge.runtime.unit_times`), and every
 device announces the speed the testbed really gives it (its CPU share x that
 rate). So a prediction can be compared with a measurement at all.
@@ -66,7 +66,7 @@ from coordinator.planner.solve import plan_problem
 from coordinator.testbed.testbed import Testbed
 from edge.models.unit_costs import profile_model
 from edge.models.zoo import get_model
-from edge.problem import DeviceSpec, LayerSpec, PlanningProblem
+from edge.problem import DeviceSpec, PlanningProblem, UnitSpec
 from edge.runtime.allocator import tune_malloc
 from edge.runtime.unit_times import measure_unit_times
 from edge.transport.mqtt import MqttSettings, MqttTransport
@@ -152,7 +152,7 @@ def fleet_devices(span: float) -> list[DeviceSpec]:
 
 def calibrated_layers(
     model: str, batch_size: int, microbatches: int, core_gflops: float, steps: int = 5
-) -> list[LayerSpec]:
+) -> list[UnitSpec]:
     """The model's units with FLOPs = measured single-core seconds x ``core_gflops``.
 
     Seconds come from :func:`edge.runtime.unit_times.measure_unit_times`: each unit
@@ -168,7 +168,7 @@ def calibrated_layers(
     counted = profile_model(spec, 2, timing=False).units  # bytes per sample
     rate = core_gflops * 1e9 * microbatches / batch_size  # per sample, per second of time
     return [
-        LayerSpec(
+        UnitSpec(
             name=u.name,
             fwd_flops=t.fwd_s * rate,
             bwd_flops=t.bwd_s * rate,

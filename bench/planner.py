@@ -28,7 +28,7 @@ from coordinator.planner.baselines import run_baselines
 from coordinator.planner.bounds import lower_bound
 from coordinator.planner.build import build_problem, parse_fleet
 from coordinator.planner.solve import plan_problem
-from edge.problem import LayerSpec, PlanningProblem
+from edge.problem import PlanningProblem, UnitSpec
 from edge.profiling.catalog import all_resolved, load_catalogue
 
 
@@ -130,7 +130,7 @@ def random_large(seed: int, devices: int = 64, units: int = 200) -> PlanningProb
     for i in range(units):
         flops = rng.lognormvariate(17, 1.2)
         layers.append(
-            LayerSpec(
+            UnitSpec(
                 name=f"u{i}",
                 fwd_flops=flops,
                 param_bytes=rng.lognormvariate(13, 1.5),

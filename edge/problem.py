@@ -25,7 +25,7 @@ from pydantic import (
 
 from edge.errors import UserError, describe_validation_error
 
-__all__ = ["DeviceSpec", "LayerSpec", "PlanningProblem", "load_problem", "parse_problem"]
+__all__ = ["DeviceSpec", "PlanningProblem", "UnitSpec", "load_problem", "parse_problem"]
 
 
 def _finite(value: float) -> float:
@@ -45,7 +45,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-class LayerSpec(_Strict):
+class UnitSpec(_Strict):
     """One unit of the model, in execution order; plans cut between units."""
 
     name: str = Field(min_length=1)
@@ -93,7 +93,7 @@ class PlanningProblem(_Strict):
     microbatches: Annotated[int, Field(ge=1)]
     optimizer_state_factor: Positive = 4.0
     pin_first: str | None = None
-    layers: list[LayerSpec] = Field(min_length=1)
+    layers: list[UnitSpec] = Field(min_length=1)
     devices: list[DeviceSpec] = Field(min_length=1)
 
     @model_validator(mode="after")

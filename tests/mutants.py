@@ -55,85 +55,85 @@ class Mutant:
 
 MUTANTS = [
     Mutant(
-        "loss-not-scaled",
-        "each microbatch's loss is not divided by the number of microbatches",
-        "edge/runtime/stage.py",
-        "losses[mb] = mb_loss / m if m > 1 else mb_loss",
-        "losses[mb] = mb_loss",
-        ("tests/unit/test_reference_parity.py::test_three_stages_equal_the_reference",),
+        name="loss-not-scaled",
+        what="each microbatch's loss is not divided by the number of microbatches",
+        path="edge/runtime/stage.py",
+        old="losses[mb] = mb_loss / m if m > 1 else mb_loss",
+        new="losses[mb] = mb_loss",
+        tests=("tests/unit/test_reference_parity.py::test_three_stages_equal_the_reference",),
     ),
     Mutant(
-        "replicas-take-whole-batch",
-        "every data-parallel replica trains on the whole batch instead of its slice",
-        "edge/runtime/stage.py",
-        "if a.replicas > 1:  # this replica's share of the step's batch",
-        "if False:  # this replica's share of the step's batch",
-        ("tests/integration/test_replica_shares.py",),
+        name="replicas-take-whole-batch",
+        what="every data-parallel replica trains on the whole batch instead of its slice",
+        path="edge/runtime/stage.py",
+        old="if a.replicas > 1:  # this replica's share of the step's batch",
+        new="if False:  # this replica's share of the step's batch",
+        tests=("tests/integration/test_replica_shares.py",),
     ),
     Mutant(
-        "rebalancer-misreads-time",
-        "the rebalancer reads stage 1's measured compute time three times too long",
-        "coordinator/engine/rebalance.py",
-        "st.device: compute_s[st.device] / (score.compute_s[s] * m)",
-        "st.device: compute_s[st.device] * (3 if s == 1 else 1) / (score.compute_s[s] * m)",
-        ("tests/unit/test_rebalance.py",),
+        name="rebalancer-misreads-time",
+        what="the rebalancer reads stage 1's measured compute time three times too long",
+        path="coordinator/engine/rebalance.py",
+        old="st.device: compute_s[st.device] / (score.compute_s[s] * m)",
+        new="st.device: compute_s[st.device] * (3 if s == 1 else 1) / (score.compute_s[s] * m)",
+        tests=("tests/unit/test_rebalance.py",),
     ),
     Mutant(
-        "last-microbatch-skipped",
-        "every stage skips the last microbatch of each step",
-        "edge/runtime/stage.py",
-        "        for action in self.actions:\n",
-        "        for action in [x for x in self.actions if x.microbatch < m - 1]:\n",
-        ("tests/unit/test_reference_parity.py::test_three_stages_equal_the_reference",),
+        name="last-microbatch-skipped",
+        what="every stage skips the last microbatch of each step",
+        path="edge/runtime/stage.py",
+        old="        for action in self.actions:\n",
+        new="        for action in [x for x in self.actions if x.microbatch < m - 1]:\n",
+        tests=("tests/unit/test_reference_parity.py::test_three_stages_equal_the_reference",),
     ),
     Mutant(
-        "stage-skips-optimizer",
-        "stage 1 never steps its optimizer",
-        "edge/runtime/stage.py",
-        "        if self.optimizer is not None:\n",
-        "        if self.optimizer is not None and a.stage != 1:\n",
-        ("tests/unit/test_reference_parity.py::test_three_stages_equal_the_reference",),
+        name="stage-skips-optimizer",
+        what="stage 1 never steps its optimizer",
+        path="edge/runtime/stage.py",
+        old="        if self.optimizer is not None:\n",
+        new="        if self.optimizer is not None and a.stage != 1:\n",
+        tests=("tests/unit/test_reference_parity.py::test_three_stages_equal_the_reference",),
     ),
     Mutant(
-        "gradient-half-scale",
-        "the gradient sent back over a link is halved",
-        "edge/runtime/stage.py",
-        '"bwd", Kind.GRADIENT, step, mb, inp.grad, self.codec_in',
-        '"bwd", Kind.GRADIENT, step, mb, inp.grad * 0.5, self.codec_in',
-        ("tests/unit/test_reference_parity.py::test_three_stages_equal_the_reference",),
+        name="gradient-half-scale",
+        what="the gradient sent back over a link is halved",
+        path="edge/runtime/stage.py",
+        old='"bwd", Kind.GRADIENT, step, mb, inp.grad, self.codec_in',
+        new='"bwd", Kind.GRADIENT, step, mb, inp.grad * 0.5, self.codec_in',
+        tests=("tests/unit/test_reference_parity.py::test_three_stages_equal_the_reference",),
     ),
     Mutant(
-        "duplicate-frame-accepted",
-        "an inbox accepts a frame whose key it has already seen",
-        "edge/transport/base.py",
-        "if frame.step < self._floor or frame.key in self._seen:",
-        "if frame.step < self._floor:",
-        ("tests/integration/test_transport_conformance.py",),
+        name="duplicate-frame-accepted",
+        what="an inbox accepts a frame whose key it has already seen",
+        path="edge/transport/base.py",
+        old="if frame.step < self._floor or frame.key in self._seen:",
+        new="if frame.step < self._floor:",
+        tests=("tests/integration/test_transport_conformance.py",),
     ),
     Mutant(
-        "restore-wrong-step",
-        "a stage restores a state blob of another step than the one it starts at",
-        "edge/runtime/stage.py",
-        "if state.step != a.first_step:",
-        "if False:",
-        ("tests/unit/test_checkpoint.py",),
+        name="restore-wrong-step",
+        what="a stage restores a state blob of another step than the one it starts at",
+        path="edge/runtime/stage.py",
+        old="if state.step != a.first_step:",
+        new="if False:",
+        tests=("tests/unit/test_checkpoint.py",),
     ),
     Mutant(
-        "planner-memory-off-by-one",
-        "the planner counts each stage one position nearer the end in its 1F1B memory",
-        "coordinator/planner/tables.py",
-        "factor = min(position_from_end, self.m)",
-        "factor = min(position_from_end - 1, self.m)",
-        ("tests/unit/test_planner_exact.py",),
+        name="planner-memory-off-by-one",
+        what="the planner counts each stage one position nearer the end in its 1F1B memory",
+        path="coordinator/planner/tables.py",
+        old="factor = min(position_from_end, self.m)",
+        new="factor = min(position_from_end - 1, self.m)",
+        tests=("tests/unit/test_planner_exact.py",),
     ),
     # Issue 13's own feature: jobs with a fixed number of stages.
     Mutant(
-        "stages-at-most-n",
-        "a job asking for N stages may get a plan of fewer (the exact search keeps any size)",
-        "coordinator/planner/search.py",
-        "starts = np.where((size == stages)[:, None], starts, inf)",
-        "starts = np.where((size <= stages)[:, None], starts, inf)",
-        ("tests/unit/test_partition.py",),
+        name="stages-at-most-n",
+        what="a job asking for N stages may get a plan of fewer (the exact search keeps any size)",
+        path="coordinator/planner/search.py",
+        old="starts = np.where((size == stages)[:, None], starts, inf)",
+        new="starts = np.where((size <= stages)[:, None], starts, inf)",
+        tests=("tests/unit/test_partition.py",),
     ),
 ]
 
@@ -189,7 +189,13 @@ def run_mutant(mutant: Mutant, files: list[str]) -> Outcome:
         try:
             _apply(mutant, tree)
         except (OSError, ValueError) as exc:
-            return Outcome(mutant, "error", "", time.monotonic() - started, str(exc))
+            return Outcome(
+                mutant=mutant,
+                status="error",
+                killer="",
+                seconds=time.monotonic() - started,
+                detail=str(exc),
+            )
         env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
         cmd = [
             sys.executable,
@@ -209,15 +215,29 @@ def run_mutant(mutant: Mutant, files: list[str]) -> Outcome:
                 cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=2 * TEST_TIMEOUT_S
             )
         except subprocess.TimeoutExpired:
-            return Outcome(mutant, "error", "", time.monotonic() - started, "pytest timed out")
+            return Outcome(
+                mutant=mutant,
+                status="error",
+                killer="",
+                seconds=time.monotonic() - started,
+                detail="pytest timed out",
+            )
     seconds = time.monotonic() - started
     output = done.stdout + done.stderr
     if done.returncode == 0:
-        return Outcome(mutant, "survived", "", seconds)
+        return Outcome(mutant=mutant, status="survived", killer="", seconds=seconds)
     if done.returncode == 1:
-        return Outcome(mutant, "killed", _failed_test(output) or "?", seconds)
+        return Outcome(
+            mutant=mutant, status="killed", killer=_failed_test(output) or "?", seconds=seconds
+        )
     tail = " | ".join(output.strip().splitlines()[-3:])
-    return Outcome(mutant, "error", "", seconds, f"pytest exit {done.returncode}: {tail}")
+    return Outcome(
+        mutant=mutant,
+        status="error",
+        killer="",
+        seconds=seconds,
+        detail=f"pytest exit {done.returncode}: {tail}",
+    )
 
 
 def _check_copy_is_imported(files: list[str]) -> None:

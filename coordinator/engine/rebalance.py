@@ -53,7 +53,7 @@ def replication_interval(
     factor = problem.optimizer_state_factor / 2
     worst = 0.0
     for st in plan.stages:
-        size = factor * sum(layer.param_bytes for layer in problem.layers[st.start : st.end])
+        size = factor * sum(unit.param_bytes for unit in problem.layers[st.start : st.end])
         worst = max(worst, size / 1e9 + size * 8 / (links[st.device] * 1e6))
     every = 1
     if worst > 0 and score.step_time_s > 0:
@@ -113,8 +113,8 @@ class Rebalancer:
         new = found.score
         gain = 1.0 - new.step_time_s / now.step_time_s
         moved = sum(
-            layer.param_bytes * measured.optimizer_state_factor / 2  # weights + optimizer state
-            for layer in measured.layers
+            unit.param_bytes * measured.optimizer_state_factor / 2  # weights + optimizer state
+            for unit in measured.layers
         )
         slowest = min(
             d.bandwidth_mbps

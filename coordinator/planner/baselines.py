@@ -83,7 +83,7 @@ def _min_max_partition(
 def pipedream(problem: PlanningProblem) -> Plan:
     """All devices in the given order, FLOPs balanced as if every device were the same."""
     ids = _given_order(problem)
-    flops = np.array([la.train_flops for la in problem.layers])
+    flops = np.array([unit.train_flops for unit in problem.layers])
     prefix = np.concatenate([[0.0], np.cumsum(flops)])
     bounds = _min_max_partition(flops, len(ids), lambda _p, a, b: prefix[b] - prefix[a])
     return _plan_from_bounds(ids, bounds)
@@ -97,11 +97,11 @@ def ftpipehd(problem: PlanningProblem) -> Plan:
 
     def cost(p: int, a: int, b: int) -> float:
         t = float(tab.compute[index[p], a, b])
-        if b < tab.num_layers and p + 1 < len(index):
+        if b < tab.num_units and p + 1 < len(index):
             t = max(t, float(tab.link[index[p], index[p + 1], b]))
         return t
 
-    bounds = _min_max_partition(np.zeros(tab.num_layers), len(ids), cost)
+    bounds = _min_max_partition(np.zeros(tab.num_units), len(ids), cost)
     return _plan_from_bounds(ids, bounds)
 
 

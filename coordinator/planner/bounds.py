@@ -36,7 +36,7 @@ def lower_bound(problem: PlanningProblem) -> float:
     """A step time no feasible plan can beat (see the module docstring)."""
     m = problem.microbatches
     b = problem.batch_size / problem.microbatches
-    work = [la.train_flops for la in problem.layers]
+    work = [unit.train_flops for unit in problem.layers]
     total = sum(work)
     g_max = max(d.gflops for d in problem.devices) * 1e9
     g_all = sum(d.gflops for d in problem.devices) * 1e9
@@ -52,8 +52,8 @@ def lower_bound(problem: PlanningProblem) -> float:
     lat = min(d.latency_ms for d in others)
     bw = min(pin.bandwidth_mbps, max(d.bandwidth_mbps for d in others))
     link = min(
-        2 * (pin.latency_ms + lat) / 1000 + 2 * b * la.out_bytes * 8 / (bw * 1e6)
-        for la in problem.layers[:-1]
+        2 * (pin.latency_ms + lat) / 1000 + 2 * b * unit.out_bytes * 8 / (bw * 1e6)
+        for unit in problem.layers[:-1]
     )
     tau = max(tau, b * work[0] / g_pin, link)
     split = (m - 1) * tau + b * work[0] / g_pin + b * (total - work[0]) / g_max + link

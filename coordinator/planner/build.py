@@ -99,7 +99,7 @@ def build_problem(
             microbatches=microbatches,
             optimizer_state_factor=optimizer_state_factor,
             pin_first=pin_first,
-            layers=prof.to_layers(),
+            layers=prof.to_unit_specs(),
             devices=devices,
         )
     except ValidationError as exc:

@@ -62,7 +62,7 @@ def _check(allowed: Sequence[str]) -> None:
 
 
 def with_codecs(problem: PlanningProblem, plan: Plan, codecs: Sequence[str]) -> PlanningProblem:
-    """``problem`` with the output bytes of each link's last layer scaled by its codec."""
+    """``problem`` with the output bytes of each link's last unit scaled by its codec."""
     if len(codecs) != len(plan.stages) - 1:
         raise ValueError(f"{len(codecs)} codecs for {len(plan.stages) - 1} links")
     layers = list(problem.layers)
@@ -74,7 +74,8 @@ def with_codecs(problem: PlanningProblem, plan: Plan, codecs: Sequence[str]) -> 
 
 def _scaled(problem: PlanningProblem, codec: str) -> PlanningProblem:
     layers = [
-        la.model_copy(update={"out_bytes": la.out_bytes * RATIO[codec]}) for la in problem.layers
+        unit.model_copy(update={"out_bytes": unit.out_bytes * RATIO[codec]})
+        for unit in problem.layers
     ]
     return problem.model_copy(update={"layers": layers})
 

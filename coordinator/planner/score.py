@@ -129,9 +129,9 @@ def score_plan(problem: PlanningProblem, plan: Plan) -> PlanScore:
     for s, st in enumerate(plan.stages):
         d = dev[st.device]
         chunk = layers[st.start : st.end]
-        compute.append(b * _sum(la.train_flops for la in chunk) / (d.gflops * 1e9))
-        params = _sum(la.param_bytes for la in chunk)
-        acts = _sum(la.saved_bytes for la in chunk)
+        compute.append(b * _sum(unit.train_flops for unit in chunk) / (d.gflops * 1e9))
+        params = _sum(unit.param_bytes for unit in chunk)
+        acts = _sum(unit.saved_bytes for unit in chunk)
         mem = problem.optimizer_state_factor * params + min(n_stages - s, m) * b * acts
         memory.append(mem)
         limits.append(d.memory_bytes)
@@ -151,14 +151,14 @@ def score_plan(problem: PlanningProblem, plan: Plan) -> PlanScore:
     # A problem of zero-FLOP layers and free links takes no time at all.
     throughput = problem.batch_size / step if step > 0 else math.inf
     return PlanScore(
-        plan,
-        compute,
-        links,
-        memory,
-        limits,
-        tau,
-        step,
-        throughput,
-        not reasons,
-        reasons,
+        plan=plan,
+        compute_s=compute,
+        link_s=links,
+        memory_bytes=memory,
+        memory_limit_bytes=limits,
+        bottleneck_s=tau,
+        step_time_s=step,
+        throughput_sps=throughput,
+        feasible=not reasons,
+        reasons=reasons,
     )

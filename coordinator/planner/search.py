@@ -17,16 +17,16 @@ it tractable:
    number of times proportional to the number of steps of ``G`` (times a log),
    not the number of candidates.
 
-``G(t)`` itself is a dynamic programme over suffixes of the layer list:
+``G(t)`` itself is a dynamic programme over suffixes of the unit list:
 
-- *exact* (:func:`subset_dp`): state ``(first layer of the suffix, set of
+- *exact* (:func:`subset_dp`): state ``(first unit of the suffix, set of
   devices used by the suffix, device of its first stage)``. Building plans from
   the last stage backwards, a stage's distance from the end is the size of the
   set, which is exactly what its 1F1B memory ``min(S - s, M)`` needs, so the
   memory limit is checked exactly. The state space is ``L * 2^D * D``: exact and
   fast up to about 10 devices.
 - *fixed order* (:func:`sequence_dp`): the devices and their order are given;
-  state ``(stage index, first layer)``, ``O(k * L^2)`` per threshold. It is
+  state ``(stage index, first unit)``, ``O(k * L^2)`` per threshold. It is
   exact for that sequence; which sequences to try is the heuristic part,
   in :mod:`coordinator.planner.solve`.
 
@@ -145,33 +145,33 @@ def subset_dp(
     pin: int | None = None,
     stages: int | None = None,
 ) -> tuple[float, Plan | None]:
-    """``G(t)`` over every device subset and order (exact; ``2^D`` states per layer).
+    """``G(t)`` over every device subset and order (exact; ``2^D`` states per unit).
 
     ``fits[r, d, h, i]``: range ``[h, i)`` fits device ``d`` as the stage ``r``
     stages from the end. ``pin`` forces the first stage onto that device index;
     ``stages`` keeps only plans of exactly that many stages.
     """
-    n_layers, n_dev = tab.num_layers, tab.num_devices
+    n_units, n_dev = tab.num_units, tab.num_devices
     n_sets = 1 << n_dev
     inf = np.inf
     comp = np.where(tab.compute <= t, tab.compute, inf)  # [D, L+1, L+1]
     link = np.where(tab.link <= t, tab.link, inf)  # [D, D, L+1]
     sets = np.arange(n_sets)
     size = np.array([bin(u).count("1") for u in sets])
-    # best[h, U, e]: least sum for the suffix from layer h whose stages use the set U
+    # best[h, U, e]: least sum for the suffix from unit h whose stages use the set U
     # and whose first stage runs on e; nxt_* remember the choice for reconstruction.
-    best = np.full((n_layers + 1, n_sets, n_dev), inf)
-    nxt_cut = np.zeros((n_layers + 1, n_sets, n_dev), dtype=np.int32)
-    nxt_dev = np.full((n_layers + 1, n_sets, n_dev), -1, dtype=np.int32)
+    best = np.full((n_units + 1, n_sets, n_dev), inf)
+    nxt_cut = np.zeros((n_units + 1, n_sets, n_dev), dtype=np.int32)
+    nxt_dev = np.full((n_units + 1, n_sets, n_dev), -1, dtype=np.int32)
     without = [sets[(sets >> e) & 1 == 0] for e in range(n_dev)]
-    hs = np.arange(n_layers)
+    hs = np.arange(n_units)
     # The last stage: range [h, L) alone, position 1 from the end.
     for e in range(n_dev):
-        ok = fits[1, e, hs, n_layers]
-        best[hs, 1 << e, e] = np.where(ok, comp[e, hs, n_layers], inf)
-        nxt_cut[hs, 1 << e, e] = n_layers
+        ok = fits[1, e, hs, n_units]
+        best[hs, 1 << e, e] = np.where(ok, comp[e, hs, n_units], inf)
+        nxt_cut[hs, 1 << e, e] = n_units
     # Push from each suffix start i (descending) to every stage [h, i) before it.
-    for i in range(n_layers - 1, 0, -1):
+    for i in range(n_units - 1, 0, -1):
         suffix = best[i]  # [U, d], final: every push into it came from larger i
         if not np.isfinite(suffix).any():
             continue
@@ -212,7 +212,7 @@ def subset_dp(
     while True:
         cut = int(nxt_cut[h, u, e])
         plan.append(Stage(tab.ids[e], h, cut))
-        if cut == n_layers:
+        if cut == n_units:
             break
         u, e, h = u & ~(1 << e), int(nxt_dev[h, u, e]), cut
     return value, Plan(tuple(plan))
@@ -220,14 +220,14 @@ def subset_dp(
 
 def sequence_dp(tab: CostTables, t: float, seq: list[int]) -> tuple[float, Plan | None]:
     """``G(t)`` for one device sequence, every device of it used in order (exact for it)."""
-    n_layers, k = tab.num_layers, len(seq)
-    if k > n_layers:
+    n_units, k = tab.num_units, len(seq)
+    if k > n_units:
         return float("inf"), None
     inf = np.inf
-    # value[h]: least sum of the stages s..k-1 when stage s starts at layer h.
+    # value[h]: least sum of the stages s..k-1 when stage s starts at unit h.
     d = seq[-1]
-    comp = tab.compute[d, :, n_layers]
-    fit = tab.fits_row(1, d, n_layers)
+    comp = tab.compute[d, :, n_units]
+    fit = tab.fits_row(1, d, n_units)
     value = np.where((comp <= t) & fit, comp, inf)
     cuts: list[np.ndarray] = []
     for s in range(k - 2, -1, -1):
@@ -238,7 +238,7 @@ def sequence_dp(tab: CostTables, t: float, seq: list[int]) -> tuple[float, Plan 
         link_ok = np.where(link <= t, link, inf)
         total = np.where((comp <= t) & fit, comp, inf) + (link_ok + value)[None, :]
         arg = total.argmin(axis=1)
-        value = total[np.arange(n_layers + 1), arg]
+        value = total[np.arange(n_units + 1), arg]
         cuts.append(arg)
     if not np.isfinite(value[0]):
         return float("inf"), None
@@ -247,5 +247,5 @@ def sequence_dp(tab: CostTables, t: float, seq: list[int]) -> tuple[float, Plan 
         cut = int(cuts[k - 2 - s][h])
         stages.append(Stage(tab.ids[seq[s]], h, cut))
         h = cut
-    stages.append(Stage(tab.ids[seq[-1]], h, n_layers))
+    stages.append(Stage(tab.ids[seq[-1]], h, n_units))
     return float(value[0]), Plan(tuple(stages))

@@ -64,7 +64,7 @@ carries one tensor per ``T_L >= c_s``. These times end at the lower bound. QED.
 The tests check it on random plans; (b) and (c) are sufficient, not necessary.
 
 *Where they differ.* The closed form is neither an upper nor a lower bound on
-the 1F1B step (one layer per stage, ``bwd = 2 * fwd`` unless said):
+the 1F1B step (one unit per stage, ``bwd = 2 * fwd`` unless said):
 
 - The bottleneck is not last (first or middle): the formula charges the later stages in full,
   but 1F1B overlaps them with the bottleneck's drain. ``T = [3, 1]``, free link,
@@ -215,13 +215,13 @@ def simulate(
     fwd_s, bwd_s, params, acts = [], [], [], []
     for s, st in enumerate(plan.stages):
         chunk = problem.layers[st.start : st.end]
-        total = sum(la.train_flops for la in chunk)
-        share = sum(la.fwd_flops for la in chunk) / total if total > 0 else 0.5
+        total = sum(unit.train_flops for unit in chunk)
+        share = sum(unit.fwd_flops for unit in chunk) / total if total > 0 else 0.5
         fwd_s.append(score.compute_s[s] * share)
         bwd_s.append(score.compute_s[s] - fwd_s[-1])
         # The same sums in the same order as score_plan, so the peaks match it exactly.
-        params.append(sum(la.param_bytes for la in chunk))
-        acts.append(sum(la.saved_bytes for la in chunk))
+        params.append(sum(unit.param_bytes for unit in chunk))
+        acts.append(sum(unit.saved_bytes for unit in chunk))
 
     run = _Run(actions, fwd_s, bwd_s, [c / 2 for c in score.link_s])
     run.run()
@@ -308,7 +308,16 @@ class _Run:
                 self.held[s] += 1
                 self.peak[s] = max(self.peak[s], self.held[s])
             end = self.now + (self.fwd_s[s] if a.kind == "F" else self.bwd_s[s])
-            self.timeline.append(TimelineEvent("stage", s, a.kind, a.microbatch, self.now, end))
+            self.timeline.append(
+                TimelineEvent(
+                    lane="stage",
+                    index=s,
+                    kind=a.kind,
+                    microbatch=a.microbatch,
+                    start_s=self.now,
+                    end_s=end,
+                )
+            )
             self._push(end, s, a.kind, a.microbatch)
 
     def _send(self, link: int, kind: EventKind, mb: int, to: int, what: str) -> None:
@@ -316,7 +325,11 @@ class _Run:
         start = max(self.now, self.link_free.get((link, kind), 0.0))
         end = start + self.send_s[link]
         self.link_free[link, kind] = end
-        self.timeline.append(TimelineEvent("link", link, kind, mb, start, end))
+        self.timeline.append(
+            TimelineEvent(
+                lane="link", index=link, kind=kind, microbatch=mb, start_s=start, end_s=end
+            )
+        )
         self._push(end, to, what, mb)
 
     def _push(self, time: float, s: int, what: str, mb: int) -> None:

@@ -56,10 +56,10 @@ _UNUSED_CLASSES = 6
 """How many classes of unused devices the local search tries to bring in."""
 
 
-def exact_capacity(n_layers: int, work: float = _EXACT_WORK) -> int:
-    """The most devices the exact search takes on for ``n_layers`` layers."""
+def exact_capacity(n_units: int, work: float = _EXACT_WORK) -> int:
+    """The most devices the exact search takes on for ``n_units`` units."""
     size = 1
-    while size < 12 and n_layers**2 * (size + 1) * 2**size <= work:
+    while size < 12 and n_units**2 * (size + 1) * 2**size <= work:
         size += 1
     return size
 
@@ -100,7 +100,7 @@ def _exact(
 
 def _best_single(tab: CostTables) -> int | None:
     """The device with the least step time running the whole model alone, if any fits."""
-    n = tab.num_layers
+    n = tab.num_units
     alone = np.where(tab.fits_all(1)[1, :, 0, n], tab.compute[:, 0, n], np.inf)
     if tab.problem.pin_first is not None:
         pin = tab.ids.index(tab.problem.pin_first)
@@ -235,10 +235,17 @@ def plan_problem(
     started = time.perf_counter()
     tab = CostTables.build(problem)
     n_dev = tab.num_devices
-    if stages is not None and not 1 <= stages <= min(n_dev, tab.num_layers):
-        why = f"no plan has {stages} stages: {n_dev} devices, {tab.num_layers} units"
-        return SearchResult(None, True, "none", 0, time.perf_counter() - started, why)
-    if n_dev <= max(EXACT_DEVICES, exact_capacity(tab.num_layers)):
+    if stages is not None and not 1 <= stages <= min(n_dev, tab.num_units):
+        why = f"no plan has {stages} stages: {n_dev} devices, {tab.num_units} units"
+        return SearchResult(
+            score=None,
+            exact=True,
+            method="none",
+            evaluations=0,
+            wall_s=time.perf_counter() - started,
+            reason=why,
+        )
+    if n_dev <= max(EXACT_DEVICES, exact_capacity(tab.num_units)):
         plan, evals = _exact(tab, stages=stages)
         return _result(problem, plan, True, "exact subset DP", evals, started, stages)
 
@@ -249,7 +256,7 @@ def plan_problem(
     single = _best_single(tab)
     shortlist = _shortlist(
         problem,
-        exact_capacity(tab.num_layers, _SHORTLIST_WORK),
+        exact_capacity(tab.num_units, _SHORTLIST_WORK),
         [] if single is None else [single],
     )
     plan, evals = None, 0
@@ -261,7 +268,7 @@ def plan_problem(
     evaluator.evaluations += evals
     seqs_tried: list[tuple[float, list[int]]] = []
     for order in _orders(problem):
-        lengths = _prefix_lengths(min(n_dev, tab.num_layers)) if stages is None else [stages]
+        lengths = _prefix_lengths(min(n_dev, tab.num_units)) if stages is None else [stages]
         for k in lengths:
             if time.perf_counter() > deadline:
                 break
@@ -294,8 +301,17 @@ def _result(
         reason = "no assignment of layers to devices fits every stage's memory"
         if stages is not None:
             reason = f"no {stages}-stage plan fits every stage's memory"
-        return SearchResult(None, exact, method, evaluations, wall, reason)
+        return SearchResult(
+            score=None,
+            exact=exact,
+            method=method,
+            evaluations=evaluations,
+            wall_s=wall,
+            reason=reason,
+        )
     score = score_plan(problem, plan)
     if not score.feasible:  # the search checks memory exactly; this guards the guarantee
         raise AssertionError(f"planner returned an infeasible plan: {score.reasons}")
-    return SearchResult(score, exact, method, evaluations, wall)
+    return SearchResult(
+        score=score, exact=exact, method=method, evaluations=evaluations, wall_s=wall
+    )

@@ -1,6 +1,6 @@
 """The spec's cost terms as arrays, for the search.
 
-:class:`CostTables` precomputes, for every device and every layer range
+:class:`CostTables` precomputes, for every device and every unit range
 ``[h, i)``, the compute time per microbatch, the parameter and activation bytes
 of the range, and for every cut and device pair the link time. Range sums are
 running sums from ``h`` taken left to right, the same additions in the same
@@ -46,7 +46,7 @@ class CostTables:
     acts: np.ndarray
     """``[L+1, L+1]``: saved activation bytes per sample of a range."""
     link: np.ndarray
-    """``[D, D, L+1]``: ``C`` of a cut before layer ``i`` from device ``d`` to ``e``."""
+    """``[D, D, L+1]``: ``C`` of a cut before unit ``i`` from device ``d`` to ``e``."""
     memory: np.ndarray
     """``[D]``: memory of each device."""
     _need: dict[int, np.ndarray] = field(default_factory=dict)
@@ -55,13 +55,13 @@ class CostTables:
     def build(cls, problem: PlanningProblem) -> CostTables:
         layers, devices = problem.layers, problem.devices
         b = problem.batch_size / problem.microbatches
-        flops = _range_sums([la.train_flops for la in layers])
+        flops = _range_sums([unit.train_flops for unit in layers])
         gflops = np.array([d.gflops for d in devices])
         with np.errstate(invalid="ignore"):
             compute = b * flops[None, :, :] / (gflops[:, None, None] * 1e9)
         lat = np.array([d.latency_ms for d in devices])
         bw = np.array([d.bandwidth_mbps for d in devices])
-        out = np.array([0.0] + [la.out_bytes for la in layers])  # out[i]: after layer i-1
+        out = np.array([0.0] + [unit.out_bytes for unit in layers])  # out[i]: after unit i-1
         pair_lat = 2 * (lat[:, None] + lat[None, :]) / 1000
         pair_bw = np.minimum(bw[:, None], bw[None, :]) * 1e6
         link = pair_lat[:, :, None] + 2 * b * out[None, None, :] * 8 / pair_bw[:, :, None]
@@ -71,14 +71,14 @@ class CostTables:
             b=b,
             m=problem.microbatches,
             compute=compute,
-            params=_range_sums([la.param_bytes for la in layers]),
-            acts=_range_sums([la.saved_bytes for la in layers]),
+            params=_range_sums([unit.param_bytes for unit in layers]),
+            acts=_range_sums([unit.saved_bytes for unit in layers]),
             link=link,
             memory=np.array([d.memory_bytes for d in devices]),
         )
 
     @property
-    def num_layers(self) -> int:
+    def num_units(self) -> int:
         return len(self.problem.layers)
 
     @property
@@ -105,7 +105,7 @@ class CostTables:
     def fits_all(self, max_position: int) -> np.ndarray:
         """``[max_position+1, D, L+1, L+1]`` booleans for positions ``1..max_position``
         (index 0 is unused)."""
-        n = self.num_layers + 1
+        n = self.num_units + 1
         out = np.zeros((max_position + 1, self.num_devices, n, n), dtype=bool)
         for r in range(1, max_position + 1):
             out[r] = self.need(r)[None, :, :] <= self.memory[:, None, None]
@@ -122,6 +122,6 @@ class CostTables:
     def candidate_bottlenecks(self) -> np.ndarray:
         """Every value a plan's bottleneck can take, sorted: all ``T`` and all ``C``."""
         t = self.compute[np.isfinite(self.compute)]
-        c = self.link[:, :, 1 : self.num_layers]
+        c = self.link[:, :, 1 : self.num_units]
         off_diagonal = ~np.eye(self.num_devices, dtype=bool)
         return np.unique(np.concatenate([t.ravel(), c[off_diagonal].ravel()]))

@@ -69,7 +69,7 @@ def start_services(settings: Settings) -> tuple[Services, Callable[[], None]]:
     except BaseException:
         stack.close()
         raise
-    services = Services(settings, store, bus, registry, manager)
+    services = Services(settings=settings, store=store, bus=bus, registry=registry, manager=manager)
     services.broker_url = url  # type: ignore[attr-defined]
     return services, stack.close
 

@@ -74,7 +74,7 @@ class EventBus:
 
     def publish(self, kind: str, data: dict[str, Any]) -> Event:
         with self._lock:
-            event = Event(next(self._ids), kind, data, time.time())
+            event = Event(id=next(self._ids), kind=kind, data=data, ts=time.time())
             subs = list(self._subs)
         for sub in subs:
             sub._put(event)

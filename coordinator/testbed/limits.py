@@ -186,7 +186,9 @@ def detect(requested: Literal["auto", "kernel", "software"] = "auto") -> Detecti
     if why is not None:
         return Detection("software", why)
     cpu, memory = controllers["cpu"], controllers["memory"]
-    return Detection("kernel", "root with cgroups, netns and tc tbf", cpu, memory)
+    return Detection(
+        method="kernel", reason="root with cgroups, netns and tc tbf", cpu=cpu, memory=memory
+    )
 
 
 def cgroup_parent(controller: Controller, testbed: str) -> Path:

@@ -114,7 +114,16 @@ def emulate(
         bandwidth = links.get(d.id, d.bandwidth_mbps)
         if not bandwidth > 0:
             raise UserError(f"link override for {d.id!r}: bandwidth must be positive")
-        out.append(EmulatedDevice(d.id, d, share, int(d.memory_bytes), bandwidth, d.latency_ms))
+        out.append(
+            EmulatedDevice(
+                id=d.id,
+                source=d,
+                cpus=share,
+                memory_bytes=int(d.memory_bytes),
+                bandwidth_mbps=bandwidth,
+                latency_ms=d.latency_ms,
+            )
+        )
     total = sum(e.cpus for e in out)
     if total > machine:
         raise UserError(

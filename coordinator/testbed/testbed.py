@@ -268,12 +268,12 @@ class Testbed:
         while f"{source.id}-joined-{n}" in taken:
             n += 1
         dev = EmulatedDevice(
-            f"{source.id}-joined-{n}",
-            source,
-            cpus,
-            int(source.memory_bytes),
-            source.bandwidth_mbps,
-            source.latency_ms,
+            id=f"{source.id}-joined-{n}",
+            source=source,
+            cpus=cpus,
+            memory_bytes=int(source.memory_bytes),
+            bandwidth_mbps=source.bandwidth_mbps,
+            latency_ms=source.latency_ms,
         )
         self.devices.append(dev)
         self.announced[dev.id] = dev.announced(state.core_gflops)

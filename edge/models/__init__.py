@@ -1,4 +1,4 @@
-"""The model zoo as ordered units, the offline datasets, and layer-cost profiling.
+"""The model zoo as ordered units, the offline datasets, and unit-cost profiling.
 
 - :mod:`edge.models.zoo`: model specs whose segments build only their own units;
 - :mod:`edge.models.units`: the building blocks (one tensor in, one out);

@@ -175,7 +175,9 @@ class DigitsDataset(Dataset[Sample]):
         self.indices = digits_split_indices(split)
         self.images = torch.from_numpy(images[self.indices, None].astype(np.float32) / 16.0)
         self.labels = torch.from_numpy(labels[self.indices].copy())
-        self.info = DatasetInfo("digits", (1, 8, 8), "float32", 10)
+        self.info = DatasetInfo(
+            name="digits", input_shape=(1, 8, 8), input_dtype="float32", num_classes=10
+        )
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -211,7 +213,9 @@ class SyntheticImages(Dataset[Sample]):
         self.size = _int_option(name, "size", size)
         self.seed = _int_option(name, "seed", seed, minimum=None)
         self.split = _check_split(name, split)
-        self.info = DatasetInfo(name, self.shape, "float32", self.num_classes)
+        self.info = DatasetInfo(
+            name=name, input_shape=self.shape, input_dtype="float32", num_classes=self.num_classes
+        )
         small = self.num_classes * int(np.prod(self.shape)) <= self._PROTOTYPE_CACHE_ELEMENTS
         self._cache: dict[int, np.ndarray] | None = {} if small else None
 
@@ -303,7 +307,13 @@ class TextDataset(Dataset[Sample]):
         self._codes = codes[self.start : self.stop]
         self._len = (span - self.block_size - 1) // self.stride + 1
         window = (self.block_size,)
-        self.info = DatasetInfo("text", window, "int64", TEXT_VOCAB_SIZE, window)
+        self.info = DatasetInfo(
+            name="text",
+            input_shape=window,
+            input_dtype="int64",
+            num_classes=TEXT_VOCAB_SIZE,
+            target_shape=window,
+        )
 
     def window(self, index: int) -> tuple[int, int]:
         """Corpus offsets ``[begin, end)`` that sample ``index`` reads (inputs and targets)."""
@@ -428,4 +438,10 @@ def dataset_info(name: str, **options: Any) -> DatasetInfo:
     except Exception as exc:
         raise UserError(f"dataset {name!r}: sample 0 is not (x, y): {_one_line(exc)}") from exc
     dtype = str(x.dtype).removeprefix("torch.")
-    return DatasetInfo(name, tuple(x.shape), dtype, num_classes, tuple(y.shape))
+    return DatasetInfo(
+        name=name,
+        input_shape=tuple(x.shape),
+        input_dtype=dtype,
+        num_classes=num_classes,
+        target_shape=tuple(y.shape),
+    )

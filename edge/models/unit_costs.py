@@ -1,4 +1,4 @@
-"""Layer-cost profiling: what each unit of a model costs to train, per sample.
+"""Unit-cost profiling: what each unit of a model costs to train, per sample.
 
 For every unit this measures, on a real batch pushed through the real units:
 
@@ -17,7 +17,7 @@ For every unit this measures, on a real batch pushed through the real units:
   timed runs after ``warmup`` untimed ones.
 
 Per-sample figures are batch totals divided by the batch size. The result's
-:meth:`ModelProfile.to_layers` is the ``layers`` list of a planning problem
+:meth:`ModelProfile.to_unit_specs` is the ``layers`` list of a planning problem
 (``shared/spec/planning.md``).
 """
 
@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from edge.models.zoo import ModelSpec
-from edge.problem import LayerSpec
+from edge.problem import UnitSpec
 
 __all__ = ["ModelProfile", "UnitCost", "profile_model"]
 
@@ -52,8 +52,8 @@ class UnitCost:
     """Median forward time of the whole batch on the profiling machine."""
     bwd_time_s: float | None = None
 
-    def to_layer(self) -> LayerSpec:
-        return LayerSpec(
+    def to_unit_spec(self) -> UnitSpec:
+        return UnitSpec(
             name=self.name,
             fwd_flops=self.fwd_flops,
             bwd_flops=self.bwd_flops,
@@ -77,9 +77,9 @@ class ModelProfile:
     def train_flops_per_sample(self) -> float:
         return sum(u.fwd_flops + u.bwd_flops for u in self.units)
 
-    def to_layers(self) -> list[LayerSpec]:
+    def to_unit_specs(self) -> list[UnitSpec]:
         """The ``layers`` list of a planning problem."""
-        return [u.to_layer() for u in self.units]
+        return [u.to_unit_spec() for u in self.units]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -184,4 +184,10 @@ def profile_model(
             )
         )
         x = out.detach()
-    return ModelProfile(spec.name, batch_size, costs, str(dev), torch.get_num_threads())
+    return ModelProfile(
+        model=spec.name,
+        batch_size=batch_size,
+        units=costs,
+        device=str(dev),
+        threads=torch.get_num_threads(),
+    )

@@ -129,7 +129,7 @@ class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention written with explicit matmuls.
 
     Explicit matmuls rather than ``scaled_dot_product_attention``: torch's FLOP
-    counter does not count the fused CPU kernel, and the layer-cost profile must.
+    counter does not count the fused CPU kernel, and the unit-cost profile must.
     """
 
     def __init__(self, d_model: int, n_head: int, block_size: int) -> None:

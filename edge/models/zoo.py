@@ -151,13 +151,13 @@ def _mlp(
     units.append(UnitDef("out", lambda: nn.Linear(hidden, num_classes)))
     shape = (1, 8, 8) if in_features == 64 else (in_features,)
     return ModelSpec(
-        "mlp",
-        "multilayer perceptron for 8x8 digits",
-        tuple(units),
-        shape,
-        torch.float32,
-        num_classes,
-        "digits",
+        name="mlp",
+        description="multilayer perceptron for 8x8 digits",
+        units=tuple(units),
+        input_shape=shape,
+        input_dtype=torch.float32,
+        num_classes=num_classes,
+        dataset="digits",
         seed=seed,
     )
 
@@ -171,13 +171,13 @@ def _cnn_digits(seed: int, width: int = 16, num_classes: int = 10, norm: str = "
         UnitDef("out", lambda: nn.Linear(64, num_classes)),
     )
     return ModelSpec(
-        "cnn-digits",
-        "small CNN for 8x8 digits (two convolutions, two linear layers)",
-        units,
-        (1, 8, 8),
-        torch.float32,
-        num_classes,
-        "digits",
+        name="cnn-digits",
+        description="small CNN for 8x8 digits (two convolutions, two linear layers)",
+        units=units,
+        input_shape=(1, 8, 8),
+        input_dtype=torch.float32,
+        num_classes=num_classes,
+        dataset="digits",
         seed=seed,
     )
 
@@ -212,15 +212,15 @@ def _vgg11(seed: int, num_classes: int = 10, norm: str = "group", width: int = 6
         cin = cout
     units.append(UnitDef("head", partial(_linear_head, cin, num_classes)))
     return ModelSpec(
-        "vgg11",
-        "VGG-11 for 32x32 images (CIFAR layout, one linear classifier)",
-        tuple(units),
-        (3, 32, 32),
-        torch.float32,
-        num_classes,
-        "synthetic-images",
-        dict(_IMAGE_DATA),
-        seed,
+        name="vgg11",
+        description="VGG-11 for 32x32 images (CIFAR layout, one linear classifier)",
+        units=tuple(units),
+        input_shape=(3, 32, 32),
+        input_dtype=torch.float32,
+        num_classes=num_classes,
+        dataset="synthetic-images",
+        dataset_options=dict(_IMAGE_DATA),
+        seed=seed,
     )
 
 
@@ -236,15 +236,15 @@ def _resnet18(seed: int, num_classes: int = 10, norm: str = "group", width: int 
             cin = cout
     units.append(UnitDef("head", partial(_pooled_head, cin, num_classes)))
     return ModelSpec(
-        "resnet18",
-        "ResNet-18 for 32x32 images (CIFAR stem; each basic block is one unit)",
-        tuple(units),
-        (3, 32, 32),
-        torch.float32,
-        num_classes,
-        "synthetic-images",
-        dict(_IMAGE_DATA),
-        seed,
+        name="resnet18",
+        description="ResNet-18 for 32x32 images (CIFAR stem; each basic block is one unit)",
+        units=tuple(units),
+        input_shape=(3, 32, 32),
+        input_dtype=torch.float32,
+        num_classes=num_classes,
+        dataset="synthetic-images",
+        dataset_options=dict(_IMAGE_DATA),
+        seed=seed,
     )
 
 
@@ -272,15 +272,15 @@ def _mobilenetv2(seed: int, num_classes: int = 10, norm: str = "group") -> Model
     units.append(UnitDef("conv_last", lambda: ConvNormAct(320, 1280, 1, norm=norm, act=nn.ReLU6)))
     units.append(UnitDef("head", partial(_pooled_head, 1280, num_classes)))
     return ModelSpec(
-        "mobilenetv2",
-        "MobileNetV2 for 32x32 images (CIFAR strides; each block is one unit)",
-        tuple(units),
-        (3, 32, 32),
-        torch.float32,
-        num_classes,
-        "synthetic-images",
-        dict(_IMAGE_DATA),
-        seed,
+        name="mobilenetv2",
+        description="MobileNetV2 for 32x32 images (CIFAR strides; each block is one unit)",
+        units=tuple(units),
+        input_shape=(3, 32, 32),
+        input_dtype=torch.float32,
+        num_classes=num_classes,
+        dataset="synthetic-images",
+        dataset_options=dict(_IMAGE_DATA),
+        seed=seed,
     )
 
 
@@ -297,15 +297,15 @@ def _gpt_mini(
         units.append(UnitDef(f"block{i}", lambda: TransformerBlock(d_model, n_head, block_size)))
     units.append(UnitDef("head", lambda: LMHead(d_model, vocab_size)))
     return ModelSpec(
-        "gpt-mini",
-        "small decoder-only transformer, char-level (pre-norm blocks)",
-        tuple(units),
-        (block_size,),
-        torch.int64,
-        vocab_size,
-        "text",
-        {"block_size": block_size},
-        seed,
+        name="gpt-mini",
+        description="small decoder-only transformer, char-level (pre-norm blocks)",
+        units=tuple(units),
+        input_shape=(block_size,),
+        input_dtype=torch.int64,
+        num_classes=vocab_size,
+        dataset="text",
+        dataset_options={"block_size": block_size},
+        seed=seed,
     )
 
 

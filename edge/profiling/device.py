@@ -287,7 +287,14 @@ def measure_broker_link(
         span = arrived[-1] - t0
         per_payload = (span - rtt if span > rtt else span) / (len(arrived) + 1)
         mbps = payload_bytes * 8 / max(per_payload, 1e-9) / 1e6
-        return LinkMeasurement(rtt * 1e3, rtt * 500, mbps, len(rtts), len(arrived), payload_bytes)
+        return LinkMeasurement(
+            rtt_ms=rtt * 1e3,
+            latency_ms=rtt * 500,
+            bandwidth_mbps=mbps,
+            rounds=len(rtts),
+            payloads=len(arrived),
+            payload_bytes=payload_bytes,
+        )
     finally:
         client.disconnect()
         client.loop_stop()
@@ -357,7 +364,7 @@ def profile_device(
     GPU's name and both rates. A device that is not there is a one-line
     :class:`UserError` before anything is measured. Either rate is an upper
     bound for training, which also runs element-wise ops and the optimizer; the
-    planner's measured per-layer times refine it. The link is measured through
+    planner's measured per-unit times refine it. The link is measured through
     ``broker_url`` when given (first, so a bad broker fails fast), otherwise
     see :func:`default_link`; ``details["link_source"]`` says which.
     """
@@ -402,4 +409,11 @@ def profile_device(
     }
     if gpu is not None:
         details["gpu"] = asdict(gpu)
-    return MeasuredProfile(device_id or host, gflops, memory, bw, lat, details)
+    return MeasuredProfile(
+        id=device_id or host,
+        gflops=gflops,
+        memory_bytes=memory,
+        bandwidth_mbps=bw,
+        latency_ms=lat,
+        details=details,
+    )

@@ -72,7 +72,13 @@ def matmul_benchmark(
         while len(rates) < 3 or (time.perf_counter() < deadline and len(rates) < 10_000):
             rates.append(2.0 * n**3 / _time_mm(a, b, out) / 1e9)
     threads = torch.get_num_threads()  # respected, never changed
-    return MatmulResult(statistics.median(rates), n, len(rates), threads, str(dtype))
+    return MatmulResult(
+        gflops=statistics.median(rates),
+        size=n,
+        repeats=len(rates),
+        threads=threads,
+        dtype=str(dtype),
+    )
 
 
 def measure_matmul_gflops(
@@ -209,7 +215,11 @@ def cuda_matmul_benchmark(
         ops.clear()
     torch.cuda.empty_cache()
     return MatmulResult(
-        statistics.median(rates), n, len(rates), torch.get_num_threads(), str(dtype)
+        gflops=statistics.median(rates),
+        size=n,
+        repeats=len(rates),
+        threads=torch.get_num_threads(),
+        dtype=str(dtype),
     )
 
 

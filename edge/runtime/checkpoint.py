@@ -109,7 +109,18 @@ def stage_state(
                 entries = optimizer.state.get(p)
                 if entries:
                     optim[names[id(p)]] = dict(entries)
-    return encode_state(StageState(step, job, stage, start, end, units, weights, optim))
+    return encode_state(
+        StageState(
+            step=step,
+            job=job,
+            stage=stage,
+            start=start,
+            end=end,
+            units=units,
+            weights=weights,
+            optim=optim,
+        )
+    )
 
 
 def encode_state(state: StageState, *, job: str | None = None, stage: int | None = None) -> bytes:
@@ -197,7 +208,7 @@ def read_state(data: bytes) -> StageState:
         tensors = safetensors.torch.load(bytes(data))
     except Exception as exc:  # safetensors' error type is not public
         raise ValueError(f"edgetrain state: unreadable tensors: {exc}") from None
-    state = StageState(step, job, stage, start, end, units)
+    state = StageState(step=step, job=job, stage=stage, start=start, end=end, units=units)
     known = set(units)
     for key, tensor in tensors.items():
         if not key.startswith(OPTIM):
@@ -245,7 +256,9 @@ def select_units(parts: Sequence[StageState], start: int, end: int) -> StageStat
         have = ", ".join(f"[{p.start}, {p.end})" for p in parts)
         raise ValueError(f"no state for units {missing} (have {have})")
     units = [names[i] for i in range(start, end)]
-    out = StageState(first.step, first.job, first.stage, start, end, units)
+    out = StageState(
+        step=first.step, job=first.job, stage=first.stage, start=start, end=end, units=units
+    )
     for p in parts:
         mine = {name for i, name in enumerate(p.units, start=p.start) if start <= i < end}
         out.weights.update({k: v for k, v in p.weights.items() if _unit(k) in mine})

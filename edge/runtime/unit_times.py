@@ -1,4 +1,4 @@
-"""Per-unit seconds of a real training step: the measured layer times a planner can trust.
+"""Per-unit seconds of a real training step: the measured unit times a planner can trust.
 
 :func:`edge.models.unit_costs.profile_model` times each unit alone, on one input,
 over and over: warm caches and no loss, no optimizer, no data. A pipeline stage

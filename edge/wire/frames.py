@@ -279,4 +279,12 @@ def decode_frame(data: bytes | bytearray | memoryview) -> Frame:
             tensor = tensor.to(dtype_v)  # a new tensor, aligned like any other
         elif tensor.data_ptr() % _ALIGN:
             tensor = tensor.clone()
-    return Frame(kind_v, job, step, mb, codec_v, tensor, len(view))
+    return Frame(
+        kind=kind_v,
+        job=job,
+        step=step,
+        microbatch=mb,
+        codec=codec_v,
+        tensor=tensor,
+        nbytes=len(view),
+    )

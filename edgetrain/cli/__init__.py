@@ -1,9 +1,11 @@
-"""The ``edgetrain`` command: one typer app whose subcommands live by area.
+"""The ``edgetrain`` command: one typer app, one module per command group.
 
-Device-side commands come from :mod:`edgetrain.cli`; coordinator-side commands
-are imported only when they are registered from :mod:`edgetrain.cli`,
-whose modules must not import FastAPI at import time, so an agent-only install
-runs every device command.
+Device commands: ``profile``, ``agent``, ``launch``, ``devices``, ``models``.
+Coordinator commands: ``plan``, ``train``, ``coordinator``, ``submit``/``jobs``/
+``fleet`` (:mod:`~edgetrain.cli.client`), ``testbed``, and ``demo``. Each module
+only parses, calls the library and prints; none imports FastAPI, SQLAlchemy or
+another coordinator extra at import time (they are imported inside the command
+that needs them), so an agent-only install runs every device command.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def profile_command(
     prof = profile_model(spec, batch_size, timing=timing, repeats=repeats, seed=seed)
     if json_out:
         out = prof.to_json()
-        out["layers"] = [layer.model_dump(mode="json") for layer in prof.to_layers()]
+        out["layers"] = [unit.model_dump(mode="json") for unit in prof.to_unit_specs()]
         typer.echo(json.dumps(out, indent=2))
         return
     table = Table(title=f"{model}: per-sample costs at batch {batch_size}")

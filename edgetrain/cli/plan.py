@@ -54,7 +54,7 @@ def plan_command(
     """Split a model across devices so that a training step takes the least time.
 
     Either --problem FILE, or --model with --devices (the problem is built from
-    the model's layer costs and the device catalogue). Exit status 2 for bad
+    the model's unit costs and the device catalogue). Exit status 2 for bad
     input, 3 when no plan fits the devices' memory.
     """
     if (problem_file is None) == (model is None):
@@ -91,7 +91,7 @@ def plan_command(
 def _print_report(problem: PlanningProblem, result: SearchResult) -> None:
     score = result.score
     assert score is not None
-    names = [la.name for la in problem.layers]
+    names = [unit.name for unit in problem.layers]
     table = Table(title=f"plan: {len(score.plan.stages)} stages, {result.method}")
     for col in ("stage", "device", "units", "compute ms", "link ms", "memory MB"):
         left = col in ("device", "units")

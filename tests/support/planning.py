@@ -30,7 +30,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from coordinator.planner.score import Plan, Stage, score_plan
-from edge.problem import DeviceSpec, LayerSpec, PlanningProblem
+from edge.problem import DeviceSpec, PlanningProblem, UnitSpec
 
 __all__ = [
     "REGIMES",
@@ -71,7 +71,7 @@ def make_problem(
         microbatches=microbatches,
         optimizer_state_factor=k,
         pin_first=pin_first,
-        layers=[LayerSpec(name=f"u{j}", **la) for j, la in enumerate(layers)],
+        layers=[UnitSpec(name=f"u{j}", **unit) for j, unit in enumerate(layers)],
         devices=[DeviceSpec(**d) for d in devices],
     )
 
@@ -147,9 +147,9 @@ class _Tables:
                     out[h, i] = sum(values[h:i])
             return out
 
-        self.flops = ranges([la.train_flops for la in layers])
-        self.params = ranges([la.param_bytes for la in layers])
-        self.acts = ranges([la.saved_bytes for la in layers])
+        self.flops = ranges([unit.train_flops for unit in layers])
+        self.params = ranges([unit.param_bytes for unit in layers])
+        self.acts = ranges([unit.saved_bytes for unit in layers])
         gflops = np.array([d.gflops for d in devices])
         self.memory = np.array([d.memory_bytes for d in devices])
         # compute[d, h, i] = T of [h, i) on d
@@ -497,8 +497,8 @@ def random_problem(
     batch = 32.0
     k = 4.0
     b = batch / microbatches
-    total = k * sum(la["param_bytes"] for la in layers) + microbatches * b * sum(
-        la["act_bytes"] for la in layers
+    total = k * sum(unit["param_bytes"] for unit in layers) + microbatches * b * sum(
+        unit["act_bytes"] for unit in layers
     )
     for dev in devices:
         dev["memory_bytes"] = total * rng.uniform(*memory_fraction)

@@ -18,7 +18,7 @@ from coordinator.planner.baselines import (
 from coordinator.planner.bounds import lower_bound
 from coordinator.planner.score import Plan, Stage, validate_plan
 from coordinator.planner.tables import CostTables
-from edge.problem import DeviceSpec, LayerSpec, PlanningProblem
+from edge.problem import DeviceSpec, PlanningProblem, UnitSpec
 
 
 def problem(seed: int, layers: int = 9, devices: int = 4, pin: bool = False) -> PlanningProblem:
@@ -28,7 +28,7 @@ def problem(seed: int, layers: int = 9, devices: int = 4, pin: bool = False) -> 
         batch_size=32,
         microbatches=rng.choice([1, 4, 8]),
         layers=[
-            LayerSpec(
+            UnitSpec(
                 name=f"l{i}",
                 fwd_flops=rng.uniform(1e6, 5e8),
                 param_bytes=rng.uniform(1e4, 1e7),
@@ -89,7 +89,7 @@ def _max_over_cuts(p: PlanningProblem, cost) -> float:  # type: ignore[no-untype
 
 def test_pipedream_balances_flops_as_if_devices_were_identical() -> None:
     p = problem(5, layers=9, devices=4)
-    flops = [la.train_flops for la in p.layers]
+    flops = [unit.train_flops for unit in p.layers]
     plan = pipedream(p)
     got = max(sum(flops[s.start : s.end]) for s in plan.stages)
     assert got == pytest.approx(_max_over_cuts(p, lambda _s, a, b: sum(flops[a:b])))
@@ -112,7 +112,7 @@ def test_ftpipehd_minimises_the_real_bottleneck_for_its_order() -> None:
 
 def test_single_device_prefers_a_device_that_fits() -> None:
     p = problem(1, devices=3)
-    total = sum(la.param_bytes for la in p.layers) * p.optimizer_state_factor
+    total = sum(unit.param_bytes for unit in p.layers) * p.optimizer_state_factor
     roomy = p.devices[0].model_copy(update={"memory_bytes": total * 10, "gflops": 1.0})
     small = [d.model_copy(update={"memory_bytes": total / 10}) for d in p.devices[1:]]
     p = p.model_copy(update={"devices": [roomy, *small]})

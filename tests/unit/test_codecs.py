@@ -53,7 +53,9 @@ def test_with_codecs_scales_only_the_bytes_at_the_cuts() -> None:
     plan = Plan.of(("phone", 0, 1), ("server", 1, 6))
     scaled = with_codecs(problem, plan, ["int8"])
     assert scaled.layers[0].out_bytes == problem.layers[0].out_bytes * RATIO["int8"]
-    assert [la.out_bytes for la in scaled.layers[1:]] == [la.out_bytes for la in problem.layers[1:]]
+    assert [unit.out_bytes for unit in scaled.layers[1:]] == [
+        unit.out_bytes for unit in problem.layers[1:]
+    ]
     with pytest.raises(ValueError, match="2 codecs for 1 links"):
         with_codecs(problem, plan, ["fp32", "fp32"])
 

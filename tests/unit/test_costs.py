@@ -1,4 +1,4 @@
-"""Layer-cost profiling: counted FLOPs against hand computation, measured saved bytes."""
+"""Unit-cost profiling: counted FLOPs against hand computation, measured saved bytes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 from edge.models.unit_costs import profile_model
 from edge.models.units import TransformerBlock
 from edge.models.zoo import ModelSpec, UnitDef, get_model
-from edge.problem import LayerSpec
+from edge.problem import UnitSpec
 
 
 def _spec(shape: tuple[int, ...], *units: tuple[str, nn.Module]) -> ModelSpec:
@@ -76,9 +76,9 @@ def test_saved_activation_bytes_are_measured_not_guessed() -> None:
 def test_profile_of_a_zoo_model_is_a_planning_problem_layers_list() -> None:
     spec = get_model("gpt-mini")
     prof = profile_model(spec, batch_size=2, timing=True, warmup=1, repeats=2)
-    layers = prof.to_layers()
-    assert [layer.name for layer in layers] == spec.unit_names
-    assert all(isinstance(layer, LayerSpec) for layer in layers)
+    layers = prof.to_unit_specs()
+    assert [unit.name for unit in layers] == spec.unit_names
+    assert all(isinstance(unit, UnitSpec) for unit in layers)
     assert all(u.fwd_time_s is not None and u.fwd_time_s > 0 for u in prof.units)
     blocks = [u for u in prof.units if u.name.startswith("block")]
     assert len({u.fwd_flops for u in blocks}) == 1  # identical blocks cost the same

@@ -136,7 +136,7 @@ def test_model_and_fleet_build_the_problem_and_report_baselines(tmp_path: Path) 
         assert word in done.stdout
     problem = load_problem(emitted)
     assert [d.id for d in problem.devices] == ["rpi4-4gb-1", "rpi4-4gb-2", "jetson-nano"]
-    assert [la.name for la in problem.layers] == ["conv1", "conv2", "fc1", "out"]
+    assert [unit.name for unit in problem.layers] == ["conv1", "conv2", "fc1", "out"]
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("ph") == "X" for e in events)
 

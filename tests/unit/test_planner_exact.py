@@ -318,8 +318,8 @@ def _greedy_reference(problem: PlanningProblem) -> float | None:
         i = h
         while (
             i < n
-            and k * sum(la.param_bytes for la in problem.layers[h : i + 1])
-            + m * b * sum(la.saved_bytes for la in problem.layers[h : i + 1])
+            and k * sum(unit.param_bytes for unit in problem.layers[h : i + 1])
+            + m * b * sum(unit.saved_bytes for unit in problem.layers[h : i + 1])
             <= d.memory_bytes
         ):
             i += 1
@@ -353,7 +353,7 @@ def _lower_bound(problem: PlanningProblem) -> float:
     + b W / (g* 1e9)``.
     """
     b, m = problem.microbatch_size, problem.microbatches
-    flops = [la.train_flops for la in problem.layers]
+    flops = [unit.train_flops for unit in problem.layers]
     total_speed = sum(d.gflops for d in problem.devices) * 1e9
     top_speed = max(d.gflops for d in problem.devices) * 1e9
     w = sum(flops)

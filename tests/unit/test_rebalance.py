@@ -72,7 +72,7 @@ def test_replication_interval_follows_the_cost() -> None:
     score = score_plan(problem, EVEN)
     worst = max(
         2
-        * sum(layer.param_bytes for layer in problem.layers[st.start : st.end])
+        * sum(unit.param_bytes for unit in problem.layers[st.start : st.end])
         * (1 / 1e9 + 8 / 1000e6)
         for st in EVEN.stages
     )

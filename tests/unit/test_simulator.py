@@ -87,7 +87,7 @@ def _pipe(
 @st.composite
 def _problems(draw: st.DrawFn, free_links: bool = False) -> tuple[PlanningProblem, Plan]:
     """A random small problem and a random valid plan: contiguous cuts, distinct devices."""
-    n_layers = draw(st.integers(1, 7))
+    n_units = draw(st.integers(1, 7))
     n_devices = draw(st.integers(1, 5))
     m = draw(st.integers(1, 8))
     size = st.floats(0, 1e5)
@@ -100,7 +100,7 @@ def _problems(draw: st.DrawFn, free_links: bool = False) -> tuple[PlanningProble
             "out_bytes": 0.0 if free_links else draw(size),
             "act_bytes": draw(st.none() | size),
         }
-        for i in range(n_layers)
+        for i in range(n_units)
     ]
     devices = [
         {
@@ -122,10 +122,10 @@ def _problems(draw: st.DrawFn, free_links: bool = False) -> tuple[PlanningProble
             "devices": devices,
         }
     )
-    n_stages = draw(st.integers(1, min(n_layers, n_devices)))
-    cut_points = st.integers(1, n_layers - 1) if n_layers > 1 else st.nothing()
+    n_stages = draw(st.integers(1, min(n_units, n_devices)))
+    cut_points = st.integers(1, n_units - 1) if n_units > 1 else st.nothing()
     cuts = draw(st.lists(cut_points, min_size=n_stages - 1, max_size=n_stages - 1, unique=True))
-    bounds = [0, *sorted(cuts), n_layers]
+    bounds = [0, *sorted(cuts), n_units]
     order = draw(st.permutations(range(n_devices)))
     return problem, Plan.of(*[(f"d{order[s]}", bounds[s], bounds[s + 1]) for s in range(n_stages)])
 
@@ -136,7 +136,7 @@ def _split(problem: PlanningProblem, plan: Plan) -> tuple[list[float], list[floa
     fwd, bwd = [], []
     for s, stage in enumerate(plan.stages):
         chunk = problem.layers[stage.start : stage.end]
-        share = sum(la.fwd_flops for la in chunk) / sum(la.train_flops for la in chunk)
+        share = sum(unit.fwd_flops for unit in chunk) / sum(unit.train_flops for unit in chunk)
         fwd.append(score.compute_s[s] * share)
         bwd.append(score.compute_s[s] - fwd[-1])
     return fwd, bwd, [c / 2 for c in score.link_s]
@@ -335,8 +335,8 @@ def test_peak_memory_is_the_spec_formula(case: tuple[PlanningProblem, Plan]) -> 
     b, k = problem.batch_size / m, problem.optimizer_state_factor
     for s, stage in enumerate(plan.stages):
         chunk = problem.layers[stage.start : stage.end]
-        params = sum(la.param_bytes for la in chunk)
-        acts = sum(la.saved_bytes for la in chunk)
+        params = sum(unit.param_bytes for unit in chunk)
+        acts = sum(unit.saved_bytes for unit in chunk)
         assert pipe.peak_memory_bytes[s] == k * params + m * b * acts
         assert pipe.peak_memory_bytes[s] >= one.peak_memory_bytes[s]
 

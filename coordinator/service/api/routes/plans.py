@@ -80,7 +80,7 @@ def create_plan(body: PlanCreate, registry: RegistryDep) -> dict[str, Any]:
         **found.score.to_json(),
         "method": found.method,
         "exact": found.exact,
-        "units": [la.name for la in problem.layers],
+        "units": [unit.name for unit in problem.layers],
         "compute_s": found.score.compute_s,
         "link_s": found.score.link_s,
         "memory_bytes": found.score.memory_bytes,
