@@ -1,6 +1,7 @@
 """Everything a worker runs, on an edge box or a GPU server.
 
-The device side: the model zoo and layer-cost profiling (:mod:`edge.models`),
+The device side: every setting a job trains with, validated once
+(:mod:`edge.config`), the model zoo and layer-cost profiling (:mod:`edge.models`),
 device self-profiling (:mod:`edge.profiling.device`), the device-profile catalogue
 loader (:mod:`edge.profiling.catalog`), the planning-problem types shared with the
 coordinator (:mod:`edge.problem`), and the command-line commands a device needs
