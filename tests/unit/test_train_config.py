@@ -141,6 +141,15 @@ def test_post_jobs_names_the_field_with_the_same_message(
     assert [d["msg"] for d in details] == [expected], response.json()
 
 
+def test_post_jobs_refuses_user_code_in_the_dataset(client: TestClient) -> None:
+    """A ``package.module:function`` dataset would be imported and called on every device."""
+    body = {**SETTINGS, "dataset": "os:system", "dataset_options": {"command": "true"}}
+    response = client.post("/api/v1/jobs", json=body)
+    assert response.status_code == 422, response.text
+    (detail,) = response.json()["detail"]
+    assert detail["loc"] == ["body", "dataset"] and "built-in dataset" in detail["msg"]
+
+
 def _definition(field: FieldInfo) -> tuple[object, list[object]]:
     """A field's type and the objects that check it (constraints, validators), with an
     optional field's ``None`` set aside: equal objects mean one definition."""

@@ -1,5 +1,10 @@
 """``/api/v1/jobs``: submit, list, inspect, cancel; metrics, weights and ONNX of a job.
 
+The body's training settings are :class:`edge.config.TrainConfig`'s. Its model and
+dataset must be the zoo's and built-in (a ``package.module:function`` would run code
+the client chose on every device); given ``dataset_options`` are checked by building
+the dataset, so a bad one is a 422 naming them.
+
 A job may carry ``faults`` to inject (for testing fault tolerance; the forms of
 :mod:`coordinator.engine.faults`): each is checked when the job is submitted, against
 the job (its step below ``steps``) and against what this coordinator can do
@@ -86,6 +91,17 @@ class JobCreate(TrainConfig):
     @classmethod
     def _zoo_only(cls, value: str) -> str:
         return zoo_model_name(value)
+
+    @field_validator("dataset")
+    @classmethod
+    def _built_in_only(cls, value: str | None) -> str | None:
+        # As for models: every device would import and call code the client chose.
+        if value is not None and ":" in value:
+            raise ValueError(
+                "user datasets (package.module:function) are accepted only from the "
+                "command line; name a built-in dataset"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> JobCreate:
