@@ -1,5 +1,6 @@
 """Everything a worker runs, on an edge box or a GPU server.
 
+- :mod:`edge.config`: :class:`TrainConfig`, every setting a job trains with, validated once;
 - :mod:`edge.agent`: the daemon (connect, register, heartbeat, obey assignments);
 - :mod:`edge.problem`: the planning problem's types, shared with the coordinator;
 - :mod:`edge.errors`, :mod:`edge.logs`: one-line user errors; logging set-up;

@@ -19,12 +19,11 @@ from typing import Any, Literal
 
 import safetensors.torch
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from coordinator.planner.score import Plan
-from edge.models.zoo import get_model
+from edge.config import RecvTimeout, ReplicateEvery, TrainConfig
 from edge.wire.messages import (
-    OptimizerSpec,
     StageAssignment,
     StageDone,
     StageFailed,
@@ -43,28 +42,11 @@ __all__ = [
 ]
 
 
-class JobSpec(BaseModel):
-    """What to train and how; the plan says where."""
+class JobSpec(TrainConfig):
+    """What to train and how (:class:`~edge.config.TrainConfig`, with the engine's own
+    settings on top); the plan says where."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    model: str
-    model_options: dict[str, Any] = Field(default_factory=dict)
-    dataset: str | None = None
-    """Defaults to the model's own dataset."""
-    dataset_options: dict[str, Any] | None = None
-    steps: int = Field(ge=1)
-    batch_size: int = Field(ge=1)
-    microbatches: int = Field(default=1, ge=1)
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"
-    optimizer: OptimizerSpec = OptimizerSpec()
-    codec: str = Field(default="fp32", pattern=r"^(?i:fp32|fp16|bf16|int8|auto)$")
-    """On every link, or ``auto``: the planner picks each link's (see
-    :mod:`coordinator.planner.codecs`; fp32 where a plan carries no choice)."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """``bf16``: stages compute under bf16 autocast (weights and optimizer stay fp32)."""
-    seed: int = 0
-    recv_timeout_s: float = Field(default=120.0, gt=0)
+    recv_timeout_s: RecvTimeout = 120.0
     pin_first: str | None = None
     """The device that must run stage 0 (it holds the data); planning only."""
     partition: Literal["plan", "even"] = "plan"
@@ -73,7 +55,7 @@ class JobSpec(BaseModel):
     stages: int | None = Field(default=None, ge=1)
     """Exactly this many stages, each on its own device (``None``: what the partition
     gives); planning only. A re-plan over fewer survivors plans as many as survive."""
-    replicate_every: int = Field(default=0, ge=0, le=100_000)
+    replicate_every: ReplicateEvery = 0
     """Fault tolerance in the service: replicate every stage's state every R steps
     (0: off). Such a job survives devices dying and the coordinator restarting."""
     faults: tuple[str, ...] = ()
@@ -109,38 +91,26 @@ def make_assignments(
     (:mod:`coordinator.engine.resilient`): start at that step, publish the stage's state
     every that many steps, load the state published for the stage before starting.
     """
-    model = get_model(spec.model, seed=spec.seed, **spec.model_options)
-    dataset = spec.dataset or model.dataset
-    options = spec.dataset_options
-    if options is None:
-        options = model.dataset_options if dataset == model.dataset else {}
+    dataset, options = spec.resolve_data()
     stages = plan.stages
-    default = "fp32" if spec.codec.lower() == "auto" else spec.codec
+    default = spec.link_codec
     links = list(plan.codecs) if plan.codecs else [default] * (len(stages) - 1)
     if len(links) != len(stages) - 1:
         raise ValueError(f"the plan has {len(links)} link codecs for {len(stages) - 1} links")
     out = []
     for s, st in enumerate(stages):
         out.append(
-            StageAssignment(
+            StageAssignment.for_stage(
+                spec,
                 job=job,
                 stage=s,
                 num_stages=len(stages),
                 start=st.start,
                 end=st.end,
-                model=spec.model,
-                model_options=spec.model_options,
                 dataset=dataset,
                 dataset_options=options,
-                seed=spec.seed,
-                batch_size=spec.batch_size,
-                microbatches=spec.microbatches,
-                steps=spec.steps,
-                schedule=spec.schedule,
-                optimizer=spec.optimizer,
                 codec_in=links[s - 1] if s > 0 else default,
                 codec_out=links[s] if s + 1 < len(stages) else default,
-                precision=spec.precision,
                 prev_device=stages[s - 1].device if s > 0 else None,
                 next_device=stages[s + 1].device if s + 1 < len(stages) else None,
                 recv_timeout_s=spec.recv_timeout_s,

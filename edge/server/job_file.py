@@ -6,7 +6,8 @@ one process each (world size ``S x R``). Rank ``r x S + s`` runs stage ``s`` of
 replica ``r``; the copies of a stage across replicas form its data-parallel
 group.
 
-A job file is TOML with the fields of :class:`DistJob`, for example::
+A job file is TOML with the fields of :class:`DistJob` (its training settings are
+those of :class:`edge.config.TrainConfig`), for example::
 
     model = "gpt-mini"
     steps = 100
@@ -43,13 +44,14 @@ from typing import Any, Literal
 import safetensors.torch
 import tomli_w
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
+from edge.config import RecvTimeout, Replicas, TrainConfig
 from edge.errors import UserError, describe_validation_error
 from edge.models.unit_costs import profile_model
 from edge.models.zoo import get_model
 from edge.runtime.checkpoint import StageState, read_state
-from edge.wire.messages import JobId, OptimizerSpec, StageAssignment, StepReport
+from edge.wire.messages import JobId, StageAssignment, StepReport
 
 __all__ = [
     "DistJob",
@@ -62,33 +64,21 @@ __all__ = [
 ]
 
 
-class DistJob(BaseModel):
-    """What a server-tier job trains, how it is split and where it runs (see the module)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class DistJob(TrainConfig):
+    """What a server-tier job trains (:class:`~edge.config.TrainConfig`), how it is split
+    and where it runs (see the module). A ``codec`` of ``auto`` is fp32: no plan chose one."""
 
     job: JobId = Field(default_factory=lambda: "d" + secrets.token_hex(6))
-    model: str = Field(min_length=1)
-    model_options: dict[str, Any] = Field(default_factory=dict)
-    dataset: str | None = None
-    dataset_options: dict[str, Any] | None = None
-    steps: int = Field(ge=1)
-    batch_size: int = Field(ge=1)
-    microbatches: int = Field(default=1, ge=1)
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"
-    optimizer: OptimizerSpec = OptimizerSpec()
-    codec: str = Field(default="fp32", pattern=r"^(?i:fp32|fp16|bf16|int8)$")
-    seed: int = 0
     boundaries: list[int] | None = None
     """Where stages 1.. start (ascending unit indices); or give ``stages``."""
     stages: int | None = Field(default=None, ge=1)
     """Stages to balance by training FLOPs when ``boundaries`` is not given."""
-    replicas: int = Field(default=1, ge=1)
+    replicas: Replicas = 1
     device: Literal["cpu", "cuda"] = "cpu"
-    precision: Literal["fp32", "bf16"] = "fp32"
     output: str = "edgetrain-dist"
     resume_from: str | None = None
-    recv_timeout_s: float = Field(default=300.0, gt=0)
+    recv_timeout_s: RecvTimeout = 300.0
+    """Also the process groups' timeout: their setup may take longer than one frame."""
 
     @model_validator(mode="after")
     def _check(self) -> DistJob:
@@ -96,11 +86,6 @@ class DistJob(BaseModel):
             raise ValueError("give boundaries or stages, not both")
         if self.boundaries is not None and sorted(set(self.boundaries)) != self.boundaries:
             raise ValueError(f"boundaries {self.boundaries} must be ascending, no repeats")
-        if self.batch_size % (self.microbatches * self.replicas):
-            raise ValueError(
-                f"batch_size {self.batch_size} is not a multiple of microbatches "
-                f"{self.microbatches} x replicas {self.replicas}"
-            )
         return self
 
     @property
@@ -130,35 +115,23 @@ class DistJob(BaseModel):
         return rank % self.num_stages, rank // self.num_stages
 
     def assignment(self, stage: int, replica: int, first_step: int = 0) -> StageAssignment:
-        spec = get_model(self.model, seed=self.seed, **self.model_options)
-        dataset = self.dataset or spec.dataset
-        options = self.dataset_options
-        if options is None:
-            options = spec.dataset_options if dataset == spec.dataset else {}
         start, end = self.segments()[stage]
-        return StageAssignment(
+        dataset, options = self.resolve_data()
+        return StageAssignment.for_stage(
+            self,
             job=self.job,
             stage=stage,
             num_stages=self.num_stages,
             start=start,
             end=end,
-            model=self.model,
-            model_options=self.model_options,
             dataset=dataset,
             dataset_options=options,
-            seed=self.seed,
-            batch_size=self.batch_size,
-            microbatches=self.microbatches,
-            steps=self.steps,
-            schedule=self.schedule,
-            optimizer=self.optimizer,
-            codec_in=self.codec,
-            codec_out=self.codec,
+            codec_in=self.link_codec,
+            codec_out=self.link_codec,
             recv_timeout_s=self.recv_timeout_s,
             first_step=first_step,
             replica=replica,
             replicas=self.replicas,
-            precision=self.precision,
         )
 
 

@@ -15,6 +15,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from edge.config import (
+    CodecName,
+    DatasetName,
+    OptimizerSpec,
+    RecvTimeout,
+    Replicas,
+    ReplicateEvery,
+    TrainConfigBase,
+)
 from edge.errors import describe_validation_error
 
 __all__ = [
@@ -43,22 +52,10 @@ class MessageError(ValueError):
 
 
 JobId = Annotated[str, Field(min_length=1, max_length=16), Field(pattern=r"^[A-Za-z0-9_-]+$")]
-CodecName = Annotated[str, Field(pattern=r"^(?i:fp32|fp16|bf16|int8)$")]
 
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class OptimizerSpec(_Message):
-    """Which optimizer a stage builds over its own parameters."""
-
-    name: Literal["sgd", "adamw"] = "sgd"
-    lr: float = Field(default=0.05, gt=0, allow_inf_nan=False)
-    momentum: float = Field(default=0.9, ge=0, lt=1)
-    weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(default=1e-8, gt=0)
 
 
 class DistGroup(_Message):
@@ -86,8 +83,9 @@ class DistGroup(_Message):
         return self
 
 
-class StageAssignment(_Message):
-    """Everything a device needs to run one stage of a job."""
+class StageAssignment(TrainConfigBase):
+    """Everything a device needs to run one stage of a job: the job's training settings
+    (:class:`~edge.config.TrainConfigBase`, with the codec per link) and this stage's place."""
 
     type: Literal["assign"] = "assign"
     job: JobId
@@ -96,38 +94,34 @@ class StageAssignment(_Message):
     start: int = Field(ge=0)
     """First unit of the segment; ``end`` is one past the last."""
     end: int = Field(ge=1)
-    model: str = Field(min_length=1)
-    model_options: dict[str, Any] = Field(default_factory=dict)
-    dataset: str = Field(min_length=1)
+    dataset: DatasetName
+    """Resolved: never absent here (:meth:`~edge.config.TrainConfigBase.resolve_data`)."""
     dataset_options: dict[str, Any] = Field(default_factory=dict)
-    seed: int = 0
-    batch_size: int = Field(ge=1)
-    microbatches: int = Field(ge=1)
-    steps: int = Field(ge=1)
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"
-    optimizer: OptimizerSpec = OptimizerSpec()
     codec_in: CodecName = "fp32"
     """Codec of the link to the previous stage (the gradients this stage sends back)."""
     codec_out: CodecName = "fp32"
     """Codec of the link to the next stage (the activations this stage sends)."""
     prev_device: str | None = None
     next_device: str | None = None
-    recv_timeout_s: float = Field(default=120.0, gt=0)
-    """How long a stage waits for one frame before it gives up on the job."""
+    recv_timeout_s: RecvTimeout = 120.0
     first_step: int = Field(default=0, ge=0)
     """The step the stage starts at (below ``steps``); see [Note: the step of a state]."""
-    replicate_every: int = Field(default=0, ge=0)
+    replicate_every: ReplicateEvery = 0
     """Publish the stage's state on ``job_replica`` every this many steps (0: never)."""
     restore: bool = False
     """Load the state retained on ``job_restore`` (for step ``first_step``) before ``ready``."""
     replica: int = Field(default=0, ge=0)
     """Which of ``replicas`` data-parallel copies of the pipeline this stage belongs to."""
-    replicas: int = Field(default=1, ge=1)
-    """Copies of the pipeline; each trains on ``1/replicas`` of every batch."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """``bf16``: the segment computes under bf16 autocast (weights and optimizer stay fp32)."""
+    replicas: Replicas = 1
     dist: DistGroup | None = None
     """Set when this stage is in a torch.distributed group with some of its neighbours."""
+
+    @classmethod
+    def for_stage(cls, config: TrainConfigBase, **fields: Any) -> StageAssignment:
+        """``config``'s training settings with ``fields`` on top: the stage's place, its
+        codecs and neighbours, and the dataset and its options resolved
+        (:meth:`~edge.config.TrainConfigBase.resolve_data`)."""
+        return cls(**{**config.train_settings(), **fields})
 
     @model_validator(mode="after")
     def _check(self) -> StageAssignment:
@@ -135,11 +129,6 @@ class StageAssignment(_Message):
             raise ValueError(f"stage {self.stage} is not below num_stages {self.num_stages}")
         if self.end <= self.start:
             raise ValueError(f"empty segment [{self.start}, {self.end})")
-        if self.batch_size % (self.microbatches * self.replicas):
-            raise ValueError(
-                f"batch_size {self.batch_size} is not a multiple of microbatches "
-                f"{self.microbatches} x replicas {self.replicas}"
-            )
         if self.replica >= self.replicas:
             raise ValueError(f"replica {self.replica} is not below replicas {self.replicas}")
         if self.dist is not None and self.stage not in self.dist.ranks:

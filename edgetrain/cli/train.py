@@ -139,21 +139,21 @@ def train_command(
         raise UserError(f"--transport: {transport!r} is not mqtt, inprocess or dist")
     if transport != "dist" and (replicas > 1 or device != "cpu"):
         raise UserError("--replicas and --device are for --transport dist")
-    if device not in ("cpu", "cuda") or precision not in ("fp32", "bf16"):
-        raise UserError(
-            f"--device {device!r} / --precision {precision!r}: expected cpu or cuda / fp32 or bf16"
-        )
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"--device: {device!r} is not cpu or cuda")
     if servers and (transport != "mqtt" or servers > devices):
         raise UserError("--servers K needs --transport mqtt and K <= --devices")
     if servers and fault:
         raise UserError("--servers and --fault cannot be combined yet")
     if devices % replicas:
         raise UserError(f"--devices {devices} is not a multiple of --replicas {replicas}")
-    if partition not in ("plan", "even"):
-        raise UserError(f"--partition: {partition!r} is not plan or even")
     if stages is not None and stages > devices // replicas:
         per = "" if replicas == 1 else f" / --replicas {replicas}"
         raise UserError(f"--stages {stages} is more than --devices {devices}{per}")
+    if batch_size % (microbatches * replicas):  # before the spec: --replicas is not in it
+        raise UserError(
+            f"--batch-size {batch_size} is not a multiple of --microbatches x --replicas"
+        )
     try:
         spec = JobSpec.model_validate(
             {
@@ -179,10 +179,6 @@ def train_command(
         )
     except ValidationError as exc:
         raise UserError(describe_validation_error(exc, "train")) from None
-    if batch_size % (microbatches * replicas):
-        raise UserError(
-            f"--batch-size {batch_size} is not a multiple of --microbatches x --replicas"
-        )
     from coordinator.engine.faults import parse_fault
 
     faults = [parse_fault(f) for f in fault]
@@ -209,7 +205,7 @@ def train_command(
         if transport == "inprocess":
             result, broker_name, score = _run_inprocess(spec, devices, progress)
         elif transport == "dist":
-            result, score = _run_dist(spec, devices, replicas, device, precision, threads, progress)
+            result, score = _run_dist(spec, devices, replicas, device, threads, progress)
             broker_name = None
             extra.update(
                 replicas=replicas,
@@ -260,7 +256,6 @@ def _run_dist(
     n: int,
     replicas: int,
     device: str,
-    precision: str,
     threads: int | None,
     progress: _Progress,
 ) -> tuple[JobResult, Any]:
@@ -278,24 +273,14 @@ def _run_dist(
     processes = len(plan.stages) * replicas
     with tempfile.TemporaryDirectory(prefix="edgetrain-dist-") as out:
         job = DistJob.model_validate(
-            dict(
-                model=spec.model,
-                model_options=spec.model_options,
-                dataset=spec.dataset,
-                dataset_options=spec.dataset_options,
-                steps=spec.steps,
-                batch_size=spec.batch_size,
-                microbatches=spec.microbatches,
-                schedule=spec.schedule,
-                optimizer=spec.optimizer,
-                codec="fp32" if spec.codec.lower() == "auto" else spec.codec,
-                seed=spec.seed,
-                boundaries=[st.start for st in plan.stages[1:]],
-                replicas=replicas,
-                device=device,
-                precision=precision,
-                output=out,
-            )
+            spec.train_settings()
+            | {
+                "codec": spec.codec,
+                "boundaries": [st.start for st in plan.stages[1:]],
+                "replicas": replicas,
+                "device": device,
+                "output": out,
+            }
         )
         progress.note(
             f"launching {len(plan.stages)} stages x {replicas} replicas "

@@ -1,5 +1,10 @@
 """``/api/v1/jobs``: submit, list, inspect, cancel; metrics, weights and ONNX of a job.
 
+The body's training settings are :class:`edge.config.TrainConfig`'s. Its model and
+dataset must be the zoo's and built-in (a ``package.module:function`` would run code
+the client chose on every device); given ``dataset_options`` are checked by building
+the dataset, so a bad one is a 422 naming them.
+
 A job may carry ``faults`` to inject (for testing fault tolerance; the forms of
 :mod:`coordinator.engine.faults`): each is checked when the job is submitted, against
 the job (its step below ``steps``) and against what this coordinator can do
@@ -21,8 +26,8 @@ from fastapi import APIRouter, HTTPException, Query, Response
 from pydantic import (
     AfterValidator,
     BaseModel,
-    ConfigDict,
     Field,
+    ValidationError,
     field_validator,
     model_validator,
 )
@@ -32,10 +37,10 @@ from coordinator.engine.spec import JobSpec
 from coordinator.service.api.deps import ManagerDep, ReadAuth, StoreDep, WriteAuth
 from coordinator.service.api.routes.errors import AUTH, CONFLICT, NOT_FOUND, unprocessable
 from coordinator.service.store.sqlite import JobRecord
-from edge.errors import UserError
+from edge.config import BatchSize, Microbatches, ReplicateEvery, Steps, TrainConfig
+from edge.errors import UserError, describe_validation_error
 from edge.models.datasets import build_dataset
 from edge.models.zoo import get_model
-from edge.wire.messages import OptimizerSpec
 
 __all__ = ["router"]
 
@@ -53,25 +58,14 @@ def _fault_form(text: str) -> str:
 FaultText = Annotated[str, Field(max_length=100), AfterValidator(_fault_form)]
 
 
-class JobCreate(BaseModel):
-    """A training job; give ``steps`` or ``epochs``."""
+class JobCreate(TrainConfig):
+    """A training job (:class:`~edge.config.TrainConfig`, with the API's own fields on
+    top); give ``steps`` or ``epochs``."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(min_length=1, examples=["cnn-digits"])
-    model_options: dict[str, Any] = Field(default_factory=dict)
-    dataset: str | None = None
-    steps: int | None = Field(default=None, ge=1, le=1_000_000)
+    steps: Steps | None = None  # type: ignore[assignment]  # or epochs: resolved by the route
     epochs: float | None = Field(default=None, gt=0, le=10_000)
-    batch_size: int = Field(default=32, ge=1, le=65_536)
-    microbatches: int = Field(default=4, ge=1, le=1024)
-    schedule: Literal["1f1b", "gpipe"] = "1f1b"
-    optimizer: OptimizerSpec = OptimizerSpec()
-    codec: Literal["fp32", "fp16", "bf16", "int8", "auto"] = "fp32"
-    """Activations on every link, or ``auto``: the planner compresses the slow links."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """``bf16``: stages compute under bf16 autocast (a GPU server's fast path)."""
-    seed: int = Field(default=0, ge=0, le=2**31)
+    batch_size: BatchSize = 32
+    microbatches: Microbatches = 4
     devices: list[str] | None = None
     """Devices the job may use (all online devices when absent)."""
     pin_first: str | None = None
@@ -82,7 +76,7 @@ class JobCreate(BaseModel):
     stages: int | None = Field(default=None, ge=1, le=1024)
     """Exactly this many stages, each on its own device (absent: what the partition gives;
     with ``plan``, the planner's best plan of that many stages)."""
-    replicate_every: int | None = Field(default=None, ge=0, le=100_000)
+    replicate_every: ReplicateEvery | None = None
     """Replicate every stage's state every R steps (0 or absent: off, but absent with
     faults means every max(1, steps // 10) steps): the job then survives devices
     dying and a coordinator restart."""
@@ -98,12 +92,21 @@ class JobCreate(BaseModel):
     def _zoo_only(cls, value: str) -> str:
         return zoo_model_name(value)
 
+    @field_validator("dataset")
+    @classmethod
+    def _built_in_only(cls, value: str | None) -> str | None:
+        # As for models: every device would import and call code the client chose.
+        if value is not None and ":" in value:
+            raise ValueError(
+                "user datasets (package.module:function) are accepted only from the "
+                "command line; name a built-in dataset"
+            )
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> JobCreate:
         if (self.steps is None) == (self.epochs is None):
             raise ValueError("give exactly one of steps and epochs")
-        if self.batch_size % self.microbatches:
-            raise ValueError("batch_size must be a multiple of microbatches")
         if self.faults and self.replicate_every == 0:
             raise ValueError(
                 "faults need fault tolerance: give replicate_every > 0 or leave "
@@ -159,36 +162,37 @@ def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPubl
     """Queue a job; it is planned over the online devices when its turn comes."""
     try:
         model = get_model(body.model, **body.model_options)
-        dataset = body.dataset or model.dataset
-        options = model.dataset_options if dataset == model.dataset else {}
-        steps = body.steps
-        if steps is None:
+        dataset, options = body.resolve_data()
+    except UserError as exc:
+        raise unprocessable(["body", "model"], exc.message) from None
+    steps = body.steps
+    if steps is None or body.dataset_options is not None:
+        try:  # the size for epochs; and given options are checked here, not on the devices
             size = len(build_dataset(dataset, "train", **options))  # type: ignore[arg-type]
-            steps = max(1, round((body.epochs or 1) * size / body.batch_size))
-        replicate_every = body.replicate_every
-        if replicate_every is None:
-            replicate_every = max(1, steps // 10) if body.faults else 0
+        except UserError as exc:
+            field = "dataset" if body.dataset_options is None else "dataset_options"
+            raise unprocessable(["body", field], exc.message) from None
+        steps = steps or max(1, round((body.epochs or 1) * size / body.batch_size))
+    replicate_every = body.replicate_every
+    if replicate_every is None:
+        replicate_every = max(1, steps // 10) if body.faults else 0
+    settings = body.train_settings() | {
+        "dataset": dataset,
+        "dataset_options": options,
+        "steps": steps,
+    }
+    try:
         spec = JobSpec(
-            model=body.model,
-            model_options=body.model_options,
-            dataset=dataset,
-            dataset_options=options,
-            steps=steps,
-            batch_size=body.batch_size,
-            microbatches=body.microbatches,
-            schedule=body.schedule,
-            optimizer=body.optimizer,
+            **settings,
             codec=body.codec,
-            seed=body.seed,
-            precision=body.precision,
             pin_first=body.pin_first,
             partition=body.partition,
             stages=body.stages,
             replicate_every=replicate_every,
             faults=tuple(body.faults),
         )
-    except UserError as exc:
-        raise unprocessable(["body", "model"], exc.message) from None
+    except ValidationError as exc:  # only steps is new here: too many epochs
+        raise unprocessable(["body", "epochs"], describe_validation_error(exc, "job")) from None
     _check_stages(body, model.num_units)
     _check_faults(body, steps, manager.actuator)
     job = manager.submit(spec, body.devices)

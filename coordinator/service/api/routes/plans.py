@@ -14,6 +14,7 @@ from coordinator.planner.simulator import simulate
 from coordinator.service.api.deps import ReadAuth, RegistryDep
 from coordinator.service.api.routes.errors import AUTH, unprocessable
 from coordinator.service.api.routes.jobs import zoo_model_name
+from edge.config import BatchSize, Microbatches, ModelName, Schedule, check_batch_split
 from edge.errors import UserError
 from edge.problem import DeviceSpec
 
@@ -27,13 +28,13 @@ class PlanCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(min_length=1, examples=["vgg11"])
+    model: ModelName = Field(examples=["vgg11"])
     model_options: dict[str, Any] = Field(default_factory=dict)
     devices: list[str] = Field(min_length=1, max_length=256, examples=[["rpi4-4gb:2", "laptop"]])
-    batch_size: int = Field(default=32, ge=1, le=65_536)
-    microbatches: int = Field(default=4, ge=1, le=1024)
+    batch_size: BatchSize = 32
+    microbatches: Microbatches = 4
     pin_first: str | None = None
-    schedule: str = Field(default="1f1b", pattern="^(1f1b|gpipe)$")
+    schedule: Schedule = "1f1b"
 
     @field_validator("model")
     @classmethod
@@ -42,8 +43,7 @@ class PlanCreate(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> PlanCreate:
-        if self.batch_size % self.microbatches:
-            raise ValueError("batch_size must be a multiple of microbatches")
+        check_batch_split(self.batch_size, self.microbatches)
         return self
 
 

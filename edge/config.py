@@ -1,0 +1,175 @@
+"""TrainConfig: every setting a job trains with, each validated here once.
+
+A job's settings travel through four shapes: the REST body a client posts
+(``JobCreate``), the coordinator engine's job spec (``JobSpec``), the MQTT stage
+assignment a device receives (:class:`edge.wire.messages.StageAssignment`) and the
+server tier's job file (:class:`edge.server.job_file.DistJob`). Each builds on
+:class:`TrainConfig` (the assignment on :class:`TrainConfigBase`, since its codec is
+per link), adding only what is its own, so a setting has one type and one check,
+and a bad value is refused with the same message whichever way it came in.
+
+The field types below are also for the settings some of those shapes carry and
+others do not (data-parallel ``replicas``, state replication every
+``replicate_every`` steps, the frame ``recv_timeout_s``): each is declared by the
+shapes that run with it, with the one type defined here.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "LINK_CODECS",
+    "BatchSize",
+    "CodecChoice",
+    "CodecName",
+    "DatasetName",
+    "Microbatches",
+    "ModelName",
+    "OptimizerSpec",
+    "Precision",
+    "RecvTimeout",
+    "Replicas",
+    "ReplicateEvery",
+    "Schedule",
+    "Seed",
+    "Steps",
+    "TrainConfig",
+    "TrainConfigBase",
+    "check_batch_split",
+]
+
+LINK_CODECS = ("fp32", "fp16", "bf16", "int8")
+"""What one link may carry (:class:`edge.wire.frames.Codec`), most precise first."""
+
+
+def _link_codec(value: str) -> str:
+    name = value.lower()
+    if name not in LINK_CODECS:
+        raise ValueError(
+            f"unknown codec {value!r}: a link takes fp32, fp16, bf16 or int8 "
+            "(a job may also say auto)"
+        )
+    return name
+
+
+def _codec_choice(value: str) -> str:
+    return "auto" if value.lower() == "auto" else _link_codec(value)
+
+
+ModelName = Annotated[str, Field(min_length=1)]
+"""A zoo model, or ``package.module:function`` (a user model)."""
+DatasetName = Annotated[str, Field(min_length=1)]
+"""A built-in dataset, or ``package.module:function`` (a user dataset)."""
+Steps = Annotated[int, Field(ge=1, le=1_000_000)]
+BatchSize = Annotated[int, Field(ge=1, le=65_536)]
+Microbatches = Annotated[int, Field(ge=1, le=1024)]
+Schedule = Literal["1f1b", "gpipe"]
+Precision = Literal["fp32", "bf16"]
+Seed = Annotated[int, Field(ge=0, le=2**31)]
+CodecName = Annotated[
+    str, AfterValidator(_link_codec), Field(json_schema_extra={"enum": list(LINK_CODECS)})
+]
+"""One link's codec, any case, kept lower-case."""
+CodecChoice = Annotated[
+    str,
+    AfterValidator(_codec_choice),
+    Field(json_schema_extra={"enum": [*LINK_CODECS, "auto"]}),
+]
+"""A job's codec: one for every link, or ``auto`` (the planner picks each link's)."""
+Replicas = Annotated[int, Field(ge=1)]
+"""Data-parallel copies of the pipeline; each trains on ``1/replicas`` of every batch."""
+ReplicateEvery = Annotated[int, Field(ge=0, le=100_000)]
+"""Publish every stage's state every this many steps, for fault tolerance (0: never)."""
+RecvTimeout = Annotated[float, Field(gt=0, le=86_400)]
+"""Seconds a stage waits for one frame before it gives up on the job."""
+
+
+def check_batch_split(batch_size: int, microbatches: int, replicas: int | None = None) -> None:
+    """Raise :class:`ValueError` unless ``batch_size`` splits into ``microbatches`` equal
+    microbatches (each split again over ``replicas`` data-parallel copies, if given)."""
+    if batch_size % (microbatches * (replicas or 1)):
+        split = f"microbatches {microbatches}"
+        if replicas is not None:
+            split += f" x replicas {replicas}"
+        raise ValueError(f"batch_size {batch_size} is not a multiple of {split}")
+
+
+class OptimizerSpec(BaseModel):
+    """Which optimizer a stage builds over its own parameters."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Literal["sgd", "adamw"] = "sgd"
+    lr: float = Field(default=0.05, gt=0, allow_inf_nan=False)
+    momentum: float = Field(default=0.9, ge=0, lt=1)
+    weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(default=1e-8, gt=0)
+
+
+class TrainConfigBase(BaseModel):
+    """Every setting of :class:`TrainConfig` but the codec, which a stage has per link."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: ModelName = Field(examples=["cnn-digits"])
+    model_options: dict[str, Any] = Field(default_factory=dict)
+    """The model's keyword arguments (``num_classes``, ``width``...)."""
+    dataset: DatasetName | None = None
+    """Absent: the model's own dataset."""
+    dataset_options: dict[str, Any] | None = None
+    """The dataset's keyword arguments. Absent: the model's own with its own dataset, else
+    none."""
+    steps: Steps
+    """Optimizer steps."""
+    batch_size: BatchSize
+    """Samples per step."""
+    microbatches: Microbatches = 1
+    """Microbatches per step; they divide ``batch_size``."""
+    schedule: Schedule = "1f1b"
+    """``1f1b``: PipeDream-Flush; ``gpipe``: every forward, then every backward."""
+    optimizer: OptimizerSpec = OptimizerSpec()
+    precision: Precision = "fp32"
+    """``bf16``: stages compute under bf16 autocast (weights and optimizer stay fp32)."""
+    seed: Seed = 0
+    """Seed of the weights and the data order."""
+
+    @model_validator(mode="after")
+    def _check_batch(self) -> TrainConfigBase:
+        # A shape with data-parallel replicas splits every microbatch over them too.
+        check_batch_split(self.batch_size, self.microbatches, getattr(self, "replicas", None))
+        return self
+
+    def resolve_data(self) -> tuple[str, dict[str, Any]]:
+        """The dataset and its options, with the model's filling in what is absent.
+
+        Raises :class:`~edge.errors.UserError` for a model that cannot be built.
+        """
+        from edge.models.zoo import get_model
+
+        spec = get_model(self.model, seed=self.seed, **self.model_options)
+        dataset = self.dataset or spec.dataset
+        options = self.dataset_options
+        if options is None:
+            options = spec.dataset_options if dataset == spec.dataset else {}
+        return dataset, options
+
+    def train_settings(self) -> dict[str, Any]:
+        """The settings of :class:`TrainConfigBase`, by name: to build another shape on them."""
+        return {name: getattr(self, name) for name in TrainConfigBase.model_fields}
+
+
+class TrainConfig(TrainConfigBase):
+    """Every setting a job trains with (see the module)."""
+
+    codec: CodecChoice = "fp32"
+    """Activations and gradients on every link, or ``auto``: the planner compresses the
+    links that would otherwise slow the step (:mod:`coordinator.planner.codecs`)."""
+
+    @property
+    def link_codec(self) -> str:
+        """The codec of a link whose plan chose none: ``codec``, or fp32 for ``auto``."""
+        return "fp32" if self.codec == "auto" else self.codec
