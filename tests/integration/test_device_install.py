@@ -121,7 +121,7 @@ def device(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DeviceInstall]:
 
 
 INSPECT = """
-import importlib.metadata as md, json, sys
+import importlib.metadata as md, json, os, sys
 import edge, edgetrain, coordinator
 names = json.loads(sys.argv[1])
 installed = []
@@ -134,6 +134,8 @@ dist = md.distribution('edgetrain')
 print(json.dumps({
     'installed': installed,
     'files': [m.__file__ for m in (edge, edgetrain, coordinator)],
+    'typed': [os.path.isfile(os.path.join(os.path.dirname(m.__file__), 'py.typed'))
+              for m in (edge, edgetrain, coordinator)],
     'direct_url': json.loads(dist.read_text('direct_url.json') or '{}'),
     'prefix': sys.prefix,
 }))
@@ -151,6 +153,7 @@ def test_no_coordinator_package_is_installed(device: DeviceInstall) -> None:
     # The installed package, not the checkout, and a real install, not an editable one.
     assert all(Path(f).is_relative_to(found["prefix"]) for f in found["files"]), found["files"]
     assert not found["direct_url"].get("dir_info", {}).get("editable", False)
+    assert found["typed"] == [True, True, True]  # PEP 561 markers ship with the packages
 
 
 def test_every_device_command_runs(device: DeviceInstall) -> None:
