@@ -30,9 +30,15 @@ from pydantic import (
 from coordinator.engine.faults import FaultActuator, parse_fault
 from coordinator.engine.spec import JobSpec
 from coordinator.service.api.deps import ManagerDep, ReadAuth, StoreDep, WriteAuth
-from coordinator.service.api.routes.errors import AUTH, CONFLICT, NOT_FOUND, unprocessable
+from coordinator.service.api.routes.errors import (
+    AUTH,
+    CONFLICT,
+    NOT_FOUND,
+    NOT_IMPLEMENTED,
+    unprocessable,
+)
 from coordinator.service.store.sqlite import JobRecord
-from edge.errors import UserError
+from edge.errors import MissingExtraError, UserError
 from edge.models.datasets import build_dataset
 from edge.models.zoo import get_model
 from edge.wire.messages import OptimizerSpec
@@ -312,13 +318,20 @@ def job_model(job_id: str, store: StoreDep) -> Response:
     return _download(_weights(store, job_id), f"{job_id}.safetensors")
 
 
-@router.get("/{job_id}/model.onnx", dependencies=[ReadAuth], responses={**NOT_FOUND, **CONFLICT})
+@router.get(
+    "/{job_id}/model.onnx",
+    dependencies=[ReadAuth],
+    responses={**NOT_FOUND, **CONFLICT, **NOT_IMPLEMENTED},
+)
 def job_model_onnx(job_id: str, store: StoreDep) -> Response:
-    """The trained model exported to ONNX (checked by onnx.checker)."""
+    """The trained model exported to ONNX (checked by onnx.checker); 501 on a coordinator
+    installed without the ``export`` extra."""
     from coordinator.service.export import export_onnx
 
     spec = _job_or_404(store, job_id).spec
-    onnx = export_onnx(
-        spec["model"], _weights(store, job_id), model_options=spec.get("model_options") or {}
-    )
+    weights = _weights(store, job_id)
+    try:
+        onnx = export_onnx(spec["model"], weights, model_options=spec.get("model_options") or {})
+    except MissingExtraError as exc:
+        raise HTTPException(501, exc.message) from None
     return _download(onnx, f"{job_id}.onnx")
