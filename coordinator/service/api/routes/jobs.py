@@ -243,7 +243,7 @@ def list_jobs(
 @router.get("/{job_id}", response_model=JobPublic, dependencies=[ReadAuth], responses=NOT_FOUND)
 def get_job(job_id: str, store: StoreDep) -> JobPublic:
     record = _job_or_404(store, job_id)
-    steps = store.job_steps(job_id, since_step=max(0, record.steps_done - 1))
+    steps = store.job_steps(job_id, from_step=max(0, record.steps_done - 1))
     latest = max(steps, key=lambda r: (r.step, r.stage)).model_dump() if steps else None
     return _public(record, latest)
 
@@ -262,12 +262,25 @@ def cancel_job(job_id: str, store: StoreDep, manager: ManagerDep) -> JobPublic:
 
 
 @router.get("/{job_id}/metrics", dependencies=[ReadAuth], responses=NOT_FOUND)
-def job_metrics(job_id: str, store: StoreDep) -> dict[str, Any]:
-    """Per step: loss, samples/s, and per stage compute, wait and bytes."""
+def job_metrics(
+    job_id: str,
+    store: StoreDep,
+    since_step: Annotated[
+        int | None,
+        Query(
+            ge=0,
+            le=2**62,
+            description="Only the steps after this one (a poll asks for what is new).",
+        ),
+    ] = None,
+) -> dict[str, Any]:
+    """Per step: loss, samples/s, and per stage compute, wait and bytes; all steps, or
+    with ``since_step`` only the later ones."""
     record = _job_or_404(store, job_id)
     batch = int(record.spec.get("batch_size", 0))
     steps: dict[int, dict[str, Any]] = {}
-    for r in store.job_steps(job_id):
+    first = 0 if since_step is None else since_step + 1
+    for r in store.job_steps(job_id, from_step=first):
         row = steps.setdefault(r.step, {"step": r.step, "loss": None, "stages": []})
         if r.loss is not None:
             row["loss"] = r.loss

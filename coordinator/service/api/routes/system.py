@@ -76,7 +76,7 @@ class FleetCollector(Collector):
         store = self.services.store
         for job in store.list_jobs(limit=20, offset=0, state="running"):
             latest: dict[int, StepReport] = {}
-            for r in store.job_steps(job.id, since_step=max(0, job.steps_done - 1)):
+            for r in store.job_steps(job.id, from_step=max(0, job.steps_done - 1)):
                 latest[r.stage] = r
             for stage, r in sorted(latest.items()):
                 labels = [job.id, str(stage)]
