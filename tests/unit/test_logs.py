@@ -2,8 +2,8 @@
 
 The coordinator's own records are the point: the real :class:`DeviceRegistry`
 (over a real store) sees a device come online and then miss its heartbeats, and
-each change is a JSON line naming the device. Messages reach the registry through a
-stand-in for the control connection, delivered by hand as the broker would.
+each change is a JSON line naming the device. Messages reach the registry through
+a stand-in for the control connection (support.control), delivered as the broker would.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import io
 import json
 import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.control import HandDelivered
 from support.waiting import until
 
 from coordinator.service.events import EventBus
@@ -26,8 +27,6 @@ from edge.errors import UserError
 from edge.logs import bind, setup_logging
 from edge.wire.messages import DeviceStatus, Heartbeat
 from edge.wire.topics import TOPIC_ROOT, device_status
-
-Callback = Callable[[str, bytes], None]
 
 
 @pytest.fixture
@@ -48,27 +47,11 @@ def _lines(stream: io.StringIO) -> list[dict[str, Any]]:
     return [json.loads(line) for line in stream.getvalue().splitlines()]
 
 
-class _Control:
-    """The registry's subscriptions; ``publish`` delivers to them (``+``: one level)."""
-
-    def __init__(self) -> None:
-        self.subscriptions: list[tuple[str, Callback]] = []
-
-    def subscribe(self, pattern: str, callback: Callback, qos: int = 1) -> None:
-        self.subscriptions.append((pattern, callback))
-
-    def publish(self, topic: str, payload: bytes) -> None:
-        for pattern, callback in self.subscriptions:
-            want, got = pattern.split("/"), topic.split("/")
-            if len(want) == len(got) and all(w in ("+", g) for w, g in zip(want, got, strict=True)):
-                callback(topic, payload)
-
-
 def test_a_device_going_offline_is_a_json_line_from_the_registry(
     output: io.StringIO, tmp_path: Path
 ) -> None:
     setup_logging("info", stream=output)
-    control = _Control()
+    control = HandDelivered()
     bus = EventBus()
     with Store(tmp_path) as store:
         registry = DeviceRegistry(store, bus, control, heartbeat_timeout_s=0.3)  # type: ignore[arg-type]
