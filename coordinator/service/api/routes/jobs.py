@@ -38,7 +38,7 @@ from coordinator.service.api.routes.errors import (
     unprocessable,
 )
 from coordinator.service.store.sqlite import JobRecord
-from edge.errors import MissingExtraError, UserError
+from edge.errors import UserError
 from edge.models.datasets import build_dataset
 from edge.models.zoo import get_model
 from edge.wire.messages import OptimizerSpec
@@ -340,6 +340,7 @@ def job_model_onnx(job_id: str, store: StoreDep) -> Response:
     """The trained model exported to ONNX (checked by onnx.checker); 501 on a coordinator
     installed without the ``export`` extra."""
     from coordinator.service.export import export_onnx
+    from edge.errors import MissingExtraError
 
     spec = _job_or_404(store, job_id).spec
     weights = _weights(store, job_id)
