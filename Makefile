@@ -45,7 +45,7 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[coordinator,dev]"
+	$(BIN)/python -m pip install --quiet -e ".[coordinator,export,dev]"
 	touch $@
 
 # System packages the tests use: Mosquitto (integration and end-to-end tests),

@@ -11,6 +11,10 @@
 #    (--profile), when set.
 # 4. Drops root (every capability, no_new_privs) and execs `edgetrain agent` with
 #    its own arguments followed by the ones above.
+#
+# The agent reads EDGETRAIN_<OPTION> for each of its options, EDGETRAIN_LINK_MBPS and
+# EDGETRAIN_LINK_LATENCY_MS among them; this script consumes those two and unsets
+# them, so that a link tc already shapes is not shaped again in the agent.
 set -eu
 
 log() {
@@ -67,6 +71,7 @@ if [ -n "$latency_ms" ]; then
 	set -- "$@" --link-latency-ms "$latency_ms"
 fi
 log "link shaping: $bandwidth; $latency"
+unset EDGETRAIN_LINK_MBPS EDGETRAIN_LINK_LATENCY_MS
 
 if [ -n "${EDGETRAIN_PROFILE_JSON:-}" ]; then
 	profile="${TMPDIR:-/tmp}/edgetrain-profile.json"

@@ -10,19 +10,25 @@ httpx, pydantic-settings or amqtt: ``[project.optional-dependencies]
 coordinator`` in pyproject.toml). Every command must still start there, so the
 modules that need those packages are imported inside the commands that use them,
 under :func:`needs_coordinator_extras`, which turns the missing module into a
-:class:`UserError` naming the install that has it instead of a traceback.
+:class:`MissingExtraError` naming the install that has it instead of a traceback.
+ONNX export has its own extra (``export``: onnx and onnxruntime), imported the
+same way under :func:`needs_extra`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 from pydantic import ValidationError
 
-__all__ = ["INSTALL_HINT", "UserError", "describe_validation_error", "needs_coordinator_extras"]
-
-INSTALL_HINT = "pip install 'edgetrain[coordinator]'"
+__all__ = [
+    "MissingExtraError",
+    "UserError",
+    "describe_validation_error",
+    "needs_coordinator_extras",
+    "needs_extra",
+]
 
 
 class UserError(Exception):
@@ -65,13 +71,24 @@ def describe_validation_error(exc: ValidationError, source: str) -> str:
     return f"{source}: {loc}: {msg}{shown}{more}".replace("\n", " ")
 
 
+class MissingExtraError(UserError):
+    """A feature whose packages come with an extra that is not installed here."""
+
+
 @contextmanager
-def needs_coordinator_extras(what: str) -> Iterator[None]:
-    """Imports in this block that fail for a missing module end as one line about ``what``."""
+def needs_extra(extra: str, what: str) -> Iterator[None]:
+    """Imports in this block that fail for a missing module end as one line about ``what``:
+    ``{what} needs the {extra} extras (no module 'x' here): pip install 'edgetrain[{extra}]'``."""
     try:
         yield
     except ModuleNotFoundError as exc:
         missing = exc.name or str(exc)
-        raise UserError(
-            f"{what} needs the coordinator extras (no module {missing!r} here): {INSTALL_HINT}"
+        raise MissingExtraError(
+            f"{what} needs the {extra} extras (no module {missing!r} here): "
+            f"pip install 'edgetrain[{extra}]'"
         ) from None
+
+
+def needs_coordinator_extras(what: str) -> AbstractContextManager[None]:
+    """:func:`needs_extra` for the ``coordinator`` extra."""
+    return needs_extra("coordinator", what)

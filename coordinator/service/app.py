@@ -82,6 +82,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         services, stop = start_services(settings)
         app.state.services = services
+        app.state.metrics_registry = system.metrics_registry(services)
         try:
             yield
         finally:

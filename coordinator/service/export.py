@@ -12,6 +12,12 @@ checking that model against torch:
 - :func:`check_onnx` runs the export under onnxruntime (CPU) on a seeded batch
   of another size than the export batch and compares it with torch.
 
+onnx and onnxruntime come with the ``export`` extra (``pip install
+'edgetrain[export]'``), not with the coordinator's: without them this module
+still imports, and exporting or checking raises
+:class:`~edge.errors.MissingExtraError` in one line naming that install (the
+REST route answers 501 with it).
+
 Exporter: the legacy TorchScript exporter (``torch.onnx.export(..., dynamo=False)``).
 Checked on torch 2.13 for every zoo model (mlp, cnn-digits, vgg11, resnet18,
 mobilenetv2, gpt-mini): it needs nothing beyond ``onnx``, works offline, and
@@ -23,7 +29,7 @@ follow the batch size, and its causal mask (a non-persistent buffer) is folded
 into the graph as a constant. Only the batch axis is dynamic: gpt-mini's
 sequence length is the block size it was exported with. The legacy exporter
 is deprecated in torch; if a future torch removes it, switch to ``dynamo=True``
-with ``dynamic_shapes`` and add ``onnxscript`` to the ``coordinator`` extra.
+with ``dynamic_shapes`` and add ``onnxscript`` to the ``export`` extra.
 """
 
 from __future__ import annotations
@@ -35,13 +41,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
-import onnxruntime
 import safetensors.torch
 import torch
 from torch import nn
 
-from edge.errors import UserError
+from edge.errors import UserError, needs_extra
 from edge.models.zoo import ModelSpec, get_model
 
 __all__ = [
@@ -141,6 +145,8 @@ def export_onnx(
     ``opset`` defaults to the exporter's (20 on torch 2.13). The result passes
     ``onnx.checker.check_model(full_check=True)``.
     """
+    with needs_extra("export", "ONNX export"):
+        import onnx
     if batch_size < 1:
         raise UserError(f"export: batch size must be at least 1 (got {batch_size})")
     if opset is not None and not MIN_OPSET <= opset <= MAX_OPSET:
@@ -191,6 +197,8 @@ def check_onnx(
     :class:`OnnxMismatchError` when the shapes differ or any element fails
     ``|onnx - torch| <= atol + rtol * |torch|``.
     """
+    with needs_extra("export", "ONNX check"):
+        import onnxruntime
     spec, module = load_weights(model, weights, model_options)
     batch = spec.example_input(batch_size, seed=seed)
     with torch.no_grad():

@@ -175,7 +175,7 @@ class JobManager:
             try:
                 self._run(job, JobSpec.model_validate(record.spec), record.devices_allowed)
             except Exception as exc:  # never let one job end the worker
-                log.exception("job %s failed", job)
+                log.exception("job %s failed", job, extra={"job": job})
                 self._finish(job, "failed", f"{type(exc).__name__}: {exc}")
 
     def _finish(self, job: str, state: str, reason: str | None = None, **fields: Any) -> None:
@@ -190,6 +190,9 @@ class JobManager:
             self.store.set_job_state(job, state, reason=reason, **fields)
         except ValueError:  # it reached a final state meanwhile (a cancel won the race)
             log.info("job %s already ended; not marking it %s", job, state)
+        else:
+            level = logging.WARNING if state == "failed" else logging.INFO
+            log.log(level, "job %s %s", job, state, extra={"job": job, "reason": reason})
         self._announce(job)
 
     def _plan(

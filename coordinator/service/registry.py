@@ -6,7 +6,8 @@ A device is ``online`` (or ``busy``) from its status until its last-will says
 ``offline`` or no heartbeat has come for ``heartbeat_timeout_s``; it is then
 marked ``offline`` with the time it was last seen. Every change is written to
 the store (heartbeats at most every few seconds per device) and announced on
-the event bus.
+the event bus, and every change of state is one log line (``device pi-1: online
+-> offline``, with ``device`` and, when the registry decided it, ``reason``).
 """
 
 from __future__ import annotations
@@ -113,7 +114,9 @@ class DeviceRegistry:
 
     # -- MQTT callbacks (paho's network thread) ---------------------------------------
 
-    def _update(self, device: str, persist: bool = True, **fields: Any) -> None:
+    def _update(
+        self, device: str, persist: bool = True, reason: str | None = None, **fields: Any
+    ) -> None:
         with self._lock:
             view = self._devices.setdefault(device, DeviceView(device))
             before = (view.state, view.job, view.stage, view.profile is None)
@@ -121,6 +124,14 @@ class DeviceRegistry:
                 setattr(view, key, value)
             changed = before != (view.state, view.job, view.stage, view.profile is None)
             snapshot = view.to_json()
+        if snapshot["state"] != before[0]:
+            log.info(
+                "device %s: %s -> %s",
+                device,
+                before[0],
+                snapshot["state"],
+                extra={"device": device, "reason": reason},
+            )
         now = time.monotonic()
         if persist or changed or now - self._persisted.get(device, 0) > _PERSIST_EVERY_S:
             self._persisted[device] = now
@@ -162,5 +173,10 @@ class DeviceRegistry:
                     and now - d.last_seen > self.timeout
                 ]
             for device in stale:
-                log.info("device %s missed its heartbeats: offline", device)
-                self._update(device, state="offline", job=None, stage=None)
+                self._update(
+                    device,
+                    reason=f"no heartbeat for {self.timeout:g} s",
+                    state="offline",
+                    job=None,
+                    stage=None,
+                )

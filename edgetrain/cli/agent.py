@@ -37,13 +37,19 @@ def _measured(device_id: str, seconds: float, device: str, precision: str) -> De
 
 
 def agent_command(
-    broker: str = typer.Option(..., "--broker", help="Broker URL: mqtt://HOST:PORT or mqtts://."),
+    broker: str = typer.Option(
+        ..., "--broker", envvar="EDGETRAIN_BROKER", help="Broker URL: mqtt://HOST:PORT or mqtts://."
+    ),
     device_id: str = typer.Option(
-        socket.gethostname(), "--device-id", help="This device's id (default: the hostname)."
+        socket.gethostname(),
+        "--device-id",
+        envvar="EDGETRAIN_DEVICE_ID",
+        help="This device's id (default: the hostname).",
     ),
     profile: str | None = typer.Option(
         None,
         "--profile",
+        envvar="EDGETRAIN_PROFILE",
         metavar="NAME|FILE.json",
         help=(
             "Announce a catalogue profile (e.g. rpi4-4gb), or the device in a JSON file "
@@ -52,22 +58,35 @@ def agent_command(
         ),
     ),
     data_dir: Path = typer.Option(
-        Path.home() / ".edgetrain" / "agent", "--data-dir", help="Where stage weights are kept."
+        Path.home() / ".edgetrain" / "agent",
+        "--data-dir",
+        envvar="EDGETRAIN_DATA_DIR",
+        help="Where stage weights are kept.",
     ),
-    threads: int | None = typer.Option(None, "--threads", min=1, help="torch threads."),
-    heartbeat_s: float = typer.Option(1.0, "--heartbeat-s", min=0.05, help="Heartbeat period."),
+    threads: int | None = typer.Option(
+        None, "--threads", envvar="EDGETRAIN_THREADS", min=1, help="torch threads."
+    ),
+    heartbeat_s: float = typer.Option(
+        1.0, "--heartbeat-s", envvar="EDGETRAIN_HEARTBEAT_S", min=0.05, help="Heartbeat period."
+    ),
     measure_seconds: float = typer.Option(
-        1.0, "--measure-seconds", min=0.05, help="How long to time matmuls when measuring."
+        1.0,
+        "--measure-seconds",
+        envvar="EDGETRAIN_MEASURE_SECONDS",
+        min=0.05,
+        help="How long to time matmuls when measuring.",
     ),
     slowdown: float = typer.Option(
         1.0,
         "--slowdown",
+        envvar="EDGETRAIN_SLOWDOWN",
         min=1.0,
         help="Emulate a device this many times slower (software duty-cycling of compute).",
     ),
     link_mbps: float | None = typer.Option(
         None,
         "--link-mbps",
+        envvar="EDGETRAIN_LINK_MBPS",
         metavar="MBPS",
         help=(
             "Emulate a link of this many Mbit/s each way for tensor frames (software "
@@ -77,23 +96,43 @@ def agent_command(
     link_latency_ms: float = typer.Option(
         0.0,
         "--link-latency-ms",
+        envvar="EDGETRAIN_LINK_LATENCY_MS",
         metavar="MS",
         help="Emulate this one-way latency on tensor frames, each way (software shaping).",
     ),
-    username: str | None = typer.Option(None, "--username", help="Broker user name."),
-    password: str | None = typer.Option(
-        None, "--password", envvar="EDGETRAIN_MQTT_PASSWORD", help="Broker password."
+    username: str | None = typer.Option(
+        None, "--username", envvar="EDGETRAIN_USERNAME", help="Broker user name."
     ),
-    tls_ca: Path | None = typer.Option(None, "--tls-ca", help="CA bundle for mqtts://."),
-    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+    password: str | None = typer.Option(
+        None,
+        "--password",
+        # EDGETRAIN_MQTT_PASSWORD: its name before every option had a variable.
+        envvar=["EDGETRAIN_PASSWORD", "EDGETRAIN_MQTT_PASSWORD"],
+        help="Broker password.",
+    ),
+    tls_ca: Path | None = typer.Option(
+        None, "--tls-ca", envvar="EDGETRAIN_TLS_CA", help="CA bundle for mqtts://."
+    ),
+    log_level: str = typer.Option(
+        "info", "--log-level", envvar="EDGETRAIN_LOG_LEVEL", help="debug, info, warning or error."
+    ),
     device: str = typer.Option(
-        "cpu", "--device", help="Where stages compute: cpu, cuda or cuda:N (a GPU server)."
+        "cpu",
+        "--device",
+        envvar="EDGETRAIN_DEVICE",
+        help="Where stages compute: cpu, cuda or cuda:N (a GPU server).",
     ),
     precision: str = typer.Option(
-        "fp32", "--precision", help="With cuda: announce the fp32 or the bf16 (autocast) rate."
+        "fp32",
+        "--precision",
+        envvar="EDGETRAIN_PRECISION",
+        help="With cuda: announce the fp32 or the bf16 (autocast) rate.",
     ),
     server: bool = typer.Option(
-        False, "--server", help="Server tier: may join torch.distributed groups (implied by cuda)."
+        False,
+        "--server",
+        envvar="EDGETRAIN_SERVER",
+        help="Server tier: may join torch.distributed groups (implied by cuda).",
     ),
 ) -> None:
     """Run the agent daemon: register this device and run the stages it is assigned.
@@ -102,6 +141,10 @@ def agent_command(
     heartbeat, runs assignments from its cmd topic, reports per-step timings on
     the job's events topic, and rides out the broker going away. Logs are JSON
     lines on standard error. SIGTERM stops it cleanly.
+
+    Every option can also come from its environment variable, EDGETRAIN_ and the
+    option's name (--device-id: EDGETRAIN_DEVICE_ID), as each option's help
+    says; a flag on the command line wins over the variable.
 
     --slowdown, --link-mbps and --link-latency-ms emulate a slower device on
     this machine without root; a measured profile then announces the link as

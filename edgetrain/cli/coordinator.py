@@ -20,7 +20,12 @@ def coordinator_command(
     data_dir: Path | None = typer.Option(
         None, "--data-dir", help="Where the database and trained models are kept."
     ),
-    log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+    log_level: str = typer.Option(
+        "info",
+        "--log-level",
+        help="debug, info, warning or error: the least severe record written (JSON lines "
+        "on standard error).",
+    ),
     testbed_state: Path | None = typer.Option(
         None,
         "--testbed-state",
@@ -31,8 +36,11 @@ def coordinator_command(
     """Run the coordinator: track the fleet, accept jobs, plan and drive them, store results.
 
     The API is under /api/v1 (OpenAPI at /docs). With EDGETRAIN_API_TOKEN set,
-    every mutating request needs 'Authorization: Bearer <token>'.
+    every mutating request needs 'Authorization: Bearer <token>'. Logs, the
+    coordinator's and uvicorn's alike, are JSON lines on standard error.
     """
+    from edge.logs import setup_logging
+
     with needs_coordinator_extras("edgetrain coordinator"):
         import uvicorn
 
@@ -42,4 +50,13 @@ def coordinator_command(
     settings = get_settings(
         host=host, port=port, broker_url=broker, data_dir=data_dir, testbed_state=testbed_state
     )
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level)
+    setup_logging(log_level)
+    # log_config=None: uvicorn leaves logging as set up here, and its own loggers
+    # (uvicorn.error, uvicorn.access) propagate to the JSON handler.
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=log_level.lower(),
+        log_config=None,
+    )

@@ -20,6 +20,7 @@ from coordinator.local.fleet import LocalFleet
 from coordinator.service.app import create_app
 from coordinator.service.export import check_onnx
 from coordinator.service.settings import Settings
+from edge import __version__
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
 TOKEN = "s3cret-token-for-the-tests"
@@ -106,6 +107,8 @@ def test_job_over_http_runs_a_three_stage_pipeline(tmp_path: Path) -> None:
             assert check_onnx(exported.content, "cnn-digits", tensors) < 1e-4
             prom = client.get("/metrics").text
             assert "edgetrain_devices_online 3.0" in prom
+            assert f'edgetrain_build_info{{version="{__version__}"}} 1.0' in prom
+            assert "\nprocess_cpu_seconds_total " in prom
             assert client.get("/openapi.json").status_code == 200
 
             # Four stages on three devices: the job fails at planning, saying why.

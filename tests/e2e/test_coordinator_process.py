@@ -1,15 +1,19 @@
 """The coordinator as its own process: ``edgetrain coordinator``, a real Mosquitto, two agents.
 
 The job is an even split over both agents (``partition="even"``): a real 2-stage pipeline.
+The process's standard error is JSON lines: uvicorn's, the job's end, and an agent
+killed afterwards going offline.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import onnx
@@ -26,9 +30,20 @@ pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not 
 TOKEN = "another-long-test-token-123"
 
 
+def _json_lines(path: Path) -> list[dict[str, Any]]:
+    """The complete lines written so far, each parsed (a line that is not JSON fails)."""
+    text = path.read_text()
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+
+
 def test_job_submitted_over_http_to_a_coordinator_process(tmp_path: Path) -> None:
     port = free_port()
-    with mosquitto_broker() as broker, LocalFleet(2, broker.url, threads=1):
+    log = tmp_path / "coordinator.log"
+    with (
+        mosquitto_broker() as broker,
+        LocalFleet(2, broker.url, threads=1) as fleet,
+        log.open("wb") as stderr,
+    ):
         proc = subprocess.Popen(
             [
                 sys.executable,
@@ -44,7 +59,7 @@ def test_job_submitted_over_http_to_a_coordinator_process(tmp_path: Path) -> Non
             ],
             env={**os.environ, "EDGETRAIN_API_TOKEN": TOKEN},
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=stderr,
         )
         api = httpx.Client(
             base_url=f"http://127.0.0.1:{port}",
@@ -59,7 +74,7 @@ def test_job_submitted_over_http_to_a_coordinator_process(tmp_path: Path) -> Non
                 except httpx.TransportError:
                     return False
 
-            assert until(ready, 60), proc.stderr.read().decode() if proc.poll() else "no answer"
+            assert until(ready, 60), log.read_text()[-3000:]
 
             def online() -> int:
                 return sum(
@@ -91,6 +106,26 @@ def test_job_submitted_over_http_to_a_coordinator_process(tmp_path: Path) -> Non
             exported = api.get(f"/api/v1/jobs/{job}/model.onnx").content
             onnx.checker.check_model(onnx.load_from_string(exported))
             assert check_onnx(exported, "mlp", weights) < 1e-4
+
+            # Its logs: JSON lines, uvicorn's too, with the job's end and a device lost.
+            fleet.kill(fleet.ids[0])
+
+            def offline() -> bool:
+                return any(
+                    line.get("device") == fleet.ids[0] and line["msg"].endswith("-> offline")
+                    for line in _json_lines(log)
+                )
+
+            assert until(offline, 30), log.read_text()[-3000:]
+            lines = _json_lines(log)
+            assert {"ts", "level", "logger", "msg"} <= set(lines[0]), lines[0]
+            ended = [line for line in lines if line.get("job") == job]
+            assert ended[-1]["msg"] == f"job {job} completed", ended
+            assert ended[-1]["logger"] == "coordinator.service.manager"
+            assert any(
+                (line["logger"], line["msg"]) == ("uvicorn.error", "Application startup complete.")
+                for line in lines
+            )
         finally:
             api.close()
             proc.send_signal(signal.SIGTERM)

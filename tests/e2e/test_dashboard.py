@@ -1,4 +1,5 @@
-"""The dashboard in headless Chromium during a real job: fleet, timeline and a growing loss curve.
+"""The dashboard in headless Chromium during a real job: fleet, timeline and a growing loss curve,
+its polls asking only for new steps (``?since_step=``).
 
 Three agents run a 3-stage job (``stages=3``), so the timeline must show three rows.
 
@@ -82,6 +83,8 @@ def test_dashboard_shows_fleet_timeline_and_a_growing_loss_curve(tmp_path: Path)
                         page = browser.new_page(viewport={"width": 1400, "height": 1000})
                         errors: list[str] = []
                         page.on("pageerror", lambda exc: errors.append(str(exc)))
+                        requested: list[str] = []
+                        page.on("request", lambda request: requested.append(request.url))
                         page.goto(base + "/")
                         for device in fleet.ids:
                             page.wait_for_selector(
@@ -119,6 +122,10 @@ def test_dashboard_shows_fleet_timeline_and_a_growing_loss_curve(tmp_path: Path)
                         )
                         page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
                         assert not errors, errors
+                        # The whole history once, then only the steps after the ones held.
+                        polls = [u for u in requested if f"/jobs/{job}/metrics" in u]
+                        assert "since_step" not in polls[0], polls
+                        assert any("?since_step=" in u for u in polls[1:]), polls
                     finally:
                         browser.close()
             finally:

@@ -50,7 +50,8 @@ REPO = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "README.md", "edge", "coordinator", "edgetrain", "device_profiles")
 """What building the distribution reads (packages, package data, metadata)."""
 NOT_ON_A_DEVICE = {"fastapi", "sqlalchemy", "uvicorn", "httpx", "pydantic-settings", "amqtt"}
-"""Named by issue 13 (with onnx); the test checks every distribution of the extra."""
+"""Named by issue 13 (with onnx, now in the export extra); the test checks every
+distribution of the coordinator and export extras."""
 
 
 class DeviceInstall:
@@ -121,7 +122,7 @@ def device(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DeviceInstall]:
 
 
 INSPECT = """
-import importlib.metadata as md, json, sys
+import importlib.metadata as md, json, os, sys
 import edge, edgetrain, coordinator
 names = json.loads(sys.argv[1])
 installed = []
@@ -134,6 +135,8 @@ dist = md.distribution('edgetrain')
 print(json.dumps({
     'installed': installed,
     'files': [m.__file__ for m in (edge, edgetrain, coordinator)],
+    'typed': [os.path.isfile(os.path.join(os.path.dirname(m.__file__), 'py.typed'))
+              for m in (edge, edgetrain, coordinator)],
     'direct_url': json.loads(dist.read_text('direct_url.json') or '{}'),
     'prefix': sys.prefix,
 }))
@@ -142,7 +145,8 @@ print(json.dumps({
 
 def test_no_coordinator_package_is_installed(device: DeviceInstall) -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    names = [Requirement(r).name for r in project["optional-dependencies"]["coordinator"]]
+    optional = project["optional-dependencies"]
+    names = [Requirement(r).name for r in optional["coordinator"] + optional["export"]]
     assert NOT_ON_A_DEVICE | {"onnx"} <= {n.lower() for n in names}
     done = device.run(device.python, "-c", INSPECT, json.dumps(names))
     assert done.returncode == 0, done.stderr
@@ -151,6 +155,7 @@ def test_no_coordinator_package_is_installed(device: DeviceInstall) -> None:
     # The installed package, not the checkout, and a real install, not an editable one.
     assert all(Path(f).is_relative_to(found["prefix"]) for f in found["files"]), found["files"]
     assert not found["direct_url"].get("dir_info", {}).get("editable", False)
+    assert found["typed"] == [True, True, True]  # PEP 561 markers ship with the packages
 
 
 def test_every_device_command_runs(device: DeviceInstall) -> None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 import time
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import onnx
@@ -10,6 +14,7 @@ import pytest
 import safetensors.torch
 import torch
 import torch.nn.functional as F
+from packaging.requirements import Requirement
 
 from coordinator.service.export import (
     OnnxMismatchError,
@@ -17,8 +22,10 @@ from coordinator.service.export import (
     export_onnx,
     load_weights,
 )
-from edge.errors import UserError
+from edge.errors import MissingExtraError, UserError
 from edge.models.zoo import get_model, list_models
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # Full-size models (all export in under a second); cnn-digits also with BatchNorm
 # so running statistics (and num_batches_tracked) go through the export.
@@ -135,3 +142,30 @@ def test_bad_bytes_opset_and_batch(mlp_weights: dict[str, torch.Tensor]) -> None
     _one_line_user_error(lambda: export_onnx("mlp", b"not safetensors"), "not a safetensors")
     _one_line_user_error(lambda: export_onnx("mlp", mlp_weights, opset=99), "opset 99")
     _one_line_user_error(lambda: export_onnx("mlp", mlp_weights, batch_size=0), "batch size")
+
+
+def test_without_the_export_extra_one_line_names_it(
+    mlp_weights: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = export_onnx("mlp", mlp_weights)
+    cases: list[tuple[str, str, Callable[[], object]]] = [
+        ("onnx", "ONNX export", lambda: export_onnx("mlp", mlp_weights)),
+        ("onnxruntime", "ONNX check", lambda: check_onnx(data, "mlp", mlp_weights)),
+    ]
+    for module, what, call in cases:
+        with monkeypatch.context() as patch:
+            patch.setitem(sys.modules, module, None)  # as on a coordinator without [export]
+            with pytest.raises(MissingExtraError) as info:
+                call()
+        assert info.value.message == (
+            f"{what} needs the export extras (no module {module!r} here): "
+            "pip install 'edgetrain[export]'"
+        )
+
+
+def test_onnx_is_its_own_extra() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    names = {extra: {Requirement(r).name for r in reqs} for extra, reqs in extras.items()}
+    assert names["export"] == {"onnx", "onnxruntime"}
+    assert not names["coordinator"] & names["export"]

@@ -2,9 +2,9 @@
 ``coordinator`` -> ``edge``), and a device install (no coordinator extras) runs every
 device command.
 
-The coordinator-only packages are read from pyproject.toml (the ``coordinator``
-extra), with every package only they bring in, so a new extra is blocked here the
-day it is added. tests/integration/test_device_install.py checks the same on a
+The coordinator-only packages are read from pyproject.toml (the ``coordinator`` and
+``export`` extras), with every package only they bring in, so a new extra is blocked
+here the day it is added. tests/integration/test_device_install.py checks the same on a
 real install without extras.
 """
 
@@ -49,10 +49,15 @@ def _closure(requirements: list[str]) -> set[str]:
     return seen
 
 
+DEVICE_FREE_EXTRAS = ("coordinator", "export")
+"""The extras a device never installs: the service, and ONNX export (onnx, onnxruntime)."""
+
+
 def coordinator_only_distributions() -> set[str]:
-    """The distributions that only the ``coordinator`` extra installs, with their own deps."""
+    """The distributions that only the coordinator's extras install, with their own deps."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    extras = project["optional-dependencies"]["coordinator"]
+    optional = project["optional-dependencies"]
+    extras = [r for extra in DEVICE_FREE_EXTRAS for r in optional[extra]]
     only = _closure(extras) - _closure(project["dependencies"])
     missing = {_normalized(Requirement(r).name) for r in extras} - only
     assert not missing, f"coordinator extras not installed in this environment: {missing}"

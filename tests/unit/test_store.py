@@ -215,7 +215,7 @@ def test_concurrent_writers_lose_nothing(store: Store) -> None:
         t.join(timeout=60)
     assert not errors
     assert len(store.job_steps("j1")) == threads * steps
-    assert len(store.job_steps("j1", since_step=150)) == threads * 50
+    assert len(store.job_steps("j1", from_step=150)) == threads * 50
     assert len(store.job_events("j1")) == threads * 4
     assert [d.last_seen for d in store.list_devices()] == [150.0] * threads
 

@@ -364,11 +364,12 @@ class Store:
         except IntegrityError:
             raise NotFoundError(f"no job {job_id}") from None
 
-    def job_steps(self, job_id: str, *, since_step: int = 0) -> list[StepReport]:
-        """The stored reports of ``job_id`` from ``since_step`` on, by step then stage."""
+    def job_steps(self, job_id: str, *, from_step: int = 0) -> list[StepReport]:
+        """The stored reports of ``job_id`` from step ``from_step`` on (it included), by step
+        then stage."""
         query = (
             select(_JobStep)
-            .where(_JobStep.job_id == job_id, _JobStep.step >= since_step)
+            .where(_JobStep.job_id == job_id, _JobStep.step >= from_step)
             .order_by(_JobStep.step, _JobStep.stage)
         )
         with self._sessions() as s:

@@ -1,6 +1,6 @@
 """Error bodies the routes declare in OpenAPI, so every response has a schema.
 
-404, 409 and 401 carry ``{"detail": "one line"}`` (:class:`Message`); a 422 is
+404, 409, 501 and 401 carry ``{"detail": "one line"}`` (:class:`Message`); a 422 is
 FastAPI's own ``HTTPValidationError`` shape (``detail``: a list of ``loc``,
 ``msg``, ``type``), also when a route or a :class:`~edge.errors.UserError`
 raises it, so a client parses one shape for every 422.
@@ -13,7 +13,15 @@ from typing import Any
 from fastapi import HTTPException
 from pydantic import BaseModel
 
-__all__ = ["AUTH", "CONFLICT", "NOT_FOUND", "Message", "unprocessable", "validation_detail"]
+__all__ = [
+    "AUTH",
+    "CONFLICT",
+    "NOT_FOUND",
+    "NOT_IMPLEMENTED",
+    "Message",
+    "unprocessable",
+    "validation_detail",
+]
 
 
 class Message(BaseModel):
@@ -24,6 +32,9 @@ class Message(BaseModel):
 
 NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": Message, "description": "No such id"}}
 CONFLICT: dict[int | str, dict[str, Any]] = {409: {"model": Message, "description": "Wrong state"}}
+NOT_IMPLEMENTED: dict[int | str, dict[str, Any]] = {
+    501: {"model": Message, "description": "Needs an extra this coordinator lacks"}
+}
 AUTH: dict[int | str, dict[str, Any]] = {
     401: {"model": Message, "description": "Missing or wrong bearer token"}
 }

@@ -35,7 +35,13 @@ from pydantic import (
 from coordinator.engine.faults import FaultActuator, parse_fault
 from coordinator.engine.spec import JobSpec
 from coordinator.service.api.deps import ManagerDep, ReadAuth, StoreDep, WriteAuth
-from coordinator.service.api.routes.errors import AUTH, CONFLICT, NOT_FOUND, unprocessable
+from coordinator.service.api.routes.errors import (
+    AUTH,
+    CONFLICT,
+    NOT_FOUND,
+    NOT_IMPLEMENTED,
+    unprocessable,
+)
 from coordinator.service.store.sqlite import JobRecord
 from edge.config import BatchSize, Microbatches, ReplicateEvery, Steps, TrainConfig
 from edge.errors import UserError, describe_validation_error
@@ -241,7 +247,7 @@ def list_jobs(
 @router.get("/{job_id}", response_model=JobPublic, dependencies=[ReadAuth], responses=NOT_FOUND)
 def get_job(job_id: str, store: StoreDep) -> JobPublic:
     record = _job_or_404(store, job_id)
-    steps = store.job_steps(job_id, since_step=max(0, record.steps_done - 1))
+    steps = store.job_steps(job_id, from_step=max(0, record.steps_done - 1))
     latest = max(steps, key=lambda r: (r.step, r.stage)).model_dump() if steps else None
     return _public(record, latest)
 
@@ -260,12 +266,25 @@ def cancel_job(job_id: str, store: StoreDep, manager: ManagerDep) -> JobPublic:
 
 
 @router.get("/{job_id}/metrics", dependencies=[ReadAuth], responses=NOT_FOUND)
-def job_metrics(job_id: str, store: StoreDep) -> dict[str, Any]:
-    """Per step: loss, samples/s, and per stage compute, wait and bytes."""
+def job_metrics(
+    job_id: str,
+    store: StoreDep,
+    since_step: Annotated[
+        int | None,
+        Query(
+            ge=0,
+            le=2**62,
+            description="Only the steps after this one (a poll asks for what is new).",
+        ),
+    ] = None,
+) -> dict[str, Any]:
+    """Per step: loss, samples/s, and per stage compute, wait and bytes; all steps, or
+    with ``since_step`` only the later ones."""
     record = _job_or_404(store, job_id)
     batch = int(record.spec.get("batch_size", 0))
     steps: dict[int, dict[str, Any]] = {}
-    for r in store.job_steps(job_id):
+    first = 0 if since_step is None else since_step + 1
+    for r in store.job_steps(job_id, from_step=first):
         row = steps.setdefault(r.step, {"step": r.step, "loss": None, "stages": []})
         if r.loss is not None:
             row["loss"] = r.loss
@@ -316,13 +335,21 @@ def job_model(job_id: str, store: StoreDep) -> Response:
     return _download(_weights(store, job_id), f"{job_id}.safetensors")
 
 
-@router.get("/{job_id}/model.onnx", dependencies=[ReadAuth], responses={**NOT_FOUND, **CONFLICT})
+@router.get(
+    "/{job_id}/model.onnx",
+    dependencies=[ReadAuth],
+    responses={**NOT_FOUND, **CONFLICT, **NOT_IMPLEMENTED},
+)
 def job_model_onnx(job_id: str, store: StoreDep) -> Response:
-    """The trained model exported to ONNX (checked by onnx.checker)."""
+    """The trained model exported to ONNX (checked by onnx.checker); 501 on a coordinator
+    installed without the ``export`` extra."""
     from coordinator.service.export import export_onnx
+    from edge.errors import MissingExtraError
 
     spec = _job_or_404(store, job_id).spec
-    onnx = export_onnx(
-        spec["model"], _weights(store, job_id), model_options=spec.get("model_options") or {}
-    )
+    weights = _weights(store, job_id)
+    try:
+        onnx = export_onnx(spec["model"], weights, model_options=spec.get("model_options") or {})
+    except MissingExtraError as exc:
+        raise HTTPException(501, exc.message) from None
     return _download(onnx, f"{job_id}.onnx")

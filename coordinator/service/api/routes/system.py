@@ -1,20 +1,42 @@
-"""Health, live events (Server-Sent Events) and Prometheus metrics."""
+"""Health, live events (Server-Sent Events) and Prometheus metrics.
+
+``/metrics`` serves the coordinator's registry (:func:`metrics_registry`), named by
+Prometheus' conventions: units as suffixes (``_seconds``, ``_bytes_per_second``),
+counters end in ``_total``, shares of a whole in ``_ratio``:
+
+- ``edgetrain_build_info{version}``: always 1, the version serving;
+- ``edgetrain_devices_online``: devices online or busy;
+- per running job: ``edgetrain_job_steps_total{job}``, ``edgetrain_job_loss{job}``,
+  and per stage ``edgetrain_stage_step_seconds{job,stage,device}``,
+  ``edgetrain_stage_wait_ratio{job,stage}`` (the bubble) and
+  ``edgetrain_link_bytes_per_second{job,stage}``, from its last step;
+- prometheus-client's ``process_*``, ``python_info`` and ``python_gc_*``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    GCCollector,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from coordinator.service.api.deps import ReadAuth, Services, ServicesDep
 from coordinator.service.api.routes.errors import AUTH
+from edge import __version__
 from edge.wire.messages import StepReport
 
-__all__ = ["FleetCollector", "router"]
+__all__ = ["FleetCollector", "metrics_registry", "router"]
 
 router = APIRouter(tags=["system"])
 
@@ -47,12 +69,13 @@ def events(services: ServicesDep) -> StreamingResponse:
 
 
 class FleetCollector(Collector):
-    """Gauges computed at scrape time from the registry and the store."""
+    """The fleet's and running jobs' metrics, computed at scrape time from the registry
+    and the store."""
 
     def __init__(self, services: Services) -> None:
         self.services = services
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         devices = self.services.registry.devices()
         online = GaugeMetricFamily("edgetrain_devices_online", "Devices online or busy")
         online.add_metric([], sum(d.state != "offline" for d in devices))
@@ -63,7 +86,7 @@ class FleetCollector(Collector):
             labels=["job", "stage", "device"],
         )
         wait = GaugeMetricFamily(
-            "edgetrain_stage_wait_fraction",
+            "edgetrain_stage_wait_ratio",
             "Share of the last step a stage spent waiting (bubble)",
             labels=["job", "stage"],
         )
@@ -73,10 +96,14 @@ class FleetCollector(Collector):
             labels=["job", "stage"],
         )
         loss = GaugeMetricFamily("edgetrain_job_loss", "Last loss of a job", labels=["job"])
+        steps = CounterMetricFamily(
+            "edgetrain_job_steps", "Steps a running job has completed", labels=["job"]
+        )
         store = self.services.store
         for job in store.list_jobs(limit=20, offset=0, state="running"):
+            steps.add_metric([job.id], job.steps_done)
             latest: dict[int, StepReport] = {}
-            for r in store.job_steps(job.id, since_step=max(0, job.steps_done - 1)):
+            for r in store.job_steps(job.id, from_step=max(0, job.steps_done - 1)):
                 latest[r.stage] = r
             for stage, r in sorted(latest.items()):
                 labels = [job.id, str(stage)]
@@ -86,12 +113,25 @@ class FleetCollector(Collector):
                     link.add_metric(labels, r.bytes_sent / r.step_s)
                 if r.loss is not None:
                     loss.add_metric([job.id], r.loss)
-        yield from (step, wait, link, loss)
+        yield from (steps, step, wait, link, loss)
+
+
+def metrics_registry(services: Services) -> CollectorRegistry:
+    """The coordinator's Prometheus registry (see the module docstring); the app makes one
+    when it starts and keeps it as ``app.state.metrics_registry``."""
+    registry = CollectorRegistry()
+    Info("edgetrain_build", "The edgetrain version serving", registry=registry).info(
+        {"version": __version__}
+    )
+    registry.register(FleetCollector(services))
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
 
 
 @router.get("/metrics", dependencies=[ReadAuth], responses=AUTH)
-def metrics(services: ServicesDep) -> Response:
+def metrics(request: Request) -> Response:
     """Prometheus text format."""
-    registry = CollectorRegistry()
-    registry.register(FleetCollector(services))
+    registry: CollectorRegistry = request.app.state.metrics_registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -151,11 +151,19 @@ async function loadJobs() {
   state.jobs = (await api("/jobs?limit=50")).data;
 }
 
+/** The job and its steps: the whole history on the first load, then only what is new
+ * (?since_step=). The last step held is fetched again, as some of its stages may not
+ * have reported yet. */
 async function loadJob(id) {
-  const [job, metrics] = await Promise.all([api(`/jobs/${id}`), api(`/jobs/${id}/metrics`)]);
+  const held = state.metrics;
+  const last = held.length ? held[held.length - 1].step : 0;
+  const since = last >= 1 ? last - 1 : null;
+  const query = since === null ? "" : `?since_step=${since}`;
+  const [job, metrics] = await Promise.all([api(`/jobs/${id}`), api(`/jobs/${id}/metrics${query}`)]);
   if (state.route.name !== "job" || state.route.id !== id) return;
   state.job = job;
-  state.metrics = metrics.steps;
+  state.metrics = since === null ? metrics.steps
+    : state.metrics.filter((m) => m.step <= since).concat(metrics.steps);
 }
 
 function guard(promise) {

@@ -1,0 +1,125 @@
+"""The read routes of a job that need no broker: per-step metrics (``?since_step=``) and
+the ONNX download without the ``export`` extra.
+
+The jobs router runs in-process (FastAPI's TestClient, no socket) over a real store;
+registry and manager are not started, as these routes only read the store.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from coordinator.service.api.deps import Services
+from coordinator.service.api.routes import jobs
+from coordinator.service.events import EventBus
+from coordinator.service.settings import Settings
+from coordinator.service.store.sqlite import Store
+from edge.models.zoo import get_model
+from edge.wire.messages import StepReport
+
+SPEC = {"model": "mlp", "steps": 5, "batch_size": 8, "microbatches": 2}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    with Store(tmp_path / "coord") as s:
+        yield s
+
+
+@pytest.fixture
+def client(store: Store, tmp_path: Path) -> Iterator[TestClient]:
+    app = FastAPI()
+    app.include_router(jobs.router, prefix="/api/v1")
+    bus = EventBus()
+    settings = Settings(data_dir=tmp_path / "coord")
+    app.state.services = Services(settings, store, bus, None, None)  # type: ignore[arg-type]
+    with TestClient(app) as c:
+        yield c
+    bus.close()
+
+
+def _report(step: int, stage: int) -> StepReport:
+    loss = 2.0 - step / 10 if stage == 1 else None
+    return StepReport(
+        job="j1", step=step, stage=stage, device=f"dev{stage}", ts=1.0, step_s=0.5, loss=loss
+    )
+
+
+def test_since_step_returns_only_the_later_steps(store: Store, client: TestClient) -> None:
+    store.create_job("j1", SPEC)
+    for step in range(5):
+        for stage in (0, 1):
+            store.add_step("j1", _report(step, stage))
+
+    def steps(query: str = "") -> list[int]:
+        response = client.get(f"/api/v1/jobs/j1/metrics{query}")
+        assert response.status_code == 200, response.text
+        return [s["step"] for s in response.json()["steps"]]
+
+    assert steps() == [0, 1, 2, 3, 4]
+    assert steps("?since_step=0") == [1, 2, 3, 4]
+    assert steps("?since_step=2") == [3, 4]
+    assert steps("?since_step=4") == []
+    assert steps("?since_step=99") == []
+    later = client.get("/api/v1/jobs/j1/metrics?since_step=3").json()["steps"]
+    assert later == [
+        {
+            "step": 4,
+            "loss": pytest.approx(1.6),
+            "samples_per_s": 16.0,
+            "stages": [
+                {
+                    "stage": stage,
+                    "device": f"dev{stage}",
+                    "compute_s": 0.0,
+                    "wait_s": 0.0,
+                    "send_s": 0.0,
+                    "step_s": 0.5,
+                    "bytes_sent": 0,
+                    "bytes_received": 0,
+                }
+                for stage in (0, 1)
+            ],
+        }
+    ]
+
+
+@pytest.mark.parametrize("value", ["-1", "abc", "1.5", "", str(2**63)])
+def test_a_bad_since_step_is_a_422_naming_it(store: Store, client: TestClient, value: str) -> None:
+    store.create_job("j1", SPEC)
+    response = client.get(f"/api/v1/jobs/j1/metrics?since_step={value}")
+    assert response.status_code == 422, response.text
+    (detail,) = response.json()["detail"]
+    assert detail["loc"] == ["query", "since_step"]
+
+
+def test_metrics_of_an_unknown_job_is_a_404(client: TestClient) -> None:
+    assert client.get("/api/v1/jobs/nope/metrics?since_step=1").status_code == 404
+
+
+def test_onnx_without_the_export_extra_is_a_501_naming_it(
+    store: Store, client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store.create_job("j1", SPEC)
+    for state in ("planning", "running"):
+        store.set_job_state("j1", state)
+    store.set_job_state("j1", "completed", steps_done=5)
+    path = store.model_path("j1")
+    path.parent.mkdir(parents=True)
+    safetensors.torch.save_file(get_model("mlp").build().state_dict(), path)
+    assert client.get("/api/v1/jobs/j1/model.onnx").status_code == 200
+    monkeypatch.setitem(sys.modules, "onnx", None)  # as on a coordinator without [export]
+    response = client.get("/api/v1/jobs/j1/model.onnx")
+    assert response.status_code == 501
+    assert response.json() == {
+        "detail": "ONNX export needs the export extras (no module 'onnx' here): "
+        "pip install 'edgetrain[export]'"
+    }
+    assert client.get("/api/v1/jobs/j1/model").status_code == 200  # the weights still are
