@@ -23,6 +23,9 @@ class HandDelivered:
     def subscribe(self, pattern: str, callback: Callback, qos: int = 1) -> None:
         self.subscriptions.append((pattern, callback))
 
+    def unsubscribe(self, pattern: str) -> None:
+        self.subscriptions = [(p, c) for p, c in self.subscriptions if p != pattern]
+
     def publish(self, topic: str, payload: bytes) -> None:
         got = topic.split("/")
         for pattern, callback in self.subscriptions:
