@@ -119,15 +119,7 @@ def run_inprocess(
     weights: dict[str, torch.Tensor] = {}
     for rt in runtimes:
         weights.update({k: v.detach().clone() for k, v in rt.segment.state_dict().items()})
-    return JobResult(
-        job=job,
-        plan=plan,
-        spec=spec,
-        losses=monitor.loss_list(spec.steps),
-        reports=monitor.reports,
-        wall_s=wall,
-        weights=weights,
-    )
+    return monitor.result(spec, plan, wall, weights)
 
 
 def run_on_agents(
@@ -209,15 +201,7 @@ def run_on_agents(
         if len(weights) != len(devices):
             missing = sorted(set(range(len(devices))) - set(weights))
             raise JobFailed(f"job {job}: the weights of stages {missing} never arrived")
-        return JobResult(
-            job=job,
-            plan=plan,
-            spec=spec,
-            losses=monitor.loss_list(spec.steps),
-            reports=monitor.reports,
-            wall_s=wall,
-            weights=merged,
-        )
+        return monitor.result(spec, plan, wall, merged)
     except BaseException:
         if len(monitor.done) == len(devices):
             raise

@@ -234,3 +234,17 @@ class JobMonitor:
     def loss_list(self, steps: int) -> list[float]:
         with self._cond:
             return [self.losses[s] for s in range(steps) if s in self.losses]
+
+    def result(
+        self, spec: JobSpec, plan: Plan, wall_s: float, weights: dict[str, torch.Tensor]
+    ) -> JobResult:
+        """The job's result: every step's loss and every report heard, with ``weights``."""
+        return JobResult(
+            job=self.job,
+            plan=plan,
+            spec=spec,
+            losses=self.loss_list(spec.steps),
+            reports=self.reports,
+            wall_s=wall_s,
+            weights=weights,
+        )

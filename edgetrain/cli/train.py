@@ -5,36 +5,27 @@ is given, starts N real agent processes, and drives them over MQTT exactly as
 the coordinator service drives a fleet; ``--transport inprocess`` runs the
 stages as threads of this process; ``--transport dist`` runs the server tier
 (:mod:`edge.transport.dist`): one process per stage and replica, launched with
-torchrun semantics (:mod:`edgetrain.cli.launch`), gloo on CPUs and NCCL with
+torchrun semantics (:mod:`edge.server.launch`), gloo on CPUs and NCCL with
 ``--device cuda``, ``--replicas R`` data-parallel copies of the pipeline.
 ``--devices 1`` is the single-device reference: the same code path, one stage,
-no pipeline.
+no pipeline. The command parses and checks its options, builds the job's spec,
+prints; the training is :mod:`coordinator.local.train`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from typing import Any
 
 import typer
 
-from coordinator.engine.spec import JobResult, JobSpec
+from coordinator.engine.spec import JobSpec
 from edge.errors import UserError
 from edge.models.zoo import parse_options
 from edge.wire.messages import StepReport
 
 __all__ = ["train_command"]
-
-
-def _plan(spec: JobSpec, devices: list[Any]) -> tuple[Any, Any]:
-    """The plan over ``devices`` (the first holds the data) with the spec's ``partition``
-    and ``stages``, and its spec score."""
-    from coordinator.engine.engine import plan_over
-
-    found = plan_over(spec, devices, pin_first=devices[0].id, where="these devices").found
-    return found.plan, found.score
 
 
 def train_command(
@@ -195,28 +186,38 @@ def train_command(
             raise UserError(
                 f"--fault {f}: stage must be below --stages (else --devices) and step below --steps"
             )
-    resilience = (
-        (faults, replicate_every, heartbeat_timeout, rebalance) if replicate_every else None
-    )
-    extra: dict[str, Any] = {}
     tune_malloc()  # the in-process paths train here; agents tune their own
     progress = _Progress(steps, batch_size, enabled=not json_out)
+    from coordinator.local.train import train_dist, train_inprocess, train_on_local_fleet
+
     with progress:
         if transport == "inprocess":
-            result, broker_name, score = _run_inprocess(spec, devices, progress)
+            run = train_inprocess(spec, devices, on_step=progress.update)
         elif transport == "dist":
-            result, score = _run_dist(spec, devices, replicas, device, threads, progress)
-            broker_name = None
-            extra.update(
+            run = train_dist(
+                spec,
+                devices,
                 replicas=replicas,
-                processes=len(score.plan.stages) * replicas,
                 device=device,
-                precision=precision,
+                threads=threads,
+                on_step=progress.update,
+                note=progress.note,
             )
         else:
-            result, broker_name, score = _run_mqtt(
-                spec, devices, broker, progress, threads, resilience, extra, servers
+            run = train_on_local_fleet(
+                spec,
+                devices,
+                broker=broker,
+                threads=threads,
+                servers=servers,
+                faults=faults,
+                replicate_every=replicate_every,
+                heartbeat_timeout_s=heartbeat_timeout,
+                rebalance=rebalance,
+                on_step=progress.update,
+                note=progress.note,
             )
+    result, score, broker_name = run.result, run.score, run.broker
     if save_weights is not None:
         save_weights.write_bytes(result.weights_bytes())
     out = {
@@ -229,7 +230,7 @@ def train_command(
         "steps": steps,
         "wall_s": result.wall_s,
         "stages": result.stage_summary(),
-        **extra,
+        **run.extra,
     }
     if json_out:
         typer.echo(json.dumps(out))
@@ -239,154 +240,6 @@ def train_command(
             f"{result.samples_per_s:.1f} samples/s over {len(score.plan.stages)} stages "
             f"({transport}{', ' + broker_name if broker_name else ''})"
         )
-
-
-def _run_inprocess(spec: JobSpec, n: int, progress: _Progress) -> tuple[JobResult, str | None, Any]:
-    from coordinator.engine.runners import run_inprocess
-    from edge.profiling.device import profile_device
-
-    me = profile_device("local", seconds=0.3).to_device_spec()
-    fleet = [me.model_copy(update={"id": f"local-{i}"}) for i in range(n)]
-    plan, score = _plan(spec, fleet)
-    return run_inprocess(spec, plan, on_step=progress.update), None, score
-
-
-def _run_dist(
-    spec: JobSpec,
-    n: int,
-    replicas: int,
-    device: str,
-    threads: int | None,
-    progress: _Progress,
-) -> tuple[JobResult, Any]:
-    """Plan over ``n / replicas`` local devices and run it as a server-tier job."""
-    import os
-    import tempfile
-
-    from edge.profiling.device import profile_device
-    from edge.server.job_file import DistJob, read_results
-    from edge.server.launch import launch
-
-    me = profile_device("local", seconds=0.3).to_device_spec()
-    fleet = [me.model_copy(update={"id": f"rank-{i}"}) for i in range(n // replicas)]
-    plan, score = _plan(spec, fleet)
-    processes = len(plan.stages) * replicas
-    with tempfile.TemporaryDirectory(prefix="edgetrain-dist-") as out:
-        job = DistJob.model_validate(
-            spec.train_settings()
-            | {
-                "codec": spec.codec,
-                "boundaries": [st.start for st in plan.stages[1:]],
-                "replicas": replicas,
-                "device": device,
-                "output": out,
-            }
-        )
-        progress.note(
-            f"launching {len(plan.stages)} stages x {replicas} replicas "
-            f"= {processes} processes (torch.distributed, "
-            f"{'gloo' if device == 'cpu' else 'NCCL'})"
-        )
-        cores = os.cpu_count() or 1
-        launch(job, threads=threads or max(1, cores // processes))
-        got = read_results(Path(out), job)
-    for report in got.reports:
-        progress.update(report)
-    result = JobResult(
-        job=job.job,
-        plan=plan,
-        spec=spec,
-        losses=got.losses,
-        reports=got.reports,
-        wall_s=got.wall_s,
-        weights=got.weights,
-    )
-    return result, score
-
-
-def _run_mqtt(
-    spec: JobSpec,
-    n: int,
-    broker: str | None,
-    progress: _Progress,
-    threads: int | None,
-    resilience: tuple[list[Any], int, float, bool] | None = None,
-    extra: dict[str, Any] | None = None,
-    servers: int = 0,
-) -> tuple[JobResult, str, Any]:
-    """N agents on this machine, driven by the job engine exactly as the service drives
-    a fleet: planned, run, and with ``resilience`` (faults, replicate-every, heartbeat
-    timeout, rebalance) recovered from deaths and migrated to faster plans."""
-    from coordinator.engine.engine import JobEngine, JobHooks
-    from coordinator.engine.runners import server_tier
-    from coordinator.engine.spec import new_job_id
-    from coordinator.local.broker import BrokerStartError, start_broker
-    from coordinator.local.fleet import LocalFleet
-    from edge.transport.mqtt import MqttSettings, MqttTransport
-
-    name: str
-    with contextlib.ExitStack() as stack:
-        if broker is None:
-            try:
-                running = start_broker()
-            except BrokerStartError as exc:
-                raise UserError(f"could not start a broker: {str(exc).splitlines()[0]}") from None
-            stack.callback(running.stop)
-            url, name = running.url, running.kind
-            progress.note(f"started {running.describe()}")
-        else:
-            url, name = broker, broker
-            progress.note(f"using the broker at {broker}")
-        control = MqttTransport(MqttSettings(url=url))
-        control.connect(timeout=15)
-        stack.callback(control.close)
-        fleet = stack.enter_context(LocalFleet(n, url, threads=threads, servers=servers))
-        profiles = fleet.wait_online(control)
-        faults, every, timeout, rebalancing = resilience or ([], 0, 3.0, False)
-        engine = JobEngine(
-            control,
-            fleet,
-            fleet,
-            heartbeat_timeout_s=timeout,
-            servers=lambda: server_tier({d.id: d for d in fleet.available()}),
-        )
-        first = fleet.ids[0]
-        planned = engine.plan(spec, pin_first=first, where="these devices")
-        tier = server_tier(profiles)
-        if extra is not None and tier and not every:
-            extra["servers"] = sorted(tier)
-
-        def on_plan(again: Any) -> None:
-            if again.fewer_stages:
-                progress.note(again.fewer_stages.replace("stages=", "--stages "))
-
-        def on_fault(fault: Any, detail: dict[str, Any]) -> None:
-            progress.note(f"fault {fault}: {detail.get('done') or detail.get('error')}")
-
-        def on_join(device: str, online: bool) -> None:
-            progress.note(f"{device} joined" if online else f"{device} did not come online")
-
-        hooks = JobHooks(
-            on_step=progress.update, on_plan=on_plan, on_fault=on_fault, on_join=on_join
-        )
-        if every < 0:
-            every = engine.replication(spec, planned, every)
-            most = max(1, spec.steps // 10)
-            progress.note(f"replicating every {every} steps (5% of a step, at most {most})")
-        run = engine.run(
-            new_job_id(),
-            spec,
-            planned,
-            hooks=hooks,
-            faults=faults,
-            replicate_every=every,
-            rebalance=rebalancing,
-            pin_first=first,
-        )
-        if extra is not None and run.resilient is not None:
-            extra.update(run.resilient.to_json(), replicate_every=run.replicate_every)
-        return run.result, name, planned.found.score
-    raise AssertionError("unreachable")
 
 
 class _Progress:

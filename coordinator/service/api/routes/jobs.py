@@ -121,18 +121,9 @@ class JobCreate(TrainConfig):
         return self
 
 
-class JobPublic(BaseModel):
-    id: str
-    state: str
-    reason: str | None
-    spec: dict[str, Any]
-    plan: dict[str, Any] | None
-    created: float
-    started: float | None
-    finished: float | None
-    steps_done: int
-    samples_per_s: float | None
-    devices_allowed: list[str] | None
+class JobPublic(JobRecord):
+    """A job as the API shows it: the stored record and its latest step's metrics."""
+
     latest: dict[str, Any] | None = None
 
 

@@ -1,0 +1,214 @@
+"""Training on this machine: stages as threads, as torch.distributed ranks, or as agents.
+
+What ``edgetrain train`` runs, as a library: :func:`train_inprocess` (the stages
+as threads of this process), :func:`train_dist` (the server tier: one rank per
+stage and replica, launched with torchrun semantics, :mod:`edge.server.launch`)
+and :func:`train_on_local_fleet` (a broker and N real agent processes driven
+over MQTT by the :class:`~coordinator.engine.engine.JobEngine`, as the service
+drives a fleet). Each plans over copies of this device's measured profile, or
+the agents' announced ones, with the job's ``partition`` and ``stages``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from coordinator.engine.faults import Fault
+from coordinator.engine.spec import JobResult, JobSpec
+from coordinator.planner.score import PlanScore
+from edge.errors import UserError
+from edge.wire.messages import StepReport
+
+__all__ = ["LocalRun", "train_dist", "train_inprocess", "train_on_local_fleet"]
+
+
+@dataclass
+class LocalRun:
+    """A finished local job: its result, the plan's score, and what to report beside."""
+
+    result: JobResult
+    score: PlanScore
+    broker: str | None = None
+    """The broker the agents used (``mosquitto``, ``amqtt`` or its URL)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Transport-specific figures: replicas and processes, recovery events..."""
+
+
+def _quiet(_text: str) -> None:
+    pass
+
+
+def _plan(spec: JobSpec, devices: list[Any]) -> tuple[Any, Any]:
+    """The plan over ``devices`` (the first holds the data) with the spec's ``partition``
+    and ``stages``, and its spec score."""
+    from coordinator.engine.engine import plan_over
+
+    found = plan_over(spec, devices, pin_first=devices[0].id, where="these devices").found
+    return found.plan, found.score
+
+
+def train_inprocess(
+    spec: JobSpec, n: int, on_step: Callable[[StepReport], None] | None = None
+) -> LocalRun:
+    """``n`` stages as threads of this process (``n == 1``: the single-device reference)."""
+    from coordinator.engine.runners import run_inprocess
+    from edge.profiling.device import profile_device
+
+    me = profile_device("local", seconds=0.3).to_device_spec()
+    fleet = [me.model_copy(update={"id": f"local-{i}"}) for i in range(n)]
+    plan, score = _plan(spec, fleet)
+    return LocalRun(run_inprocess(spec, plan, on_step=on_step), score)
+
+
+def train_dist(
+    spec: JobSpec,
+    n: int,
+    *,
+    replicas: int = 1,
+    device: str = "cpu",
+    threads: int | None = None,
+    on_step: Callable[[StepReport], None] | None = None,
+    note: Callable[[str], None] = _quiet,
+) -> LocalRun:
+    """Plan over ``n / replicas`` local devices and run it as a server-tier job."""
+    from edge.profiling.device import profile_device
+    from edge.server.job_file import DistJob, read_results
+    from edge.server.launch import launch
+
+    me = profile_device("local", seconds=0.3).to_device_spec()
+    fleet = [me.model_copy(update={"id": f"rank-{i}"}) for i in range(n // replicas)]
+    plan, score = _plan(spec, fleet)
+    processes = len(plan.stages) * replicas
+    with tempfile.TemporaryDirectory(prefix="edgetrain-dist-") as out:
+        job = DistJob.model_validate(
+            spec.train_settings()
+            | {
+                "codec": spec.codec,
+                "boundaries": [st.start for st in plan.stages[1:]],
+                "replicas": replicas,
+                "device": device,
+                "output": out,
+            }
+        )
+        note(
+            f"launching {len(plan.stages)} stages x {replicas} replicas "
+            f"= {processes} processes (torch.distributed, "
+            f"{'gloo' if device == 'cpu' else 'NCCL'})"
+        )
+        cores = os.cpu_count() or 1
+        launch(job, threads=threads or max(1, cores // processes))
+        got = read_results(Path(out), job)
+    if on_step is not None:
+        for report in got.reports:
+            on_step(report)
+    result = JobResult(
+        job=job.job,
+        plan=plan,
+        spec=spec,
+        losses=got.losses,
+        reports=got.reports,
+        wall_s=got.wall_s,
+        weights=got.weights,
+    )
+    extra = {
+        "replicas": replicas,
+        "processes": processes,
+        "device": device,
+        "precision": spec.precision,
+    }
+    return LocalRun(result, score, extra=extra)
+
+
+def train_on_local_fleet(
+    spec: JobSpec,
+    n: int,
+    *,
+    broker: str | None = None,
+    threads: int | None = None,
+    servers: int = 0,
+    faults: list[Fault] | None = None,
+    replicate_every: int = 0,
+    heartbeat_timeout_s: float = 3.0,
+    rebalance: bool = True,
+    on_step: Callable[[StepReport], None] | None = None,
+    note: Callable[[str], None] = _quiet,
+) -> LocalRun:
+    """``n`` agent processes on this machine (a broker started unless ``broker`` is given),
+    driven by the job engine exactly as the service drives a fleet. ``replicate_every``
+    (negative: chosen from the plan) makes the run survive its ``faults`` and migrate to
+    faster plans (``rebalance``)."""
+    from coordinator.engine.engine import JobEngine, JobHooks
+    from coordinator.engine.runners import server_tier
+    from coordinator.engine.spec import new_job_id
+    from coordinator.local.broker import BrokerStartError, start_broker
+    from coordinator.local.fleet import LocalFleet
+    from edge.transport.mqtt import MqttSettings, MqttTransport
+
+    name: str
+    with contextlib.ExitStack() as stack:
+        if broker is None:
+            try:
+                running = start_broker()
+            except BrokerStartError as exc:
+                raise UserError(f"could not start a broker: {str(exc).splitlines()[0]}") from None
+            stack.callback(running.stop)
+            url, name = running.url, running.kind
+            note(f"started {running.describe()}")
+        else:
+            url, name = broker, broker
+            note(f"using the broker at {broker}")
+        control = MqttTransport(MqttSettings(url=url))
+        control.connect(timeout=15)
+        stack.callback(control.close)
+        fleet = stack.enter_context(LocalFleet(n, url, threads=threads, servers=servers))
+        profiles = fleet.wait_online(control)
+        every = replicate_every
+        extra: dict[str, Any] = {}
+        engine = JobEngine(
+            control,
+            fleet,
+            fleet,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            servers=lambda: server_tier({d.id: d for d in fleet.available()}),
+        )
+        first = fleet.ids[0]
+        planned = engine.plan(spec, pin_first=first, where="these devices")
+        tier = server_tier(profiles)
+        if tier and not every:
+            extra["servers"] = sorted(tier)
+
+        def on_plan(again: Any) -> None:
+            if again.fewer_stages:
+                note(again.fewer_stages.replace("stages=", "--stages "))
+
+        def on_fault(fault: Any, detail: dict[str, Any]) -> None:
+            note(f"fault {fault}: {detail.get('done') or detail.get('error')}")
+
+        def on_join(device: str, online: bool) -> None:
+            note(f"{device} joined" if online else f"{device} did not come online")
+
+        hooks = JobHooks(on_step=on_step, on_plan=on_plan, on_fault=on_fault, on_join=on_join)
+        if every < 0:
+            every = engine.replication(spec, planned, every)
+            most = max(1, spec.steps // 10)
+            note(f"replicating every {every} steps (5% of a step, at most {most})")
+        run = engine.run(
+            new_job_id(),
+            spec,
+            planned,
+            hooks=hooks,
+            faults=faults or [],
+            replicate_every=every,
+            rebalance=rebalance,
+            pin_first=first,
+        )
+        if run.resilient is not None:
+            extra.update(run.resilient.to_json(), replicate_every=run.replicate_every)
+        return LocalRun(run.result, planned.found.score, broker=name, extra=extra)
+    raise AssertionError("unreachable")
