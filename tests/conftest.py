@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -23,17 +22,3 @@ def mosquitto() -> Iterator[Broker]:
         pytest.skip("mosquitto binary not found (on PATH or /usr/sbin/mosquitto)")
     with mosquitto_broker() as broker:
         yield broker
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    """A one-process gloo group for the test (torch.distributed's default group)."""
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo", rank=0, world_size=1, store=dist.HashStore(), timeout=timedelta(seconds=30)
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()

@@ -1,10 +1,13 @@
-"""From a plan to stage assignments: link codecs, precision and the server tier."""
+"""From a plan to stage assignments: link codecs, precision and the server tier.
+
+tests/integration/test_server_group.py forms the server tier's group (a real store).
+"""
 
 from __future__ import annotations
 
 import pytest
 
-from coordinator.engine.runners import _server_group, server_tier
+from coordinator.engine.runners import server_tier
 from coordinator.engine.spec import JobSpec, make_assignments
 from coordinator.planner import Plan
 from edge.problem import DeviceSpec
@@ -56,18 +59,3 @@ def test_server_tier_is_what_the_agents_announced() -> None:
         "box": _device("box", server=True),
     }
     assert server_tier(profiles) == {"gpu": "cuda:1", "box": "cpu"}
-
-
-def test_stages_on_two_servers_form_one_group_with_a_store_here() -> None:
-    plan = Plan.of(("pi", 0, 2), ("box1", 2, 4), ("box2", 4, 6))
-    out, store = _server_group(
-        make_assignments("j1", SPEC, plan), plan, {"box1": "cpu", "box2": "cpu"}, "127.0.0.1"
-    )
-    assert out[0].dist is None
-    group = out[1].dist
-    assert group is not None and out[2].dist == group
-    assert (group.ranks, group.world_size, group.backend) == ({1: 0, 2: 1}, 2, "gloo")
-    assert group.store_port == store.port > 0
-    # One server stage alone is no group.
-    alone, none = _server_group(make_assignments("j1", SPEC, plan), plan, {"box1": "cpu"}, "h")
-    assert none is None and all(a.dist is None for a in alone)

@@ -2,21 +2,19 @@
 
 Every shipped profile loads and converts into a planning-problem device; names
 resolve to profiles and memory variants; corrupted copies of a profile are refused
-by `edgetrain devices validate` with status 2 and one stderr line naming the file
-and the field.
+with one line naming the file and the field. tests/integration/test_devices_cli.py
+runs `edgetrain devices` itself.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from support.catalog import TESTBED_NAMES, rpi4_data, shipped_files
 
 from edge.errors import UserError
 from edge.problem import DeviceSpec, PlanningProblem
@@ -31,7 +29,6 @@ from edge.profiling.catalog import (
     resolve,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 REQUIRED = {
     "rpi3b-plus",
     "rpi4",
@@ -48,22 +45,6 @@ REQUIRED = {
     "h100-sxm",
     "h200",
 }
-TESTBED_NAMES = ["rpi4-4gb", "rpi5-8gb", "jetson-nano", "laptop", "h100-sxm"]
-
-
-def edgetrain(*args: str) -> subprocess.CompletedProcess[str]:
-    """Run the real `edgetrain` command (its root app and its error handling)."""
-    return subprocess.run(
-        [sys.executable, "-m", "edgetrain.cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-def shipped_files() -> list[Path]:
-    return sorted(catalogue_dir().glob("*.yaml"))
 
 
 # --- the shipped catalogue -------------------------------------------------------
@@ -186,123 +167,6 @@ def test_unknown_names_give_a_helpful_user_error() -> None:
         resolve("zzzz")
 
 
-# --- the command line ------------------------------------------------------------
-
-
-def test_cli_list_json_has_every_variant() -> None:
-    done = edgetrain("devices", "list", "--json")
-    assert done.returncode == 0, done.stderr
-    rows = json.loads(done.stdout)
-    ids = [row["id"] for row in rows]
-    assert {resolve(name).name for name in TESTBED_NAMES} <= set(ids)
-    assert len(ids) == len(set(ids)) == len(all_resolved(load_catalogue()))
-    row = next(r for r in rows if r["id"] == "rpi4-4gb")
-    assert row["default"] is True and row["kind"] == "sbc"
-    assert row["usable_memory_gib"] == resolve("rpi4-4gb").sizes.usable_gib
-    assert row["link"]["bandwidth_mbps"] > 0
-
-
-def test_cli_show_as_device_prints_the_planning_device() -> None:
-    done = edgetrain("devices", "show", "rpi5-8gb", "--as-device", "--device-id", "pi-a")
-    assert done.returncode == 0, done.stderr
-    expected = resolve("rpi5-8gb").to_device_spec("pi-a")
-    assert json.loads(done.stdout) == expected.model_dump(mode="json", exclude_none=True)
-    assert DeviceSpec.model_validate_json(done.stdout) == expected
-    full = edgetrain("devices", "show", "h100-sxm", "--json")
-    assert full.returncode == 0, full.stderr
-    shown = json.loads(full.stdout)
-    assert shown["profile"]["sources"]["training"]
-    assert shown["device"]["gflops"] == resolve("h100-sxm").profile.training.sustained_gflops
-
-
-def test_cli_show_unknown_name_exits_2_with_one_line() -> None:
-    done = edgetrain("devices", "show", "jetson-nan")
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "jetson-nano" in lines[0]
-
-
-def test_cli_validate_accepts_the_shipped_catalogue() -> None:
-    done = edgetrain("devices", "validate", *map(str, shipped_files()))
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.count("ok: ") == len(shipped_files())
-    assert edgetrain("devices", "validate").returncode == 0
-
-
-# --- corrupted profiles ----------------------------------------------------------
-
-
-def _rpi4() -> dict[str, Any]:
-    data = yaml.safe_load((catalogue_dir() / "rpi4.yaml").read_text())
-    assert isinstance(data, dict)
-    return data
-
-
-def _delete_bandwidth(d: dict[str, Any]) -> None:
-    del d["link"]["bandwidth_mbps"]
-
-
-def _negative_bandwidth(d: dict[str, Any]) -> None:
-    d["link"]["bandwidth_mbps"] = -5
-
-
-def _string_number(d: dict[str, Any]) -> None:
-    d["training"]["sustained_gflops"] = "7.2"
-
-
-def _unknown_field(d: dict[str, Any]) -> None:
-    d["power"]["colour"] = "red"
-
-
-def _sustained_above_peak(d: dict[str, Any]) -> None:
-    d["training"]["sustained_gflops"] = 100.0
-
-
-CORRUPTIONS = [
-    (_delete_bandwidth, "link.bandwidth_mbps", "Field required"),
-    (_negative_bandwidth, "link.bandwidth_mbps", "greater than 0 (got -5)"),
-    (_string_number, "training.sustained_gflops", "valid number"),
-    (_unknown_field, "power.colour", "Extra inputs are not permitted"),
-    (_sustained_above_peak, "training.sustained_gflops", "exceeds the peak cpu.peak_fp32_gflops"),
-]
-
-
-@pytest.mark.parametrize(
-    ("corrupt", "field", "why"),
-    CORRUPTIONS,
-    ids=["missing-field", "negative-bandwidth", "string-number", "unknown-field", "above-peak"],
-)
-def test_cli_validate_refuses_a_corrupted_copy(
-    tmp_path: Path, corrupt: Any, field: str, why: str
-) -> None:
-    data = _rpi4()
-    corrupt(data)
-    path = tmp_path / "rpi4.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    done = edgetrain("devices", "validate", str(path))
-    assert done.returncode == 2
-    assert "ok:" not in done.stdout
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, done.stderr
-    assert lines[0].startswith(f"error: {path}: {field}: ")
-    assert why in lines[0]
-
-
-def test_cli_validate_reports_each_bad_file_and_passes_the_good(tmp_path: Path) -> None:
-    good, bad = tmp_path / "rpi4.yaml", tmp_path / "bad" / "rpi4.yaml"
-    bad.parent.mkdir()
-    good.write_text((catalogue_dir() / "rpi4.yaml").read_text())
-    data = _rpi4()
-    _negative_bandwidth(data)
-    bad.write_text(yaml.safe_dump(data))
-    done = edgetrain("devices", "validate", str(good), str(bad))
-    assert done.returncode == 2
-    assert done.stdout.strip() == f"ok: {good} (rpi4, 3 variants)"
-    assert done.stderr.strip().splitlines() == [
-        f"error: {bad}: link.bandwidth_mbps: Input should be greater than 0 (got -5)"
-    ]
-
-
 def _write(tmp_path: Path, data: dict[str, Any], name: str = "rpi4.yaml") -> Path:
     path = tmp_path / name
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -349,49 +213,49 @@ def _refused(path: Path) -> str:
 def test_bad_numbers_are_refused(
     tmp_path: Path, section: str, key: str, value: object, expected: str
 ) -> None:
-    data = _rpi4()
+    data = rpi4_data()
     data[section][key] = value
     assert expected in _refused(_write(tmp_path, data))
 
 
 def test_memory_cross_checks(tmp_path: Path) -> None:
-    data = _rpi4()
+    data = rpi4_data()
     data["variants"]["8gb"]["usable_gib"] = 9.0
     assert "variants.8gb: usable_gib (9.0) exceeds total_gib (8.0)" in _refused(
         _write(tmp_path, data)
     )
-    data = _rpi4()
+    data = rpi4_data()
     data["variants"]["4gb"]["total_gib"] = 0
     assert "variants.4gb.total_gib: Input should be greater than 0" in _refused(
         _write(tmp_path, data)
     )
-    data = _rpi4()
+    data = rpi4_data()
     data["default_variant"] = "3gb"
     assert "default_variant: must name one of 2gb, 4gb, 8gb (got '3gb')" in _refused(
         _write(tmp_path, data)
     )
-    data = _rpi4()
+    data = rpi4_data()
     del data["variants"]
     del data["default_variant"]
     assert "memory.total_gib: Field required" in _refused(_write(tmp_path, data))
 
 
 def test_structural_errors_are_refused(tmp_path: Path) -> None:
-    data = _rpi4()
+    data = rpi4_data()
     del data["sources"]["power"]
     assert "sources.power: Field required" in _refused(_write(tmp_path, data))
-    data = _rpi4()
+    data = rpi4_data()
     data["sources"]["accelerator"] = [{"title": "nothing"}]
     assert "sources.accelerator: no such part" in _refused(_write(tmp_path, data))
-    data = _rpi4()
+    data = rpi4_data()
     data["training"]["unit"] = "accelerator"
     assert "training.unit: 'accelerator', but the profile has none" in _refused(
         _write(tmp_path, data)
     )
     assert "id: 'rpi4' does not match the file name" in _refused(
-        _write(tmp_path, _rpi4(), "pi.yaml")
+        _write(tmp_path, rpi4_data(), "pi.yaml")
     )
-    data = _rpi4()
+    data = rpi4_data()
     data["schema_version"] = 2
     assert "schema_version: unknown version 2" in _refused(_write(tmp_path, data))
 

@@ -1,24 +1,16 @@
-"""The testbed's state file and process identity: round trip, pid reuse, marked processes."""
+"""The testbed's state file and process identity: round trip, pid reuse.
+
+tests/integration/test_testbed_processes.py finds, stops and kills real processes.
+"""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from support.waiting import until
 
-from coordinator.testbed.state import (
-    ENV_TOKEN,
-    STATE_FILE,
-    State,
-    find_marked,
-    proc_alive,
-    proc_start,
-    stop_processes,
-)
+from coordinator.testbed.state import STATE_FILE, State, proc_alive, proc_start
 from edge.errors import UserError
 
 
@@ -58,23 +50,3 @@ def test_a_reused_pid_is_not_ours() -> None:
     assert proc_alive(os.getpid(), start)
     assert not proc_alive(os.getpid(), start + 1)  # same pid, another process
     assert proc_start(2**22 + 7) is None  # beyond pid_max: no such process
-
-
-def test_marked_processes_are_found_and_stopped() -> None:
-    token = f"unit-{os.getpid()}"
-    env = {**os.environ, ENV_TOKEN: token}
-    # Ignores SIGTERM: stop_processes must fall back to SIGKILL.
-    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
-    try:
-        assert until(lambda: find_marked(token), 5)
-        found = find_marked(token)
-        assert [p.pid for p in found] == [proc.pid]
-        stopped = stop_processes(found, grace_s=0.5)
-        assert [p.pid for p in stopped] == [proc.pid]
-        # Reaped by stop_processes (it was our child), after SIGKILL: it ignored SIGTERM.
-        assert not proc_alive(found[0].pid, found[0].start)
-        assert find_marked(token) == []
-    finally:
-        proc.kill()
-        proc.wait(5)

@@ -2,6 +2,7 @@
 
 A good file is announced under ``--device-id``; a bad one ends the agent with
 status 2 and one line naming the file and the field, before it connects.
+tests/unit/edge/profiling/test_device_file.py reads the files directly.
 """
 
 from __future__ import annotations
@@ -14,23 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.catalog import DEVICE
 from support.mosquitto import Broker
 from support.waiting import until
 
-from edge.errors import UserError
 from edge.problem import DeviceSpec
-from edge.profiling.catalog import load_device_file
 from edge.transport.mqtt import MqttSettings, MqttTransport
 from edge.wire.topics import device_profile
-
-DEVICE = {
-    "id": "from-the-file",
-    "gflops": 12.5,
-    "memory_bytes": 4_000_000_000,
-    "bandwidth_mbps": 40.0,
-    "latency_ms": 3.0,
-    "details": {"emulated": True},
-}
 
 
 def _agent(broker: str, tmp: Path, *args: str) -> subprocess.Popen[str]:
@@ -77,41 +68,6 @@ def _stop(proc: subprocess.Popen[str]) -> str:
     out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 0, out
     return out
-
-
-# -- the file, read directly -----------------------------------------------------------
-
-
-def test_a_device_file_is_read_under_the_given_id(tmp_path: Path) -> None:
-    path = tmp_path / "dev.json"
-    path.write_text(json.dumps(DEVICE))
-    spec = load_device_file(path, "emu-1")
-    assert spec == DeviceSpec.model_validate(DEVICE | {"id": "emu-1"})
-    path.write_text(json.dumps({k: v for k, v in DEVICE.items() if k != "id"}))
-    assert load_device_file(path, "emu-2").id == "emu-2"  # the id may be left out
-
-
-@pytest.mark.parametrize(
-    ("content", "message"),
-    [
-        (json.dumps(DEVICE | {"gflops": -1}), r"dev\.json: gflops: Input should be greater"),
-        (json.dumps(DEVICE | {"bandwith_mbps": 1}), r"dev\.json: bandwith_mbps: Extra inputs"),
-        (json.dumps({"gflops": 1.0}), r"dev\.json: memory_bytes: Field required"),
-        (json.dumps([DEVICE]), r"dev\.json: expected one JSON object"),
-        ("{not json", r"dev\.json: cannot read a device: Expecting"),
-    ],
-)
-def test_a_bad_device_file_is_one_line_naming_it(
-    tmp_path: Path, content: str, message: str
-) -> None:
-    path = tmp_path / "dev.json"
-    path.write_text(content)
-    with pytest.raises(UserError, match=message) as info:
-        load_device_file(path, "emu-1")
-    assert "\n" not in info.value.message and info.value.exit_code == 2
-
-
-# -- the agent process ------------------------------------------------------------------
 
 
 def test_the_agent_announces_the_file_under_its_device_id(

@@ -1,4 +1,8 @@
-"""``edgetrain plan``: the spec's JSON, exit 2 on malformed problems, exit 3 when nothing fits."""
+"""``edgetrain plan``: the spec's JSON, exit 2 on malformed problems, exit 3 when nothing fits.
+
+Run as the real command; building a problem from a model and a fleet is
+tests/unit/coordinator/planner/test_build.py's.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.paths import ROOT
 
-from coordinator.planner.build import build_problem, parse_fleet
 from coordinator.planner.score import Plan, Stage, score_plan
 from edge.errors import UserError
 from edge.problem import load_problem, parse_problem
-
-ROOT = Path(__file__).resolve().parents[2]
 
 PROBLEM: dict[str, Any] = {
     "version": 1,
@@ -146,22 +148,3 @@ def test_bad_command_lines_exit_2() -> None:
     done = run_plan("--model", "vgg11", "--devices", "rpi9")
     assert done.returncode == 2
     assert "rpi9" in done.stderr
-
-
-def test_fleet_parsing_counts_files_and_errors(tmp_path: Path) -> None:
-    me = {"id": "me", "gflops": 50, "memory_bytes": 1e9, "bandwidth_mbps": 100, "latency_ms": 1}
-    path = write(tmp_path, me, "me.json")
-    fleet = parse_fleet(f"rpi4-4gb:2,{path},jetson-nano")
-    assert [d.id for d in fleet] == ["rpi4-4gb-1", "rpi4-4gb-2", "me", "jetson-nano"]
-    with pytest.raises(UserError, match="count"):
-        parse_fleet("rpi4-4gb:0")
-    with pytest.raises(UserError, match="gflops"):
-        parse_fleet(str(write(tmp_path, {**me, "gflops": -1}, "bad.json")))
-
-
-def test_built_problem_pins_and_refuses_an_unknown_pin() -> None:
-    fleet = parse_fleet("rpi4-4gb,jetson-nano")
-    problem = build_problem("mlp", fleet, batch_size=8, microbatches=2, pin_first="rpi4-4gb")
-    assert problem.pin_first == "rpi4-4gb"
-    with pytest.raises(UserError, match="pin_first"):
-        build_problem("mlp", fleet, batch_size=8, microbatches=2, pin_first="nope")

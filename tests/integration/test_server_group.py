@@ -1,0 +1,28 @@
+"""Stages on server-tier devices form one torch.distributed group, its store hosted here.
+
+The store is a real ``TCPStore`` listening on a port of this machine; the rest of
+the assignments are tests/unit/coordinator/engine/test_assignments.py's.
+"""
+
+from __future__ import annotations
+
+from coordinator.engine.runners import _server_group
+from coordinator.engine.spec import JobSpec, make_assignments
+from coordinator.planner import Plan
+
+SPEC = JobSpec(model="gpt-mini", steps=2, batch_size=8, microbatches=2)
+
+
+def test_stages_on_two_servers_form_one_group_with_a_store_here() -> None:
+    plan = Plan.of(("pi", 0, 2), ("box1", 2, 4), ("box2", 4, 6))
+    out, store = _server_group(
+        make_assignments("j1", SPEC, plan), plan, {"box1": "cpu", "box2": "cpu"}, "127.0.0.1"
+    )
+    assert out[0].dist is None
+    group = out[1].dist
+    assert group is not None and out[2].dist == group
+    assert (group.ranks, group.world_size, group.backend) == ({1: 0, 2: 1}, 2, "gloo")
+    assert group.store_port == store.port > 0
+    # One server stage alone is no group.
+    alone, none = _server_group(make_assignments("j1", SPEC, plan), plan, {"box1": "cpu"}, "h")
+    assert none is None and all(a.dist is None for a in alone)
