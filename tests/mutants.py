@@ -60,7 +60,9 @@ MUTANTS = [
         path="edge/runtime/stage.py",
         old="losses[mb] = mb_loss / m if m > 1 else mb_loss",
         new="losses[mb] = mb_loss",
-        tests=("tests/unit/test_reference_parity.py::test_three_stages_equal_the_reference",),
+        tests=(
+            "tests/unit/edge/runtime/test_reference_parity.py::test_three_stages_equal_the_reference",
+        ),
     ),
     Mutant(
         name="replicas-take-whole-batch",
@@ -76,7 +78,7 @@ MUTANTS = [
         path="coordinator/engine/rebalance.py",
         old="st.device: compute_s[st.device] / (score.compute_s[s] * m)",
         new="st.device: compute_s[st.device] * (3 if s == 1 else 1) / (score.compute_s[s] * m)",
-        tests=("tests/unit/test_rebalance.py",),
+        tests=("tests/unit/coordinator/engine/test_rebalance.py",),
     ),
     Mutant(
         name="last-microbatch-skipped",
@@ -84,7 +86,9 @@ MUTANTS = [
         path="edge/runtime/stage.py",
         old="        for action in self.actions:\n",
         new="        for action in [x for x in self.actions if x.microbatch < m - 1]:\n",
-        tests=("tests/unit/test_reference_parity.py::test_three_stages_equal_the_reference",),
+        tests=(
+            "tests/unit/edge/runtime/test_reference_parity.py::test_three_stages_equal_the_reference",
+        ),
     ),
     Mutant(
         name="stage-skips-optimizer",
@@ -92,7 +96,9 @@ MUTANTS = [
         path="edge/runtime/stage.py",
         old="        if self.optimizer is not None:\n",
         new="        if self.optimizer is not None and a.stage != 1:\n",
-        tests=("tests/unit/test_reference_parity.py::test_three_stages_equal_the_reference",),
+        tests=(
+            "tests/unit/edge/runtime/test_reference_parity.py::test_three_stages_equal_the_reference",
+        ),
     ),
     Mutant(
         name="gradient-half-scale",
@@ -100,7 +106,9 @@ MUTANTS = [
         path="edge/runtime/stage.py",
         old='"bwd", Kind.GRADIENT, step, mb, inp.grad, self.codec_in',
         new='"bwd", Kind.GRADIENT, step, mb, inp.grad * 0.5, self.codec_in',
-        tests=("tests/unit/test_reference_parity.py::test_three_stages_equal_the_reference",),
+        tests=(
+            "tests/unit/edge/runtime/test_reference_parity.py::test_three_stages_equal_the_reference",
+        ),
     ),
     Mutant(
         name="duplicate-frame-accepted",
@@ -116,7 +124,7 @@ MUTANTS = [
         path="edge/runtime/stage.py",
         old="if state.step != a.first_step:",
         new="if False:",
-        tests=("tests/unit/test_checkpoint.py",),
+        tests=("tests/unit/edge/runtime/test_checkpoint.py",),
     ),
     Mutant(
         name="planner-memory-off-by-one",
@@ -124,7 +132,7 @@ MUTANTS = [
         path="coordinator/planner/tables.py",
         old="factor = min(position_from_end, self.m)",
         new="factor = min(position_from_end - 1, self.m)",
-        tests=("tests/unit/test_planner_exact.py",),
+        tests=("tests/unit/coordinator/planner/test_planner_exact.py",),
     ),
     # Issue 13's own feature: jobs with a fixed number of stages.
     Mutant(
@@ -133,7 +141,7 @@ MUTANTS = [
         path="coordinator/planner/search.py",
         old="starts = np.where((size == stages)[:, None], starts, inf)",
         new="starts = np.where((size <= stages)[:, None], starts, inf)",
-        tests=("tests/unit/test_partition.py",),
+        tests=("tests/unit/coordinator/planner/test_partition.py",),
     ),
 ]
 

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from support.paths import ROOT
 
 
 def _mutants_module() -> ModuleType:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from support.paths import ROOT
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "runtime.py"
+BENCH = ROOT / "bench" / "runtime.py"
 
 
 @pytest.fixture(scope="module")

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from support.paths import ROOT
 
 from coordinator.planner.build import build_problem, parse_fleet
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "planner.py"
+BENCH = ROOT / "bench" / "planner.py"
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import pytest
 import safetensors.torch
 import torch
 from pydantic import ValidationError
+from support.paths import ROOT
 
 from edge.errors import UserError
 from edge.models.zoo import get_model
@@ -290,6 +291,6 @@ def test_a_job_that_is_not_toml_is_refused_in_one_line(tmp_path: Path) -> None:
 
 
 def test_the_shipped_server_job_example_is_valid() -> None:
-    job = load_job(Path(__file__).parents[2] / "examples" / "server-job.toml")
+    job = load_job(ROOT / "examples" / "server-job.toml")
     assert (job.num_stages, job.replicas, job.world_size) == (4, 2, 8)
     assert (job.device, job.precision) == ("cuda", "bf16")

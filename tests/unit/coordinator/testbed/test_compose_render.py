@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import typer
 import yaml
+from support.paths import ROOT
 from typer.testing import CliRunner
 
 from coordinator.planner.build import parse_fleet
@@ -23,7 +24,6 @@ from edge.errors import UserError
 from edge.problem import DeviceSpec
 from edgetrain.cli.testbed_compose import compose_command
 
-ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "docker" / "compose.yaml"
 SHIPPED_ARGS = ["--devices", "rpi4-4gb:2,jetson-nano,laptop", "--cpus", "4", "--context", ".."]
 """How docker/compose.yaml is generated (its header says the same)."""

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from support.paths import ROOT
 
 from edge.profiling.matmul import tflops_rate
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
+BENCH = ROOT / "bench" / "gpu.py"
 TINY = {"vocab_size": 32, "block_size": 8, "d_model": 16, "n_head": 2, "n_layer": 3}
 
 

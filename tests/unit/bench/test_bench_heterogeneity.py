@@ -10,8 +10,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from support.paths import ROOT
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "heterogeneity.py"
+BENCH = ROOT / "bench" / "heterogeneity.py"
 RESULTS = BENCH.parent / "results" / "heterogeneity.json"
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from support.paths import ROOT
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "recovery.py"
+BENCH = ROOT / "bench" / "recovery.py"
 
 
 @pytest.fixture(scope="module")
