@@ -1,4 +1,4 @@
-"""Fixtures shared by every test suite."""
+"""Fixtures shared by every test suite, and the plugin that keeps the broker marker true."""
 
 from __future__ import annotations
 
@@ -12,13 +12,19 @@ import pytest
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from support.markers import NO_MOSQUITTO, BrokerMarkers
 from support.mosquitto import Broker, find_mosquitto, mosquitto_broker
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # See [Note: the broker marker] in support/markers.py.
+    config.pluginmanager.register(BrokerMarkers(), "edgetrain-broker-markers")
 
 
 @pytest.fixture
 def mosquitto() -> Iterator[Broker]:
     """A fresh Mosquitto broker on a free loopback port; ``.url`` is ``mqtt://127.0.0.1:PORT``."""
     if find_mosquitto() is None:
-        pytest.skip("mosquitto binary not found (on PATH or /usr/sbin/mosquitto)")
+        pytest.skip(NO_MOSQUITTO)
     with mosquitto_broker() as broker:
         yield broker

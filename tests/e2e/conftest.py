@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from support.markers import NO_MOSQUITTO
 from support.mosquitto import find_mosquitto, mosquitto_broker
 
 from coordinator.local.fleet import LocalFleet
@@ -14,7 +15,7 @@ from edge.transport.mqtt import MqttSettings, MqttTransport
 @pytest.fixture(scope="module")
 def module_broker() -> Iterator[str]:
     if find_mosquitto() is None:
-        pytest.skip("mosquitto binary not found (on PATH or /usr/sbin/mosquitto)")
+        pytest.skip(NO_MOSQUITTO)
     with mosquitto_broker() as broker:
         yield broker.url
 

@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator
 
 import psutil
 import pytest
-from support.mosquitto import find_mosquitto, mosquitto_broker
+from support.markers import needs_mosquitto
+from support.mosquitto import mosquitto_broker
 from support.waiting import until
 
 from coordinator.engine.runners import run_on_agents
@@ -25,7 +26,7 @@ from edge.transport.mqtt import MqttSettings, MqttTransport
 from edge.wire.messages import DeviceStatus
 from edge.wire.topics import device_cmd, device_status
 
-pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+pytestmark = needs_mosquitto
 
 
 def _watch_status(control: MqttTransport, device: str) -> Callable[[], DeviceStatus | None]:

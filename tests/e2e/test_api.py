@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnx
-import pytest
 import safetensors.torch
 from fastapi.testclient import TestClient
-from support.mosquitto import find_mosquitto, mosquitto_broker
+from support.markers import needs_mosquitto
+from support.mosquitto import mosquitto_broker
 from support.reference import assert_matches, train_reference
 from support.waiting import until
 
@@ -22,7 +22,7 @@ from coordinator.service.export import check_onnx
 from coordinator.service.settings import Settings
 from edge import __version__
 
-pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+pytestmark = needs_mosquitto
 TOKEN = "s3cret-token-for-the-tests"
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 from pydantic import SecretStr
-from support.mosquitto import find_mosquitto, mosquitto_broker
+from support.markers import needs_mosquitto
+from support.mosquitto import mosquitto_broker
 from support.waiting import until
 
 from coordinator.local.broker import free_port
@@ -27,8 +28,7 @@ from coordinator.service.serve import serve_in_thread
 from coordinator.service.settings import Settings
 
 pytestmark = [
-    pytest.mark.broker,
-    pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed"),
+    *needs_mosquitto,
 ]
 
 ROOT = Path(__file__).resolve().parents[2]

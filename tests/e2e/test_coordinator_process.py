@@ -17,16 +17,16 @@ from typing import Any
 
 import httpx
 import onnx
-import pytest
 import safetensors.torch
-from support.mosquitto import find_mosquitto, mosquitto_broker
+from support.markers import needs_mosquitto
+from support.mosquitto import mosquitto_broker
 from support.waiting import until
 
 from coordinator.local.broker import free_port
 from coordinator.local.fleet import LocalFleet
 from coordinator.service.export import check_onnx
 
-pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+pytestmark = needs_mosquitto
 TOKEN = "another-long-test-token-123"
 
 

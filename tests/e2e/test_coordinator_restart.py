@@ -21,7 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 import safetensors.torch
-from support.mosquitto import find_mosquitto, mosquitto_broker
+from support.markers import needs_mosquitto
+from support.mosquitto import mosquitto_broker
 from support.reference import ReferenceRun, assert_matches, one_thread, train_reference
 from support.waiting import until
 
@@ -34,7 +35,7 @@ from edge.models.zoo import get_model
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed"),
+    *needs_mosquitto,
 ]
 STEPS = 60  # long enough that the kill lands mid-job
 

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.mosquitto import find_mosquitto, mosquitto_broker
+from support.markers import needs_mosquitto
+from support.mosquitto import mosquitto_broker
 from support.waiting import until
 
 from coordinator.local.broker import free_port
@@ -40,7 +41,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     sync_playwright = None  # type: ignore[assignment]
 
 pytestmark = [
-    pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed"),
+    *needs_mosquitto,
     pytest.mark.skipif(not CHROMIUM.exists(), reason="/usr/bin/chromium not installed"),
     pytest.mark.skipif(sync_playwright is None, reason="playwright not installed"),
 ]

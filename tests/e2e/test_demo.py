@@ -13,12 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.markers import NO_MOSQUITTO
 from support.mosquitto import find_mosquitto
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+@pytest.mark.broker
+@pytest.mark.skipif(find_mosquitto() is None, reason=NO_MOSQUITTO)
 def test_demo_trains_digits_to_90_percent_through_the_api() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "edgetrain.cli", "demo", "--exit", "--json"],

@@ -29,14 +29,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import safetensors.torch
 import torch
-from support.mosquitto import find_mosquitto, mosquitto_broker
+from support.markers import NO_MOSQUITTO
+from support.mosquitto import Broker, find_mosquitto
 from support.reference import ReferenceRun, assert_matches, train_reference
 
 from coordinator.engine.faults import Fault, FaultInjector, parse_fault
@@ -182,11 +183,8 @@ def _derived_rollback(events: list[dict[str, Any]]) -> int:
 
 
 @pytest.fixture
-def broker() -> Iterator[str]:
-    if find_mosquitto() is None:
-        pytest.skip("mosquitto binary not found (on PATH or /usr/sbin/mosquitto)")
-    with mosquitto_broker() as running:
-        yield running.url
+def broker(mosquitto: Broker) -> str:
+    return mosquitto.url
 
 
 def _run(broker: str, model: str, agents: int, faults: list[Fault]) -> ResilientResult:
@@ -354,9 +352,9 @@ def test_a_slowed_device_makes_the_job_migrate_with_the_same_result(
     _assert_same_training(got["losses"], trained, "gpt-mini", steps, seed=0)
 
 
+@pytest.mark.broker
+@pytest.mark.skipif(find_mosquitto() is None, reason=NO_MOSQUITTO)
 def test_a_broker_restart_is_ridden_out_with_the_same_result() -> None:
-    if find_mosquitto() is None:
-        pytest.skip("mosquitto binary not found (on PATH or /usr/sbin/mosquitto)")
     model, n_units = "cnn-digits", get_model("cnn-digits").num_units
     first = start_broker("mosquitto")
     brokers = [first]

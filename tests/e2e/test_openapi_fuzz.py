@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 from pydantic import SecretStr
-from support.mosquitto import find_mosquitto, mosquitto_broker
+from support.markers import needs_mosquitto
+from support.mosquitto import mosquitto_broker
 
 pytestmark = [
-    pytest.mark.broker,
-    pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed"),
+    *needs_mosquitto,
 ]
 
 schemathesis = pytest.importorskip("schemathesis")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import safetensors.torch
+from support.markers import needs_mosquitto
 from support.mosquitto import mosquitto_broker
 from support.waiting import until
 
@@ -21,6 +22,8 @@ from coordinator.service.store.sqlite import Store
 from edge.models.zoo import get_model
 from edge.transport.mqtt import MqttTransport
 from edge.transport.settings import MqttSettings
+
+pytestmark = needs_mosquitto
 
 
 def test_a_submitted_job_is_planned_run_and_stored_and_survives_a_restart(tmp_path: Path) -> None:

@@ -21,11 +21,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from support.markers import needs_mosquitto
 from support.waiting import until
 
 from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobSpec
-from coordinator.local.broker import find_mosquitto
 from coordinator.planner.score import Plan
 from coordinator.testbed import limits, netns
 from coordinator.testbed.state import State, find_marked, proc_alive
@@ -36,7 +36,7 @@ from edge.transport.mqtt import MqttSettings, MqttTransport
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed"),
+    *needs_mosquitto,
 ]
 
 GIB = 2**30

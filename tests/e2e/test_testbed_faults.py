@@ -21,11 +21,11 @@ from typing import Any
 import httpx
 import pytest
 import safetensors.torch
+from support.markers import needs_mosquitto
 from support.reference import ReferenceRun, assert_matches, train_reference
 
 from coordinator.engine.runners import run_inprocess
 from coordinator.engine.spec import JobSpec
-from coordinator.local.broker import find_mosquitto
 from coordinator.planner.score import Plan
 from coordinator.testbed.state import State, find_marked, proc_alive
 from coordinator.testbed.testbed import Testbed, down
@@ -34,7 +34,7 @@ from edge.problem import DeviceSpec
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed"),
+    *needs_mosquitto,
 ]
 
 STEPS = 14

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from support.markers import NO_MOSQUITTO
 from support.mosquitto import find_mosquitto
 from support.reference import assert_matches, train_reference
 
@@ -49,7 +50,8 @@ def ok_json(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     return json.loads(done.stdout)
 
 
-@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed")
+@pytest.mark.broker
+@pytest.mark.skipif(find_mosquitto() is None, reason=NO_MOSQUITTO)
 def test_three_agents_over_mqtt_match_one_device_and_in_process(tmp_path: Path) -> None:
     """Three stages (an even split) over MQTT equal the independent reference (a plain
     PyTorch loop) within 1e-5 and one device bit for bit (``--devices 1`` is one stage on

@@ -19,6 +19,7 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import psutil
 import pytest
+from support.markers import needs_mosquitto
 
 import coordinator.local.broker as broker_mod
 from coordinator.local.broker import (
@@ -32,10 +33,6 @@ from coordinator.local.broker import (
 from edge.errors import UserError
 
 HAS_MOSQUITTO = find_mosquitto() is not None
-needs_mosquitto = [
-    pytest.mark.broker,
-    pytest.mark.skipif(not HAS_MOSQUITTO, reason="mosquitto binary not found"),
-]
 KINDS = [pytest.param("mosquitto", marks=needs_mosquitto), "amqtt"]
 TIMEOUT = 5.0
 

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from support.markers import NO_MOSQUITTO
 from support.mosquitto import Broker, find_mosquitto, free_port, mosquitto_broker
 
 from edge.errors import UserError
@@ -225,7 +226,7 @@ def _settings(url: str, **kw: object) -> MqttSettings:
 def own_brokers() -> None:
     """For tests that start (and restart) brokers themselves."""
     if find_mosquitto() is None:
-        pytest.skip("mosquitto binary not found (on PATH or /usr/sbin/mosquitto)")
+        pytest.skip(NO_MOSQUITTO)
 
 
 @pytest.fixture
