@@ -140,6 +140,7 @@ def good_frame(codec: Codec = Codec.FP32) -> bytes:
 # -- round trips ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @HEAVY
 @given(
     data=st.data(),
