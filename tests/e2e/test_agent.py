@@ -73,6 +73,7 @@ def test_sigkill_leaves_last_will_and_no_process(one_agent) -> None:  # type: ig
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+@pytest.mark.slow
 def test_bad_commands_are_ignored_and_a_busy_agent_refuses_a_second_job(one_agent) -> None:  # type: ignore[no-untyped-def]
     """One stage is the point: a single agent's reaction to junk and to a second job."""
     _url, control, fleet = one_agent
@@ -105,6 +106,7 @@ def test_bad_commands_are_ignored_and_a_busy_agent_refuses_a_second_job(one_agen
     assert fleet.procs[device].poll() is None
 
 
+@pytest.mark.slow
 def test_agent_rides_out_a_broker_restart() -> None:
     """One stage is the point: one agent announces itself again and takes a job."""
     with mosquitto_broker() as first:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import onnx
+import pytest
 import safetensors.torch
 from fastapi.testclient import TestClient
 from support.markers import needs_mosquitto
@@ -26,6 +27,7 @@ pytestmark = needs_mosquitto
 TOKEN = "s3cret-token-for-the-tests"
 
 
+@pytest.mark.slow
 def test_job_over_http_runs_a_three_stage_pipeline(tmp_path: Path) -> None:
     """A 3-stage job on three agents, through the API from submission to ONNX; its weights
     are the independent reference's (a plain PyTorch loop, 1e-5)."""
@@ -147,6 +149,7 @@ def test_what_if_plan_needs_no_devices_online(tmp_path: Path) -> None:
             assert client.post("/api/v1/plans", json={**body, "batch_size": -1}).status_code == 422
 
 
+@pytest.mark.slow
 def test_restart_keeps_devices_jobs_and_metrics_and_fails_the_interrupted_job(
     tmp_path: Path,
 ) -> None:

@@ -27,9 +27,7 @@ from coordinator.local.fleet import LocalFleet
 from coordinator.service.serve import serve_in_thread
 from coordinator.service.settings import Settings
 
-pytestmark = [
-    *needs_mosquitto,
-]
+pytestmark = [pytest.mark.slow, *needs_mosquitto]
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "client-test-token-0123456789"

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import onnx
+import pytest
 import safetensors.torch
 from support.markers import needs_mosquitto
 from support.mosquitto import mosquitto_broker
@@ -36,6 +37,7 @@ def _json_lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
+@pytest.mark.slow
 def test_job_submitted_over_http_to_a_coordinator_process(tmp_path: Path) -> None:
     port = free_port()
     log = tmp_path / "coordinator.log"

@@ -56,6 +56,7 @@ def _call(url: str, method: str = "GET", body: dict[str, Any] | None = None) -> 
         return json.loads(response.read())
 
 
+@pytest.mark.slow
 def test_dashboard_shows_fleet_timeline_and_a_growing_loss_curve(tmp_path: Path) -> None:
     assert sync_playwright is not None
     with mosquitto_broker() as broker:

@@ -19,6 +19,7 @@ from support.mosquitto import find_mosquitto
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.broker
 @pytest.mark.skipif(find_mosquitto() is None, reason=NO_MOSQUITTO)
 def test_demo_trains_digits_to_90_percent_through_the_api() -> None:

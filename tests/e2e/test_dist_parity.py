@@ -83,7 +83,7 @@ def _assert_matches_reference(job: DistJob, model: str) -> None:
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-@pytest.mark.parametrize("processes", [2, 4])
+@pytest.mark.parametrize("processes", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("model", list(UNITS))
 def test_pipeline_over_gloo_equals_one_device(
     tmp_path: Path, model: str, processes: int, schedule: str
@@ -94,6 +94,7 @@ def test_pipeline_over_gloo_equals_one_device(
 
 
 @pytest.mark.parametrize("model", list(UNITS))
+@pytest.mark.slow
 def test_two_replicas_of_two_stages_equal_one_device(tmp_path: Path, model: str) -> None:
     job = _job(tmp_path, model, 2, replicas=2)
     launch(job, threads=1)
@@ -105,6 +106,7 @@ def test_two_replicas_of_two_stages_equal_one_device(tmp_path: Path, model: str)
     assert [StepReport.model_validate_json(line).loss for line in lines] == got.losses
 
 
+@pytest.mark.slow
 def test_resume_from_a_state_directory_continues_the_same_run(tmp_path: Path) -> None:
     """Stopping after 2 steps and resuming from the written states ends where 4 steps do."""
     first = _job(tmp_path / "a", "gpt-mini", 2, steps=2)

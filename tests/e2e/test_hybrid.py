@@ -67,6 +67,7 @@ def test_two_edge_agents_feed_a_gloo_server_tier(
         assert "process group" not in fleet.log_path(device).read_text()
 
 
+@pytest.mark.slow
 def test_a_job_moves_from_the_server_tier_to_edge_agents(
     hybrid_fleet: tuple[LocalFleet, dict[str, DeviceSpec]],
     control: MqttTransport,

@@ -102,6 +102,7 @@ def test_three_stages_over_mqtt_equal_one_device(
 
 
 @pytest.mark.parametrize("model", ["mlp", "cnn-digits"])
+@pytest.mark.slow
 def test_fp16_links_stay_within_two_percent_of_the_reference(
     fleet: LocalFleet, control: MqttTransport, model: str
 ) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import safetensors.torch
 from support.markers import needs_mosquitto
 from support.mosquitto import mosquitto_broker
@@ -26,6 +27,7 @@ from edge.transport.settings import MqttSettings
 pytestmark = needs_mosquitto
 
 
+@pytest.mark.slow
 def test_a_submitted_job_is_planned_run_and_stored_and_survives_a_restart(tmp_path: Path) -> None:
     with mosquitto_broker() as broker:
         control = MqttTransport(MqttSettings(url=broker.url))

@@ -52,6 +52,7 @@ def ok_json(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 
 @pytest.mark.broker
 @pytest.mark.skipif(find_mosquitto() is None, reason=NO_MOSQUITTO)
+@pytest.mark.slow
 def test_three_agents_over_mqtt_match_one_device_and_in_process(tmp_path: Path) -> None:
     """Three stages (an even split) over MQTT equal the independent reference (a plain
     PyTorch loop) within 1e-5 and one device bit for bit (``--devices 1`` is one stage on
@@ -102,7 +103,11 @@ def test_three_agents_over_mqtt_match_one_device_and_in_process(tmp_path: Path) 
         (["--model", "resnet19"], "resnet19"),
         (["--schedule", "zigzag"], "schedule"),
         (["--stages", "4"], "--stages 4 is more than --devices 3"),
-        (["--stages", "4", "--devices", "4"], "stages=4 is more than the model's 3 units"),
+        pytest.param(
+            ["--stages", "4", "--devices", "4"],
+            "stages=4 is more than the model's 3 units",
+            marks=pytest.mark.slow,  # profiles four devices first
+        ),
         (["--stages", "2", "--transport", "mqtt", "--fault", "kill:2@1"], "below --stages"),
     ],
 )

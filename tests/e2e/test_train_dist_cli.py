@@ -96,6 +96,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
     return out, weights
 
 
+@pytest.mark.slow
 def test_two_ranks_print_the_same_json_and_train_like_one_device(
     tmp_path: Path, reference: tuple[dict[str, Any], Path], independent: ReferenceRun
 ) -> None:
@@ -143,6 +144,7 @@ def test_two_ranks_print_the_same_json_and_train_like_one_device(
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-7, msg=key)
 
 
+@pytest.mark.slow
 def test_two_replicas_of_one_stage_train_like_one_device(
     tmp_path: Path, reference: tuple[dict[str, Any], Path], independent: ReferenceRun
 ) -> None:

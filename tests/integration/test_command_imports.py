@@ -15,6 +15,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import pytest
 from support.extras import COORDINATOR_ONLY, COORDINATOR_ONLY_DISTRIBUTIONS
 from support.paths import ROOT
 
@@ -98,6 +99,7 @@ print(json.dumps({'helped': helped, 'needs': needs}))
 """
 
 
+@pytest.mark.slow
 def test_every_command_starts_without_the_coordinator_extras(tmp_path: Path) -> None:
     site = _device_site(tmp_path / "site-packages")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(site)])}

@@ -49,6 +49,7 @@ def test_cli_list_json_has_every_variant() -> None:
     assert row["link"]["bandwidth_mbps"] > 0
 
 
+@pytest.mark.slow
 def test_cli_show_as_device_prints_the_planning_device() -> None:
     done = edgetrain("devices", "show", "rpi5-8gb", "--as-device", "--device-id", "pi-a")
     assert done.returncode == 0, done.stderr

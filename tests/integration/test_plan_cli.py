@@ -143,6 +143,7 @@ def test_model_and_fleet_build_the_problem_and_report_baselines(tmp_path: Path) 
     assert any(e.get("ph") == "X" for e in events)
 
 
+@pytest.mark.slow
 def test_bad_command_lines_exit_2() -> None:
     assert run_plan("--json").returncode == 2  # neither --problem nor --model
     done = run_plan("--model", "vgg11", "--devices", "rpi9")

@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import safetensors.torch
 import torch
 import torch.distributed as dist
@@ -70,6 +71,7 @@ def _replica_on_rank(rank: int, world: int, store_path: str, out_dir: str) -> No
         safetensors.torch.save_file(out, str(Path(out_dir) / f"rank{rank}.safetensors"))
 
 
+@pytest.mark.slow
 def test_each_replica_trains_on_its_own_slice_of_every_batch(tmp_path: Path) -> None:
     run_ranks(_replica_on_rank, REPLICAS, str(tmp_path / "store"), str(tmp_path), timeout=120)
     got = [safetensors.torch.load_file(str(tmp_path / f"rank{r}.safetensors")) for r in range(2)]

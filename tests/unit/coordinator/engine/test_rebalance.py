@@ -99,6 +99,12 @@ def test_fault_specs() -> None:
             parse_fault(bad)
 
 
+def test_bad_fault_specs_are_refused() -> None:
+    for text in ["kill:1", "kill:x@2", "melt:1@2", ""]:
+        with pytest.raises(UserError, match="kill:STAGE@STEP, slow"):
+            parse_fault(text)
+
+
 def test_faults_of_one_step_fire_together_on_the_current_plan() -> None:
     fired: list[tuple[str, str]] = []
     injector = FaultInjector(
