@@ -34,7 +34,6 @@ def measured(slow: dict[str, float]) -> dict[str, float]:
     }
 
 
-@pytest.mark.slow
 def test_a_device_four_times_slower_is_moved_off() -> None:
     rebalance = Rebalancer(problem_for, replicate_every=2, restart_s=0.0)
     plan = rebalance(EVEN, ["d0", "d1", "d2"], measured({"d1": 4.0}), steps_left=100)
@@ -63,7 +62,6 @@ def test_no_move_when_the_measurements_agree_with_the_plan() -> None:
     )
 
 
-@pytest.mark.slow
 def test_no_move_when_too_few_steps_are_left_to_pay_for_it() -> None:
     rebalance = Rebalancer(problem_for, replicate_every=2, restart_s=5.0)
     assert rebalance(EVEN, ["d0", "d1", "d2"], measured({"d1": 4.0}), steps_left=1) is None

@@ -73,7 +73,6 @@ def test_saved_activation_bytes_are_measured_not_guessed() -> None:
     assert pre.act_bytes == 0  # Identity keeps nothing
 
 
-@pytest.mark.slow
 def test_profile_of_a_zoo_model_is_a_planning_problem_layers_list() -> None:
     spec = get_model("gpt-mini")
     prof = profile_model(spec, batch_size=2, timing=True, warmup=1, repeats=2)

@@ -16,7 +16,7 @@ from edge.runtime.unit_times import measure_unit_times
 from edge.transport.inprocess import InProcessTransport
 
 
-@pytest.mark.parametrize("model", ["cnn-digits", pytest.param("gpt-mini", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model", ["cnn-digits", "gpt-mini"])
 def test_every_unit_is_timed_in_order(model: str) -> None:
     spec = get_model(model)
     times = measure_unit_times(spec, 8, 2, steps=2, warmup=1)

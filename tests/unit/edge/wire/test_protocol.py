@@ -140,7 +140,6 @@ def good_frame(codec: Codec = Codec.FP32) -> bytes:
 # -- round trips ---------------------------------------------------------------------
 
 
-@pytest.mark.slow
 @HEAVY
 @given(
     data=st.data(),
