@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import safetensors.torch
 from fastapi.testclient import TestClient
-from support.mosquitto import find_mosquitto, mosquitto_broker
+from support.markers import needs_mosquitto
+from support.mosquitto import mosquitto_broker
 from support.reference import assert_matches, train_reference
 from support.waiting import until
 
@@ -24,11 +25,7 @@ from coordinator.local.fleet import LocalFleet
 from coordinator.service.app import create_app
 from coordinator.service.settings import Settings
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.broker,
-    pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto not installed"),
-]
+pytestmark = [pytest.mark.slow, *needs_mosquitto]
 STEPS = 30  # enough left after the fault for a move to pay
 
 

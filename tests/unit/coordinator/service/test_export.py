@@ -6,7 +6,6 @@ import sys
 import time
 import tomllib
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import onnx
@@ -15,6 +14,7 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 from packaging.requirements import Requirement
+from support.paths import ROOT
 
 from coordinator.service.export import (
     OnnxMismatchError,
@@ -24,8 +24,6 @@ from coordinator.service.export import (
 )
 from edge.errors import MissingExtraError, UserError
 from edge.models.zoo import get_model, list_models
-
-ROOT = Path(__file__).resolve().parents[2]
 
 # Full-size models (all export in under a second); cnn-digits also with BatchNorm
 # so running statistics (and num_batches_tracked) go through the export.
