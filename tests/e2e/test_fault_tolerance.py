@@ -23,98 +23,39 @@ reached the coordinator first (one connection, in order).
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 import safetensors.torch
-import torch
+from support.faults import (
+    EVERY,
+    HEARTBEAT_S,
+    STEPS,
+    assert_same_training,
+    derived_rollback,
+    even_plan,
+    events_of,
+    job_spec,
+    units_of,
+)
 from support.markers import NO_MOSQUITTO
 from support.mosquitto import Broker, find_mosquitto
-from support.reference import ReferenceRun, assert_matches, train_reference
 
 from coordinator.engine.faults import Fault, FaultInjector, parse_fault
-from coordinator.engine.rebalance import Rebalancer
 from coordinator.engine.resilient import ResilientResult, ResilientRun
-from coordinator.engine.runners import run_inprocess
-from coordinator.engine.spec import JobSpec
 from coordinator.local.broker import start_broker
 from coordinator.local.fleet import LocalFleet
-from coordinator.planner.build import build_problem
-from coordinator.planner.score import Plan
 from edge.models.zoo import get_model
-from edge.problem import PlanningProblem
 from edge.transport.mqtt import MqttSettings, MqttTransport
 from edge.wire.messages import StepReport
 
 pytestmark = pytest.mark.slow
-
-STEPS = 12
-EVERY = 2
-"""``replicate_every`` of every run here but the slow-fault one (which lets the CLI choose)."""
-HEARTBEAT_S = 3.0
-"""Heartbeat timeout of the runs that migrate and where nothing dies: the CLI's default. The
-coordinator weighs a migration after every step (0.2-2.7 s of planning here); that must
-not hold up its MQTT thread, or heartbeats queue and live devices are declared dead (it
-did, inside ``JobMonitor._wait``, until ``abort`` ran outside the monitor's lock)."""
-RTOL, ATOL = 1e-5, 1e-7
-"""As the parity tests: a restored stage gets its units' exact fp32 state, so a run that
-survived faults rounds like one that did not."""
-
-
-def _spec(model: str, steps: int = STEPS, seed: int = 5) -> JobSpec:
-    return JobSpec(model=model, steps=steps, batch_size=16, microbatches=4, seed=seed)
-
-
-@functools.cache
-def _references(model: str, steps: int = STEPS, seed: int = 5) -> tuple[ReferenceRun, ...]:
-    """The run without faults, twice: the plain PyTorch loop, and edgetrain's one stage."""
-    spec = _spec(model, steps, seed)
-    plain = train_reference(
-        model,
-        steps=steps,
-        batch_size=spec.batch_size,
-        seed=seed,
-        optimizer=spec.optimizer.model_dump(),
-        model_options=spec.model_options,
-    )
-    one = run_inprocess(spec, Plan.of(("ref", 0, get_model(model).num_units)))
-    return plain, ReferenceRun(one.losses, one.weights)
-
-
-def _assert_same_training(
-    losses: list[float],
-    weights: Mapping[str, torch.Tensor],
-    model: str,
-    steps: int = STEPS,
-    seed: int = 5,
-    rtol: float = RTOL,
-    atol: float = ATOL,
-) -> None:
-    for reference in _references(model, steps, seed):
-        assert_matches(losses, weights, reference, rtol=rtol, atol=atol)
-
-
-def _even(devices: list[str], n_units: int) -> Plan:
-    k = min(len(devices), n_units)
-    cuts = [round(i * n_units / k) for i in range(k + 1)]
-    return Plan.of(*((devices[i], cuts[i], cuts[i + 1]) for i in range(k)))
-
-
-def _of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [e for e in events if e["type"] == kind]
-
-
-def _units(plan: list[dict[str, Any]], device: str) -> int:
-    """How many units ``device`` runs in a plan as events record it."""
-    return sum(st["layers"][1] - st["layers"][0] for st in plan if st["device"] == device)
 
 
 def _replicated(
@@ -131,10 +72,10 @@ def _replicated(
 
 def _assert_kills(got: ResilientResult, faults: list[Fault], n_units: int) -> None:
     """Each kill fired at its step on its stage's device; the rollbacks are exact."""
-    attempts = _of(got.events, "attempt")
+    attempts = events_of(got.events, "attempt")
     kill_steps = sorted({f.step for f in faults})
     assert len(attempts) == len(kill_steps) + 1  # one attempt per fault step, then the last
-    fired = _of(got.events, "fault")
+    fired = events_of(got.events, "fault")
     assert len(fired) == len(faults)
     rolled_back, kept = 0, set()
     for a, (attempt, nxt, step) in enumerate(
@@ -164,21 +105,14 @@ def _assert_kills(got: ResilientResult, faults: list[Fault], n_units: int) -> No
             assert resume in (step + 1 - EVERY, step + 1)
         rolled_back += done - resume
         kept = {s for s in kept if s < resume}
-        recovery = _of(got.events, "recovery")[a]
+        recovery = events_of(got.events, "recovery")[a]
         assert (recovery["rollback_to"], recovery["redo_steps"]) == (resume, done - resume)
         assert {
-            e["device"] for e in _of(got.events, "failure") if e["device"] in devices
+            e["device"] for e in events_of(got.events, "failure") if e["device"] in devices
         } == devices
         assert len(nxt["plan"]) == min(len(plan) - len(devices), n_units) >= 1
-    assert {e["device"] for e in _of(got.events, "failure")} == {e["device"] for e in fired}
+    assert {e["device"] for e in events_of(got.events, "failure")} == {e["device"] for e in fired}
     assert got.rolled_back_steps == rolled_back
-
-
-def _derived_rollback(events: list[dict[str, Any]]) -> int:
-    """Steps redone, from the attempts alone: each one's last step against the next one's first."""
-    ends = _of(events, "attempt_end")
-    starts = [e["first_step"] for e in _of(events, "attempt")[1:]]
-    return sum(e["first_step"] + e["steps"] - s for e, s in zip(ends[:-1], starts, strict=True))
 
 
 @pytest.fixture
@@ -195,15 +129,15 @@ def _run(broker: str, model: str, agents: int, faults: list[Fault]) -> Resilient
             fleet.wait_online(control, timeout=90)
             injector = FaultInjector(faults, lambda _f, device: fleet.kill(device))
             return ResilientRun(
-                _spec(model),
+                job_spec(model),
                 control,
-                lambda alive: _even(alive, n_units),
+                lambda alive: even_plan(alive, n_units),
                 list(fleet.ids),
                 replicate_every=EVERY,
                 heartbeat_timeout_s=3.0,
                 faults=injector,
                 timeout_s=300,
-            ).run(_even(fleet.ids, n_units))
+            ).run(even_plan(fleet.ids, n_units))
     finally:
         control.close()
 
@@ -222,10 +156,10 @@ def test_killed_agents_are_survived_with_the_same_result(
 ) -> None:
     parsed = [parse_fault(f) for f in faults]
     got = _run(broker, model, agents, parsed)
-    assert len(_of(got.events, "attempt")[0]["plan"]) == agents >= 2
+    assert len(events_of(got.events, "attempt")[0]["plan"]) == agents >= 2
     _assert_kills(got, parsed, get_model(model).num_units)
     assert got.steps_completed == STEPS
-    _assert_same_training(got.result.losses, got.result.weights, model)
+    assert_same_training(got.result.losses, got.result.weights, model)
     assert len(got.recovery_s) == len({f.step for f in parsed})
     assert all(0 < s < 60 for s in got.recovery_s)
     assert got.to_json()["recovered"] is True
@@ -272,18 +206,18 @@ def test_train_cli_reports_the_recovery(broker: str, tmp_path: Path) -> None:
     assert got["steps_completed"] == steps
     assert got["recovered"] is True and got["recovery_s"] > 0
     events = got["events"]
-    first, second = _of(events, "attempt")
+    first, second = events_of(events, "attempt")
     killed = first["plan"][1]["device"]
-    assert [(e["fault"], e["stage"], e["device"], e["step"]) for e in _of(events, "fault")] == [
-        ("kill:1@4", 1, killed, 4)
-    ]
-    assert [e["device"] for e in _of(events, "failure")] == [killed]
-    assert _of(events, "attempt_end")[0]["steps"] == 5  # steps 0-4, none past the kill
+    assert [
+        (e["fault"], e["stage"], e["device"], e["step"]) for e in events_of(events, "fault")
+    ] == [("kill:1@4", 1, killed, 4)]
+    assert [e["device"] for e in events_of(events, "failure")] == [killed]
+    assert events_of(events, "attempt_end")[0]["steps"] == 5  # steps 0-4, none past the kill
     assert second["first_step"] == 4 and len(second["plan"]) == 2
     assert killed not in {st["device"] for st in second["plan"]}
-    assert got["rolled_back_steps"] == _derived_rollback(events) == 1
+    assert got["rolled_back_steps"] == derived_rollback(events) == 1
     trained = safetensors.torch.load_file(str(weights))
-    _assert_same_training(got["losses"], trained, "cnn-digits", steps, seed=0)
+    assert_same_training(got["losses"], trained, "cnn-digits", steps, seed=0)
     assert time.monotonic() - started < 300
 
 
@@ -329,20 +263,20 @@ def test_a_slowed_device_makes_the_job_migrate_with_the_same_result(
     assert got["steps_completed"] == steps and len(got["losses"]) == steps
     assert got["recovered"] is False  # nothing died
     events = got["events"]
-    assert not _of(events, "failure")
-    before = _of(events, "attempt")[0]["plan"]
+    assert not events_of(events, "failure")
+    before = events_of(events, "attempt")[0]["plan"]
     slowed = before[1]["device"]
-    assert [(e["fault"], e["stage"], e["device"], e["step"]) for e in _of(events, "fault")] == [
-        ("slow:1@4:4", 1, slowed, 4)
-    ]
-    migration = _of(events, "migration")[0]
+    assert [
+        (e["fault"], e["stage"], e["device"], e["step"]) for e in events_of(events, "fault")
+    ] == [("slow:1@4:4", 1, slowed, 4)]
+    migration = events_of(events, "migration")[0]
     # It moved because the slowed device measured slowest, and it moved work off it.
     assert max(migration["compute_s"], key=migration["compute_s"].get) == slowed
-    assert _units(migration["plan"], slowed) < _units(before, slowed)
+    assert units_of(migration["plan"], slowed) < units_of(before, slowed)
     assert got["migrations"] and got["migrations"][0]["before_sps"] > 0
-    assert got["rolled_back_steps"] == _derived_rollback(events)
+    assert got["rolled_back_steps"] == derived_rollback(events)
     trained = safetensors.torch.load_file(str(weights))
-    _assert_same_training(got["losses"], trained, "gpt-mini", steps, seed=0)
+    assert_same_training(got["losses"], trained, "gpt-mini", steps, seed=0)
 
 
 @pytest.mark.broker
@@ -371,90 +305,29 @@ def test_a_broker_restart_is_ridden_out_with_the_same_result() -> None:
                     restart.set()
 
             got = ResilientRun(
-                _spec(model),
+                job_spec(model),
                 control,
-                lambda alive: _even(alive, n_units),
+                lambda alive: even_plan(alive, n_units),
                 list(fleet.ids),
                 replicate_every=2,
                 heartbeat_timeout_s=3.0,
                 on_step=on_step,
                 timeout_s=300,
-            ).run(_even(fleet.ids, n_units))
+            ).run(even_plan(fleet.ids, n_units))
     finally:
         restart.set()
         thread.join(30)
         control.close()
         for running in brokers:
             running.stop()
-    assert len(_of(got.events, "attempt")[0]["plan"]) == 3
-    lost = _of(got.events, "broker-lost")
-    assert lost and not _of(got.events, "failure") and not _of(got.events, "fault")
+    assert len(events_of(got.events, "attempt")[0]["plan"]) == 3
+    lost = events_of(got.events, "broker-lost")
+    assert lost and not events_of(got.events, "failure") and not events_of(got.events, "fault")
     # How far the stages got before the broker went is timing: derive the rollback from
     # the attempts and check the coordinator's figure against it.
-    assert got.rolled_back_steps == _derived_rollback(got.events)
+    assert got.rolled_back_steps == derived_rollback(got.events)
     assert [e["rollback_to"] for e in lost] == [
-        e["first_step"] for e in _of(got.events, "attempt")[1:]
+        e["first_step"] for e in events_of(got.events, "attempt")[1:]
     ]
     assert got.steps_completed == STEPS
-    _assert_same_training(got.result.losses, got.result.weights, model)
-
-
-def test_a_faster_device_that_joins_is_taken_in(broker: str) -> None:
-    model, steps = "gpt-mini", 80  # the join takes seconds: leave steps for it to pay off
-    spec = JobSpec(model=model, steps=steps, batch_size=16, microbatches=4, seed=5)
-    control = MqttTransport(MqttSettings(url=broker))
-    control.connect(10)
-    try:
-        # Two agents announcing a Raspberry Pi 4; a laptop (30x the Pi) joins at step 2.
-        with LocalFleet(2, broker, threads=1, profile="rpi4-4gb") as fleet:
-            profiles = fleet.wait_online(control, timeout=90)
-            members = list(fleet.ids)
-
-            def problem_for(alive: list[str]) -> PlanningProblem:
-                return build_problem(
-                    model,
-                    [profiles[d] for d in alive],
-                    batch_size=16,
-                    microbatches=4,
-                    pin_first=alive[0],
-                )
-
-            def join() -> None:  # its own connection: one callback per topic filter
-                device = fleet.add("laptop")
-                watcher = MqttTransport(MqttSettings(url=broker))
-                watcher.connect(10)
-                try:
-                    profiles.update(fleet.wait_online(watcher, timeout=60))
-                finally:
-                    watcher.close()
-                members.append(device)
-
-            injector = FaultInjector(
-                [parse_fault("join:laptop@2")],
-                lambda _f, _d: threading.Thread(target=join, daemon=True).start(),
-            )
-            got = ResilientRun(
-                spec,
-                control,
-                lambda alive: _even(alive, 6),
-                members,
-                replicate_every=2,
-                faults=injector,
-                timeout_s=300,
-                heartbeat_timeout_s=HEARTBEAT_S,
-                rebalance=Rebalancer(problem_for, replicate_every=2),
-            ).run(_even(members, 6))
-    finally:
-        control.close()
-    attempts = _of(got.events, "attempt")
-    assert len(attempts[0]["plan"]) == 2
-    assert [(e["fault"], e["step"]) for e in _of(got.events, "fault")] == [("join:laptop@2", 2)]
-    migrations = _of(got.events, "migration")
-    assert migrations, got.events
-    assert any(st["device"] == fleet.ids[2] for st in migrations[-1]["plan"])
-    assert len(migrations[-1]["plan"]) >= 2  # stage 0 is pinned to the first Pi
-    assert got.rolled_back_steps == _derived_rollback(got.events)
-    assert got.steps_completed == steps
-    # 80 steps: rounding grows past 1e-7 on embedding rows near zero (3e-7 measured), so
-    # 1e-6 absolute; still 1e-5 relative.
-    _assert_same_training(got.result.losses, got.result.weights, model, steps, atol=1e-6)
+    assert_same_training(got.result.losses, got.result.weights, model)
