@@ -143,6 +143,26 @@ MUTANTS = [
         new="starts = np.where((size <= stages)[:, None], starts, inf)",
         tests=("tests/unit/coordinator/planner/test_partition.py",),
     ),
+    # Issue 14's own features: one job engine for the service too, one device feed.
+    Mutant(
+        name="service-never-migrates",
+        what="a job submitted through the REST API runs without the rebalancer",
+        path="coordinator/service/manager.py",
+        old="faults=self._faults_left(job, spec),",
+        new="faults=self._faults_left(job, spec), rebalance=False,",
+        tests=(
+            "tests/e2e/test_migration.py::"
+            "test_a_service_job_with_a_slowed_device_migrates_with_the_same_result",
+        ),
+    ),
+    Mutant(
+        name="feed-trusts-any-sender",
+        what="a device status naming another device is believed on any device's topic",
+        path="coordinator/engine/watch.py",
+        old="if status.device != device:",
+        new="if False:",
+        tests=("tests/unit/coordinator/engine/test_watch.py",),
+    ),
 ]
 
 
