@@ -37,7 +37,7 @@ pytestmark = [
     pytest.mark.slow,
     *needs_mosquitto,
 ]
-STEPS = 60  # long enough that the kill lands mid-job
+STEPS = 40  # long enough that the kill (after step 8) lands mid-job
 
 
 @contextmanager
@@ -126,7 +126,7 @@ def test_a_restarted_coordinator_finishes_the_job(tmp_path: Path) -> None:
         api.close()
     # Every step's loss (the last report of a step redone after the crash) and the weights:
     # the independent reference's and the one-stage run's (on one thread, as the agents). Over
-    # 60 steps rounding grows: the reference accumulates over the job's 4 microbatches, as
+    # 40 steps rounding grows: the reference accumulates over the job's 4 microbatches, as
     # the stages do, so that it rounds as they do.
     losses = {s["step"]: s["loss"] for s in steps if s["loss"] is not None}
     got = [losses[t] for t in range(STEPS)]

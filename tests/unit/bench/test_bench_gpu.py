@@ -48,7 +48,6 @@ def test_one_profiled_block_stands_for_every_block(bench: ModuleType) -> None:
     assert flops == [(u.fwd_flops, u.bwd_flops) for u in full.units]
 
 
-@pytest.mark.slow
 def test_the_smallest_run_reports_every_stage_and_mfu_exactly(bench: ModuleType) -> None:
     config = bench.BenchConfig(
         device="cpu",

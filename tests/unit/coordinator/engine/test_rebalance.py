@@ -44,7 +44,6 @@ def test_a_device_four_times_slower_is_moved_off() -> None:
     assert rebalance.decisions[-1]["gain"] > 0.10
 
 
-@pytest.mark.slow
 def test_no_move_when_the_measurements_agree_with_the_plan() -> None:
     """Measured times exactly as the planner's own best plan predicts: nothing to gain, so
     no move, however cheap moving is and however many steps are left."""

@@ -101,7 +101,6 @@ def test_a_stage_count_the_problem_cannot_have_gives_no_plan() -> None:
     assert len(plan_problem(problem, stages=3).plan.stages) == 3  # type: ignore[union-attr]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("stages", [1, 2, 8, 40])
 def test_big_fleets_get_a_valid_plan_of_that_many_stages_in_bounded_time(stages: int) -> None:
     problem = random_problem(3, n_devices=64, n_units=200, memory_fraction=(0.05, 0.5))

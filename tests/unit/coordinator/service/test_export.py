@@ -36,8 +36,6 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("mobilenetv2", {}),
     ("gpt-mini", {}),
 ]
-SLOW = {"resnet18", "mobilenetv2"}
-"""Exported and checked, these take more than 10 s here."""
 
 
 def _trained(model: str, options: dict[str, Any], steps: int = 3) -> dict[str, torch.Tensor]:
@@ -68,7 +66,7 @@ def test_cases_cover_the_zoo() -> None:
 
 @pytest.mark.parametrize(
     ("model", "options"),
-    [pytest.param(m, o, marks=pytest.mark.slow) if m in SLOW else (m, o) for m, o in CASES],
+    CASES,
     ids=[f"{m}{o or ''}" for m, o in CASES],
 )
 def test_export_matches_torch(model: str, options: dict[str, Any]) -> None:

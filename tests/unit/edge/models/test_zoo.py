@@ -13,8 +13,6 @@ from edge.errors import UserError
 from edge.models.zoo import UnitDef, get_model, list_models, parse_options
 
 REQUIRED = {"mlp", "cnn-digits", "vgg11", "resnet18", "mobilenetv2", "gpt-mini"}
-SLOW = {"vgg11", "resnet18", "mobilenetv2"}
-"""Cut at every unit, these take more than 10 s here."""
 
 
 def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -63,9 +61,7 @@ def test_zoo_has_the_required_models() -> None:
     assert set(list_models()) >= REQUIRED
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(REQUIRED)]
-)
+@pytest.mark.parametrize("name", sorted(REQUIRED))
 def test_every_cut_gives_the_whole_models_output_and_gradients_exactly(name: str) -> None:
     spec = get_model(name)
     x, y = _batch(spec)

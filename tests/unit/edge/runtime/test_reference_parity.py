@@ -74,9 +74,7 @@ def _assert_equal_training(spec: JobSpec, stages: int = 3) -> JobResult:
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-@pytest.mark.parametrize(
-    "model", ["mlp", "cnn-digits", pytest.param("gpt-mini", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("model", ["mlp", "cnn-digits", "gpt-mini"])
 def test_three_stages_equal_the_reference(model: str, schedule: str) -> None:
     _assert_equal_training(_spec(model, schedule=schedule, steps=4 if model == "gpt-mini" else 6))
 
@@ -111,7 +109,6 @@ def test_batch_norm_with_one_microbatch_equals_the_reference() -> None:
     assert any(k.endswith("running_mean") for k in piped.weights)
 
 
-@pytest.mark.slow
 def test_four_stages_of_a_longer_model() -> None:
     spec = _spec("gpt-mini", steps=3, microbatches=2)
     _assert_equal_training(spec, stages=4)
