@@ -70,6 +70,7 @@ def test_cli_show_unknown_name_exits_2_with_one_line() -> None:
     assert len(lines) == 1 and lines[0].startswith("error: ") and "jetson-nano" in lines[0]
 
 
+@pytest.mark.slow
 def test_cli_validate_accepts_the_shipped_catalogue() -> None:
     done = edgetrain("devices", "validate", *map(str, shipped_files()))
     assert done.returncode == 0, done.stderr
