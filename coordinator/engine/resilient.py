@@ -357,13 +357,16 @@ class ResilientRun:
         dead = self.watch.dead_among(self.current)
         done = max(self.losses, default=-1) + 1
         self.first_step = self.replicas.newest_complete(done, hold=True)
+        decided = time.time()  # the replicas that had come by now chose the step
         redo = done - self.first_step
         self.rolled_back += redo
         for step in [s for s in self.losses if s >= self.first_step]:
             del self.losses[step]
         alive = self.watch.alive(self.devices)
         if not dead and self.control.reconnects != self.reconnects:  # the broker went away
-            self._event("broker-lost", rollback_to=self.first_step, redo_steps=redo)
+            self._event(
+                "broker-lost", rollback_to=self.first_step, redo_steps=redo, decided_at=decided
+            )
             self.interruption = _Interruption(time.time(), "broker")
             self.migration = None
             self._await_broker(alive)
@@ -375,6 +378,7 @@ class ResilientRun:
                 "migration",
                 rollback_to=self.first_step,
                 redo_steps=redo,
+                decided_at=decided,
                 before_sps=migration.before_sps,
                 compute_s=migration.compute_s,
                 plan=migration.plan.to_json(),
@@ -392,6 +396,7 @@ class ResilientRun:
             "recovery",
             rollback_to=self.first_step,
             redo_steps=redo,
+            decided_at=decided,
             survivors=alive,
             plan=plan.to_json(),
         )

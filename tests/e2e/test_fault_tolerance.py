@@ -16,9 +16,10 @@ step ``s`` are the state after step ``s - 1``, published every ``R`` steps, so
 the replicas of ``K - K % R`` were all published before any stage finished ``K``:
 that is where the job resumes, unless ``R`` divides ``K + 1`` and the killed stage
 finished ``K`` and published its replica of ``K + 1`` before the kill landed (a
-race). There the resume step is derived from the reports: each report of step
-``s - 1`` that carries ``replica_bytes`` says its stage's replica of ``s`` had
-reached the coordinator first (one connection, in order).
+race). There the resume step is derived from what had reached the coordinator
+when it recovered: its replica store (a real one) notes when each replica came.
+The stages' reports cannot say it: a stage killed between publishing its
+replica and its step report leaves a replica that no report announces.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import safetensors.torch
@@ -48,29 +48,50 @@ from support.markers import NO_MOSQUITTO
 from support.mosquitto import Broker, find_mosquitto
 
 from coordinator.engine.faults import Fault, FaultInjector, parse_fault
+from coordinator.engine.replicas import ReplicaStore
 from coordinator.engine.resilient import ResilientResult, ResilientRun
 from coordinator.local.broker import start_broker
 from coordinator.local.fleet import LocalFleet
 from edge.models.zoo import get_model
+from edge.runtime.checkpoint import StageState
 from edge.transport.mqtt import MqttSettings, MqttTransport
 from edge.wire.messages import StepReport
 
 pytestmark = pytest.mark.slow
 
 
+class _NotingReplicas(ReplicaStore):
+    """The coordinator's replica store, noting when each replica arrived and what it held."""
+
+    def __init__(self, unit_names: list[str]) -> None:
+        super().__init__(unit_names)
+        self.arrivals: list[tuple[float, str, int, int, int]] = []
+        """``(time.time(), job, step, start, end)`` per replica taken."""
+
+    def add(self, blob: bytes, *, keep: bool = True) -> StageState:
+        state = super().add(blob, keep=keep)
+        self.arrivals.append((time.time(), state.job, state.step, state.start, state.end))
+        return state
+
+
 def _replicated(
-    reports: list[StepReport], plans: dict[str, list[dict[str, Any]]]
+    arrivals: list[tuple[float, str, int, int, int]], jobs: set[str], before: float
 ) -> dict[int, set[int]]:
-    """Step -> the units whose replica of that step reached the coordinator (by the reports)."""
+    """Step -> the units whose replica of that step, from one of ``jobs``, had reached the
+    coordinator before ``before``."""
     units: dict[int, set[int]] = {}
-    for r in reports:
-        if r.job in plans and r.replica_bytes > 0:
-            start, end = plans[r.job][r.stage]["layers"]
-            units.setdefault(r.step + 1, set()).update(range(start, end))
+    for when, job, step, start, end in arrivals:
+        if job in jobs and when < before:
+            units.setdefault(step, set()).update(range(start, end))
     return units
 
 
-def _assert_kills(got: ResilientResult, faults: list[Fault], n_units: int) -> None:
+def _assert_kills(
+    got: ResilientResult,
+    faults: list[Fault],
+    n_units: int,
+    arrivals: list[tuple[float, str, int, int, int]],
+) -> None:
     """Each kill fired at its step on its stage's device; the rollbacks are exact."""
     attempts = events_of(got.events, "attempt")
     kill_steps = sorted({f.step for f in faults})
@@ -92,8 +113,9 @@ def _assert_kills(got: ResilientResult, faults: list[Fault], n_units: int) -> No
         kept |= {r.step for r in ran if r.loss is not None}
         done = max(kept, default=-1) + 1
         assert done == step + 1
-        upto = {e["job"]: e["plan"] for e in attempts[: a + 1]}
-        replicated = _replicated(got.result.reports, upto)
+        recovery = events_of(got.events, "recovery")[a]
+        upto = {e["job"] for e in attempts[: a + 1]}
+        replicated = _replicated(arrivals, upto, recovery["decided_at"])
         resume = nxt["first_step"]
         assert resume == max(
             (s for s, units in replicated.items() if s <= done and len(units) == n_units),
@@ -105,7 +127,6 @@ def _assert_kills(got: ResilientResult, faults: list[Fault], n_units: int) -> No
             assert resume in (step + 1 - EVERY, step + 1)
         rolled_back += done - resume
         kept = {s for s in kept if s < resume}
-        recovery = events_of(got.events, "recovery")[a]
         assert (recovery["rollback_to"], recovery["redo_steps"]) == (resume, done - resume)
         assert {
             e["device"] for e in events_of(got.events, "failure") if e["device"] in devices
@@ -120,15 +141,18 @@ def broker(mosquitto: Broker) -> str:
     return mosquitto.url
 
 
-def _run(broker: str, model: str, agents: int, faults: list[Fault]) -> ResilientResult:
+def _run(
+    broker: str, model: str, agents: int, faults: list[Fault]
+) -> tuple[ResilientResult, _NotingReplicas]:
     n_units = get_model(model).num_units
+    replicas = _NotingReplicas(get_model(model).unit_names)
     control = MqttTransport(MqttSettings(url=broker))
     control.connect(10)
     try:
         with LocalFleet(agents, broker, threads=1) as fleet:
             fleet.wait_online(control, timeout=90)
             injector = FaultInjector(faults, lambda _f, device: fleet.kill(device))
-            return ResilientRun(
+            got = ResilientRun(
                 job_spec(model),
                 control,
                 lambda alive: even_plan(alive, n_units),
@@ -137,7 +161,9 @@ def _run(broker: str, model: str, agents: int, faults: list[Fault]) -> Resilient
                 heartbeat_timeout_s=3.0,
                 faults=injector,
                 timeout_s=300,
+                replicas=replicas,
             ).run(even_plan(fleet.ids, n_units))
+            return got, replicas
     finally:
         control.close()
 
@@ -155,9 +181,9 @@ def test_killed_agents_are_survived_with_the_same_result(
     broker: str, model: str, agents: int, faults: list[str]
 ) -> None:
     parsed = [parse_fault(f) for f in faults]
-    got = _run(broker, model, agents, parsed)
+    got, replicas = _run(broker, model, agents, parsed)
     assert len(events_of(got.events, "attempt")[0]["plan"]) == agents >= 2
-    _assert_kills(got, parsed, get_model(model).num_units)
+    _assert_kills(got, parsed, get_model(model).num_units, replicas.arrivals)
     assert got.steps_completed == STEPS
     assert_same_training(got.result.losses, got.result.weights, model)
     assert len(got.recovery_s) == len({f.step for f in parsed})
