@@ -8,10 +8,6 @@ killed afterwards going offline.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +15,7 @@ import httpx
 import onnx
 import pytest
 import safetensors.torch
+from support.coordinator import coordinator_process
 from support.markers import needs_mosquitto
 from support.mosquitto import mosquitto_broker
 from support.waiting import until
@@ -45,24 +42,8 @@ def test_job_submitted_over_http_to_a_coordinator_process(tmp_path: Path) -> Non
         mosquitto_broker() as broker,
         LocalFleet(2, broker.url, threads=1) as fleet,
         log.open("wb") as stderr,
+        coordinator_process(port, broker.url, tmp_path / "coord", token=TOKEN, stderr=stderr),
     ):
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "edgetrain.cli",
-                "coordinator",
-                "--port",
-                str(port),
-                "--broker",
-                broker.url,
-                "--data-dir",
-                str(tmp_path / "coord"),
-            ],
-            env={**os.environ, "EDGETRAIN_API_TOKEN": TOKEN},
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-        )
         api = httpx.Client(
             base_url=f"http://127.0.0.1:{port}",
             timeout=30,
@@ -130,9 +111,3 @@ def test_job_submitted_over_http_to_a_coordinator_process(tmp_path: Path) -> Non
             )
         finally:
             api.close()
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)

@@ -10,17 +10,13 @@ the replicas cover, and ends with the weights of a run without the crash.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 import safetensors.torch
+from support.coordinator import coordinator_process
 from support.markers import needs_mosquitto
 from support.mosquitto import mosquitto_broker
 from support.reference import ReferenceRun, assert_matches, one_thread, train_reference
@@ -38,37 +34,6 @@ pytestmark = [
     *needs_mosquitto,
 ]
 STEPS = 40  # long enough that the kill (after step 8) lands mid-job
-
-
-@contextmanager
-def coordinator(port: int, broker: str, data: Path) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "edgetrain.cli",
-            "coordinator",
-            "--port",
-            str(port),
-            "--broker",
-            broker,
-            "--data-dir",
-            str(data),
-        ],
-        env={k: v for k, v in os.environ.items() if k != "EDGETRAIN_API_TOKEN"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
 
 
 def test_a_restarted_coordinator_finishes_the_job(tmp_path: Path) -> None:
@@ -98,14 +63,14 @@ def test_a_restarted_coordinator_finishes_the_job(tmp_path: Path) -> None:
     }
     try:
         with mosquitto_broker() as broker, LocalFleet(3, broker.url, threads=1):
-            with coordinator(port, broker.url, data) as first:
+            with coordinator_process(port, broker.url, data) as first:
                 assert until(up, 60) and until(lambda: online() == 3, 60)
                 job = api.post("/api/v1/jobs", json=body).json()["id"]
                 assert until(lambda: (job_state(job).get("steps_done") or 0) >= 8, 120)
                 assert len(job_state(job)["plan"]["stages"]) == 3
                 first.send_signal(signal.SIGKILL)
                 first.wait(10)
-            with coordinator(port, broker.url, data):
+            with coordinator_process(port, broker.url, data):
                 assert until(up, 60)
                 assert until(lambda: job_state(job)["state"] in ("completed", "failed"), 180)
                 record = job_state(job)

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -168,6 +169,41 @@ def _run(
         control.close()
 
 
+def _train(broker: str, model: str, steps: int, weights: Path, *extra: str) -> dict[str, Any]:
+    """``edgetrain train --json`` on three local agents (an even split, one thread each);
+    its JSON output, once it exited 0."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "edgetrain.cli",
+        "train",
+        "--model",
+        model,
+        "--devices",
+        "3",
+        "--steps",
+        str(steps),
+        "--batch-size",
+        "16",
+        "--microbatches",
+        "4",
+        "--broker",
+        broker,
+        "--partition",
+        "even",
+        "--threads",
+        "1",
+        "--json",
+        "--save-weights",
+        str(weights),
+        *extra,
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got: dict[str, Any] = json.loads(out.stdout)
+    return got
+
+
 @pytest.mark.parametrize(
     ("model", "agents", "faults"),
     [
@@ -195,39 +231,10 @@ def test_train_cli_reports_the_recovery(broker: str, tmp_path: Path) -> None:
     """``kill:1@4`` with replicas every 2 steps: the last loss before the kill is step 4
     and the replicas of step 4 are complete, so exactly one step (4) is redone."""
     steps, weights = 8, tmp_path / "w.safetensors"
-    cmd = [
-        sys.executable,
-        "-m",
-        "edgetrain.cli",
-        "train",
-        "--model",
-        "cnn-digits",
-        "--devices",
-        "3",
-        "--steps",
-        str(steps),
-        "--batch-size",
-        "16",
-        "--microbatches",
-        "4",
-        "--broker",
-        broker,
-        "--partition",
-        "even",
-        "--threads",
-        "1",
-        "--fault",
-        "kill:1@4",
-        "--replicate-every",
-        "2",
-        "--json",
-        "--save-weights",
-        str(weights),
-    ]
     started = time.monotonic()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout)
+    got = _train(
+        broker, "cnn-digits", steps, weights, "--fault", "kill:1@4", "--replicate-every", "2"
+    )
     assert len(got["plan"]["stages"]) == 3 and got["replicate_every"] == 2
     assert got["steps_completed"] == steps
     assert got["recovered"] is True and got["recovery_s"] > 0
@@ -253,38 +260,16 @@ def test_a_slowed_device_makes_the_job_migrate_with_the_same_result(
     """``slow:1@4:4``: stage 1's device computes 4x slower from step 4; the job moves
     work off it and still ends where training without the fault ends."""
     steps, weights = 30, tmp_path / "w.safetensors"  # enough left for a move to pay
-    cmd = [
-        sys.executable,
-        "-m",
-        "edgetrain.cli",
-        "train",
-        "--model",
-        "gpt-mini",
-        "--devices",
-        "3",
-        "--steps",
-        str(steps),
-        "--batch-size",
-        "16",
-        "--microbatches",
-        "4",
-        "--broker",
+    got = _train(
         broker,
-        "--partition",
-        "even",
-        "--threads",
-        "1",
+        "gpt-mini",
+        steps,
+        weights,
         "--fault",
         "slow:1@4:4",
-        "--json",
-        "--save-weights",
-        str(weights),
         "--heartbeat-timeout",
         str(HEARTBEAT_S),
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout)
+    )
     assert len(got["plan"]["stages"]) == 3
     assert got["steps_completed"] == steps and len(got["losses"]) == steps
     assert got["recovered"] is False  # nothing died
