@@ -84,8 +84,6 @@ class PlannedJob:
 
     problem: PlanningProblem
     found: JobPlan
-    again: bool
-    """A re-plan (after a death, or resuming), not the job's first plan."""
     fewer_stages: str | None = None
     """Set when a re-plan had fewer devices than the job's ``stages``: what it did."""
 
@@ -148,7 +146,7 @@ def plan_over(
     found = plan_job(
         problem, partition=spec.partition, stages=stages, codec=spec.codec, where=where
     )
-    return PlannedJob(problem, found, again, fewer)
+    return PlannedJob(problem=problem, found=found, fewer_stages=fewer)
 
 
 class JobEngine:
