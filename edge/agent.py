@@ -51,6 +51,7 @@ from edge.runtime.checkpoint import ReplicaKeeper
 from edge.runtime.stage import Replicator, StageRuntime
 from edge.server.groups import join_group, leave_group
 from edge.transport.base import Transport
+from edge.transport.credentials import device_client_id
 from edge.transport.mqtt import MqttTransport
 from edge.transport.settings import MqttSettings
 from edge.wire.messages import (
@@ -126,7 +127,9 @@ class Agent:
         self.replicas = ReplicaKeeper(data_dir)
         self.bad_replicas = 0
         self.transport = MqttTransport(
-            settings.model_copy(update={"client_id": settings.client_id or f"agent-{device_id}"})
+            settings.model_copy(
+                update={"client_id": settings.client_id or device_client_id(device_id)}
+            )
         )
         offline = DeviceStatus(device=device_id, state="offline", version=version)
         self.transport.will_set(device_status(device_id), offline.model_dump_json(), 1, True)
@@ -283,7 +286,9 @@ class Agent:
                 event.wait_s,
             )
         try:
-            self.transport.publish(job_events(event.job), event.model_dump_json(), 1)
+            self.transport.publish(
+                job_events(event.job, self.device_id), event.model_dump_json(), 1
+            )
         except ConnectionError as exc:
             log.warning("could not report %s: %s", event.type, exc, extra={"job": event.job})
 

@@ -11,6 +11,11 @@ It is the :class:`~coordinator.engine.engine.Fleet` and the
 ``edgetrain train`` drives over it: its available devices are those whose
 agent announced a profile and still runs; it kills an agent with SIGKILL,
 slows one with a ``Throttle`` command and starts a new one to join.
+
+On a broker the fleet's owner started securely (an
+:class:`~coordinator.local.owned.OwnedBroker` with accounts), each agent is
+enrolled and started with its own credentials file; on any other broker, with
+``--insecure``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from types import TracebackType
 
 from coordinator.engine.faults import Fault
 from coordinator.engine.watch import DeviceFeed
+from coordinator.local.owned import OwnedBroker
 from edge.errors import UserError
 from edge.problem import DeviceSpec
 from edge.transport.mqtt import MqttTransport
@@ -44,7 +50,7 @@ class LocalFleet:
     def __init__(
         self,
         n: int,
-        broker_url: str,
+        broker: str | OwnedBroker,
         *,
         threads: int | None = None,
         profile: str | None = None,
@@ -56,7 +62,12 @@ class LocalFleet:
         programs: list[list[str]] | None = None,
     ) -> None:
         self.n = n
-        self.broker_url = broker_url
+        self.owned = broker if isinstance(broker, OwnedBroker) else None
+        self.broker_url = broker.url if isinstance(broker, OwnedBroker) else broker
+        self.settings = (
+            self.owned.settings() if self.owned is not None else MqttSettings(url=self.broker_url)
+        )
+        """How the fleet's own connections log in (the coordinator's account, if any)."""
         self.prefix = f"local-{secrets.token_hex(2)}-"
         self.ids = [f"{self.prefix}{i}" for i in range(n)]
         self.threads = threads or max(1, (os.cpu_count() or 1) // n)
@@ -106,11 +117,15 @@ class LocalFleet:
 
     def _spawn(self, device: str, profile: str | None, slowdown: float) -> None:
         program = self.programs.get(device, [sys.executable, "-m", "edgetrain.cli"])
+        if self.owned is not None and self.owned.secure:
+            creds = self.owned.enroll_file(device, self.work_dir / f"{device}.credentials.json")
+            login = ["--credentials", str(creds)]
+        else:
+            login = ["--broker", self.broker_url, "--insecure"]
         cmd = [
             *program,
             "agent",
-            "--broker",
-            self.broker_url,
+            *login,
             "--device-id",
             device,
             "--data-dir",
@@ -200,7 +215,7 @@ class LocalFleet:
         connection of its own (a job's device watch may hold the status filter of
         :attr:`control`'s)."""
         device = self.add(profile)
-        watcher = MqttTransport(MqttSettings(url=self.broker_url))
+        watcher = MqttTransport(self.settings)
         try:
             watcher.connect(timeout=15)
             self.wait_online(watcher, timeout=60, devices=[device])

@@ -39,6 +39,8 @@ ENV = {
     "EDGETRAIN_DEVICE": "cuda:1",
     "EDGETRAIN_PRECISION": "bf16",
     "EDGETRAIN_SERVER": "1",
+    "EDGETRAIN_CREDENTIALS": "/etc/edgetrain/creds.json",
+    "EDGETRAIN_INSECURE": "1",
 }
 PARSED: dict[str, Any] = {
     "broker": "mqtt://broker.lan:1884",
@@ -58,6 +60,8 @@ PARSED: dict[str, Any] = {
     "device": "cuda:1",
     "precision": "bf16",
     "server": True,
+    "credentials": Path("/etc/edgetrain/creds.json"),
+    "insecure": True,
 }
 
 
@@ -108,8 +112,15 @@ def test_a_value_from_the_environment_is_checked_as_a_flags_is(env: pytest.Monke
     done = runner.invoke(app, ["agent"])
     assert isinstance(done.exception, UserError)
     assert done.exception.message == "--link-latency-ms: must be 0 to 60000 (got -5)"
-    # The flag wins over the bad variable; the next check is the variable's device id.
+    # The flag wins over the bad variable; the next check is the login: no credentials
+    # needs --insecure (from its variable too), and then the variable's device id.
+    done = runner.invoke(app, ["agent", "--link-latency-ms", "0"])
+    assert isinstance(done.exception, UserError)
+    assert done.exception.message.startswith("no credentials for mqtt://127.0.0.1:9: anyone")
+    env.setenv("EDGETRAIN_INSECURE", "1")
     env.setenv("EDGETRAIN_DEVICE_ID", "pi/7")
     done = runner.invoke(app, ["agent", "--link-latency-ms", "0"])
     assert isinstance(done.exception, UserError)
-    assert done.exception.message == "--device-id: 'pi/7' must be non-empty without / + #"
+    assert done.exception.message == (
+        "--device-id: 'pi/7' is not 1-64 of A-Z a-z 0-9 _ . - (starting with a letter or digit)"
+    )
