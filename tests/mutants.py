@@ -163,6 +163,22 @@ MUTANTS = [
         new="if False:",
         tests=("tests/unit/coordinator/engine/test_watch.py",),
     ),
+    Mutant(
+        name="broker-default-allows-publish",
+        what="the broker's default ACL lets any account publish anywhere",
+        path="coordinator/access/dynsec.py",
+        old='"publishClientSend": False,',
+        new='"publishClientSend": True,',
+        tests=("tests/security/test_attacker.py",),
+    ),
+    Mutant(
+        name="monitor-trusts-payload",
+        what="an event counts if its payload names the stage's device, whoever sent it",
+        path="coordinator/engine/spec.py",
+        old="if sender != holder or event.device != holder:",
+        new="if event.device != holder:",
+        tests=("tests/unit/coordinator/engine/test_senders.py",),
+    ),
 ]
 
 
