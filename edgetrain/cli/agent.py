@@ -7,6 +7,7 @@ profile, a catalogue profile, or one read from a JSON file
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import socket
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from edge.problem import DeviceSpec
 
 __all__ = ["agent_command"]
+
+log = logging.getLogger("edgetrain.agent")
 
 
 def _measured(device_id: str, seconds: float, device: str, precision: str) -> DeviceSpec:
@@ -134,6 +137,26 @@ def agent_command(
         envvar="EDGETRAIN_SERVER",
         help="Server tier: may join torch.distributed groups (implied by cuda).",
     ),
+    allow_code: list[str] | None = typer.Option(
+        None,
+        "--allow-code",
+        envvar="EDGETRAIN_ALLOW_CODE",
+        metavar="MODULE_PREFIX",
+        help=(
+            "Also run user models and datasets (package.module:function) whose module is "
+            "under this prefix (mypkg allows mypkg.models, not mypkgevil); repeatable. "
+            "Without it the agent runs zoo models and built-in datasets only."
+        ),
+    ),
+    insecure: bool = typer.Option(
+        False,
+        "--insecure",
+        envvar="EDGETRAIN_INSECURE",
+        help=(
+            "Connect without broker credentials, although anyone on that broker could "
+            "then drive this agent (a testbed on a closed network)."
+        ),
+    ),
 ) -> None:
     """Run the agent daemon: register this device and run the stages it is assigned.
 
@@ -149,6 +172,10 @@ def agent_command(
     --slowdown, --link-mbps and --link-latency-ms emulate a slower device on
     this machine without root; a measured profile then announces the link as
     shaped (its rate capped, the latency added).
+
+    The agent imports no code it is sent: an assignment naming a user model or
+    dataset outside the --allow-code prefixes fails before anything is imported.
+    Without broker credentials it refuses to start unless given --insecure.
     """
     if link_mbps is not None and not (math.isfinite(link_mbps) and link_mbps > 0):
         raise UserError(f"--link-mbps: must be a positive number (got {link_mbps:g})")
@@ -159,6 +186,7 @@ def agent_command(
     from edge import __version__
     from edge.agent import Agent
     from edge.logs import setup_logging
+    from edge.models.user_code import allow_prefixes
     from edge.runtime.allocator import tune_malloc
     from edge.transport.settings import MqttSettings, parse_broker_url
 
@@ -180,11 +208,7 @@ def agent_command(
         from edge.profiling.catalog import resolve
 
         announced = resolve(profile).to_device_spec(device_id)
-    setup_logging(log_level, device=device_id)
-    tune_malloc()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    data_dir.mkdir(parents=True, exist_ok=True)
+    allowed = allow_prefixes(allow_code or [])
     extra: dict[str, Any] = {
         "username": username,
         "password": password,
@@ -196,6 +220,24 @@ def agent_command(
         link_latency_ms=link_latency_ms,
         **{k: v for k, v in extra.items() if v is not None},
     )
+    open_broker = settings.username is None  # what a broker can authenticate us by
+    if open_broker and not insecure:
+        raise UserError(
+            f"broker {broker}: no credentials given, so anyone who can publish on that "
+            "broker could drive this agent; give broker credentials (--username, --password) "
+            "or --insecure to accept that"
+        )
+    setup_logging(log_level, device=device_id)
+    if open_broker:
+        log.warning(
+            "--insecure: no broker credentials, so anyone who can publish on %s could drive "
+            "this agent",
+            broker,
+        )
+    tune_malloc()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    data_dir.mkdir(parents=True, exist_ok=True)
 
     tier = {"server": True, "torch_device": device} if server or device != "cpu" else {}
 
@@ -219,6 +261,7 @@ def agent_command(
         version=__version__,
         slowdown=slowdown,
         torch_device=device,
+        allow_code=allowed,
     )
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())

@@ -39,6 +39,8 @@ ENV = {
     "EDGETRAIN_DEVICE": "cuda:1",
     "EDGETRAIN_PRECISION": "bf16",
     "EDGETRAIN_SERVER": "1",
+    "EDGETRAIN_ALLOW_CODE": "mypkg other.models",
+    "EDGETRAIN_INSECURE": "1",
 }
 PARSED: dict[str, Any] = {
     "broker": "mqtt://broker.lan:1884",
@@ -58,6 +60,8 @@ PARSED: dict[str, Any] = {
     "device": "cuda:1",
     "precision": "bf16",
     "server": True,
+    "allow_code": ["mypkg", "other.models"],
+    "insecure": True,
 }
 
 
@@ -113,3 +117,26 @@ def test_a_value_from_the_environment_is_checked_as_a_flags_is(env: pytest.Monke
     done = runner.invoke(app, ["agent", "--link-latency-ms", "0"])
     assert isinstance(done.exception, UserError)
     assert done.exception.message == "--device-id: 'pi/7' must be non-empty without / + #"
+
+
+def test_an_agent_without_credentials_needs_insecure(env: pytest.MonkeyPatch) -> None:
+    runner = CliRunner()
+    env.setenv("EDGETRAIN_BROKER", "mqtt://127.0.0.1:9")
+    done = runner.invoke(app, ["agent"])
+    assert isinstance(done.exception, UserError) and done.exception.exit_code == 2
+    assert done.exception.message == (
+        "broker mqtt://127.0.0.1:9: no credentials given, so anyone who can publish on that "
+        "broker could drive this agent; give broker credentials (--username, --password) "
+        "or --insecure to accept that"
+    )
+
+
+def test_an_empty_or_wildcard_allowance_is_refused(env: pytest.MonkeyPatch) -> None:
+    runner = CliRunner()
+    env.setenv("EDGETRAIN_BROKER", "mqtt://127.0.0.1:9")
+    for bad, why in (("", "empty"), ("*", "a wildcard")):
+        done = runner.invoke(
+            app, ["agent", "--insecure", "--allow-code", "ok", "--allow-code", bad]
+        )
+        assert isinstance(done.exception, UserError) and done.exception.exit_code == 2
+        assert done.exception.message.startswith(f"--allow-code: {bad!r} is {why}; "), done.output
