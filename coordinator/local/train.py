@@ -148,8 +148,10 @@ def train_on_local_fleet(
     from coordinator.engine.spec import new_job_id
     from coordinator.local.broker import BrokerStartError, start_broker
     from coordinator.local.fleet import LocalFleet
+    from edge.models.user_code import user_modules
     from edge.transport.mqtt import MqttSettings, MqttTransport
 
+    own_code = user_modules(spec.model, spec.resolve_data()[0])  # the job's: its agents run it
     name: str
     with contextlib.ExitStack() as stack:
         if broker is None:
@@ -166,7 +168,9 @@ def train_on_local_fleet(
         control = MqttTransport(MqttSettings(url=url))
         control.connect(timeout=15)
         stack.callback(control.close)
-        fleet = stack.enter_context(LocalFleet(n, url, threads=threads, servers=servers))
+        fleet = stack.enter_context(
+            LocalFleet(n, url, threads=threads, servers=servers, allow_code=own_code)
+        )
         profiles = fleet.wait_online(control)
         every = replicate_every
         extra: dict[str, Any] = {}
