@@ -14,7 +14,10 @@ Lifecycle:
    topic and, at the end, the stage's weights (safetensors) and ``done``;
    ``cancel`` stops it. A command that cannot be parsed is logged and counted,
    never fatal. One job at a time: an assignment for another job while busy is
-   answered with ``failed`` (reason ``busy``).
+   answered with ``failed`` (reason ``busy``). An assignment naming a user model or
+   dataset (``package.module:function``) outside ``allow_code`` is answered with
+   ``failed`` before anything is imported ([Note: user code on devices] in
+   :mod:`edge.models.user_code`).
 4. SIGTERM (or :meth:`Agent.stop`) cancels the running stage, publishes
    ``offline`` and disconnects.
 
@@ -46,6 +49,7 @@ from typing import Literal
 
 from edge.errors import UserError
 from edge.logs import bind
+from edge.models.user_code import ZOO_ONLY, CodeAllowance
 from edge.problem import DeviceSpec
 from edge.runtime.checkpoint import ReplicaKeeper
 from edge.runtime.stage import Replicator, StageRuntime
@@ -105,8 +109,11 @@ class Agent:
         version: str = "",
         slowdown: float = 1.0,
         torch_device: str = "cpu",
+        allow_code: CodeAllowance = ZOO_ONLY,
     ) -> None:
         self.device_id = device_id
+        self.allow_code = allow_code
+        """The user code its assignments may name ([Note: user code on devices])."""
         self.torch_device = torch_device
         self.slowdown = slowdown
         self.data_dir = data_dir
@@ -179,7 +186,7 @@ class Agent:
             return 0
         self.transport.subscribe(device_cmd(self.device_id), self._on_command)
         self._announce()
-        log.info("agent online on %s", self.transport.url)
+        log.info("agent online on %s; it runs %s", self.transport.url, self.allow_code.describe())
         if self.transport.link is not None:
             log.info("emulating a link of %s for stage frames", self.transport.link.describe())
         worker = threading.Thread(target=self._work, name="agent-worker", daemon=True)
@@ -262,7 +269,10 @@ class Agent:
             except _Cancelled as exc:
                 log.info("%s", exc, extra={"job": getattr(cmd, "job", None)})
             except Exception as exc:  # a command must never kill the daemon
-                log.exception("command %s failed", type(cmd).__name__)
+                if isinstance(exc, UserError):  # bad input, e.g. code not allowed: no traceback
+                    log.warning("command %s failed: %s", type(cmd).__name__, exc)
+                else:
+                    log.exception("command %s failed", type(cmd).__name__)
                 if isinstance(cmd, str):
                     continue
                 job = getattr(cmd, "job", "unknown")
@@ -324,6 +334,7 @@ class Agent:
                 slowdown=self.slowdown,
                 replicate=replicate,
                 torch_device=self.torch_device,
+                allow_code=self.allow_code,
             )
         except BaseException:
             if a.dist is not None:

@@ -4,7 +4,8 @@
 broker, waits until each has announced itself (status ``online`` and a
 profile, both retained, newer than the fleet's start), and ends them by their
 own pids (SIGTERM, then SIGKILL after a grace period) when the block ends,
-also when the block fails.
+also when the block fails. The agents run the zoo plus the user code under
+``allow_code``.
 
 It is the :class:`~coordinator.engine.engine.Fleet` and the
 :class:`~coordinator.engine.faults.FaultActuator` of a job that
@@ -60,6 +61,7 @@ class LocalFleet:
         slowdowns: list[float] | None = None,
         servers: int = 0,
         programs: list[list[str]] | None = None,
+        allow_code: list[str] | None = None,
     ) -> None:
         self.n = n
         self.owned = broker if isinstance(broker, OwnedBroker) else None
@@ -85,6 +87,8 @@ class LocalFleet:
         }
         """Per agent, the command that runs ``edgetrain`` (another install's, say); this
         interpreter's ``-m edgetrain.cli`` where it is empty or not given."""
+        self.allow_code = list(allow_code or [])
+        """Module prefixes of user code the agents may run (``--allow-code``): the job's own."""
         self.measure_seconds = measure_seconds
         self._tmp = (
             tempfile.TemporaryDirectory(prefix="edgetrain-fleet-") if work_dir is None else None
@@ -139,6 +143,8 @@ class LocalFleet:
             "--slowdown",
             str(slowdown),
         ]
+        for prefix in self.allow_code:
+            cmd += ["--allow-code", prefix]
         if profile:
             cmd += ["--profile", profile]
         if device in self.servers:

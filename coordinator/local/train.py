@@ -147,8 +147,10 @@ def train_on_local_fleet(
     from coordinator.engine.spec import new_job_id
     from coordinator.local.fleet import LocalFleet
     from coordinator.local.owned import OwnedBroker, start_owned_broker
+    from edge.models.user_code import user_modules
     from edge.transport.mqtt import MqttSettings, MqttTransport
 
+    own_code = user_modules(spec.model, spec.resolve_data()[0])  # the job's: its agents run it
     name: str
     with contextlib.ExitStack() as stack:
         target: str | OwnedBroker
@@ -164,7 +166,9 @@ def train_on_local_fleet(
         control = MqttTransport(settings)
         control.connect(timeout=15)
         stack.callback(control.close)
-        fleet = stack.enter_context(LocalFleet(n, target, threads=threads, servers=servers))
+        fleet = stack.enter_context(
+            LocalFleet(n, target, threads=threads, servers=servers, allow_code=own_code)
+        )
         profiles = fleet.wait_online(control)
         every = replicate_every
         extra: dict[str, Any] = {}

@@ -90,15 +90,6 @@ def agent_command(
             "user name, password and the CA to verify the broker by."
         ),
     ),
-    insecure: bool = typer.Option(
-        False,
-        "--insecure",
-        envvar="EDGETRAIN_INSECURE",
-        help=(
-            "Allow a broker login without credentials. Anyone who can publish on that "
-            "broker can then drive this agent (it still runs only zoo or --allow-code code)."
-        ),
-    ),
     device_id: str = typer.Option(
         socket.gethostname(),
         "--device-id",
@@ -193,6 +184,26 @@ def agent_command(
         envvar="EDGETRAIN_SERVER",
         help="Server tier: may join torch.distributed groups (implied by cuda).",
     ),
+    allow_code: list[str] | None = typer.Option(
+        None,
+        "--allow-code",
+        envvar="EDGETRAIN_ALLOW_CODE",
+        metavar="MODULE_PREFIX",
+        help=(
+            "Also run user models and datasets (package.module:function) whose module is "
+            "under this prefix (mypkg allows mypkg.models, not mypkgevil); repeatable. "
+            "Without it the agent runs zoo models and built-in datasets only."
+        ),
+    ),
+    insecure: bool = typer.Option(
+        False,
+        "--insecure",
+        envvar="EDGETRAIN_INSECURE",
+        help=(
+            "Connect without broker credentials, although anyone on that broker could "
+            "then drive this agent (a testbed on a closed network)."
+        ),
+    ),
 ) -> None:
     """Run the agent daemon: register this device and run the stages it is assigned.
 
@@ -208,6 +219,10 @@ def agent_command(
     --slowdown, --link-mbps and --link-latency-ms emulate a slower device on
     this machine without root; a measured profile then announces the link as
     shaped (its rate capped, the latency added).
+
+    The agent imports no code it is sent: an assignment naming a user model or
+    dataset outside the --allow-code prefixes fails before anything is imported.
+    Without broker credentials it refuses to start unless given --insecure.
     """
     if link_mbps is not None and not (math.isfinite(link_mbps) and link_mbps > 0):
         raise UserError(f"--link-mbps: must be a positive number (got {link_mbps:g})")
@@ -218,6 +233,7 @@ def agent_command(
     from edge import __version__
     from edge.agent import Agent
     from edge.logs import setup_logging
+    from edge.models.user_code import allow_prefixes
     from edge.runtime.allocator import tune_malloc
     from edge.transport.settings import MqttSettings
 
@@ -246,6 +262,7 @@ def agent_command(
         from edge.profiling.catalog import resolve
 
         announced = resolve(profile).to_device_spec(device_id)
+    allowed = allow_prefixes(allow_code or [])
     setup_logging(log_level, device=device_id)
     tune_malloc()
     if threads is not None:
@@ -256,8 +273,8 @@ def agent_command(
     )
     if settings.username is None:
         log.warning(
-            "--insecure: logging in to %s without credentials; anyone who can publish on "
-            "that broker can drive this agent",
+            "--insecure: no broker credentials, so anyone who can publish on %s could drive "
+            "this agent",
             settings.url,
         )
 
@@ -283,6 +300,7 @@ def agent_command(
         version=__version__,
         slowdown=slowdown,
         torch_device=device,
+        allow_code=allowed,
     )
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MODEL_OPTIONS", "demo_command", "test_accuracy"]
 
-MODEL_OPTIONS = {"width": 32}
+MODEL_OPTIONS: dict[str, Any] = {"width": 32}
 """cnn-digits at twice its default width: enough work per step that the planner's own
 best plan on the default fleet is a pipeline (the Pi, which holds the data, runs the
 first convolution and hands the rest to the Jetson). At the default width the Pi alone

@@ -40,6 +40,7 @@ ENV = {
     "EDGETRAIN_PRECISION": "bf16",
     "EDGETRAIN_SERVER": "1",
     "EDGETRAIN_CREDENTIALS": "/etc/edgetrain/creds.json",
+    "EDGETRAIN_ALLOW_CODE": "mypkg other.models",
     "EDGETRAIN_INSECURE": "1",
 }
 PARSED: dict[str, Any] = {
@@ -61,6 +62,7 @@ PARSED: dict[str, Any] = {
     "precision": "bf16",
     "server": True,
     "credentials": Path("/etc/edgetrain/creds.json"),
+    "allow_code": ["mypkg", "other.models"],
     "insecure": True,
 }
 
@@ -124,3 +126,25 @@ def test_a_value_from_the_environment_is_checked_as_a_flags_is(env: pytest.Monke
     assert done.exception.message == (
         "--device-id: 'pi/7' is not 1-64 of A-Z a-z 0-9 _ . - (starting with a letter or digit)"
     )
+
+
+def test_an_agent_without_credentials_needs_insecure(env: pytest.MonkeyPatch) -> None:
+    runner = CliRunner()
+    env.setenv("EDGETRAIN_BROKER", "mqtt://127.0.0.1:9")
+    done = runner.invoke(app, ["agent"])
+    assert isinstance(done.exception, UserError) and done.exception.exit_code == 2
+    assert done.exception.message == (
+        "no credentials for mqtt://127.0.0.1:9: anyone who can publish on it could drive this "
+        "agent; give --credentials FILE (edgetrain fleet enroll), or --insecure to accept that"
+    )
+
+
+def test_an_empty_or_wildcard_allowance_is_refused(env: pytest.MonkeyPatch) -> None:
+    runner = CliRunner()
+    env.setenv("EDGETRAIN_BROKER", "mqtt://127.0.0.1:9")
+    for bad, why in (("", "empty"), ("*", "a wildcard")):
+        done = runner.invoke(
+            app, ["agent", "--insecure", "--allow-code", "ok", "--allow-code", bad]
+        )
+        assert isinstance(done.exception, UserError) and done.exception.exit_code == 2
+        assert done.exception.message.startswith(f"--allow-code: {bad!r} is {why}; "), done.output
