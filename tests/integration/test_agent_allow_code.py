@@ -83,7 +83,7 @@ def agent(
     attacker = MqttTransport(MqttSettings(url=mosquitto.url))
     attacker.connect(timeout=10)
     events: list[Any] = []
-    attacker.subscribe(job_events("+"), lambda _t, p: events.append(parse_event(p)))
+    attacker.subscribe(job_events("+", "+"), lambda _t, p: events.append(parse_event(p)))
     fleet = LocalFleet(1, mosquitto.url, threads=1, allow_code=[ALLOWED]).start()
     try:
         fleet.wait_online(attacker, timeout=60)
