@@ -239,7 +239,9 @@ def _stop_process(proc: subprocess.Popen[bytes], grace_s: float) -> None:
         proc.wait(timeout=grace_s)
 
 
-def _mosquitto_conf(port: int, password_file: Path | None, secure: Path | None = None) -> str:
+def _mosquitto_conf(
+    port: int, password_file: Path | None, secure: Path | None = None, bind: str = HOST
+) -> str:
     auth = f"false\npassword_file {password_file}" if password_file else "true"
     tls = ""
     if secure is not None:  # the files _secure_files put there
@@ -249,7 +251,7 @@ def _mosquitto_conf(port: int, password_file: Path | None, secure: Path | None =
             f"plugin {find_dynsec_plugin()}\nplugin_opt_config_file {secure / 'dynsec.json'}\n"
         )
     return (
-        f"listener {port} {HOST}\n"
+        f"listener {port} {bind}\n"
         f"{tls}"
         f"allow_anonymous {auth}\n"
         "persistence false\n"
@@ -313,9 +315,10 @@ def _start_mosquitto_once(
     passwords: Path | None,
     timeout_s: float,
     secure: Path | None = None,
+    bind: str = HOST,
 ) -> tuple[subprocess.Popen[bytes], Path, Path]:
     conf = tmp / f"mosquitto-{port}.conf"
-    conf.write_text(_mosquitto_conf(port, passwords, secure))
+    conf.write_text(_mosquitto_conf(port, passwords, secure, bind))
     log_path = log_dir / f"mosquitto-{port}.log"
     with log_path.open("ab") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(
@@ -344,6 +347,7 @@ def _start_mosquitto(
     pw_file: Path | None,
     timeout_s: float,
     security: BrokerSecurity | None = None,
+    bind: str = HOST,
 ) -> MosquittoBroker:
     # The config (and a password copy) live in a directory of the broker's own, removed at
     # stop; the log goes to log_dir when one is given, so that it outlives the broker.
@@ -357,7 +361,7 @@ def _start_mosquitto(
             chosen = port or free_port(HOST)
             try:
                 proc, conf, log_path = _start_mosquitto_once(
-                    binary, chosen, tmp, log_dir or tmp, passwords, timeout_s, secure
+                    binary, chosen, tmp, log_dir or tmp, passwords, timeout_s, secure, bind
                 )
                 break
             except BrokerStartError as exc:
@@ -442,6 +446,7 @@ def start_broker(
     *,
     password_file: Path | None = None,
     security: BrokerSecurity | None = None,
+    bind: str = HOST,
     start_timeout_s: float = 10.0,
 ) -> RunningBroker:
     """Start a broker on ``127.0.0.1:port`` (``None``: a free port) and return it.
@@ -452,6 +457,8 @@ def start_broker(
     Python's ``logging`` (logger ``amqtt``). ``password_file`` (Mosquitto only,
     a ``mosquitto_passwd`` file) turns anonymous access off; ``security``
     (Mosquitto only) makes it TLS-only with the dynamic-security plugin's accounts.
+    ``bind`` (Mosquitto only) is the address it listens on (``0.0.0.0``: every
+    interface); this process reaches it on 127.0.0.1 either way.
     """
     if prefer not in ("auto", "mosquitto", "amqtt"):
         raise UserError(f"unknown broker {prefer!r}: expected auto, mosquitto or amqtt")
@@ -462,7 +469,9 @@ def start_broker(
             "install it or use the embedded broker (amqtt)"
         )
     if binary is not None:
-        return _start_mosquitto(binary, port, log_dir, password_file, start_timeout_s, security)
+        return _start_mosquitto(
+            binary, port, log_dir, password_file, start_timeout_s, security, bind
+        )
     if password_file is not None or security is not None:
         raise UserError("accounts and TLS need mosquitto; the embedded amqtt broker is anonymous")
     return _start_amqtt(port, start_timeout_s)

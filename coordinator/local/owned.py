@@ -27,6 +27,7 @@ from pathlib import Path
 from coordinator.access.accounts import BrokerAccounts
 from coordinator.access.certs import broker_tls
 from coordinator.local.broker import (
+    HOST,
     BrokerSecurity,
     BrokerStartError,
     RunningBroker,
@@ -99,13 +100,16 @@ def start_owned_broker(
     log_dir: Path | None = None,
     hosts: list[str] | None = None,
     own_tls: tuple[Path, Path, Path] | None = None,
+    bind: str | None = None,
 ) -> OwnedBroker:
     """Start a broker whose security lives in ``directory`` (see the module docstring).
 
-    ``hosts`` are further names devices reach it by (its certificate names them);
-    ``own_tls`` (cert, key, CA files) replaces the generated certificate. A broker
-    that does not start is a one-line :class:`~edge.errors.UserError`.
+    ``hosts`` are further names devices reach it by (its certificate names them, and
+    credentials files give the first); with any, it listens on every interface unless
+    ``bind`` says where. ``own_tls`` (cert, key, CA files) replaces the generated
+    certificate. A broker that does not start is a one-line :class:`~edge.errors.UserError`.
     """
+    bind = bind or ("0.0.0.0" if hosts else HOST)
     if secure and (prefer == "amqtt" or (prefer == "auto" and find_mosquitto() is None)):
         log.warning(
             "the embedded amqtt broker is anonymous and plain: anyone who can reach it can "
@@ -113,11 +117,12 @@ def start_owned_broker(
         )
         secure = False
     if not secure:
-        return OwnedBroker(_start(prefer, port, log_dir, None), None, None)
+        return OwnedBroker(_start(prefer, port, log_dir, None, bind), None, None)
     tls = broker_tls(directory / "tls", hosts, own_tls)
     accounts = BrokerAccounts(directory, "", tls.ca_pem)
-    broker = _start(prefer, port, log_dir, BrokerSecurity(tls, accounts.plugin_config()))
-    accounts.broker_url = broker.url
+    security = BrokerSecurity(tls, accounts.plugin_config())
+    broker = _start(prefer, port, log_dir, security, bind)
+    accounts.broker_url = f"mqtts://{hosts[0]}:{broker.port}" if hosts else broker.url
     owned = OwnedBroker(broker, accounts, None)
     try:
         admin = MqttTransport(owned.settings())
@@ -131,9 +136,11 @@ def start_owned_broker(
 
 
 def _start(
-    prefer: str, port: int | None, log_dir: Path | None, security: BrokerSecurity | None
+    prefer: str, port: int | None, log_dir: Path | None, security: BrokerSecurity | None, bind: str
 ) -> RunningBroker:
     try:
-        return start_broker(prefer, port, log_dir, security=security)
+        if prefer == "amqtt":
+            return start_broker(prefer, port, log_dir)
+        return start_broker(prefer, port, log_dir, security=security, bind=bind)
     except BrokerStartError as exc:
         raise UserError(f"could not start a broker: {str(exc).splitlines()[0]}") from None
