@@ -14,9 +14,9 @@ agent announced a profile and still runs; it kills an agent with SIGKILL,
 slows one with a ``Throttle`` command and starts a new one to join.
 
 On a broker the fleet's owner started securely (an
-:class:`~coordinator.local.owned.OwnedBroker` with accounts), each agent is
-enrolled and started with its own credentials file; on any other broker, with
-``--insecure``.
+:class:`~coordinator.local.owned.OwnedBroker` with accounts), or given ``enroll``
+(a coordinator's API, say), each agent is enrolled and started with its own
+credentials file; on any other broker, with ``--insecure``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -36,7 +37,9 @@ from coordinator.engine.faults import Fault
 from coordinator.engine.watch import DeviceFeed
 from coordinator.local.owned import OwnedBroker
 from edge.errors import UserError
+from edge.files import PRIVATE, write_atomic
 from edge.problem import DeviceSpec
+from edge.transport.credentials import Credentials
 from edge.transport.mqtt import MqttTransport
 from edge.transport.settings import MqttSettings
 from edge.wire.messages import DeviceStatus, Throttle
@@ -51,8 +54,9 @@ class LocalFleet:
     def __init__(
         self,
         n: int,
-        broker: str | OwnedBroker,
+        broker: str | OwnedBroker | None,
         *,
+        enroll: Callable[[str], Credentials] | None = None,
         threads: int | None = None,
         profile: str | None = None,
         measure_seconds: float = 0.3,
@@ -65,7 +69,14 @@ class LocalFleet:
     ) -> None:
         self.n = n
         self.owned = broker if isinstance(broker, OwnedBroker) else None
-        self.broker_url = broker.url if isinstance(broker, OwnedBroker) else broker
+        if enroll is None and self.owned is not None and self.owned.accounts is not None:
+            enroll = self.owned.accounts.enroll
+        if broker is None and enroll is None:
+            raise ValueError("a fleet needs a broker URL, or enroll to get credentials from")
+        self.enroll = enroll
+        """Gives each agent its credentials (``None``: agents log in with ``--insecure``)."""
+        self.broker_url = broker.url if isinstance(broker, OwnedBroker) else (broker or "")
+        """The broker; with only ``enroll``, the one the first credentials name."""
         self.settings = (
             self.owned.settings() if self.owned is not None else MqttSettings(url=self.broker_url)
         )
@@ -121,9 +132,12 @@ class LocalFleet:
 
     def _spawn(self, device: str, profile: str | None, slowdown: float) -> None:
         program = self.programs.get(device, [sys.executable, "-m", "edgetrain.cli"])
-        if self.owned is not None and self.owned.secure:
-            creds = self.owned.enroll_file(device, self.work_dir / f"{device}.credentials.json")
-            login = ["--credentials", str(creds)]
+        if self.enroll is not None:
+            creds = self.enroll(device)
+            path = self.work_dir / f"{device}.credentials.json"
+            write_atomic(path, creds.to_json(), mode=PRIVATE)
+            self.broker_url = self.broker_url or creds.broker
+            login = ["--credentials", str(path)]
         else:
             login = ["--broker", self.broker_url, "--insecure"]
         cmd = [

@@ -35,7 +35,6 @@ from coordinator.local.broker import (
     start_broker,
 )
 from edge.errors import UserError
-from edge.files import PRIVATE, write_atomic
 from edge.transport.mqtt import MqttTransport
 from edge.transport.settings import MqttSettings
 
@@ -72,13 +71,6 @@ class OwnedBroker:
             tls_ca_pem=self.accounts.ca_pem,
             **extra,  # type: ignore[arg-type]
         )
-
-    def enroll_file(self, device: str, path: Path) -> Path:
-        """Enrol ``device`` and write its credentials file (mode 0600) at ``path``."""
-        if self.accounts is None:
-            raise UserError("this broker is anonymous: there is nothing to enrol in")
-        write_atomic(path, self.accounts.enroll(device).to_json(), mode=PRIVATE)
-        return path
 
     def describe(self) -> str:
         how = "TLS, accounts and ACLs" if self.secure else "anonymous, no TLS"
