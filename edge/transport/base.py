@@ -184,12 +184,12 @@ class Inbox:
         """
         if microbatches < 1:
             raise ValueError(f"microbatches must be at least 1, got {microbatches}")
-        per_step = [MAX_FRAME_BYTES if spec is None else spec.max_nbytes for spec in kinds.values()]
+        largest = [MAX_FRAME_BYTES if spec is None else spec.max_nbytes for spec in kinds.values()]
         with self._cond:
             self._plan = _Plan(dict(kinds), microbatches)
             self.max_frames = max(1, _WINDOW * microbatches * len(kinds))
-            self.max_bytes = max(1, _WINDOW * microbatches * sum(per_step))
-            self.max_frame_bytes = max(per_step, default=1)
+            self.max_bytes = max(1, _WINDOW * microbatches * sum(largest))
+            self.max_frame_bytes = max(largest, default=1)
             self._floor, self._windowed = step, True
             self._prune_locked(refit=True)
 
