@@ -57,6 +57,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 
+from coordinator.access.accounts import BrokerAccounts
 from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobSpec
 from coordinator.planner.baselines import even_split, ftpipehd, pipedream, single_device
@@ -69,7 +70,7 @@ from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem, UnitSpec
 from edge.runtime.allocator import tune_malloc
 from edge.runtime.unit_times import measure_unit_times
-from edge.transport.mqtt import MqttSettings, MqttTransport
+from edge.transport.mqtt import MqttTransport
 
 STRATEGIES = ("single", "even", "pipedream", "ftpipehd", "edgetrain")
 FASTEST_GFLOPS = 100.0  # catalogue-like speed of the fastest device; only ratios matter
@@ -195,11 +196,15 @@ def plans(problem: PlanningProblem) -> dict[str, Plan]:
 
 
 def measure(
-    control: MqttTransport, spec: JobSpec, plan: Plan, warmup: int
+    control: MqttTransport,
+    spec: JobSpec,
+    plan: Plan,
+    warmup: int,
+    access: BrokerAccounts | None = None,
 ) -> tuple[float, list[float]]:
     """Steady-state samples/s of ``plan`` (stage 0's step times after ``warmup`` steps)
     and each stage's mean compute seconds per steady step."""
-    result = run_on_agents(spec, plan, control, timeout_s=1800)
+    result = run_on_agents(spec, plan, control, timeout_s=1800, access=access)
     steady = [r for r in result.reports if r.step >= warmup]
     step_s = statistics.mean(r.step_s for r in steady if r.stage == 0)
     compute = [
@@ -222,8 +227,9 @@ def run_fleet(
         ) as tb,
     ):
         print(f"# fleet {name}: limits {tb.method} ({tb.method_reason})", file=sys.stderr)
-        control = MqttTransport(MqttSettings(url=tb.broker_url))
+        control = MqttTransport(tb.login())
         control.connect(30)
+        accounts = tb.accounts(control)  # the testbed's broker: stages use topics by grant
         try:
             for model in models:
 
@@ -257,7 +263,7 @@ def run_fleet(
                         seed=0,
                     )
                     started = time.perf_counter()
-                    measured, compute = measure(control, spec, plan, args.warmup)
+                    measured, compute = measure(control, spec, plan, args.warmup, accounts)
                     predicted_compute = [t * args.microbatches for t in score.compute_s]
                     row = Row(
                         model,

@@ -20,6 +20,11 @@ not be disconnected (its frames in flight would be lost), so every device has
 one role of its own for its whole life, and a job's rights are ACL entries
 added to and removed from that role. ``deleteClient`` disconnects the device:
 that is revocation.
+That holds for accounts created through this API while the broker runs. An
+account the plugin loaded from its file at start *is* disconnected by
+``addRoleACL`` and ``removeRoleACL`` on its role (measured, same version); the
+testbed therefore enrols its agents once its broker runs (see
+[Note: enrol once the broker runs] in :mod:`coordinator.testbed.access`).
 """
 
 from __future__ import annotations

@@ -59,6 +59,7 @@ __all__ = [
     "free_port",
     "running_broker",
     "start_broker",
+    "write_mosquitto_config",
 ]
 
 HOST = "127.0.0.1"
@@ -302,6 +303,24 @@ def _secure_files(security: BrokerSecurity, tmp: Path) -> Path:
     copies[2].write_text(json.dumps(security.plugin_config))
     _give_to_mosquitto(tmp, *copies)
     return tmp
+
+
+def write_mosquitto_config(
+    directory: Path,
+    port: int,
+    security: BrokerSecurity | None = None,
+    *,
+    bind: str = HOST,
+    max_packet: int = MAX_PACKET,
+) -> Path:
+    """The config of a Mosquitto started elsewhere (the testbed's detached broker), written
+    in ``directory`` (a new one of its own: the caller removes it once that broker ended),
+    with ``security``'s files copied there for Mosquitto's user as :func:`start_broker`
+    does; the config's path."""
+    secure = _secure_files(security, directory) if security is not None else None
+    conf = directory / "mosquitto.conf"
+    conf.write_text(_mosquitto_conf(port, None, secure, bind, max_packet))
+    return conf
 
 
 def _readable_copy(password_file: Path, tmp: Path) -> Path:

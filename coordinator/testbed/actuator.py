@@ -10,7 +10,8 @@ on that testbed's agents when a job's faults fire (:mod:`coordinator.engine.faul
 - ``slow``: a ``Throttle`` command on the device's ``cmd`` topic (any device);
 - ``join``: one more emulated agent, started through the testbed
   (:meth:`~coordinator.testbed.testbed.Testbed.join`) under the state's lock and
-  recorded there, so ``testbed down`` removes it with the rest.
+  recorded there, so ``testbed down`` removes it with the rest; enrolled on the
+  broker by the coordinator's own accounts (``enroll``), which then may grant it a stage.
 
 The state file is read anew for every fault: agents that joined are in it.
 """
@@ -21,24 +22,33 @@ import contextlib
 import os
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from coordinator.engine.faults import Fault, ThrottleActuator
 from coordinator.testbed.state import State, locked, proc_alive
 from coordinator.testbed.testbed import Testbed
 from edge.errors import UserError
+from edge.transport.credentials import Credentials
 from edge.transport.mqtt import MqttTransport
 
 __all__ = ["TestbedActuator"]
 
 
 class TestbedActuator(ThrottleActuator):
-    """Kills, slows and adds the agents of the testbed in ``state_dir``."""
+    """Kills, slows and adds the agents of the testbed in ``state_dir``; ``enroll`` gives a
+    joining device its broker account (``None``: the testbed enrols it itself)."""
 
     __test__ = False  # not a test class, whatever pytest makes of its name
 
-    def __init__(self, state_dir: Path, control: MqttTransport) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        control: MqttTransport,
+        enroll: Callable[[str], Credentials] | None = None,
+    ) -> None:
         super().__init__(control)
+        self.enroll = enroll
         self.state_dir = state_dir.expanduser().resolve()
         self._beds: list[Testbed] = []  # what join started: reaped when they end
         self._lock = threading.Lock()
@@ -89,7 +99,7 @@ class TestbedActuator(ThrottleActuator):
         self._reap()
         with self._lock, locked(self.state_dir):
             bed = Testbed.attach(self._state())
-            device = bed.join(source)
+            device = bed.join(source, self.enroll)
             self._beds.append(bed)
         return device
 

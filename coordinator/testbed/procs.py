@@ -5,15 +5,20 @@ that started it and no terminal signal reaches it), writes its output to a file
 under ``<state dir>/logs``, carries the testbed's token in its environment and
 is recorded in the state (pid and start time) as soon as it runs:
 
-- the **broker**: Mosquitto bound to 127.0.0.1 on a free port with its config in
-  the state directory, or, where Mosquitto is not installed, the embedded amqtt
-  broker in a process of its own (``python -m coordinator.testbed.procs amqtt PORT``);
+- the **broker**: Mosquitto bound to 127.0.0.1 on a free port, with TLS and the
+  dynamic-security plugin (:mod:`coordinator.testbed.access`); its config and private
+  copies of its files in a directory of its own that the state records, which its
+  user can read (:func:`coordinator.local.broker.write_mosquitto_config`). Where
+  Mosquitto is not installed, the embedded amqtt broker, anonymous, in a process of
+  its own (``python -m coordinator.testbed.procs amqtt PORT``);
 - the **coordinator**: ``edgetrain coordinator`` on a free port, awaited on ``/healthz``,
   given the state directory (``--testbed-state``) so that jobs' kill and join
-  faults act on the testbed's agents (:mod:`coordinator.testbed.actuator`);
+  faults act on the testbed's agents (:mod:`coordinator.testbed.actuator`), and the
+  broker's accounts record (``--broker-accounts``) so that its jobs' ACLs follow their
+  plans;
 - the **delay proxy** (kernel method): :mod:`coordinator.testbed.proxy`;
-- one **agent** per device: ``edgetrain agent`` announcing the profile file the
-  testbed wrote; under the kernel method it is started by a tiny ``sh`` that
+- one **agent** per device: ``edgetrain agent --credentials FILE`` announcing the
+  profile file the testbed wrote; under the kernel method it is started by a tiny ``sh`` that
   writes its own pid into the agent's cgroups and then ``exec``s
   ``ip netns exec NS edgetrain agent ...``, so the agent is limited from its
   first instruction and keeps that pid.
@@ -25,6 +30,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -32,8 +38,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from coordinator.engine.watch import DeviceFeed
-from coordinator.local.broker import _mosquitto_conf, find_mosquitto, free_port
+from coordinator.local.broker import (
+    BrokerSecurity,
+    find_mosquitto,
+    free_port,
+    write_mosquitto_config,
+)
 from coordinator.testbed.state import ENV_TOKEN, State
+from edge.errors import UserError
 from edge.transport.mqtt import MqttTransport
 from edge.transport.settings import MqttSettings
 from edge.wire.messages import DeviceStatus
@@ -42,12 +54,16 @@ __all__ = [
     "CGROUP_EXEC",
     "agent_command",
     "agent_states",
+    "login_args",
     "spawn",
     "start_broker",
     "start_coordinator",
     "wait_http",
     "wait_online",
 ]
+
+PRIVATE_PREFIX = "edgetrain-testbed-broker-"
+"""Name prefix of the broker's private directory (in the system's temporary directory)."""
 
 CGROUP_EXEC = (
     'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 97; shift; n=$((n-1)); done; '
@@ -111,19 +127,24 @@ def _accepts(host: str, port: int) -> bool:
         return False
 
 
-def start_broker(state: State, timeout_s: float = 15.0) -> tuple[subprocess.Popen[bytes], str]:
-    """The broker on 127.0.0.1 and a free port; its process and URL once it accepts."""
-    port = free_port()
+def start_broker(
+    state: State, port: int, security: BrokerSecurity | None, timeout_s: float = 15.0
+) -> tuple[subprocess.Popen[bytes], str]:
+    """The broker on 127.0.0.1:``port`` (secure with ``security``: Mosquitto only); its
+    process and URL once it accepts."""
     binary = find_mosquitto()
     if binary is not None:
-        conf = state.dir / "mosquitto.conf"
-        conf.write_text(_mosquitto_conf(port, None))
+        private = Path(tempfile.mkdtemp(prefix=PRIVATE_PREFIX))
+        state.intend("private_dirs", str(private))
+        conf = write_mosquitto_config(private, port, security)
         cmd = [binary, "-c", str(conf)]
+    elif security is not None:
+        raise UserError("a secure testbed broker needs mosquitto; the amqtt one is anonymous")
     else:
         cmd = [sys.executable, "-m", "coordinator.testbed.procs", "amqtt", str(port)]
     proc = spawn(state, "broker", cmd)
     _wait(lambda: _accepts("127.0.0.1", port), proc, "the broker", state, "broker", timeout_s)
-    return proc, f"mqtt://127.0.0.1:{port}"
+    return proc, f"{'mqtts' if security is not None else 'mqtt'}://127.0.0.1:{port}"
 
 
 def wait_http(
@@ -141,8 +162,11 @@ def wait_http(
     _wait(ok, proc, name, state, name, timeout_s)
 
 
-def start_coordinator(state: State, broker_url: str) -> tuple[subprocess.Popen[bytes], str]:
-    """``edgetrain coordinator`` on a free port (not awaited: see :func:`wait_http`)."""
+def start_coordinator(
+    state: State, broker_url: str, accounts: Path | None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``edgetrain coordinator`` on a free port (not awaited: see :func:`wait_http`), with
+    the broker's accounts record ``accounts`` (``None``: an anonymous broker)."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -162,11 +186,21 @@ def start_coordinator(state: State, broker_url: str) -> tuple[subprocess.Popen[b
         "--testbed-state",
         str(state.dir),
     ]
+    if accounts is not None:
+        cmd += ["--broker-accounts", str(accounts)]
     return spawn(state, "coordinator", cmd), f"http://127.0.0.1:{port}"
 
 
+def login_args(credentials: Path | None, broker_url: str) -> list[str]:
+    """How an agent logs in: with its credentials file, or, on an anonymous broker (no
+    credentials), by URL with ``--insecure``."""
+    if credentials is not None:
+        return ["--credentials", str(credentials)]
+    return ["--broker", broker_url, "--insecure"]
+
+
 def agent_command(
-    broker_url: str,
+    login: list[str],
     device: str,
     *,
     profile: Path,
@@ -174,14 +208,14 @@ def agent_command(
     threads: int,
     shaping: dict[str, float] | None = None,
 ) -> list[str]:
-    """``edgetrain agent`` for ``device``; ``shaping``: the software method's extra flags."""
+    """``edgetrain agent`` for ``device`` logging in by ``login`` (:func:`login_args`);
+    ``shaping``: the software method's extra flags."""
     cmd = [
         sys.executable,
         "-m",
         "edgetrain.cli",
         "agent",
-        "--broker",
-        broker_url,
+        *login,
         "--device-id",
         device,
         "--data-dir",
@@ -192,7 +226,6 @@ def agent_command(
         "0.5",
         "--profile",
         str(profile),
-        "--insecure",  # the testbed's broker lets anonymous clients in
     ]
     for flag, value in (shaping or {}).items():
         cmd += [flag, f"{value:g}"]
@@ -210,10 +243,10 @@ def in_cgroups_and_netns(cmd: list[str], procs_files: list[Path], namespace: str
 
 
 def _watch(
-    broker_url: str, client_id: str
+    login: MqttSettings, client_id: str
 ) -> tuple[MqttTransport, dict[str, DeviceStatus], threading.Condition]:
     """A connection whose :class:`DeviceFeed` keeps each device's newest status in ``seen``."""
-    control = MqttTransport(MqttSettings(url=broker_url, client_id=client_id))
+    control = MqttTransport(login.model_copy(update={"client_id": client_id}))
     control.connect(timeout=10)
     seen: dict[str, DeviceStatus] = {}
     cond = threading.Condition()
@@ -228,7 +261,7 @@ def _watch(
 
 
 def wait_online(
-    broker_url: str,
+    login: MqttSettings,
     ids: list[str],
     since: float,
     failed: Callable[[], str | None],
@@ -236,10 +269,11 @@ def wait_online(
 ) -> None:
     """Wait until every device in ``ids`` says it is online (a status newer than ``since``).
 
+    ``login``: the testbed's own (:func:`coordinator.testbed.access.coordinator_login`).
     ``failed()`` names an agent that exited (ending the wait with an error); past
     ``timeout_s`` the error names the devices still missing.
     """
-    control, seen, cond = _watch(broker_url, f"testbed-wait-{os.getpid()}")
+    control, seen, cond = _watch(login, f"testbed-wait-{os.getpid()}")
     deadline = time.monotonic() + timeout_s
     try:
         with cond:
@@ -258,10 +292,10 @@ def wait_online(
         control.close()
 
 
-def agent_states(broker_url: str, ids: list[str], timeout_s: float = 2.0) -> dict[str, str]:
+def agent_states(login: MqttSettings, ids: list[str], timeout_s: float = 2.0) -> dict[str, str]:
     """Each device's retained status (``online``, ``busy``, ``offline``; ``unknown`` if none)."""
     try:
-        control, seen, cond = _watch(broker_url, f"testbed-status-{os.getpid()}")
+        control, seen, cond = _watch(login, f"testbed-status-{os.getpid()}")
     except Exception:  # the broker is gone: nothing is known
         return dict.fromkeys(ids, "unknown")
     try:

@@ -102,6 +102,9 @@ class State:
     """Host-side veth names (deleting one removes its peer)."""
     devices: list[dict[str, Any]] = field(default_factory=list)
     """One row per agent: what ``status`` prints (id, emulates, cpus, limits, namespace)."""
+    private_dirs: list[str] = field(default_factory=list)
+    """Directories outside this one that hold private copies for a process that cannot
+    read it (the broker's TLS and plugin files, for Mosquitto's own user)."""
 
     @property
     def path(self) -> Path:

@@ -4,16 +4,18 @@
 also any process carrying the testbed's token or sitting in its cgroups that
 never reached the state file), lifts CPU quotas so throttled agents shut down
 promptly, removes cgroups (children first), namespaces and veths, then the
-files ``up`` wrote and the state file; ``logs/`` stays for a post-mortem.
+files ``up`` wrote (the broker's accounts, TLS files and private copies, the agents'
+credentials among them) and the state file; ``logs/`` stays for a post-mortem.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 from typing import Any
 
-from coordinator.testbed import limits, netns, procs
+from coordinator.testbed import access, limits, netns, procs
 from coordinator.testbed.state import (
     ProcRecord,
     State,
@@ -23,10 +25,18 @@ from coordinator.testbed.state import (
     proc_start,
     stop_processes,
 )
+from edge.errors import UserError
 
 __all__ = ["MADE", "down", "status", "teardown"]
 
-MADE = ("mosquitto.conf", "proxy.ready", "profiles", "agents", "coordinator")
+MADE = (
+    "proxy.ready",
+    "profiles",
+    "agents",
+    "coordinator",
+    access.BROKER_DIR,
+    access.CREDENTIALS_DIR,
+)
 """What ``up`` writes in the state directory and ``down`` removes (``logs/`` stays)."""
 
 
@@ -41,9 +51,10 @@ def status(state_dir: Path) -> dict[str, Any]:
     ]
     broker_alive = any(p["alive"] for p in processes if p["name"] == "broker")
     ids = [d["id"] for d in state.devices]
-    agents = (
-        procs.agent_states(state.broker_url, ids) if broker_alive else dict.fromkeys(ids, "unknown")
-    )
+    agents = dict.fromkeys(ids, "unknown")
+    if broker_alive:
+        with contextlib.suppress(UserError):  # its accounts are gone: nothing is known
+            agents = procs.agent_states(access.coordinator_login(state), ids)
     return {
         "up": state.phase == "up" and all(p["alive"] for p in processes),
         "phase": state.phase,
@@ -95,8 +106,9 @@ def teardown(state: State, grace_s: float = 5.0) -> list[str]:
     for veth in state.veths:
         if netns.delete_link(veth):
             removed.append(f"veth {veth}")
-    for name in MADE:
-        path = state.dir / name
+    # Only directories procs made (by their name): never what an edited state file names.
+    private = [Path(d) for d in state.private_dirs if Path(d).name.startswith(procs.PRIVATE_PREFIX)]
+    for path in [*(state.dir / name for name in MADE), *private]:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:

@@ -6,9 +6,13 @@ single-core speed once (so each agent announces the speed it really gets),
 picks the method (:func:`~coordinator.testbed.limits.detect`), and starts, each
 recorded in the state before it exists (:mod:`coordinator.testbed.state`):
 
-1. the broker (127.0.0.1 only) and, unless ``coordinator=False``, the coordinator;
+1. the broker (127.0.0.1 only): Mosquitto with TLS and an account per agent, each
+   agent enrolled once it runs and given its credentials file
+   (:mod:`coordinator.testbed.access`); and, unless ``coordinator=False``, the
+   coordinator, which administers those accounts;
 2. kernel method: per agent a cgroup in the cpu and memory hierarchies, a
-   namespace with a tbf-shaped veth pair, and one delay proxy for all of them;
+   namespace with a tbf-shaped veth pair, and one delay proxy for all of them (the
+   links' addresses are fixed before the broker starts: its certificate names them);
 3. the agents, each announcing ``<state dir>/profiles/<id>.json``;
 
 then waits until every agent is online. If anything fails, everything made so
@@ -18,7 +22,8 @@ fleet keeps running after the process that called ``up`` exits, until
 
 :meth:`Testbed.join` adds one agent to a running software-method testbed (a
 ``join`` fault: the coordinator does it, holding the state's lock), emulated at
-the scale the others got, and records it so that ``down`` removes it too.
+the scale the others got, enrolled on the running broker, and records it so that
+``down`` removes it too.
 """
 
 from __future__ import annotations
@@ -28,16 +33,22 @@ import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
-from coordinator.testbed import limits, netns, procs
+from coordinator.access.accounts import BrokerAccounts
+from coordinator.local.broker import BrokerSecurity, free_port
+from coordinator.testbed import access, limits, netns, procs
 from coordinator.testbed.sizing import MIN_CPUS, EmulatedDevice, emulate
 from coordinator.testbed.state import State, locked
 from coordinator.testbed.teardown import down, status, teardown
 from edge.errors import UserError
 from edge.problem import DeviceSpec
+from edge.transport.credentials import Credentials
+from edge.transport.mqtt import MqttTransport
+from edge.transport.settings import MqttSettings
 
 __all__ = ["MethodChoice", "Testbed", "down", "measure_core_gflops", "status"]
 
@@ -71,6 +82,7 @@ class Testbed:
         self.announced = announced
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._cpu_limits: list[tuple[Path, dict[str, str]]] = []
+        self._logins: dict[str, list[str]] = {}  # device -> how its agent logs in
 
     @property
     def state_dir(self) -> Path:
@@ -78,8 +90,19 @@ class Testbed:
 
     @property
     def broker_url(self) -> str:
-        """``mqtt://127.0.0.1:PORT``: the broker, as the root namespace reaches it."""
+        """``mqtts://127.0.0.1:PORT`` (``mqtt://`` for the anonymous amqtt broker): the
+        broker, as the root namespace reaches it."""
         return self.state.broker_url
+
+    def login(self) -> MqttSettings:
+        """MQTT settings of the coordinator's account on the broker (anonymous on amqtt)."""
+        return access.coordinator_login(self.state)
+
+    def accounts(self, control: MqttTransport) -> BrokerAccounts | None:
+        """The broker's accounts, changed through ``control`` (a connection of :meth:`login`):
+        the ``access`` of a job run on the agents directly (``run_on_agents``), so that its
+        stages may use their topics; ``None`` on an anonymous broker."""
+        return access.attached_accounts(self.state, control)
 
     @property
     def coordinator_url(self) -> str | None:
@@ -167,16 +190,28 @@ class Testbed:
         for dev in self.devices:
             self.announced[dev.id] = dev.announced(state.core_gflops)
             (profiles / f"{dev.id}.json").write_text(self.announced[dev.id].model_dump_json())
-        self._procs["broker"], state.broker_url = procs.start_broker(state)
+        port = free_port()
+        links = self._links() if detection.method == "kernel" else []
+        secure = access.secure_possible()
+        # Where each agent reaches the broker: its link's host end (through the delay
+        # proxy) under the kernel method, else 127.0.0.1.
+        hosts = [link.host_ip for link in links] or ["127.0.0.1"] * len(self.devices)
+        urls = [f"{'mqtts' if secure else 'mqtt'}://{host}:{port}" for host in hosts]
+        security = None
+        if secure:
+            accounts, tls = access.start_accounts(state, port, [link.host_ip for link in links])
+            security = BrokerSecurity(tls, accounts.plugin_config())
+        self._procs["broker"], state.broker_url = procs.start_broker(state, port, security)
         state.save()
+        self._enroll({dev.id: url for dev, url in zip(self.devices, urls, strict=True)})
         if coordinator:
             self._procs["coordinator"], state.coordinator_url = procs.start_coordinator(
-                state, state.broker_url
+                state, state.broker_url, access.broker_dir(state) if security else None
             )
             state.save()
         started = time.time()
         if detection.method == "kernel":
-            self._start_kernel_agents(detection)
+            self._start_kernel_agents(detection, links)
         else:
             self._start_software_agents()
         if coordinator:
@@ -189,7 +224,7 @@ class Testbed:
                 timeout_s=60,
             )
         procs.wait_online(
-            state.broker_url,
+            self.login(),
             [d.id for d in self.devices],
             started,
             self._dead_agent,
@@ -198,11 +233,31 @@ class Testbed:
         for path, wanted in self._cpu_limits:  # see [Note: agents start unthrottled]
             limits.write_limits(path, wanted)
 
-    def _agent_cmd(
-        self, dev: EmulatedDevice, broker_url: str, shaping: dict[str, float] | None
-    ) -> list[str]:
+    def _links(self) -> list[netns.Link]:
+        """Each agent's namespace and veth pair, as the kernel method will make them."""
+        subnet = netns.free_subnet(self.state.id)
+        return [netns.link_names(self.state.id, i, subnet) for i in range(len(self.devices))]
+
+    def _enroll(
+        self, urls: dict[str, str], enroll: Callable[[str], Credentials] | None = None
+    ) -> None:
+        """How each device of ``urls`` logs in to the broker at the URL given: on a secure
+        broker with credentials written to a file of its own (enrolled by ``enroll``, else
+        by :func:`~coordinator.testbed.access.enroll_live`); on an anonymous one by URL."""
+        if not access.is_secure(self.state):
+            for device, url in urls.items():
+                self._logins[device] = procs.login_args(None, url)
+            return
+        if enroll is not None:
+            creds = {d: enroll(d).model_copy(update={"broker": u}) for d, u in urls.items()}
+        else:
+            creds = access.enroll_live(self.state, urls)
+        for device, c in creds.items():
+            self._logins[device] = procs.login_args(access.write_credentials(self.state, c), "")
+
+    def _agent_cmd(self, dev: EmulatedDevice, shaping: dict[str, float] | None) -> list[str]:
         return procs.agent_command(
-            broker_url,
+            self._logins[dev.id],
             dev.id,
             profile=self.state.dir / "profiles" / f"{dev.id}.json",
             data_dir=self.state.dir / "agents" / dev.id,
@@ -236,22 +291,24 @@ class Testbed:
         }
         self.state.devices.append(self._row(dev))
         name = f"agent:{dev.id}"
-        self._procs[name] = procs.spawn(
-            self.state, name, self._agent_cmd(dev, self.state.broker_url, shaping)
-        )
+        self._procs[name] = procs.spawn(self.state, name, self._agent_cmd(dev, shaping))
 
     @classmethod
     def attach(cls, state: State) -> Testbed:
         """The testbed ``state`` describes, to add agents to (it starts nothing itself)."""
         return cls(state, [], {})
 
-    def join(self, source: DeviceSpec) -> str:
+    def join(self, source: DeviceSpec, enroll: Callable[[str], Credentials] | None = None) -> str:
         """Start one more agent emulating ``source`` at this testbed's scale; its device id.
 
         Software method only (a kernel testbed's delay proxy has its routes fixed at
-        ``up``). The agent is recorded (process and device row) before this returns and
-        is not awaited: it announces itself like the others. The caller holds the
-        state's lock (:func:`~coordinator.testbed.state.locked`).
+        ``up``). On a secure broker the device is enrolled first, by ``enroll`` (the
+        testbed coordinator's own accounts, so that it can grant the newcomer a stage),
+        else through a connection of the coordinator's account
+        (:func:`~coordinator.testbed.access.enroll_live`). The agent is recorded (process
+        and device row) before this returns and is not awaited: it announces itself like
+        the others. The caller holds the state's lock
+        (:func:`~coordinator.testbed.state.locked`).
         """
         state = self.state
         if state.method != "software":
@@ -280,18 +337,17 @@ class Testbed:
         profile = state.dir / "profiles" / f"{dev.id}.json"
         profile.parent.mkdir(parents=True, exist_ok=True)
         profile.write_text(self.announced[dev.id].model_dump_json())
+        self._enroll({dev.id: state.broker_url}, enroll)
         self._start_software_agent(dev)
         return dev.id
 
-    def _start_kernel_agents(self, detection: limits.Detection) -> None:
+    def _start_kernel_agents(self, detection: limits.Detection, links: list[netns.Link]) -> None:
         state = self.state
         assert detection.cpu is not None and detection.memory is not None
         controllers = [detection.cpu, detection.memory]
         port = int(state.broker_url.rsplit(":", 1)[1])
-        subnet = netns.free_subnet(state.id)
         routes: list[str] = []
-        links = []
-        for i, dev in enumerate(self.devices):
+        for i, (dev, link) in enumerate(zip(self.devices, links, strict=True)):
             for ctl in controllers:
                 parent = limits.cgroup_parent(ctl, state.id)
                 state.intend("cgroups", str(parent))
@@ -303,11 +359,9 @@ class Testbed:
                     self._cpu_limits.append((parent / f"agent-{i}", wanted))
                     wanted = limits.cpu_unlimited(ctl)
                 limits.make_cgroup(ctl, parent / f"agent-{i}", wanted)
-            link = netns.link_names(state.id, i, subnet)
             state.intend("namespaces", link.namespace)
             state.intend("veths", link.host_if)
             netns.make_link(link, dev.bandwidth_mbps)
-            links.append(link)
             routes += [
                 "--route",
                 f"{link.host_ip}:{port}",
@@ -339,7 +393,7 @@ class Testbed:
         for i, (dev, link) in enumerate(zip(self.devices, links, strict=True)):
             cgroups = [limits.cgroup_parent(c, state.id) / f"agent-{i}" for c in controllers]
             cmd = procs.in_cgroups_and_netns(
-                self._agent_cmd(dev, f"mqtt://{link.host_ip}:{port}", None),
+                self._agent_cmd(dev, None),
                 [c / "cgroup.procs" for c in cgroups],
                 link.namespace,
             )

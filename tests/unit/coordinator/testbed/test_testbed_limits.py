@@ -108,7 +108,7 @@ def test_link_names_fit_ifnamsiz() -> None:
 
 def test_agent_command_joins_cgroups_then_namespace() -> None:
     agent = procs.agent_command(
-        "mqtt://10.0.0.1:1883",
+        procs.login_args(Path("/s/credentials/rpi.json"), "mqtts://10.0.0.1:8883"),
         "rpi",
         profile=Path("/s/rpi.json"),
         data_dir=Path("/s/agents/rpi"),
@@ -116,12 +116,21 @@ def test_agent_command_joins_cgroups_then_namespace() -> None:
         shaping={"--slowdown": 4.0, "--link-mbps": 100.0},
     )
     assert agent[agent.index("--profile") + 1] == "/s/rpi.json"
+    assert agent[agent.index("--credentials") + 1] == "/s/credentials/rpi.json"
+    assert "--insecure" not in agent and "--broker" not in agent  # the file names the broker
     assert agent[-4:] == ["--slowdown", "4", "--link-mbps", "100"]
     files = [Path("/c/a/cgroup.procs"), Path("/m/a/cgroup.procs")]
     cmd = procs.in_cgroups_and_netns(agent, files, "et-ab12-0")
     assert cmd[:5] == ["sh", "-c", procs.CGROUP_EXEC, "sh", "2"]
     assert cmd[5:11] == [*map(str, files), "ip", "netns", "exec", "et-ab12-0"]
     assert cmd[11:] == agent  # passed as arguments, never spliced into the script
+
+
+def test_agents_log_in_by_credentials_and_only_an_anonymous_broker_by_url() -> None:
+    creds = Path("/s/credentials/rpi.json")
+    assert procs.login_args(creds, "mqtts://127.0.0.1:8883") == ["--credentials", str(creds)]
+    url = "mqtt://127.0.0.1:1883"
+    assert procs.login_args(None, url) == ["--broker", url, "--insecure"]
 
 
 def test_link_overrides_parse() -> None:

@@ -1,0 +1,158 @@
+"""Who may use a testbed's broker: its TLS files, its accounts, each agent's credentials.
+
+A testbed's broker is secure as the coordinator's own is (:mod:`coordinator.local.owned`)
+whenever it is Mosquitto: TLS only, the dynamic-security plugin, one account per agent,
+ACLs that follow the plans of the jobs its coordinator runs. This module owns what that
+needs in the state directory:
+
+- ``broker/``: the accounts record (``accounts.json``, mode 0600,
+  :class:`~coordinator.access.accounts.BrokerAccounts`) and ``broker/tls/``
+  (:func:`~coordinator.access.certs.broker_tls`): a CA of the testbed's own and the
+  broker's certificate, which names 127.0.0.1 and, under the kernel method, each
+  link's host address (agents in a namespace reach the broker through the delay
+  proxy there);
+- ``credentials/<device>.json`` (mode 0600): what each agent logs in with
+  (``edgetrain agent --credentials``), naming the address that agent reaches the
+  broker by.
+
+``up`` makes the record and the TLS files before the broker starts
+(:func:`start_accounts`), and enrols the agents once it runs, before they or the
+coordinator start (:func:`enroll_live`; see [Note: enrol once the broker runs]); a
+device that joins later is enrolled the same way. The testbed's own connections
+(waiting for agents, ``status``) and the coordinator it starts (``--broker-accounts``)
+log in with the coordinator's account of that record (:func:`coordinator_login`).
+Where Mosquitto is not installed the broker is the embedded amqtt one, anonymous and
+plain: agents get ``--insecure`` and ``up`` warns (:func:`secure_possible`).
+
+[Note: enrol once the broker runs]
+Measured with Mosquitto 2.0.11: a job's grant (``addRoleACL``) disconnects the
+clients of that role when their account came from the plugin's file at start, but
+not when it was created through the plugin's API while the broker runs (see
+[Note: dynamic security kicks on role changes] in :mod:`coordinator.access.dynsec`).
+A disconnected agent misses the assignment the coordinator sends right after the
+grant, and the job waits for it forever. So the broker starts with the coordinator's
+account alone, and every agent is enrolled through the API.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from coordinator.access.accounts import BrokerAccounts
+from coordinator.access.certs import BrokerTls, broker_tls
+from coordinator.local.broker import find_mosquitto
+from coordinator.testbed.state import State
+from edge.errors import UserError
+from edge.files import PRIVATE, write_atomic
+from edge.transport.credentials import Credentials
+from edge.transport.mqtt import MqttTransport
+from edge.transport.settings import MqttSettings
+
+__all__ = [
+    "attached_accounts",
+    "broker_dir",
+    "coordinator_login",
+    "enroll_live",
+    "is_secure",
+    "secure_possible",
+    "start_accounts",
+    "write_credentials",
+]
+
+log = logging.getLogger("edgetrain.testbed")
+
+BROKER_DIR = "broker"
+CREDENTIALS_DIR = "credentials"
+"""Under the state directory (both removed by ``down``)."""
+
+
+def secure_possible() -> bool:
+    """Whether the testbed's broker will be Mosquitto, and so secure; warns when not."""
+    if find_mosquitto() is not None:
+        return True
+    log.warning(
+        "the embedded amqtt broker is anonymous and plain: anyone who can reach the "
+        "testbed's broker can drive its agents; install mosquitto for TLS, accounts and ACLs"
+    )
+    return False
+
+
+def is_secure(state: State) -> bool:
+    """Whether ``state``'s broker was started with TLS and accounts."""
+    return state.broker_url.startswith("mqtts://")
+
+
+def broker_dir(state: State) -> Path:
+    """The accounts record (and ``tls/``) of ``state``'s broker."""
+    return state.dir / BROKER_DIR
+
+
+def start_accounts(state: State, port: int, hosts: list[str]) -> tuple[BrokerAccounts, BrokerTls]:
+    """The accounts record and TLS files of a broker about to start on 127.0.0.1:``port``,
+    whose certificate names ``hosts`` too."""
+    tls = broker_tls(broker_dir(state) / "tls", hosts)
+    return BrokerAccounts(broker_dir(state), f"mqtts://127.0.0.1:{port}", tls.ca_pem), tls
+
+
+def write_credentials(state: State, creds: Credentials) -> Path:
+    """Write ``creds`` to ``credentials/<device>.json`` (mode 0600); its path."""
+    path = state.dir / CREDENTIALS_DIR / f"{creds.device_id}.json"
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    write_atomic(path, creds.to_json(), mode=PRIVATE)
+    return path
+
+
+def _record(state: State) -> BrokerAccounts:
+    directory = broker_dir(state)
+    if not (directory / "accounts.json").is_file():
+        raise UserError(f"the testbed in {state.dir} has no broker accounts in {directory}")
+    ca = directory / "tls" / "ca.pem"
+    try:
+        ca_pem = ca.read_text()
+    except OSError as exc:
+        raise UserError(f"the testbed's broker CA {ca}: {exc.strerror or exc}") from None
+    return BrokerAccounts(directory, state.broker_url, ca_pem)
+
+
+def coordinator_login(state: State) -> MqttSettings:
+    """How the testbed's own connections log in to its broker: the coordinator's account
+    and the testbed's CA (anonymous on a broker without TLS)."""
+    if not is_secure(state):
+        return MqttSettings(url=state.broker_url)
+    accounts = _record(state)
+    user, password = accounts.coordinator
+    return MqttSettings(
+        url=state.broker_url,
+        username=user,
+        password=password,  # type: ignore[arg-type]
+        tls_ca_pem=accounts.ca_pem,
+    )
+
+
+def attached_accounts(state: State, control: MqttTransport) -> BrokerAccounts | None:
+    """``state``'s broker accounts, changed through ``control`` (a connection of
+    :func:`coordinator_login`): what a job run on the testbed's agents without its
+    coordinator grants their stages by (``access``); ``None`` on an anonymous broker."""
+    if not is_secure(state):
+        return None
+    accounts = _record(state)
+    accounts.attach(control)
+    return accounts
+
+
+def enroll_live(state: State, urls: dict[str, str]) -> dict[str, Credentials]:
+    """Enrol each device of ``urls`` on ``state``'s running broker, through a connection of
+    the coordinator's account (the plugin's admin); their credentials, each naming the URL
+    ``urls`` gives (where that device reaches the broker)."""
+    accounts = _record(state)
+    control = MqttTransport(coordinator_login(state))
+    control.connect(timeout=15)
+    try:
+        accounts.attach(control)
+        return {
+            device: accounts.enroll(device).model_copy(update={"broker": url})
+            for device, url in urls.items()
+        }
+    finally:
+        control.close()
