@@ -2,7 +2,8 @@
 
 :func:`start_services` brings up what the API stands on, in order: the data
 directory and store, the broker (the embedded default when no URL is
-configured: TLS, accounts and ACLs, :mod:`coordinator.local.owned`), one MQTT
+configured: TLS, accounts and ACLs, :mod:`coordinator.local.owned`; for a broker
+at a URL, its accounts when ``broker_accounts`` names their record), one MQTT
 control connection of the coordinator's account, the device registry, the fault
 actuator (a testbed's when ``testbed_state`` is set: see
 :mod:`coordinator.testbed.actuator`) and the job manager; :func:`create_app`
@@ -19,7 +20,9 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import SecretStr
 
+from coordinator.access.accounts import BrokerAccounts
 from coordinator.engine.faults import FaultActuator, ThrottleActuator
 from coordinator.service.api.deps import Services
 from coordinator.service.api.routes import devices, jobs, plans, system
@@ -32,8 +35,32 @@ from coordinator.service.store.sqlite import Store
 from edge import __version__
 from edge.errors import UserError
 from edge.transport.mqtt import MqttTransport
+from edge.transport.settings import MqttSettings
 
 __all__ = ["create_app", "start_services"]
+
+
+def _broker_login(settings: Settings) -> tuple[MqttSettings, BrokerAccounts | None]:
+    """How the coordinator logs in to the broker at ``broker_url``, and that broker's accounts
+    when ``broker_accounts`` names their record: then its coordinator account and CA
+    (``tls/ca.pem``) unless EDGETRAIN_BROKER_USERNAME (with _PASSWORD) or _CA say otherwise."""
+    login = settings.broker_settings()
+    record = settings.broker_accounts
+    if record is None:
+        return login, None
+    ca = settings.broker_ca or record / "tls" / "ca.pem"
+    try:
+        ca_pem = ca.read_text() if settings.broker_ca or ca.is_file() else None
+    except OSError as exc:
+        raise UserError(f"broker CA {ca}: {exc.strerror or exc}") from None
+    accounts = BrokerAccounts(record, login.url, ca_pem)
+    update: dict[str, object] = {}
+    if settings.broker_username is None:
+        user, password = accounts.coordinator
+        update.update(username=user, password=SecretStr(password))
+    if settings.broker_ca is None and ca_pem is not None:
+        update.update(tls_ca_pem=ca_pem)
+    return login.model_copy(update=update), accounts
 
 
 def start_services(settings: Settings) -> tuple[Services, Callable[[], None]]:
@@ -56,10 +83,13 @@ def start_services(settings: Settings) -> tuple[Services, Callable[[], None]]:
             stack.callback(owned.stop)
             url, login, accounts = owned.url, owned.settings(), owned.accounts
         else:
-            url, login = settings.broker_url, settings.broker_settings()
+            url = settings.broker_url
+            login, accounts = _broker_login(settings)
         control = MqttTransport(login)
         control.connect(timeout=15)
         stack.callback(control.close)
+        if settings.broker_url is not None and accounts is not None:
+            accounts.attach(control)  # the plugin's admin: changes go through this connection
         bus = EventBus()
         stack.callback(bus.close)
         registry = DeviceRegistry(store, bus, control, settings.heartbeat_timeout_s)
@@ -69,7 +99,8 @@ def start_services(settings: Settings) -> tuple[Services, Callable[[], None]]:
         if settings.testbed_state is not None:
             from coordinator.testbed.actuator import TestbedActuator
 
-            actuator = TestbedActuator(settings.testbed_state, control)
+            enroll = accounts.enroll if accounts is not None else None
+            actuator = TestbedActuator(settings.testbed_state, control, enroll)
         manager = JobManager(store, bus, registry, control, actuator=actuator, access=accounts)
         manager.start()
         stack.callback(manager.stop)

@@ -63,6 +63,12 @@ class Settings(BaseSettings):
     broker_ca: Path | None = None
     """CA file that signed that broker's certificate (EDGETRAIN_BROKER_CA); the system's when
     unset. Enrolment goes into credentials files as the CA to trust."""
+    broker_accounts: Path | None = None
+    """Accounts record of the broker at broker_url (a directory with accounts.json, and
+    tls/ca.pem), whose coordinator account administers its dynamic-security plugin
+    (EDGETRAIN_BROKER_ACCOUNTS): the coordinator logs in with that account and CA, unless
+    the variables above say otherwise, its jobs' ACLs follow their plans and devices can
+    be enrolled. edgetrain testbed up and compose give it."""
     broker_hosts: list[str] = []
     """Further names or addresses devices reach the embedded broker by (its TLS certificate
     names them; the first goes into credentials files); it then listens on all interfaces."""
@@ -87,10 +93,23 @@ class Settings(BaseSettings):
     def _expand_home(cls, value: Path) -> Path:
         return value.expanduser()
 
-    @field_validator("testbed_state")
+    @field_validator("testbed_state", "broker_accounts")
     @classmethod
-    def _expand_testbed(cls, value: Path | None) -> Path | None:
+    def _expand_optional(cls, value: Path | None) -> Path | None:
         return None if value is None else value.expanduser()
+
+    @model_validator(mode="after")
+    def _check_accounts(self) -> Settings:
+        if self.broker_accounts is None:
+            return self
+        if self.broker_url is None:
+            raise ValueError(
+                "broker_accounts: EDGETRAIN_BROKER_ACCOUNTS needs EDGETRAIN_BROKER_URL (a broker "
+                "the coordinator starts keeps its accounts in data_dir/broker)"
+            )
+        if not (self.broker_accounts / "accounts.json").is_file():
+            raise ValueError(f"broker_accounts: no accounts.json in {self.broker_accounts}")
+        return self
 
     @model_validator(mode="after")
     def _check_token(self) -> Settings:

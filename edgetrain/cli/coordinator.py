@@ -26,6 +26,13 @@ def coordinator_command(
         help="debug, info, warning or error: the least severe record written (JSON lines "
         "on standard error).",
     ),
+    broker_accounts: Path | None = typer.Option(
+        None,
+        "--broker-accounts",
+        help="With --broker: the accounts record (directory of accounts.json and tls/ca.pem) "
+        "of that broker; the coordinator logs in as its admin, and jobs' ACLs follow their "
+        "plans (EDGETRAIN_BROKER_ACCOUNTS).",
+    ),
     testbed_state: Path | None = typer.Option(
         None,
         "--testbed-state",
@@ -48,7 +55,12 @@ def coordinator_command(
         from coordinator.service.settings import get_settings
 
     settings = get_settings(
-        host=host, port=port, broker_url=broker, data_dir=data_dir, testbed_state=testbed_state
+        host=host,
+        port=port,
+        broker_url=broker,
+        broker_accounts=broker_accounts,
+        data_dir=data_dir,
+        testbed_state=testbed_state,
     )
     setup_logging(log_level)
     # log_config=None: uvicorn leaves logging as set up here, and its own loggers

@@ -41,7 +41,8 @@ class Services:
     registry: DeviceRegistry
     manager: JobManager
     accounts: BrokerAccounts | None = None
-    """The broker's accounts when the coordinator started it (enrolment, revocation)."""
+    """The broker's accounts when the coordinator started it or was given their record
+    (enrolment, revocation)."""
     broker_url: str = ""
 
 

@@ -43,7 +43,7 @@ def list_devices(registry: RegistryDep) -> DevicesPublic:
     return DevicesPublic(data=data, count=len(data))
 
 
-# -- enrolment: broker accounts (the coordinator's own broker only) ---------------------
+# -- enrolment: broker accounts (a broker whose accounts the coordinator runs) ---------------------
 
 
 class EnrollRequest(BaseModel):
@@ -71,8 +71,9 @@ def _accounts(services: ServicesDep) -> BrokerAccounts:
     if services.accounts is None:
         raise HTTPException(
             409,
-            "this coordinator does not run its broker's accounts (EDGETRAIN_BROKER_URL is set, "
-            "or the broker is the anonymous embedded one): enrol devices with the broker's tools",
+            "this coordinator does not run its broker's accounts (EDGETRAIN_BROKER_URL is set "
+            "without EDGETRAIN_BROKER_ACCOUNTS, or the broker is the anonymous embedded one): "
+            "enrol devices with the broker's tools",
         )
     return services.accounts
 

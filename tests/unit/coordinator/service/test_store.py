@@ -465,3 +465,20 @@ def test_get_settings_reads_anew_and_drops_unset_overrides(env: pytest.MonkeyPat
     assert get_settings().port == 9002
     with pytest.raises(UserError, match="port"):
         get_settings(port=70000)
+
+
+def test_broker_accounts_name_a_record_of_a_broker_at_a_url(
+    env: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    record = tmp_path / "record"
+    record.mkdir()
+    env.setenv("EDGETRAIN_BROKER_ACCOUNTS", "~/record")
+    needs_url = r"^settings: broker_accounts: .*needs EDGETRAIN_BROKER_URL"
+    with pytest.raises(UserError, match=needs_url):
+        get_settings()
+    env.setenv("EDGETRAIN_BROKER_URL", "mqtts://127.0.0.1:8883")
+    no_record = rf"^settings: broker_accounts: no accounts.json in {record}$"
+    with pytest.raises(UserError, match=no_record):
+        get_settings()
+    (record / "accounts.json").write_text("{}")
+    assert get_settings().broker_accounts == record
