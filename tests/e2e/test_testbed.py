@@ -4,19 +4,24 @@ The kernel-method tests need root, cgroup cpu and memory controllers, ``ip netns
 and ``tc tbf``; they are skipped with the reason ``detect`` gives otherwise. Every
 test downs its testbed in a fixture, so nothing is left behind even when it fails,
 and then checks that nothing was. The jobs that run are 3-stage pipelines: an
-explicit plan on the kernel testbed, ``stages=3`` through the coordinator.
+explicit plan on the kernel testbed, ``stages=3`` through the coordinator. The
+testbed's broker is secure by default: TLS, no anonymous client, an account per
+agent (credentials files of mode 0600), and rights that follow the job's plan.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
+import stat
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -24,15 +29,20 @@ import torch
 from support.markers import needs_mosquitto
 from support.waiting import until
 
+from coordinator.access.dynsec import DynSec
 from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobSpec
 from coordinator.planner.score import Plan
 from coordinator.testbed import limits, netns
 from coordinator.testbed.state import State, find_marked, proc_alive
 from coordinator.testbed.testbed import Testbed, down
+from edge.errors import UserError
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec
+from edge.transport.credentials import Credentials
 from edge.transport.mqtt import MqttSettings, MqttTransport
+from edge.wire.messages import DeviceStatus, Throttle
+from edge.wire.topics import TOPIC_ROOT, device_cmd, device_status, stage_topic
 
 pytestmark = [
     pytest.mark.slow,
@@ -81,7 +91,7 @@ def device(id: str, gflops: float, mbps: float = 500.0, latency_ms: float = 2.0)
     )
 
 
-def linear_macs(model: str, options: dict[str, int], start: int, end: int) -> int:
+def linear_macs(model: str, options: dict[str, Any], start: int, end: int) -> int:
     """Multiply-accumulates per sample of the linear layers in units ``[start, end)``."""
     segment = get_model(model, **options).build_segment(start, end)
     return sum(
@@ -89,10 +99,54 @@ def linear_macs(model: str, options: dict[str, int], start: int, end: int) -> in
     )
 
 
-def control_for(url: str) -> MqttTransport:
-    control = MqttTransport(MqttSettings(url=url))
+def control_for(login: MqttSettings) -> MqttTransport:
+    control = MqttTransport(login)
     control.connect(timeout=10)
     return control
+
+
+MARK = "MALLORY-5c1d"  # in every payload the intruder publishes
+
+
+def assert_only_the_plan_gets_through(bed: Testbed, api: httpx.Client, job: str) -> None:
+    """Anonymous clients are refused; a device enrolled through the coordinator's API but
+    holding no stage ("mallory") cannot command a device of the job nor feed its stages:
+    a spy on the coordinator's account, which may read everything, receives only what
+    mallory may send (its own status); the agents' rights for the job were taken back."""
+    login = bed.login()
+    anonymous = MqttTransport(MqttSettings(url=bed.broker_url, tls_ca_pem=login.tls_ca_pem))
+    with pytest.raises(UserError, match="refused the connection"):
+        anonymous.connect(timeout=10)
+    enrolled = api.post("/api/v1/devices/enroll", json={"device_id": "mallory"})
+    assert enrolled.status_code == 201, enrolled.text
+    creds = Credentials(**enrolled.json())
+    assert creds.broker == bed.broker_url
+    spy = control_for(login)
+    got: queue.Queue[tuple[str, bytes]] = queue.Queue()
+    spy.subscribe(f"{TOPIC_ROOT}/#", lambda topic, payload: got.put((topic, payload)))
+    mallory = control_for(creds.settings())
+    try:
+        throttle = Throttle(slowdown=999.0).model_dump_json()
+        mallory.publish(device_cmd("a"), throttle.replace("}", f',"x":"{MARK}"}}'))
+        mallory.publish(stage_topic(job, 1, "fwd"), MARK.encode())
+        mallory.publish(stage_topic(job, 0, "bwd"), MARK.encode())
+        own = DeviceStatus(device="mallory", state="online", version=MARK)
+        mallory.publish(device_status("mallory"), own.model_dump_json())
+        seen: list[str] = []
+        deadline = time.monotonic() + 10
+        while device_status("mallory") not in seen:  # after the others: they are in order
+            topic, payload = got.get(timeout=max(0.01, deadline - time.monotonic()))
+            if MARK.encode() in payload:
+                seen.append(topic)
+        assert seen == [device_status("mallory")]
+        dynsec = DynSec(spy)
+        for device in ("a", "b", "c"):
+            role = dynsec.call({"command": "getRole", "rolename": f"device-{device}"})[0]
+            topics = [acl["topic"] for acl in role["data"]["role"]["acls"]]
+            assert not [t for t in topics if f"/{job}/" in t], (device, topics)
+    finally:
+        mallory.close()
+        spy.close()
 
 
 @pytest.mark.serial  # compares the agents' measured compute times
@@ -116,9 +170,11 @@ def test_kernel_testbed_slows_each_agent_to_its_profile(
         cpu = Path(state.devices[2]["cgroups"][0])
         quota = int((cpu / "cpu.cfs_quota_us").read_text())
         assert quota / int((cpu / "cpu.cfs_period_us").read_text()) == 0.25
-        control = control_for(bed.broker_url)
+        control = control_for(bed.login())
         try:
-            result = run_on_agents(spec, plan, control, timeout_s=180)
+            accounts = bed.accounts(control)
+            assert accounts is not None  # a secure broker: stages get their topics by grant
+            result = run_on_agents(spec, plan, control, timeout_s=180, access=accounts)
         finally:
             control.close()
     assert leftovers(state) == []
@@ -225,6 +281,10 @@ def test_software_method_trains_through_the_coordinator(state_dir: Path) -> None
         assert argv[argv.index("--link-mbps") + 1] == "100"
         assert argv[argv.index("--link-latency-ms") + 1] == "5"
         assert float(argv[argv.index("--slowdown") + 1]) > 1
+        credentials = state_dir / "credentials" / "b.json"
+        assert argv[argv.index("--credentials") + 1] == str(credentials)
+        assert "--insecure" not in argv
+        assert stat.S_IMODE(credentials.stat().st_mode) == 0o600
         assert bed.coordinator_url is not None
         with httpx.Client(base_url=bed.coordinator_url, timeout=30) as api:
             body = {
@@ -251,4 +311,6 @@ def test_software_method_trains_through_the_coordinator(state_dir: Path) -> None
         stages = record["plan"]["stages"]
         assert len(stages) == 3 and stages[0]["device"] == "a", stages
         assert {st["device"] for st in stages} == {"a", "b", "c"}
+        with httpx.Client(base_url=bed.coordinator_url, timeout=30) as api:
+            assert_only_the_plan_gets_through(bed, api, job)
     assert leftovers(state) == []
