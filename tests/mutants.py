@@ -216,6 +216,14 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        name="testbed-broker-anonymous",
+        what="testbed up starts its broker anonymous and its agents with --insecure",
+        path="coordinator/testbed/access.py",
+        old="    if find_mosquitto() is not None:\n        return True\n",
+        new="    if False:\n        return True\n",
+        tests=("tests/e2e/test_testbed.py::test_software_method_trains_through_the_coordinator",),
+    ),
+    Mutant(
         name="shape-check-skipped",
         what="an inbox keeps a frame whatever shape and dtype its stage's plan implies",
         path="edge/transport/base.py",
