@@ -9,8 +9,10 @@
 # 2. Says in one line which shaping is in force.
 # 3. Writes EDGETRAIN_PROFILE_JSON (a DeviceSpec) to a file the agent announces
 #    (--profile), when set.
-# 4. Drops root (every capability, no_new_privs) and execs `edgetrain agent` with
-#    its own arguments followed by the ones above.
+# 4. As root, copies the secrets compose mounted (this agent's credentials) for the
+#    user edgetrain (edgetrain-install-secrets: to /run/edgetrain), then drops root
+#    (every capability, no_new_privs) and execs `edgetrain agent` with its own
+#    arguments followed by the ones above.
 #
 # The agent reads EDGETRAIN_<OPTION> for each of its options, EDGETRAIN_LINK_MBPS and
 # EDGETRAIN_LINK_LATENCY_MS among them; this script consumes those two and unsets
@@ -80,6 +82,7 @@ if [ -n "${EDGETRAIN_PROFILE_JSON:-}" ]; then
 fi
 
 if [ "$(id -u)" = 0 ]; then
+	edgetrain-install-secrets edgetrain
 	HOME=/home/edgetrain
 	export HOME
 	exec setpriv --reuid=edgetrain --regid=edgetrain --init-groups \
