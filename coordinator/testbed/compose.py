@@ -9,9 +9,17 @@ that the agent image's entry point hands to ``--profile``), and its link is
 shaped to the profile's bandwidth with ``tc tbf`` (``cap_add: NET_ADMIN``) or,
 without that capability, in software; latency is always added in software.
 
+The broker is secure by default: TLS on port 8883 only, the dynamic-security
+plugin's accounts, one per agent, and ACLs that the coordinator changes as its jobs'
+plans say (``EDGETRAIN_BROKER_ACCOUNTS``). Those secrets are not in the file: it
+mounts, read-only, each service's part of a secrets directory that
+:func:`coordinator.testbed.compose_secrets.write_secrets` writes beside it
+(``./secrets`` by default), and each entry point copies its part for its own user.
+
 The file is compose format 2.4: the last format whose ``cpus`` and ``mem_limit``
 both docker-compose v1 (what CI validates with) and Docker Compose v2 accept.
-Rendering is deterministic: the same fleet gives the same bytes.
+Rendering is deterministic: the same fleet gives the same bytes (the secrets, new
+for each render, live only in the secrets directory).
 """
 
 from __future__ import annotations
@@ -29,8 +37,15 @@ from edge.problem import DeviceSpec
 __all__ = [
     "AGENT_IMAGE",
     "BROKER_IMAGE",
+    "BROKER_PORT",
+    "BROKER_SERVICE",
     "COORDINATOR_IMAGE",
     "DEFAULT_IMAGE_TAG",
+    "DEFAULT_SECRETS",
+    "HEALTH_USER",
+    "INSTALLED",
+    "MOUNTED",
+    "agent_dir",
     "render_compose",
 ]
 
@@ -40,27 +55,53 @@ AGENT_IMAGE = "edgetrain/agent"
 COORDINATOR_IMAGE = "edgetrain/coordinator"
 DEFAULT_IMAGE_TAG = "latest"
 """Tag of the two edgetrain images (built from ``docker/Dockerfile``)."""
+DEFAULT_SECRETS = "./secrets"
+"""The secrets directory, as the file names it: beside the file."""
 
 CPUS_DECIMALS = 4
 """``cpus`` is rounded to this many decimals: within 0.1% of the local testbed's quota."""
 
 BROKER_SERVICE = "mosquitto"
+BROKER_PORT = 8883
+"""The broker's TLS listener, in its container."""
+MOUNTED = "/run/secrets/edgetrain"
+"""Where a service finds its part of the secrets (read-only, owned by whoever rendered them)."""
+INSTALLED = "/run/edgetrain"
+"""Where its entry point copies them for the user the service runs as."""
+HEALTH_USER = "edgetrain-health"
+"""The account of the broker's health check: it may read ``$SYS/broker/uptime``, no more."""
 NETWORK = "fleet"
 AGENT_DATA_DIR = "/var/lib/edgetrain/agent"
 COORDINATOR_DATA_DIR = "/var/lib/edgetrain/coordinator"
 
-# The testbed's broker: one plain listener, anonymous clients allowed. It is only
-# reachable from the fleet's network and from this host's loopback (see ports).
-BROKER_CONFIG = "listener 1883\nallow_anonymous true\n"
-BROKER_CONFIG_PATH = "/mosquitto/config/testbed.conf"
-_BROKER_CONFIG_ESCAPED = BROKER_CONFIG.replace("\n", "\\n")  # for printf in the broker's sh
+# The broker's image runs as root and Mosquitto drops to its own user, which cannot read
+# the mounted secrets (the renderer's, 0600): they are copied for it first.
+BROKER_START = (
+    f"test -f {MOUNTED}/mosquitto.conf || {{ echo 'no broker secrets in {MOUNTED}: "
+    "make them with edgetrain testbed compose' >&2; exit 2; }; "
+    f"rm -rf {INSTALLED} && mkdir -p {INSTALLED} && cp -R {MOUNTED}/. {INSTALLED}/ "
+    f"&& chown -R mosquitto:mosquitto {INSTALLED} && chmod -R go= {INSTALLED} "
+    f"&& exec mosquitto -c {INSTALLED}/mosquitto.conf"
+)
+# Healthy once the broker serves a TLS login: the health check's account may read
+# $SYS/broker/uptime and nothing else ($$: a $ that compose leaves alone).
+BROKER_HEALTH = (
+    f"mosquitto_sub -h localhost -p {BROKER_PORT} --cafile {INSTALLED}/ca.pem "
+    f'-u {HEALTH_USER} -P "$$(cat {INSTALLED}/health.password)" '
+    "-t '$$SYS/broker/uptime' -C 1 -W 3"
+)
 
 # A compose service name (and container hostname): lowercase letters, digits, - _ .
 _SERVICE_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]*$")
 
 
+def agent_dir(device: str) -> str:
+    """``device``'s agent: its service, and its part of the secrets directory."""
+    return f"agent-{device}"
+
+
 def _service_name(device_id: str) -> str:
-    name = f"agent-{device_id}"
+    name = agent_dir(device_id)
     if not _SERVICE_NAME.match(name):
         raise UserError(
             f"device {device_id!r}: not usable as a compose service name "
@@ -103,21 +144,20 @@ def _number(value: float) -> str:
     return f"{value:.6f}".rstrip("0").rstrip(".")
 
 
-def _agent(e: EmulatedDevice, image: str, context: str | None) -> dict[str, Any]:
+def _agent(e: EmulatedDevice, image: str, context: str | None, secrets: str) -> dict[str, Any]:
     return {
         "image": image,
         **_build(context, "agent"),
         "hostname": e.id,
         "command": [
-            "--broker",
-            f"mqtt://{BROKER_SERVICE}:1883",
+            "--credentials",
+            f"{INSTALLED}/credentials.json",
             "--device-id",
             e.id,
             "--threads",
             str(e.threads),
             "--data-dir",
             AGENT_DATA_DIR,
-            "--insecure",  # the broker lets anonymous clients in (see the header)
         ],
         "environment": {
             "EDGETRAIN_PROFILE_JSON": _announced(e),
@@ -128,20 +168,25 @@ def _agent(e: EmulatedDevice, image: str, context: str | None) -> dict[str, Any]
         "mem_limit": e.memory_bytes,
         "memswap_limit": e.memory_bytes,  # no swap beyond the device's memory
         "cap_add": ["NET_ADMIN"],  # for tc in the entry point only; the agent drops it
+        "volumes": [f"{secrets}/{agent_dir(e.id)}:{MOUNTED}:ro"],
         "depends_on": {BROKER_SERVICE: {"condition": "service_healthy"}},
         "networks": [NETWORK],
         "restart": "unless-stopped",
     }
 
 
-def _header(devices: list[EmulatedDevice], generated_by: str | None) -> str:
+def _header(devices: list[EmulatedDevice], generated_by: str | None, secrets: str) -> str:
     lines = [
         "# An emulated fleet for Docker: a Mosquitto broker, the edgetrain coordinator and one",
         "# agent per device, each limited to its device's share of the host's CPUs and to its",
         "# memory, its link shaped to the device's bandwidth and latency.",
         f"# Generated by: {generated_by or 'coordinator.testbed.compose.render_compose'}",
         "# Do not edit by hand: generate it again. Broker and API listen on this host's",
-        "# loopback only; the broker lets anonymous clients in (a testbed, not a deployment).",
+        "# loopback only. The broker takes TLS logins only: an account per agent, rights",
+        "# that follow the coordinator's plans. Their secrets are not in this file: the",
+        f"# command that generates it writes them to {secrets}"
+        + (" (relative to this file)," if not secrets.startswith("/") else ","),
+        "# new each time; never commit them.",
         "#",
         "# device                     cpus   memory (MiB)   link",
     ]
@@ -156,10 +201,11 @@ def render_compose(
     devices: list[EmulatedDevice],
     *,
     image_tag: str = DEFAULT_IMAGE_TAG,
-    broker_port: int = 1883,
+    broker_port: int = 8883,
     coordinator_port: int = 8000,
     build_context: str | None = None,
     generated_by: str | None = None,
+    secrets: str = DEFAULT_SECRETS,
 ) -> str:
     """The compose file (YAML text) for ``devices``, as :func:`emulate` maps them.
 
@@ -168,7 +214,9 @@ def render_compose(
     repository root, relative to the compose file) the edgetrain services build
     their images from ``docker/Dockerfile``; without it the images
     ``edgetrain/agent:TAG`` and ``edgetrain/coordinator:TAG`` must exist.
-    ``generated_by`` is the command line named in the header comment.
+    ``generated_by`` is the command line named in the header comment. ``secrets`` is
+    the secrets directory (:mod:`coordinator.testbed.compose_secrets`) as the file names
+    it: relative to the file's directory, or absolute.
     Raises :class:`UserError` for an empty fleet, repeated device ids, an id that
     cannot name a service, a bad port or tag.
     """
@@ -184,20 +232,18 @@ def render_compose(
     _port("--coordinator-port", coordinator_port)
     if broker_port == coordinator_port:
         raise UserError(f"the broker and the coordinator cannot share host port {broker_port}")
+    if not secrets or any(c in secrets for c in ":$\n"):
+        raise UserError(f"--secrets-dir {secrets!r}: a path without ':', '$' or line breaks")
 
-    broker_url = f"mqtt://{BROKER_SERVICE}:1883"
+    broker_url = f"mqtts://{BROKER_SERVICE}:{BROKER_PORT}"
     services: dict[str, Any] = {
         BROKER_SERVICE: {
             "image": BROKER_IMAGE,
-            "command": [
-                "sh",
-                "-c",
-                f"printf '{_BROKER_CONFIG_ESCAPED}' > {BROKER_CONFIG_PATH}"
-                f" && exec mosquitto -c {BROKER_CONFIG_PATH}",
-            ],
-            "ports": [f"127.0.0.1:{broker_port}:1883"],
+            "command": ["sh", "-c", BROKER_START],
+            "ports": [f"127.0.0.1:{broker_port}:{BROKER_PORT}"],
+            "volumes": [f"{secrets}/broker:{MOUNTED}:ro"],
             "healthcheck": {
-                "test": ["CMD", "mosquitto_sub", "-t", "$$SYS/broker/uptime", "-C", "1", "-W", "3"],
+                "test": ["CMD-SHELL", BROKER_HEALTH],
                 "interval": "2s",
                 "timeout": "5s",
                 "retries": 15,
@@ -208,19 +254,17 @@ def render_compose(
         "coordinator": {
             "image": f"{COORDINATOR_IMAGE}:{image_tag}",
             **_build(build_context, "coordinator"),
-            "command": [
-                "--host",
-                "0.0.0.0",
-                "--port",
-                "8000",
-                "--broker",
-                broker_url,
-                "--data-dir",
-                COORDINATOR_DATA_DIR,
-            ],
-            "environment": {"EDGETRAIN_API_TOKEN": "${EDGETRAIN_API_TOKEN:-}"},
+            "command": ["--host", "0.0.0.0", "--port", "8000", "--data-dir", COORDINATOR_DATA_DIR],
+            "environment": {
+                "EDGETRAIN_API_TOKEN": "${EDGETRAIN_API_TOKEN:-}",
+                "EDGETRAIN_BROKER_URL": broker_url,
+                "EDGETRAIN_BROKER_ACCOUNTS": INSTALLED,  # its part of the secrets
+            },
             "ports": [f"127.0.0.1:{coordinator_port}:8000"],
-            "volumes": [f"coordinator-data:{COORDINATOR_DATA_DIR}"],
+            "volumes": [
+                f"coordinator-data:{COORDINATOR_DATA_DIR}",
+                f"{secrets}/coordinator:{MOUNTED}:ro",
+            ],
             "depends_on": {BROKER_SERVICE: {"condition": "service_healthy"}},
             "networks": [NETWORK],
             "restart": "unless-stopped",
@@ -228,7 +272,7 @@ def render_compose(
     }
     agent_image = f"{AGENT_IMAGE}:{image_tag}"
     for e in devices:
-        services[_service_name(e.id)] = _agent(e, agent_image, build_context)
+        services[_service_name(e.id)] = _agent(e, agent_image, build_context, secrets)
 
     document = {
         "version": COMPOSE_VERSION,
@@ -237,4 +281,4 @@ def render_compose(
         "volumes": {"coordinator-data": {}},
     }
     body = yaml.safe_dump(document, sort_keys=False, default_flow_style=False, width=2**16)
-    return _header(devices, generated_by) + body
+    return _header(devices, generated_by, secrets) + body

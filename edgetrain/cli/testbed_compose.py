@@ -2,7 +2,10 @@
 
 The file is :func:`coordinator.testbed.compose.render_compose` of the fleet that
 :func:`coordinator.testbed.sizing.emulate` maps onto the Docker host, so its CPU
-and memory limits are the local testbed's. Nothing here imports FastAPI.
+and memory limits are the local testbed's. Its broker's secrets (TLS files,
+accounts, each agent's credentials) are written anew beside it, to ``secrets/``
+or ``--secrets-dir`` (:func:`coordinator.testbed.compose_secrets.write_secrets`),
+and the file names that directory relative to itself. Nothing here imports FastAPI.
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from pathlib import Path
 import typer
 
 from coordinator.planner.build import parse_fleet
-from coordinator.testbed.compose import DEFAULT_IMAGE_TAG, render_compose
+from coordinator.testbed.compose import BROKER_SERVICE, DEFAULT_IMAGE_TAG, render_compose
 from coordinator.testbed.sizing import emulate
-from edge.errors import UserError
+from edge.errors import UserError, needs_coordinator_extras
 
 __all__ = ["compose_command"]
 
@@ -29,6 +32,7 @@ def _command_line(
     context: str | None,
     broker_port: int,
     coordinator_port: int,
+    secrets_dir: Path | None,
 ) -> str:
     """The command that regenerates the file, with the host's core count made explicit."""
     args = ["edgetrain", "testbed", "compose", "--devices", devices]
@@ -39,11 +43,21 @@ def _command_line(
         args += ["--image-tag", image_tag]
     if context is not None:
         args += ["--context", context]
-    if broker_port != 1883:
+    if broker_port != 8883:
         args += ["--broker-port", str(broker_port)]
     if coordinator_port != 8000:
         args += ["--coordinator-port", str(coordinator_port)]
+    if secrets_dir is not None:
+        args += ["--secrets-dir", str(secrets_dir)]
     return shlex.join(args)
+
+
+def _named_from(secrets: Path, base: Path) -> str:
+    """``secrets`` as the compose file in ``base`` names it: relative when inside ``base``."""
+    full, base = secrets.absolute(), base.absolute()
+    if full.is_relative_to(base):
+        return "./" + full.relative_to(base).as_posix() if full != base else "."
+    return full.as_posix()
 
 
 DEVICES_OPTION = typer.Option(
@@ -76,7 +90,11 @@ def compose_command(
         "without it they must already exist.",
     ),
     broker_port: int = typer.Option(
-        1883, "--broker-port", min=1, max=65535, help="Host port (on 127.0.0.1) for the broker."
+        8883,
+        "--broker-port",
+        min=1,
+        max=65535,
+        help="Host port (on 127.0.0.1) for the broker's TLS listener.",
     ),
     coordinator_port: int = typer.Option(
         8000,
@@ -88,17 +106,28 @@ def compose_command(
     output: Path | None = typer.Option(
         None, "--output", "-o", help="Write the file here instead of standard output."
     ),
+    secrets_dir: Path | None = typer.Option(
+        None,
+        "--secrets-dir",
+        help="Where to write the broker's secrets: TLS files, accounts, each agent's "
+        "credentials, new each time (default: secrets/ beside --output, else in the "
+        "current directory). Never commit them.",
+    ),
 ) -> None:
     """Print a docker-compose file for an emulated fleet: broker, coordinator, one agent each.
 
     Every agent is limited to its device's share of the host's CPUs (cpus) and to
     its memory (mem_limit); its link is shaped to the device's bandwidth (tc, with
-    NET_ADMIN) and latency. Run it with: docker compose up --build.
+    NET_ADMIN) and latency. The broker takes TLS logins only, one account per
+    agent; their secrets go to a directory beside the file, which it mounts. Run it
+    with: docker compose up --build.
     """
     host_cpus = float(cpus if cpus is not None else os.cpu_count() or 1)
     if not host_cpus > 0:
         raise UserError(f"--cpus must be positive (got {cpus:g})")
     fleet = emulate(parse_fleet(devices), scale, cpus=host_cpus)
+    base = output.parent if output is not None else Path()
+    secrets = secrets_dir if secrets_dir is not None else base / "secrets"
     text = render_compose(
         fleet,
         image_tag=image_tag,
@@ -106,9 +135,21 @@ def compose_command(
         coordinator_port=coordinator_port,
         build_context=context,
         generated_by=_command_line(
-            devices, scale, host_cpus, image_tag, context, broker_port, coordinator_port
+            devices,
+            scale,
+            host_cpus,
+            image_tag,
+            context,
+            broker_port,
+            coordinator_port,
+            secrets_dir,
         ),
+        secrets=_named_from(secrets, base),
     )
+    with needs_coordinator_extras("edgetrain testbed compose (its broker's certificate)"):
+        from coordinator.testbed.compose_secrets import write_secrets
+    write_secrets(fleet, secrets, BROKER_SERVICE)
+    typer.echo(f"broker secrets (never commit them): {secrets}", err=True)
     if output is None:
         typer.echo(text, nl=False)
         return

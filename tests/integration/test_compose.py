@@ -3,7 +3,9 @@
 No Docker engine runs here: ``docker-compose config`` (Debian's v1.29, installed
 by ``make system-deps``) validates a file against the compose schema, resolves
 it and prints it back, without contacting an engine. The printed file is read
-back to check what docker-compose made of each agent's limits.
+back to check what docker-compose made of each agent's limits, and which secrets it
+mounts where (the broker's part, the coordinator's accounts record, each agent's
+credentials: the secrets directory beside the file).
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def validate(path: Path) -> dict[str, Any]:
     return doc
 
 
-def check_fleet(doc: dict[str, Any], devices: list[EmulatedDevice]) -> None:
+def check_fleet(doc: dict[str, Any], devices: list[EmulatedDevice], secrets: Path) -> None:
+    """The limits of each agent, and every service's part of the ``secrets`` directory."""
     services = doc["services"]
     agents = {f"agent-{e.id}": e for e in devices}
     assert set(services) == {"mosquitto", "coordinator", *agents}
@@ -70,14 +73,25 @@ def check_fleet(doc: dict[str, Any], devices: list[EmulatedDevice]) -> None:
         assert int(agent["memswap_limit"]) == e.memory_bytes
         assert agent["cap_add"] == ["NET_ADMIN"]
         assert agent["environment"]["EDGETRAIN_LINK_MBPS"] == f"{e.bandwidth_mbps:g}"
+        assert agent["volumes"] == [f"{secrets / name}:/run/secrets/edgetrain:ro"]
+        assert "--insecure" not in agent["command"]
     assert services["coordinator"]["ports"] == ["127.0.0.1:8000:8000/tcp"]
-    assert services["mosquitto"]["ports"] == ["127.0.0.1:1883:1883/tcp"]
-    assert services["coordinator"]["environment"]["EDGETRAIN_API_TOKEN"] == ""
+    assert services["mosquitto"]["ports"] == ["127.0.0.1:8883:8883/tcp"]
+    assert services["mosquitto"]["volumes"] == [f"{secrets / 'broker'}:/run/secrets/edgetrain:ro"]
+    coordinator = services["coordinator"]
+    assert coordinator["environment"] == {
+        "EDGETRAIN_API_TOKEN": "",
+        "EDGETRAIN_BROKER_URL": "mqtts://mosquitto:8883",
+        "EDGETRAIN_BROKER_ACCOUNTS": "/run/edgetrain",
+    }
+    assert f"{secrets / 'coordinator'}:/run/secrets/edgetrain:ro" in coordinator["volumes"]
 
 
 def test_shipped_compose_file_validates() -> None:
     doc = validate(SHIPPED)
-    check_fleet(doc, emulate(parse_fleet("rpi4-4gb:2,jetson-nano,laptop"), cpus=4))
+    # Its secrets: docker/secrets, which the command that generates it writes (not in git).
+    devices = emulate(parse_fleet("rpi4-4gb:2,jetson-nano,laptop"), cpus=4)
+    check_fleet(doc, devices, SHIPPED.parent / "secrets")
     # The images build from the repository root, relative to docker/.
     build = doc["services"]["agent-jetson-nano"]["build"]
     assert Path(build["context"]) == ROOT
@@ -99,7 +113,9 @@ def test_generated_five_device_fleet_validates(tmp_path: Path) -> None:
     devices = emulate(parse_fleet(fleet), 4, cpus=16)
     assert len(devices) == 5
     doc = validate(path)
-    check_fleet(doc, devices)
+    check_fleet(doc, devices, tmp_path / "secrets")
+    for e in devices:  # written beside the file
+        assert (tmp_path / "secrets" / f"agent-{e.id}" / "credentials.json").is_file()
     assert "build" not in doc["services"]["coordinator"]  # no --context: prebuilt images
 
 

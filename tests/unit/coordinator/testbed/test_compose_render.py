@@ -31,6 +31,13 @@ SHIPPED_ARGS = ["--devices", "rpi4-4gb:2,jetson-nano,laptop", "--cpus", "4", "--
 FLEET = "rpi4-4gb:2,jetson-nano,laptop"
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command writes its broker's secrets beside its output, by default in the
+    current directory: here a temporary one, never the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
 def fleet(text: str = FLEET, cpus: float = 4) -> list[EmulatedDevice]:
     return emulate(parse_fleet(text), cpus=cpus)
 
@@ -68,6 +75,10 @@ def test_agents_get_the_profiles_cpu_ratios_and_memory() -> None:
         assert agent["depends_on"] == {"mosquitto": {"condition": "service_healthy"}}
         command = agent["command"]
         assert command[command.index("--device-id") + 1] == e.id
+        # Its own account: the credentials its entry point copies from the mounted secrets.
+        assert command[command.index("--credentials") + 1] == "/run/edgetrain/credentials.json"
+        assert "--insecure" not in command and "--broker" not in command
+        assert agent["volumes"] == [f"./secrets/agent-{e.id}:/run/secrets/edgetrain:ro"]
         assert command[command.index("--threads") + 1] == str(e.threads)
         env = agent["environment"]
         assert float(env["EDGETRAIN_LINK_MBPS"]) == e.bandwidth_mbps
@@ -90,7 +101,7 @@ def test_ports_tag_and_build_context() -> None:
         fleet(), image_tag="v1", broker_port=11883, coordinator_port=18000, build_context="."
     )
     out = services(text)
-    assert out["mosquitto"]["ports"] == ["127.0.0.1:11883:1883"]
+    assert out["mosquitto"]["ports"] == ["127.0.0.1:11883:8883"]
     assert out["coordinator"]["ports"] == ["127.0.0.1:18000:8000"]
     assert out["coordinator"]["image"] == "edgetrain/coordinator:v1"
     assert out["coordinator"]["build"]["target"] == "coordinator"
