@@ -1,7 +1,8 @@
 """``edgetrain testbed``: an emulated fleet on this machine (up, status, down, compose).
 
-``up`` starts the broker, the coordinator and one agent per emulated device in
-the background and returns; ``status`` reports on them; ``down`` removes every
+``up`` starts the broker (TLS and an account per agent where Mosquitto is
+installed), the coordinator and one agent per emulated device in the background
+and returns; ``status`` reports on them; ``down`` removes every
 process, cgroup, namespace and veth ``up`` made, from the state directory alone
 (also after a crash). The work is done by :mod:`coordinator.testbed.testbed`.
 """
@@ -124,6 +125,11 @@ def up_command(
     typer.echo(f"limits: {bed.method_line}")
     typer.echo(f"this machine: {bed.core_gflops:.1f} GFLOP/s per core (fp32 matmul, 1 thread)")
     typer.echo(f"broker: {bed.broker_url}")
+    if bed.broker_url.startswith("mqtts://"):
+        typer.echo(
+            f"broker accounts: {bed.state_dir / 'broker'} (CA tls/ca.pem), agents' credentials "
+            f"in {bed.state_dir / 'credentials'}"
+        )
     where = f"--state-dir {bed.state_dir}"
     if bed.coordinator_url:
         typer.echo(f"coordinator: {bed.coordinator_url}  (dashboard {bed.coordinator_url}/)")

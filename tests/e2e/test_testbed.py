@@ -249,6 +249,7 @@ def test_down_after_killed_agents_and_proxy(state_dir: Path) -> None:
     )
     assert up.returncode == 0, up.stdout + up.stderr
     assert "limits: " in up.stdout and "testbed down" in up.stdout
+    assert f"broker accounts: {state_dir / 'broker'} (CA tls/ca.pem)" in up.stdout
     status = _cli("status", "--state-dir", str(state_dir), "--json")
     report = json.loads(status.stdout)
     assert status.returncode == 0 and report["up"], report
