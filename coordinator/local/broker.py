@@ -39,12 +39,14 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import psutil
 
-from coordinator.access.certs import BrokerTls
 from edge.errors import UserError, needs_coordinator_extras
+
+if TYPE_CHECKING:
+    from coordinator.access.certs import BrokerTls
 
 __all__ = [
     "HOST",

@@ -13,19 +13,19 @@ This module owns starting a broker together with its security, for
    rules change while the broker runs.
 
 :meth:`OwnedBroker.settings` gives every other connection of the coordinator the
-same login. Without Mosquitto (the embedded amqtt broker), or with
-``secure=False``, the broker is anonymous and plain: :attr:`OwnedBroker.accounts`
-is ``None``, and agents need ``--insecure``.
+same login. Without Mosquitto (the embedded amqtt broker), on a device install
+(no ``cryptography``), or with ``secure=False``, the broker is anonymous and
+plain: :attr:`OwnedBroker.accounts` is ``None``, and agents need ``--insecure``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.access.accounts import BrokerAccounts
-from coordinator.access.certs import broker_tls
 from coordinator.local.broker import (
     HOST,
     MAX_PACKET,
@@ -106,6 +106,13 @@ def start_owned_broker(
     start is a one-line :class:`~edge.errors.UserError`.
     """
     bind = bind or ("0.0.0.0" if hosts else HOST)
+    if secure and importlib.util.find_spec("cryptography") is None:  # a device install
+        log.warning(
+            "no TLS for the broker: it needs the cryptography package (pip install "
+            "'edgetrain[coordinator]'); the broker is anonymous, anyone who can reach it can "
+            "drive its agents"
+        )
+        secure = False
     if secure and (prefer == "amqtt" or (prefer == "auto" and find_mosquitto() is None)):
         log.warning(
             "the embedded amqtt broker is anonymous and plain: anyone who can reach it can "
@@ -114,6 +121,8 @@ def start_owned_broker(
         secure = False
     if not secure:
         return OwnedBroker(_start(prefer, port, log_dir, None, bind, max_packet), None, None)
+    from coordinator.access.certs import broker_tls
+
     tls = broker_tls(directory / "tls", hosts, own_tls)
     accounts = BrokerAccounts(directory, "", tls.ca_pem)
     security = BrokerSecurity(tls, accounts.plugin_config())
