@@ -226,6 +226,18 @@ MUTANTS = [
             "tests/unit/edge/transport/test_inbox.py",
         ),
     ),
+    # The REST API's hardening.
+    Mutant(
+        name="chunked-body-unbounded",
+        what="a request body without Content-Length (chunked) is read whole, past the limit",
+        path="coordinator/service/body_limit.py",
+        old="                if received > self.max_bytes:\n",
+        new="                if received > self.max_bytes and declared is not None:\n",
+        tests=(
+            "tests/unit/coordinator/service/test_body_limit.py",
+            "tests/unit/coordinator/service/test_app.py::test_a_body_over_max_body_bytes_is_a_413",
+        ),
+    ),
 ]
 
 
