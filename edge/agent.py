@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Literal
 
 from edge.errors import UserError
+from edge.files import write_atomic
 from edge.logs import bind
 from edge.problem import DeviceSpec
 from edge.runtime.checkpoint import ReplicaKeeper
@@ -446,9 +447,7 @@ class Agent:
             steps = rt.run()
             if not rt.cancelled:
                 weights = rt.weights()
-                out = self.data_dir / a.job
-                out.mkdir(parents=True, exist_ok=True)
-                (out / f"stage{a.stage}.safetensors").write_bytes(weights)
+                write_atomic(self.data_dir / a.job / f"stage{a.stage}.safetensors", weights)
                 self.transport.publish(job_weights(a.job, a.stage), weights, 1)
                 self._event(StageDone(job=a.job, stage=a.stage, device=self.device_id, steps=steps))
                 bind(log, job=a.job, stage=a.stage).info(

@@ -50,9 +50,9 @@ from coordinator.planner.simulator import simulate
 from coordinator.service.events import EventBus
 from coordinator.service.registry import DeviceRegistry
 from edge.errors import UserError
+from edge.files import write_atomic
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec
-from edge.runtime.checkpoint import write_atomically
 from edge.transport.mqtt import MqttTransport
 from edge.wire.messages import CancelJob, StepReport
 from edge.wire.topics import device_cmd
@@ -279,9 +279,7 @@ class JobManager:
         except JobFailed as exc:
             self._finish(job, "failed", str(exc), finished=time.time())
             return
-        path = self.store.model_path(job)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(result.weights_bytes())
+        write_atomic(self.store.model_path(job), result.weights_bytes())
         self._finish(
             job, "completed", None, finished=time.time(), samples_per_s=result.samples_per_s
         )
@@ -317,7 +315,7 @@ class JobManager:
                 self._attempt[job], self._running[job] = attempt, devices
             attempts.append({"job": attempt, "devices": devices})
             folder.mkdir(parents=True, exist_ok=True)
-            write_atomically(attempts_file, json.dumps(attempts).encode())
+            write_atomic(attempts_file, json.dumps(attempts).encode())
             detail = {"attempt": attempt, "devices": devices, "first_step": first}
             self.store.add_job_event(job, "attempt", detail)
 
