@@ -40,7 +40,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -53,7 +53,7 @@ from edge.runtime.stage import Replicator, StageRuntime
 from edge.server.groups import join_group, leave_group
 from edge.transport.base import Transport
 from edge.transport.mqtt import MqttTransport
-from edge.transport.settings import MqttSettings
+from edge.transport.settings import MqttSettings, parse_broker_url
 from edge.wire.messages import (
     CancelJob,
     DeviceStatus,
@@ -105,6 +105,7 @@ class Agent:
         version: str = "",
         slowdown: float = 1.0,
         torch_device: str = "cpu",
+        store_hosts: Sequence[str] = (),
     ) -> None:
         self.device_id = device_id
         self.torch_device = torch_device
@@ -125,6 +126,8 @@ class Agent:
         self._incoming_lock = threading.Lock()
         self._watching: str | None = None  # the neighbour replica topic subscribed to
         self.replicas = ReplicaKeeper(data_dir)
+        self.store_hosts = (parse_broker_url(settings.url)[1], *store_hosts)
+        """Where a server-tier stage may find its rendezvous store, beside loopback."""
         self.bad_replicas = 0
         self.transport = MqttTransport(
             settings.model_copy(update={"client_id": settings.client_id or f"agent-{device_id}"})
@@ -310,7 +313,7 @@ class Agent:
         replicate = self._replicator(a) if a.replicate_every else None
         transport: Transport = self.transport
         if a.dist is not None:  # blocks until every rank of the group has joined
-            transport = join_group(a, self.transport)
+            transport = join_group(a, self.transport, self.store_hosts)
         try:
             rt = StageRuntime(
                 a,

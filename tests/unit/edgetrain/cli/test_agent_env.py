@@ -39,6 +39,7 @@ ENV = {
     "EDGETRAIN_DEVICE": "cuda:1",
     "EDGETRAIN_PRECISION": "bf16",
     "EDGETRAIN_SERVER": "1",
+    "EDGETRAIN_STORE_HOST": "10.0.0.5 gpu-box.lan",  # repeatable: separated by spaces
 }
 PARSED: dict[str, Any] = {
     "broker": "mqtt://broker.lan:1884",
@@ -58,6 +59,7 @@ PARSED: dict[str, Any] = {
     "device": "cuda:1",
     "precision": "bf16",
     "server": True,
+    "store_host": ["10.0.0.5", "gpu-box.lan"],
 }
 
 
@@ -113,3 +115,14 @@ def test_a_value_from_the_environment_is_checked_as_a_flags_is(env: pytest.Monke
     done = runner.invoke(app, ["agent", "--link-latency-ms", "0"])
     assert isinstance(done.exception, UserError)
     assert done.exception.message == "--device-id: 'pi/7' must be non-empty without / + #"
+
+
+def test_a_store_host_is_an_address_or_a_name(env: pytest.MonkeyPatch) -> None:
+    runner = CliRunner()
+    base = ["agent", "--broker", "mqtt://127.0.0.1:9", "--store-host", "[fd00::5]"]
+    for bad in ("gpu box", "-x", "10.0.0.5:29500", ""):
+        done = runner.invoke(app, [*base, "--store-host", bad])
+        assert isinstance(done.exception, UserError), done.output
+        assert (
+            done.exception.message == f"--store-host: {bad!r} is not an IP address or a host name"
+        )
