@@ -14,7 +14,10 @@ Lifecycle:
    topic and, at the end, the stage's weights (safetensors) and ``done``;
    ``cancel`` stops it. A command that cannot be parsed is logged and counted,
    never fatal. One job at a time: an assignment for another job while busy is
-   answered with ``failed`` (reason ``busy``).
+   answered with ``failed`` (reason ``busy``). An assignment naming a user model or
+   dataset (``package.module:function``) outside ``allow_code`` is answered with
+   ``failed`` before anything is imported ([Note: user code on devices] in
+   :mod:`edge.models.user_code`).
 4. SIGTERM (or :meth:`Agent.stop`) cancels the running stage, publishes
    ``offline`` and disconnects.
 
@@ -47,11 +50,13 @@ from typing import Literal
 from edge.errors import UserError
 from edge.files import write_atomic
 from edge.logs import bind
+from edge.models.user_code import ZOO_ONLY, CodeAllowance
 from edge.problem import DeviceSpec
 from edge.runtime.checkpoint import ReplicaKeeper
 from edge.runtime.stage import Replicator, StageRuntime
 from edge.server.groups import join_group, leave_group
 from edge.transport.base import Transport
+from edge.transport.credentials import device_client_id
 from edge.transport.mqtt import MqttTransport
 from edge.transport.settings import MqttSettings, parse_broker_url
 from edge.wire.messages import (
@@ -105,9 +110,12 @@ class Agent:
         version: str = "",
         slowdown: float = 1.0,
         torch_device: str = "cpu",
+        allow_code: CodeAllowance = ZOO_ONLY,
         store_hosts: Sequence[str] = (),
     ) -> None:
         self.device_id = device_id
+        self.allow_code = allow_code
+        """The user code its assignments may name ([Note: user code on devices])."""
         self.torch_device = torch_device
         self.slowdown = slowdown
         self.data_dir = data_dir
@@ -130,7 +138,9 @@ class Agent:
         """Where a server-tier stage may find its rendezvous store, beside loopback."""
         self.bad_replicas = 0
         self.transport = MqttTransport(
-            settings.model_copy(update={"client_id": settings.client_id or f"agent-{device_id}"})
+            settings.model_copy(
+                update={"client_id": settings.client_id or device_client_id(device_id)}
+            )
         )
         offline = DeviceStatus(device=device_id, state="offline", version=version)
         self.transport.will_set(device_status(device_id), offline.model_dump_json(), 1, True)
@@ -180,7 +190,7 @@ class Agent:
             return 0
         self.transport.subscribe(device_cmd(self.device_id), self._on_command)
         self._announce()
-        log.info("agent online on %s", self.transport.url)
+        log.info("agent online on %s; it runs %s", self.transport.url, self.allow_code.describe())
         if self.transport.link is not None:
             log.info("emulating a link of %s for stage frames", self.transport.link.describe())
         worker = threading.Thread(target=self._work, name="agent-worker", daemon=True)
@@ -263,7 +273,10 @@ class Agent:
             except _Cancelled as exc:
                 log.info("%s", exc, extra={"job": getattr(cmd, "job", None)})
             except Exception as exc:  # a command must never kill the daemon
-                log.exception("command %s failed", type(cmd).__name__)
+                if isinstance(exc, UserError):  # bad input, e.g. code not allowed: no traceback
+                    log.warning("command %s failed: %s", type(cmd).__name__, exc)
+                else:
+                    log.exception("command %s failed", type(cmd).__name__)
                 if isinstance(cmd, str):
                     continue
                 job = getattr(cmd, "job", "unknown")
@@ -287,7 +300,9 @@ class Agent:
                 event.wait_s,
             )
         try:
-            self.transport.publish(job_events(event.job), event.model_dump_json(), 1)
+            self.transport.publish(
+                job_events(event.job, self.device_id), event.model_dump_json(), 1
+            )
         except ConnectionError as exc:
             log.warning("could not report %s: %s", event.type, exc, extra={"job": event.job})
 
@@ -323,6 +338,7 @@ class Agent:
                 slowdown=self.slowdown,
                 replicate=replicate,
                 torch_device=self.torch_device,
+                allow_code=self.allow_code,
             )
         except BaseException:
             if a.dist is not None:

@@ -163,6 +163,58 @@ MUTANTS = [
         new="if False:",
         tests=("tests/unit/coordinator/engine/test_watch.py",),
     ),
+    Mutant(
+        name="broker-default-allows-publish",
+        what="the broker's default ACL lets any account publish anywhere",
+        path="coordinator/access/dynsec.py",
+        old='"publishClientSend": False,',
+        new='"publishClientSend": True,',
+        tests=("tests/security/test_attacker.py",),
+    ),
+    Mutant(
+        name="monitor-trusts-payload",
+        what="an event counts if its payload names the stage's device, whoever sent it",
+        path="coordinator/engine/spec.py",
+        old="if sender != holder or event.device != holder:",
+        new="if event.device != holder:",
+        tests=("tests/unit/coordinator/engine/test_senders.py",),
+    ),
+    # Issue 15's own feature: an agent imports only the user code its owner allows.
+    Mutant(
+        name="allowance-accepts-any-module",
+        what="an agent's code allowance lets every module in, os included",
+        path="edge/models/user_code.py",
+        old='return any(module == p or module.startswith(p + ".") for p in self.prefixes)',
+        new="return True",
+        tests=(
+            "tests/unit/edge/models/test_user_code.py",
+            "tests/integration/test_agent_allow_code.py::"
+            "test_an_open_agent_refuses_code_it_was_not_allowed_and_keeps_serving",
+        ),
+    ),
+    Mutant(
+        name="allowance-ignores-dot-boundary",
+        what="an allowed prefix mypkg also lets in mypkgevil",
+        path="edge/models/user_code.py",
+        old='module.startswith(p + ".")',
+        new="module.startswith(p)",
+        tests=(
+            "tests/unit/edge/models/test_user_code.py::test_a_prefix_matches_at_dot_boundaries",
+            "tests/integration/test_agent_allow_code.py::"
+            "test_an_open_agent_refuses_code_it_was_not_allowed_and_keeps_serving",
+        ),
+    ),
+    Mutant(
+        name="agent-ignores-allowance",
+        what="an agent builds its stage with the default allowance (any code), not its own",
+        path="edge/agent.py",
+        old="                allow_code=self.allow_code,\n",
+        new="",
+        tests=(
+            "tests/integration/test_agent_allow_code.py::"
+            "test_an_open_agent_refuses_code_it_was_not_allowed_and_keeps_serving",
+        ),
+    ),
     # Issue 15: nothing torn, and agents that join only stores they accept.
     Mutant(
         name="agent-joins-any-store",

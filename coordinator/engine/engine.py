@@ -34,7 +34,7 @@ from coordinator.engine.rebalance import Rebalancer, replication_interval
 from coordinator.engine.replicas import ReplicaStore
 from coordinator.engine.resilient import ResilientResult, ResilientRun
 from coordinator.engine.runners import run_on_agents
-from coordinator.engine.spec import JobResult, JobSpec
+from coordinator.engine.spec import JobAccess, JobResult, JobSpec
 from coordinator.planner.build import build_problem
 from coordinator.planner.partition import JobPlan, plan_job
 from coordinator.planner.score import Plan
@@ -161,8 +161,11 @@ class JobEngine:
         heartbeat_timeout_s: float = 3.0,
         ready_timeout_s: float = 120.0,
         servers: Callable[[], dict[str, str]] | None = None,
+        access: JobAccess | None = None,
     ) -> None:
         self.control = control
+        self.access = access
+        """The broker's ACLs, when the coordinator manages its accounts: they follow each plan."""
         self.fleet = fleet
         self.actuator = actuator
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -218,6 +221,7 @@ class JobEngine:
                 on_step=hooks.on_step,
                 ready_timeout_s=self.ready_timeout_s,
                 servers=self.servers(),
+                access=self.access,
             )
             return JobRun(result)
         return self._run_resilient(
@@ -309,6 +313,7 @@ class JobEngine:
                 replicas=replicas,
                 on_attempt=hooks.on_attempt,
                 ready_timeout_s=self.ready_timeout_s,
+                access=self.access,
             )
             got = run.run(planned.plan, first_step)
         finally:

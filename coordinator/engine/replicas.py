@@ -40,7 +40,7 @@ class ReplicaStore:
         self.directory = directory
         """Where replicas are also kept, so a restarted coordinator finds them."""
         self._by_step: dict[int, list[StageState]] = {}
-        self._jobs: set[str] = set()
+        self._jobs: dict[str, list[tuple[int, int]]] = {}  # attempt -> each stage's units
         self._held: int | None = None  # the step a resume was promised (see newest_complete)
         self._lock = threading.Lock()
         self.received = 0
@@ -54,10 +54,11 @@ class ReplicaStore:
                 except (OSError, ValueError) as exc:
                     log.warning("ignored the replica %s: %s", path, exc)
 
-    def accept(self, job: str) -> None:
-        """Take replicas published by stages of ``job`` (one attempt) from now on."""
+    def accept(self, job: str, stages: list[tuple[int, int]]) -> None:
+        """Take replicas published by stages of ``job`` (one attempt) from now on; stage
+        ``s``'s must hold exactly the units ``stages[s]`` (``[start, end)``)."""
         with self._lock:
-            self._jobs.add(job)
+            self._jobs[job] = list(stages)
 
     @contextlib.contextmanager
     def listening(self, control: MqttTransport) -> Iterator[ReplicaStore]:
@@ -69,20 +70,29 @@ class ReplicaStore:
             control.unsubscribe(topic)
 
     def _on_replica(self, topic: str, payload: bytes) -> None:
-        job = topic.split("/")[-3]
+        job, stage = topic.split("/")[-3], topic.split("/")[-1]
         with self._lock:
-            if job not in self._jobs:
-                return
+            units = self._jobs.get(job)
+        if units is None:
+            return
         try:
-            self.add(payload)
+            if not stage.isdigit() or int(stage) >= len(units):
+                raise ValueError(f"the plan has no stage {stage}")
+            self.add(payload, units=units[int(stage)])
         except ValueError as exc:
             with self._lock:
                 self.rejected += 1
             log.warning("dropped a replica on %s: %s", topic, exc)
 
-    def add(self, blob: bytes, *, keep: bool = True) -> StageState:
-        """Keep one replica (also on disk, with ``keep``); ``ValueError`` for a malformed one."""
+    def add(
+        self, blob: bytes, *, keep: bool = True, units: tuple[int, int] | None = None
+    ) -> StageState:
+        """Keep one replica (also on disk, with ``keep``); ``ValueError`` for a malformed
+        one, or one that does not hold exactly ``units`` (``[start, end)``) when given."""
         state = read_state(blob)
+        if units is not None and (state.start, state.end) != tuple(units):
+            have = f"units [{state.start}, {state.end})"
+            raise ValueError(f"{have}, not the stage's [{units[0]}, {units[1]})")
         if not 0 <= state.start < state.end <= self.num_units:
             where = f"units [{state.start}, {state.end})"
             raise ValueError(f"{where} beyond the model's {self.num_units}")

@@ -37,7 +37,14 @@ from typing import Any
 from coordinator.engine.faults import FaultInjector
 from coordinator.engine.replicas import ReplicaStore
 from coordinator.engine.runners import run_on_agents
-from coordinator.engine.spec import JobAborted, JobFailed, JobResult, JobSpec, new_job_id
+from coordinator.engine.spec import (
+    JobAborted,
+    JobAccess,
+    JobFailed,
+    JobResult,
+    JobSpec,
+    new_job_id,
+)
 from coordinator.engine.watch import RECONNECT_GRACE_S, DeviceWatch
 from coordinator.planner.score import Plan
 from edge.models.zoo import get_model
@@ -143,8 +150,11 @@ class ResilientRun:
         on_attempt: Callable[[str, Plan, int], None] | None = None,
         ready_timeout_s: float = 120.0,
         servers: dict[str, str] | None = None,
+        access: JobAccess | None = None,
     ) -> None:
         self.spec = spec
+        self.access = access
+        """The broker's ACLs, granted per attempt (each attempt's plan, under its job id)."""
         self.control = control
         self.replan = replan
         self.devices = devices
@@ -295,7 +305,7 @@ class ResilientRun:
         """One attempt of ``plan`` from :attr:`first_step`: its result if it finished the
         job, ``None`` if it was stopped by a death, the broker or a migration."""
         job = new_job_id()
-        self.replicas.accept(job)
+        self.replicas.accept(job, [(st.start, st.end) for st in plan.stages])
         self.current = [st.device for st in plan.stages]
         if self.faults is not None:
             self.faults.use_plan(self.current)
@@ -328,6 +338,7 @@ class ResilientRun:
                 abort=lambda: self._abort(current, reconnects),
                 ready_timeout_s=self.ready_timeout_s,
                 servers=self.servers,
+                access=self.access,
             )
             self._attempt_end(job)
             return last

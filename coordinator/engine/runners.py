@@ -29,6 +29,7 @@ import safetensors.torch
 import torch
 
 from coordinator.engine.spec import (
+    JobAccess,
     JobFailed,
     JobMonitor,
     JobResult,
@@ -52,7 +53,7 @@ from edge.wire.messages import (
     StepReport,
     parse_event,
 )
-from edge.wire.topics import TOPIC_ROOT, device_cmd, job_events, job_restore
+from edge.wire.topics import TOPIC_ROOT, device_cmd, job_events_all, job_restore, parse_events_topic
 
 __all__ = ["run_inprocess", "run_on_agents", "server_tier"]
 
@@ -137,8 +138,13 @@ def run_on_agents(
     abort: Callable[[], str | None] | None = None,
     servers: Mapping[str, str] | None = None,
     store_host: str = "127.0.0.1",
+    access: JobAccess | None = None,
 ) -> JobResult:
     """Run ``plan`` on the agents named by its stages, through the connected ``control``.
+
+    With ``access`` (a broker whose accounts the coordinator manages), each device is
+    granted its stage's topics before its assignment is sent, and loses them when the
+    run ends, however it ends: the broker's ACL follows the plan of every attempt.
 
     For fault tolerance (:mod:`coordinator.engine.resilient`): start at ``first_step``
     with the state in ``restore`` (one blob per stage, published retained on its
@@ -163,27 +169,39 @@ def run_on_agents(
         restore=bool(restore),
     )
     assignments, store = _server_group(assignments, plan, servers or {}, store_host)
-    monitor = JobMonitor(job, len(assignments), on_step, abort)
+    devices = [st.device for st in plan.stages]
+    monitor = JobMonitor(job, len(assignments), on_step, abort, devices=devices)
     weights: dict[int, bytes] = {}
     got_weights = threading.Condition()
 
-    def on_event(_topic: str, payload: bytes) -> None:
+    def on_event(topic: str, payload: bytes) -> None:
+        sender = parse_events_topic(topic)
         try:
-            monitor.on_event(parse_event(payload))
+            event = parse_event(payload)
         except MessageError as exc:
-            log.warning("job %s: ignored an event: %s", job, exc)
+            monitor.reject("malformed", f"an event from {sender}: {exc}")
+            return
+        monitor.on_event(event, sender[1] if sender else None)
 
     def on_weights(topic: str, payload: bytes) -> None:
-        stage = int(topic.rsplit("/", 1)[1])
+        # The broker's ACL lets only the device of stage s publish weights/s; here the
+        # stage must exist and its first weights count (a repeat is QoS 1's duplicate).
+        stage = topic.rsplit("/", 1)[1]
+        if not stage.isdigit() or int(stage) >= len(devices):
+            monitor.reject("no-such-stage", f"weights for stage {stage}")
+            return
         with got_weights:
-            weights[stage] = payload
+            if int(stage) in weights:
+                return
+            weights[int(stage)] = payload
             got_weights.notify_all()
 
-    events_topic, weights_topic = job_events(job), f"{TOPIC_ROOT}/jobs/{job}/weights/+"
+    events_topic, weights_topic = job_events_all(job), f"{TOPIC_ROOT}/jobs/{job}/weights/+"
     control.subscribe(events_topic, on_event)
     control.subscribe(weights_topic, on_weights)
-    devices = [st.device for st in plan.stages]
     try:
+        if access is not None:
+            access.grant(job, list(zip(devices, assignments, strict=True)))
         for stage, blob in (restore or {}).items():
             control.publish(job_restore(job, stage), blob, 1, retain=True)
         for a in assignments:
@@ -220,6 +238,8 @@ def run_on_agents(
         for stage in restore or {}:
             with contextlib.suppress(ConnectionError):
                 control.publish(job_restore(job, stage), b"", 1, retain=True)  # clears it
+        if access is not None:
+            access.release(job)
 
 
 def server_tier(profiles: Mapping[str, DeviceSpec]) -> dict[str, str]:

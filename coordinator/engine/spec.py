@@ -10,12 +10,14 @@ them are in :mod:`coordinator.engine.runners`.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import safetensors.torch
 import torch
@@ -31,8 +33,11 @@ from edge.wire.messages import (
     StepReport,
 )
 
+log = logging.getLogger("edgetrain.engine")
+
 __all__ = [
     "JobAborted",
+    "JobAccess",
     "JobFailed",
     "JobMonitor",
     "JobResult",
@@ -132,6 +137,8 @@ class JobResult:
     wall_s: float
     """From the start of the first step to the end of the last."""
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    rejected: dict[str, int] = field(default_factory=dict)
+    """Messages for the job that were ignored, by reason (``JobMonitor.rejected``)."""
 
     @property
     def samples_per_s(self) -> float:
@@ -159,8 +166,26 @@ class JobResult:
         return safetensors.torch.save(self.weights)
 
 
+class JobAccess(Protocol):
+    """A broker whose ACLs follow the plan (``coordinator.access.BrokerAccounts``)."""
+
+    def grant(self, job: str, stages: list[tuple[str, StageAssignment]]) -> None:
+        """Let each ``(device, assignment)`` use that stage's topics, and no other job's."""
+        ...
+
+    def release(self, job: str) -> None:
+        """Take back every right granted for ``job`` (nothing if none was)."""
+        ...
+
+
 class JobMonitor:
-    """Folds one job's events into its state; safe to feed from any thread."""
+    """Folds one job's events into its state; safe to feed from any thread.
+
+    Given the ``devices`` that hold the stages, an event counts only when it came on
+    the events topic of the device that holds its stage and names that device: the
+    sender is who the broker says, not what the payload claims. Anything else is
+    ignored and counted in :attr:`rejected` by reason.
+    """
 
     def __init__(
         self,
@@ -168,9 +193,12 @@ class JobMonitor:
         num_stages: int,
         on_step: Callable[[StepReport], None] | None = None,
         abort: Callable[[], str | None] | None = None,
+        devices: Sequence[str] | None = None,
     ) -> None:
         self.job = job
         self.num_stages = num_stages
+        self.devices = list(devices) if devices is not None else None
+        self.rejected: Counter[str] = Counter()
         self.on_step = on_step
         self.abort = abort
         """Polled while waiting (every 50 ms): a reason to stop waiting, or ``None``."""
@@ -181,9 +209,30 @@ class JobMonitor:
         self.losses: dict[int, float] = {}
         self._cond = threading.Condition()
 
-    def on_event(self, event: Any) -> None:
+    def reject(self, reason: str, what: str) -> None:
+        """Count an ignored message (``reason`` names the check it failed) and log it."""
+        with self._cond:
+            self.rejected[reason] += 1
+        log.warning("job %s: ignored %s (%s)", self.job, what, reason)
+
+    def on_event(self, event: Any, sender: str | None = None) -> None:
+        """Fold in ``event``, which came on ``sender``'s events topic (``None``: in process)."""
         if getattr(event, "job", None) != self.job:
+            self.reject("other-job", f"an event of job {getattr(event, 'job', None)}")
             return
+        if self.devices is not None:
+            stage = event.stage
+            holder = self.devices[stage] if stage < len(self.devices) else None
+            if holder is None:
+                self.reject("no-such-stage", f"a {event.type} event for stage {stage}")
+                return
+            if sender != holder or event.device != holder:
+                self.reject(
+                    "wrong-sender",
+                    f"a {event.type} event for stage {stage} (held by {holder}) "
+                    f"sent by {sender} as {event.device}",
+                )
+                return
         with self._cond:
             if isinstance(event, StageReady):
                 self.ready.add(event.stage)
@@ -247,4 +296,5 @@ class JobMonitor:
             reports=self.reports,
             wall_s=wall_s,
             weights=weights,
+            rejected=dict(self.rejected),
         )

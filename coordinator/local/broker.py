@@ -8,6 +8,8 @@ bound to 127.0.0.1 only:
   opened (started as root it drops to the ``mosquitto`` user, so it writes no
   file itself), ready once *that* process listens on the port, ended by its own
   pid: SIGTERM, then SIGKILL after a grace period.
+  With a :class:`BrokerSecurity` it listens with TLS only and loads the
+  dynamic-security plugin (:mod:`coordinator.access`): no anonymous client.
 - **amqtt**, embedded, otherwise: on its own asyncio event loop in a dedicated
   thread so synchronous callers can use it; anonymous, no plugins that write
   files; ``stop()`` shuts it down and joins the thread.
@@ -21,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import glob
 import importlib.metadata
+import json
 import os
 import pwd
 import shutil
@@ -33,11 +37,13 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import psutil
 
+from coordinator.access.certs import BrokerTls
 from edge.errors import UserError, needs_coordinator_extras
 
 __all__ = [
@@ -45,6 +51,7 @@ __all__ = [
     "MOSQUITTO_FALLBACK",
     "AmqttBroker",
     "BrokerKind",
+    "BrokerSecurity",
     "BrokerStartError",
     "MosquittoBroker",
     "RunningBroker",
@@ -60,8 +67,30 @@ BrokerKind = Literal["mosquitto", "amqtt"]
 _ATTEMPTS = 3  # ports tried when the picked one is taken before the broker binds it
 
 
+_DYNSEC_PLUGIN = "mosquitto_dynamic_security.so"
+_PLUGIN_DIRS = ("/usr/lib/*", "/usr/lib", "/usr/local/lib", "/usr/lib/mosquitto", "/opt/*/lib")
+
+
 class BrokerStartError(RuntimeError):
     """The broker did not start or did not listen in time; the message holds its log."""
+
+
+@dataclass(frozen=True)
+class BrokerSecurity:
+    """How a secure broker starts: its TLS files, and the dynamic-security plugin's
+    file (accounts and roles, :meth:`coordinator.access.accounts.BrokerAccounts.plugin_config`)."""
+
+    tls: BrokerTls
+    plugin_config: dict[str, Any]
+
+
+def find_dynsec_plugin() -> str | None:
+    """Mosquitto's dynamic-security plugin (Debian: ``/usr/lib/<arch>/``), or ``None``."""
+    for pattern in _PLUGIN_DIRS:
+        found = sorted(glob.glob(f"{pattern}/{_DYNSEC_PLUGIN}"))
+        if found:
+            return found[0]
+    return None
 
 
 def find_mosquitto() -> str | None:
@@ -94,9 +123,12 @@ class RunningBroker:
 
     kind: ClassVar[BrokerKind]
 
-    def __init__(self, name: str, port: int, pid: int, log_path: Path | None) -> None:
+    def __init__(
+        self, name: str, port: int, pid: int, log_path: Path | None, tls: bool = False
+    ) -> None:
         self.name = name  # what and which version, e.g. "mosquitto 2.0.11"
         self.host = HOST
+        self.tls = tls
         self.port = port
         self.pid = pid  # the process that holds the listening socket
         self.log_path = log_path
@@ -104,8 +136,8 @@ class RunningBroker:
 
     @property
     def url(self) -> str:
-        """``mqtt://host:port``, what ``--broker`` options take."""
-        return f"mqtt://{self.host}:{self.port}"
+        """``mqtt://host:port`` (``mqtts://`` with TLS), what ``--broker`` options take."""
+        return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
 
     def describe(self) -> str:
         """One line naming the broker and where it listens."""
@@ -138,9 +170,15 @@ class MosquittoBroker(RunningBroker):
     kind: ClassVar[BrokerKind] = "mosquitto"
 
     def __init__(
-        self, port: int, proc: subprocess.Popen[bytes], log_path: Path, conf_path: Path, name: str
+        self,
+        port: int,
+        proc: subprocess.Popen[bytes],
+        log_path: Path,
+        conf_path: Path,
+        name: str,
+        tls: bool = False,
     ) -> None:
-        super().__init__(name, port, proc.pid, log_path)
+        super().__init__(name, port, proc.pid, log_path, tls)
         self.proc = proc
         self.conf_path = conf_path
 
@@ -201,10 +239,20 @@ def _stop_process(proc: subprocess.Popen[bytes], grace_s: float) -> None:
         proc.wait(timeout=grace_s)
 
 
-def _mosquitto_conf(port: int, password_file: Path | None) -> str:
+def _mosquitto_conf(
+    port: int, password_file: Path | None, secure: Path | None = None, bind: str = HOST
+) -> str:
     auth = f"false\npassword_file {password_file}" if password_file else "true"
+    tls = ""
+    if secure is not None:  # the files _secure_files put there
+        auth = "false"
+        tls = (
+            f"certfile {secure / 'server.pem'}\nkeyfile {secure / 'server.key'}\n"
+            f"plugin {find_dynsec_plugin()}\nplugin_opt_config_file {secure / 'dynsec.json'}\n"
+        )
     return (
-        f"listener {port} {HOST}\n"
+        f"listener {port} {bind}\n"
+        f"{tls}"
         f"allow_anonymous {auth}\n"
         "persistence false\n"
         # stderr, unlike stdout, is unbuffered: the log file is current while it runs.
@@ -217,6 +265,37 @@ def _mosquitto_conf(port: int, password_file: Path | None) -> str:
     )
 
 
+def _give_to_mosquitto(tmp: Path, *files: Path) -> None:
+    """Started as root, Mosquitto reads (and the plugin rewrites) its files as the
+    ``mosquitto`` user: hand them over, and let it pass through ``tmp``."""
+    for path in files:
+        path.chmod(0o600)
+    if os.geteuid() == 0:
+        with contextlib.suppress(KeyError):  # no such user: mosquitto stays root
+            user = pwd.getpwnam("mosquitto")
+            for path in files:
+                os.chown(path, user.pw_uid, user.pw_gid)
+            tmp.chmod(0o711)  # its user may pass through to the copy, not list the directory
+
+
+def _secure_files(security: BrokerSecurity, tmp: Path) -> Path:
+    """Private copies of the TLS files and the plugin's file, for Mosquitto's user."""
+    if find_dynsec_plugin() is None:
+        raise UserError(
+            f"mosquitto's dynamic-security plugin ({_DYNSEC_PLUGIN}) is not installed; "
+            "it comes with Debian's mosquitto package"
+        )
+    copies = [tmp / "server.pem", tmp / "server.key", tmp / "dynsec.json"]
+    try:
+        shutil.copyfile(security.tls.cert, copies[0])
+        shutil.copyfile(security.tls.key, copies[1])
+    except OSError as exc:
+        raise UserError(f"broker TLS: cannot read {exc.filename}: {exc.strerror}") from exc
+    copies[2].write_text(json.dumps(security.plugin_config))
+    _give_to_mosquitto(tmp, *copies)
+    return tmp
+
+
 def _readable_copy(password_file: Path, tmp: Path) -> Path:
     """A private copy Mosquitto can read: it loads the file after dropping to its user."""
     copy = tmp / "passwd"
@@ -224,20 +303,22 @@ def _readable_copy(password_file: Path, tmp: Path) -> Path:
         shutil.copyfile(password_file, copy)
     except OSError as exc:
         raise UserError(f"cannot read password file {password_file}: {exc.strerror}") from exc
-    copy.chmod(0o600)
-    if os.geteuid() == 0:
-        with contextlib.suppress(KeyError):  # no such user: mosquitto stays root
-            user = pwd.getpwnam("mosquitto")
-            os.chown(copy, user.pw_uid, user.pw_gid)
-            tmp.chmod(0o711)  # its user may pass through to the copy, not list the directory
+    _give_to_mosquitto(tmp, copy)
     return copy
 
 
 def _start_mosquitto_once(
-    binary: str, port: int, tmp: Path, log_dir: Path, passwords: Path | None, timeout_s: float
+    binary: str,
+    port: int,
+    tmp: Path,
+    log_dir: Path,
+    passwords: Path | None,
+    timeout_s: float,
+    secure: Path | None = None,
+    bind: str = HOST,
 ) -> tuple[subprocess.Popen[bytes], Path, Path]:
     conf = tmp / f"mosquitto-{port}.conf"
-    conf.write_text(_mosquitto_conf(port, passwords))
+    conf.write_text(_mosquitto_conf(port, passwords, secure, bind))
     log_path = log_dir / f"mosquitto-{port}.log"
     with log_path.open("ab") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(
@@ -260,7 +341,13 @@ def _start_mosquitto_once(
 
 
 def _start_mosquitto(
-    binary: str, port: int | None, log_dir: Path | None, pw_file: Path | None, timeout_s: float
+    binary: str,
+    port: int | None,
+    log_dir: Path | None,
+    pw_file: Path | None,
+    timeout_s: float,
+    security: BrokerSecurity | None = None,
+    bind: str = HOST,
 ) -> MosquittoBroker:
     # The config (and a password copy) live in a directory of the broker's own, removed at
     # stop; the log goes to log_dir when one is given, so that it outlives the broker.
@@ -269,11 +356,12 @@ def _start_mosquitto(
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
         passwords = _readable_copy(pw_file, tmp) if pw_file is not None else None
+        secure = _secure_files(security, tmp) if security is not None else None
         for attempt in range(1 if port else _ATTEMPTS):
             chosen = port or free_port(HOST)
             try:
                 proc, conf, log_path = _start_mosquitto_once(
-                    binary, chosen, tmp, log_dir or tmp, passwords, timeout_s
+                    binary, chosen, tmp, log_dir or tmp, passwords, timeout_s, secure, bind
                 )
                 break
             except BrokerStartError as exc:
@@ -285,7 +373,7 @@ def _start_mosquitto(
         raise
     version = _mosquitto_version(binary)
     name = f"mosquitto {version}" if version else "mosquitto"
-    return MosquittoBroker(chosen, proc, log_path, conf, name)
+    return MosquittoBroker(chosen, proc, log_path, conf, name, tls=security is not None)
 
 
 def _start_amqtt(port: int | None, timeout_s: float) -> AmqttBroker:
@@ -357,6 +445,8 @@ def start_broker(
     log_dir: Path | None = None,
     *,
     password_file: Path | None = None,
+    security: BrokerSecurity | None = None,
+    bind: str = HOST,
     start_timeout_s: float = 10.0,
 ) -> RunningBroker:
     """Start a broker on ``127.0.0.1:port`` (``None``: a free port) and return it.
@@ -365,7 +455,10 @@ def start_broker(
     ``"mosquitto"`` or ``"amqtt"``. ``log_dir`` keeps Mosquitto's log
     (default: next to its config, in a directory ``stop()`` removes); amqtt logs via
     Python's ``logging`` (logger ``amqtt``). ``password_file`` (Mosquitto only,
-    a ``mosquitto_passwd`` file) turns anonymous access off.
+    a ``mosquitto_passwd`` file) turns anonymous access off; ``security``
+    (Mosquitto only) makes it TLS-only with the dynamic-security plugin's accounts.
+    ``bind`` (Mosquitto only) is the address it listens on (``0.0.0.0``: every
+    interface); this process reaches it on 127.0.0.1 either way.
     """
     if prefer not in ("auto", "mosquitto", "amqtt"):
         raise UserError(f"unknown broker {prefer!r}: expected auto, mosquitto or amqtt")
@@ -376,9 +469,11 @@ def start_broker(
             "install it or use the embedded broker (amqtt)"
         )
     if binary is not None:
-        return _start_mosquitto(binary, port, log_dir, password_file, start_timeout_s)
-    if password_file is not None:
-        raise UserError("a password file needs mosquitto; the embedded amqtt broker is anonymous")
+        return _start_mosquitto(
+            binary, port, log_dir, password_file, start_timeout_s, security, bind
+        )
+    if password_file is not None or security is not None:
+        raise UserError("accounts and TLS need mosquitto; the embedded amqtt broker is anonymous")
     return _start_amqtt(port, start_timeout_s)
 
 
@@ -389,12 +484,18 @@ def running_broker(
     log_dir: Path | None = None,
     *,
     password_file: Path | None = None,
+    security: BrokerSecurity | None = None,
     start_timeout_s: float = 10.0,
     grace_s: float = 5.0,
 ) -> Iterator[RunningBroker]:
     """:func:`start_broker` for the block; the broker is stopped when it ends."""
     broker = start_broker(
-        prefer, port, log_dir, password_file=password_file, start_timeout_s=start_timeout_s
+        prefer,
+        port,
+        log_dir,
+        password_file=password_file,
+        security=security,
+        start_timeout_s=start_timeout_s,
     )
     try:
         yield broker

@@ -4,13 +4,19 @@
 broker, waits until each has announced itself (status ``online`` and a
 profile, both retained, newer than the fleet's start), and ends them by their
 own pids (SIGTERM, then SIGKILL after a grace period) when the block ends,
-also when the block fails.
+also when the block fails. The agents run the zoo plus the user code under
+``allow_code``.
 
 It is the :class:`~coordinator.engine.engine.Fleet` and the
 :class:`~coordinator.engine.faults.FaultActuator` of a job that
 ``edgetrain train`` drives over it: its available devices are those whose
 agent announced a profile and still runs; it kills an agent with SIGKILL,
 slows one with a ``Throttle`` command and starts a new one to join.
+
+On a broker the fleet's owner started securely (an
+:class:`~coordinator.local.owned.OwnedBroker` with accounts), or given ``enroll``
+(a coordinator's API, say), each agent is enrolled and started with its own
+credentials file; on any other broker, with ``--insecure``.
 """
 
 from __future__ import annotations
@@ -23,13 +29,17 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
 from coordinator.engine.faults import Fault
 from coordinator.engine.watch import DeviceFeed
+from coordinator.local.owned import OwnedBroker
 from edge.errors import UserError
+from edge.files import PRIVATE, write_atomic
 from edge.problem import DeviceSpec
+from edge.transport.credentials import Credentials
 from edge.transport.mqtt import MqttTransport
 from edge.transport.settings import MqttSettings
 from edge.wire.messages import DeviceStatus, Throttle
@@ -44,8 +54,9 @@ class LocalFleet:
     def __init__(
         self,
         n: int,
-        broker_url: str,
+        broker: str | OwnedBroker | None,
         *,
+        enroll: Callable[[str], Credentials] | None = None,
         threads: int | None = None,
         profile: str | None = None,
         measure_seconds: float = 0.3,
@@ -54,9 +65,22 @@ class LocalFleet:
         slowdowns: list[float] | None = None,
         servers: int = 0,
         programs: list[list[str]] | None = None,
+        allow_code: list[str] | None = None,
     ) -> None:
         self.n = n
-        self.broker_url = broker_url
+        self.owned = broker if isinstance(broker, OwnedBroker) else None
+        if enroll is None and self.owned is not None and self.owned.accounts is not None:
+            enroll = self.owned.accounts.enroll
+        if broker is None and enroll is None:
+            raise ValueError("a fleet needs a broker URL, or enroll to get credentials from")
+        self.enroll = enroll
+        """Gives each agent its credentials (``None``: agents log in with ``--insecure``)."""
+        self.broker_url = broker.url if isinstance(broker, OwnedBroker) else (broker or "")
+        """The broker; with only ``enroll``, the one the first credentials name."""
+        self.settings = (
+            self.owned.settings() if self.owned is not None else MqttSettings(url=self.broker_url)
+        )
+        """How the fleet's own connections log in (the coordinator's account, if any)."""
         self.prefix = f"local-{secrets.token_hex(2)}-"
         self.ids = [f"{self.prefix}{i}" for i in range(n)]
         self.threads = threads or max(1, (os.cpu_count() or 1) // n)
@@ -74,6 +98,8 @@ class LocalFleet:
         }
         """Per agent, the command that runs ``edgetrain`` (another install's, say); this
         interpreter's ``-m edgetrain.cli`` where it is empty or not given."""
+        self.allow_code = list(allow_code or [])
+        """Module prefixes of user code the agents may run (``--allow-code``): the job's own."""
         self.measure_seconds = measure_seconds
         self._tmp = (
             tempfile.TemporaryDirectory(prefix="edgetrain-fleet-") if work_dir is None else None
@@ -106,11 +132,18 @@ class LocalFleet:
 
     def _spawn(self, device: str, profile: str | None, slowdown: float) -> None:
         program = self.programs.get(device, [sys.executable, "-m", "edgetrain.cli"])
+        if self.enroll is not None:
+            creds = self.enroll(device)
+            path = self.work_dir / f"{device}.credentials.json"
+            write_atomic(path, creds.to_json(), mode=PRIVATE)
+            self.broker_url = self.broker_url or creds.broker
+            login = ["--credentials", str(path)]
+        else:
+            login = ["--broker", self.broker_url, "--insecure"]
         cmd = [
             *program,
             "agent",
-            "--broker",
-            self.broker_url,
+            *login,
             "--device-id",
             device,
             "--data-dir",
@@ -124,6 +157,8 @@ class LocalFleet:
             "--slowdown",
             str(slowdown),
         ]
+        for prefix in self.allow_code:
+            cmd += ["--allow-code", prefix]
         if profile:
             cmd += ["--profile", profile]
         if device in self.servers:
@@ -200,7 +235,7 @@ class LocalFleet:
         connection of its own (a job's device watch may hold the status filter of
         :attr:`control`'s)."""
         device = self.add(profile)
-        watcher = MqttTransport(MqttSettings(url=self.broker_url))
+        watcher = MqttTransport(self.settings)
         try:
             watcher.connect(timeout=15)
             self.wait_online(watcher, timeout=60, devices=[device])

@@ -22,7 +22,6 @@ from typing import Any
 from coordinator.engine.faults import Fault, check_fault_stages
 from coordinator.engine.spec import JobResult, JobSpec
 from coordinator.planner.score import PlanScore
-from edge.errors import UserError
 from edge.wire.messages import StepReport
 
 __all__ = ["LocalRun", "train_dist", "train_inprocess", "train_on_local_fleet"]
@@ -146,27 +145,30 @@ def train_on_local_fleet(
     from coordinator.engine.engine import JobEngine, JobHooks
     from coordinator.engine.runners import server_tier
     from coordinator.engine.spec import new_job_id
-    from coordinator.local.broker import BrokerStartError, start_broker
     from coordinator.local.fleet import LocalFleet
+    from coordinator.local.owned import OwnedBroker, start_owned_broker
+    from edge.models.user_code import user_modules
     from edge.transport.mqtt import MqttSettings, MqttTransport
 
+    own_code = user_modules(spec.model, spec.resolve_data()[0])  # the job's: its agents run it
     name: str
     with contextlib.ExitStack() as stack:
+        target: str | OwnedBroker
         if broker is None:
-            try:
-                running = start_broker()
-            except BrokerStartError as exc:
-                raise UserError(f"could not start a broker: {str(exc).splitlines()[0]}") from None
-            stack.callback(running.stop)
-            url, name = running.url, running.kind
-            note(f"started {running.describe()}")
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="edgetrain-train-")))
+            owned = start_owned_broker(work / "broker", log_dir=work)
+            stack.callback(owned.stop)
+            target, settings, name = owned, owned.settings(), owned.broker.kind
+            note(f"started {owned.describe()}")
         else:
-            url, name = broker, broker
+            target, settings, name = broker, MqttSettings(url=broker), broker
             note(f"using the broker at {broker}")
-        control = MqttTransport(MqttSettings(url=url))
+        control = MqttTransport(settings)
         control.connect(timeout=15)
         stack.callback(control.close)
-        fleet = stack.enter_context(LocalFleet(n, url, threads=threads, servers=servers))
+        fleet = stack.enter_context(
+            LocalFleet(n, target, threads=threads, servers=servers, allow_code=own_code)
+        )
         profiles = fleet.wait_online(control)
         every = replicate_every
         extra: dict[str, Any] = {}
@@ -176,6 +178,7 @@ def train_on_local_fleet(
             fleet,
             heartbeat_timeout_s=heartbeat_timeout_s,
             servers=lambda: server_tier({d.id: d for d in fleet.available()}),
+            access=fleet.owned.accounts if fleet.owned is not None else None,
         )
         first = fleet.ids[0]
         planned = engine.plan(spec, pin_first=first, where="these devices")

@@ -2,7 +2,8 @@
 
 :func:`start_services` brings up what the API stands on, in order: the data
 directory and store, the broker (the embedded default when no URL is
-configured), one MQTT control connection, the device registry, the fault
+configured: TLS, accounts and ACLs, :mod:`coordinator.local.owned`), one MQTT
+control connection of the coordinator's account, the device registry, the fault
 actuator (a testbed's when ``testbed_state`` is set: see
 :mod:`coordinator.testbed.actuator`) and the job manager; :func:`create_app`
 serves them under ``/api/v1`` (OpenAPI at ``/docs``), plus ``/healthz``,
@@ -31,7 +32,6 @@ from coordinator.service.store.sqlite import Store
 from edge import __version__
 from edge.errors import UserError
 from edge.transport.mqtt import MqttTransport
-from edge.transport.settings import MqttSettings
 
 __all__ = ["create_app", "start_services"]
 
@@ -43,14 +43,21 @@ def start_services(settings: Settings) -> tuple[Services, Callable[[], None]]:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         store = Store(settings.data_dir)
         stack.callback(store.close)
-        url = settings.broker_url
-        if url is None:
-            from coordinator.local.broker import start_broker
+        accounts = None
+        if settings.broker_url is None:
+            from coordinator.local.owned import start_owned_broker
 
-            broker = start_broker()
-            stack.callback(broker.stop)
-            url = broker.url
-        control = MqttTransport(MqttSettings(url=url))
+            owned = start_owned_broker(
+                settings.data_dir / "broker",
+                port=settings.broker_port,
+                log_dir=settings.data_dir / "logs",
+                hosts=settings.broker_hosts,
+            )
+            stack.callback(owned.stop)
+            url, login, accounts = owned.url, owned.settings(), owned.accounts
+        else:
+            url, login = settings.broker_url, settings.broker_settings()
+        control = MqttTransport(login)
         control.connect(timeout=15)
         stack.callback(control.close)
         bus = EventBus()
@@ -63,14 +70,21 @@ def start_services(settings: Settings) -> tuple[Services, Callable[[], None]]:
             from coordinator.testbed.actuator import TestbedActuator
 
             actuator = TestbedActuator(settings.testbed_state, control)
-        manager = JobManager(store, bus, registry, control, actuator=actuator)
+        manager = JobManager(store, bus, registry, control, actuator=actuator, access=accounts)
         manager.start()
         stack.callback(manager.stop)
     except BaseException:
         stack.close()
         raise
-    services = Services(settings=settings, store=store, bus=bus, registry=registry, manager=manager)
-    services.broker_url = url  # type: ignore[attr-defined]
+    services = Services(
+        settings=settings,
+        store=store,
+        bus=bus,
+        registry=registry,
+        manager=manager,
+        accounts=accounts,
+        broker_url=url,
+    )
     return services, stack.close
 
 

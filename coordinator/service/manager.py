@@ -51,7 +51,7 @@ from coordinator.engine.faults import (
 )
 from coordinator.engine.replicas import ReplicaStore
 from coordinator.engine.runners import server_tier
-from coordinator.engine.spec import JobFailed, JobResult, JobSpec, new_job_id
+from coordinator.engine.spec import JobAccess, JobFailed, JobResult, JobSpec, new_job_id
 from coordinator.planner.baselines import run_baselines
 from coordinator.planner.score import Plan
 from coordinator.planner.simulator import simulate
@@ -86,6 +86,7 @@ class JobManager:
         ready_timeout_s: float = 120.0,
         on_step: Callable[[str, StepReport], None] | None = None,
         actuator: FaultActuator | None = None,
+        access: JobAccess | None = None,
     ) -> None:
         self.store = store
         self.bus = bus
@@ -100,6 +101,7 @@ class JobManager:
             self.actuator,
             ready_timeout_s=ready_timeout_s,
             servers=self._servers,
+            access=access,
         )
         """Every job is driven by it: planned, run, recovered, migrated."""
         self.on_step = on_step

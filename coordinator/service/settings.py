@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from edge.errors import UserError, describe_validation_error
+
+if TYPE_CHECKING:
+    from edge.transport.settings import MqttSettings
 
 __all__ = ["MIN_TOKEN_LENGTH", "PLACEHOLDER_SECRETS", "Environment", "Settings", "get_settings"]
 
@@ -51,7 +54,20 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     """TCP port the API listens on (0: any free port)."""
     broker_url: str | None = None
-    """MQTT broker, e.g. mqtt://host:1883; unset starts the embedded default broker."""
+    """MQTT broker, e.g. mqtts://host:8883; unset starts the embedded broker (Mosquitto with
+    TLS, accounts and ACLs in data_dir/broker; anonymous amqtt without Mosquitto)."""
+    broker_username: str | None = None
+    """The coordinator's account on a broker it does not start (EDGETRAIN_BROKER_USERNAME)."""
+    broker_password: SecretStr | None = None
+    """Its password (EDGETRAIN_BROKER_PASSWORD); never shown."""
+    broker_ca: Path | None = None
+    """CA file that signed that broker's certificate (EDGETRAIN_BROKER_CA); the system's when
+    unset. Enrolment goes into credentials files as the CA to trust."""
+    broker_hosts: list[str] = []
+    """Further names or addresses devices reach the embedded broker by (its TLS certificate
+    names them; the first goes into credentials files); it then listens on all interfaces."""
+    broker_port: int | None = Field(default=None, ge=1, le=65535)
+    """Port of the embedded broker (unset: a free one)."""
     data_dir: Path = Path("~/.edgetrain/coordinator")
     """Folder for the database (edgetrain.db) and the trained models."""
     api_token: SecretStr | None = None
@@ -95,6 +111,19 @@ class Settings(BaseSettings):
     def token(self) -> str | None:
         """The API token in clear, or ``None`` when the API is open."""
         return None if self.api_token is None else self.api_token.get_secret_value()
+
+    def broker_settings(self) -> MqttSettings:
+        """How the coordinator logs in to the broker at ``broker_url`` (one it did not start)."""
+        from edge.transport.settings import MqttSettings
+
+        if self.broker_url is None:
+            raise ValueError("no broker_url: the coordinator starts its own broker")
+        return MqttSettings(
+            url=self.broker_url,
+            username=self.broker_username,
+            password=self.broker_password,
+            tls_ca=self.broker_ca,
+        )
 
     @property
     def db_path(self) -> Path:

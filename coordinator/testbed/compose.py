@@ -117,6 +117,7 @@ def _agent(e: EmulatedDevice, image: str, context: str | None) -> dict[str, Any]
             str(e.threads),
             "--data-dir",
             AGENT_DATA_DIR,
+            "--insecure",  # the broker lets anonymous clients in (see the header)
         ],
         "environment": {
             "EDGETRAIN_PROFILE_JSON": _announced(e),

@@ -192,6 +192,7 @@ def agent_command(
         "0.5",
         "--profile",
         str(profile),
+        "--insecure",  # the testbed's broker lets anonymous clients in
     ]
     for flag, value in (shaping or {}).items():
         cmd += [flag, f"{value:g}"]

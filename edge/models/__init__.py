@@ -4,6 +4,7 @@
 - :mod:`edge.models.units`: the building blocks (one tensor in, one out);
 - :mod:`edge.models.flatten`: user models, imported and flattened with torch.fx;
 - :mod:`edge.models.datasets`: datasets that exist offline;
+- :mod:`edge.models.user_code`: which user ``module:function`` names may be imported;
 - :mod:`edge.models.unit_costs`: per-unit FLOPs, bytes and times for the planner.
 """
 

@@ -28,10 +28,8 @@ import difflib
 import functools
 import gzip
 import hashlib
-import importlib
 import inspect
 import io
-import re
 import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +41,7 @@ import torch
 from torch.utils.data import Dataset
 
 from edge.errors import UserError
+from edge.models.user_code import ANY_CODE, CodeAllowance, import_reference
 
 __all__ = [
     "DATASETS",
@@ -345,8 +344,6 @@ DATASETS: dict[str, DatasetEntry] = {
     "text": DatasetEntry(TextDataset, "char-level ASCII text of Python stdlib source code"),
 }
 
-_USER_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
-
 
 def list_datasets() -> list[tuple[str, str]]:
     """(name, description) of every built-in dataset, sorted by name."""
@@ -357,21 +354,13 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".replace("\n", " ")
 
 
-def _build_user_dataset(name: str, split: str, options: dict[str, Any]) -> Dataset[Any]:
-    if not _USER_NAME.fullmatch(name):
-        raise UserError(f"dataset {name!r}: expected the form 'package.module:function'")
-    module_name, func_name = name.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UserError(f"dataset {name!r}: cannot import module {module_name!r} ({exc})") from exc
-    except Exception as exc:
-        raise UserError(f"dataset {name!r}: importing {module_name!r}: {_one_line(exc)}") from exc
-    func = getattr(module, func_name, None)
-    if func is None:
-        raise UserError(f"dataset {name!r}: module {module_name!r} has no attribute {func_name!r}")
+def _build_user_dataset(
+    name: str, split: str, options: dict[str, Any], allow_code: CodeAllowance
+) -> Dataset[Any]:
+    func = import_reference(name, "dataset", allow_code)
+    func_name = name.partition(":")[2]
     if not callable(func):
-        raise UserError(f"dataset {name!r}: {module_name}.{func_name} is not callable")
+        raise UserError(f"dataset {name!r}: {name.replace(':', '.')} is not callable")
     try:
         inspect.signature(func).bind(split=split, **options)
     except TypeError as exc:
@@ -390,16 +379,19 @@ def _build_user_dataset(name: str, split: str, options: dict[str, Any]) -> Datas
     return result
 
 
-def build_dataset(name: str, split: str = "train", **options: Any) -> Dataset[Any]:
-    """The dataset ``name`` (built-in or ``package.module:function``) for ``split``.
+def build_dataset(
+    name: str, split: str = "train", *, allow_code: CodeAllowance = ANY_CODE, **options: Any
+) -> Dataset[Any]:
+    """The dataset ``name`` (built-in or ``package.module:function``) for ``split``; a
+    user dataset only if ``allow_code`` lets its module in ([Note: user code on devices]).
 
     Raises :class:`~edge.errors.UserError` with one line for an unknown name,
-    split or option, a module that cannot be imported, a missing attribute, or a
-    result that is not a ``Dataset``.
+    split or option, a module not allowed or that cannot be imported, a missing
+    attribute, or a result that is not a ``Dataset``.
     """
     _check_split(name, split)
     if ":" in name:
-        return _build_user_dataset(name, split, options)
+        return _build_user_dataset(name, split, options, allow_code)
     entry = DATASETS.get(name)
     if entry is None:
         close = difflib.get_close_matches(name, DATASETS, n=3, cutoff=0.5)

@@ -16,7 +16,6 @@ initial weights; a segment keeps only its own units.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import re
 from typing import Any
@@ -26,24 +25,10 @@ from torch import fx, nn
 from torch.fx.passes.split_module import split_module
 
 from edge.errors import UserError
+from edge.models.user_code import ANY_CODE, CodeAllowance, import_reference
 from edge.models.zoo import ModelSpec, UnitDef, seeded
 
-__all__ = ["flatten_module", "import_reference", "user_model"]
-
-
-def import_reference(ref: str, what: str) -> Any:
-    """Import ``package.module:attribute`` or raise a one-line :class:`UserError`."""
-    module_name, _, attr = ref.partition(":")
-    if not module_name or not attr:
-        raise UserError(f"{what}: {ref!r} is not of the form package.module:function")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UserError(f"{what}: cannot import module {module_name!r}: {exc}") from None
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise UserError(f"{what}: module {module_name!r} has no attribute {attr!r}") from None
+__all__ = ["flatten_module", "user_model"]
 
 
 def _unit_name(raw: str, taken: set[str]) -> str:
@@ -101,14 +86,17 @@ def flatten_module(module: nn.Module, what: str = "model") -> list[tuple[str, nn
     return units
 
 
-def user_model(ref: str, seed: int = 0, **options: Any) -> ModelSpec:
-    """A :class:`ModelSpec` for the user function ``package.module:function``.
+def user_model(
+    ref: str, seed: int = 0, *, allow_code: CodeAllowance = ANY_CODE, **options: Any
+) -> ModelSpec:
+    """A :class:`ModelSpec` for the user function ``package.module:function``, imported
+    only if ``allow_code`` lets its module in ([Note: user code on devices]).
 
     The function may take the model options as keyword arguments. The spec's
     ``input_shape`` comes from the function's ``input_shape`` attribute or the
     ``input_shape`` option; its default dataset from ``dataset`` likewise.
     """
-    fn = import_reference(ref, "model")
+    fn = import_reference(ref, "model", allow_code)
     if not callable(fn):
         raise UserError(f"model: {ref} is not callable")
     meta = {k: options.pop(k) for k in ("input_shape", "dataset", "num_classes") if k in options}

@@ -32,6 +32,7 @@ from edge.models.units import (
     TokenEmbedding,
     TransformerBlock,
 )
+from edge.models.user_code import ANY_CODE, CodeAllowance
 
 __all__ = [
     "MODELS",
@@ -327,8 +328,11 @@ def list_models() -> list[str]:
     return list(MODELS)
 
 
-def get_model(name: str, seed: int = 0, **options: Any) -> ModelSpec:
-    """The spec of a zoo model, or of a user model named ``package.module:function``.
+def get_model(
+    name: str, seed: int = 0, *, allow_code: CodeAllowance = ANY_CODE, **options: Any
+) -> ModelSpec:
+    """The spec of a zoo model, or of a user model named ``package.module:function``
+    whose module ``allow_code`` lets in ([Note: user code on devices]).
 
     ``options`` are the model's keyword arguments (``num_classes``, ``norm``,
     ``width``...); an unknown option is refused with the list of known ones.
@@ -336,7 +340,7 @@ def get_model(name: str, seed: int = 0, **options: Any) -> ModelSpec:
     if ":" in name:
         from edge.models.flatten import user_model
 
-        return user_model(name, seed=seed, **options)
+        return user_model(name, seed=seed, allow_code=allow_code, **options)
     if name not in MODELS:
         import difflib
 

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from edge.models.datasets import build_dataset
+from edge.models.user_code import ANY_CODE, CodeAllowance
 from edge.models.zoo import get_model
 from edge.runtime.checkpoint import load_state, read_state, select, stage_state
 from edge.runtime.data import EpochSampler, load_batch
@@ -103,6 +104,7 @@ class StageRuntime:
         replicate: Replicator | None = None,
         torch_device: str | torch.device = "cpu",
         data_parallel: DataParallel | None = None,
+        allow_code: CodeAllowance = ANY_CODE,
     ) -> None:
         if slowdown < 1:
             raise ValueError(f"slowdown must be at least 1 (got {slowdown})")
@@ -121,7 +123,8 @@ class StageRuntime:
         a = assignment
         if a.replicas > 1 and data_parallel is None:
             raise ValueError(f"{a.replicas} replicas need a data_parallel group")
-        spec = get_model(a.model, seed=a.seed, **a.model_options)
+        # An agent's allowance: see [Note: user code on devices] in edge.models.user_code.
+        spec = get_model(a.model, seed=a.seed, allow_code=allow_code, **a.model_options)
         if a.end > spec.num_units:
             raise ValueError(f"segment [{a.start}, {a.end}) beyond the {spec.num_units} units")
         self.unit_names = spec.unit_names
@@ -132,7 +135,9 @@ class StageRuntime:
         self.codec_in = Codec.parse(a.codec_in)
         self.sampler: EpochSampler | None = None
         if a.is_first:
-            self.dataset = build_dataset(a.dataset, "train", **a.dataset_options)
+            self.dataset = build_dataset(
+                a.dataset, "train", allow_code=allow_code, **a.dataset_options
+            )
             self.sampler = EpochSampler(len(self.dataset), a.batch_size, a.seed)  # type: ignore[arg-type]
         self.inbox = transport.attach(a.job, a.stage)
 

@@ -8,6 +8,7 @@ everywhere. The ``link_*`` settings turn on software link shaping
 
 from __future__ import annotations
 
+import ssl
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -16,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from edge.errors import UserError
 
-__all__ = ["DEFAULT_PORTS", "MqttSettings", "new_client", "parse_broker_url"]
+__all__ = ["DEFAULT_PORTS", "MqttSettings", "new_client", "parse_broker_url", "tls_context"]
 
 DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
 _SCHEMES = {"mqtt": "mqtt", "tcp": "mqtt", "mqtts": "mqtts", "ssl": "mqtts"}
@@ -61,6 +62,8 @@ class MqttSettings(BaseModel):
     """Password for ``username`` (never shown in logs or reprs)."""
     tls_ca: Path | None = None
     """CA bundle that signed the broker's certificate (mqtts); the system's when unset."""
+    tls_ca_pem: str | None = None
+    """The same as text (PEM), as a credentials file carries it; not with ``tls_ca``."""
     tls_cert: Path | None = None
     """Client certificate (PEM) for brokers that require one (mqtts)."""
     tls_key: Path | None = None
@@ -93,7 +96,22 @@ class MqttSettings(BaseModel):
             raise ValueError("reconnect_min_s must not exceed reconnect_max_s")
         if self.tls_key is not None and self.tls_cert is None:
             raise ValueError("tls_key needs tls_cert")
+        if self.tls_ca is not None and self.tls_ca_pem is not None:
+            raise ValueError("give tls_ca or tls_ca_pem, not both")
         return self
+
+
+def tls_context(settings: MqttSettings) -> ssl.SSLContext:
+    """A client TLS context that verifies the broker's certificate and host name against
+    the settings' CA (file or PEM; the system's when neither), with the client
+    certificate when one is set. ``OSError``/``ValueError`` on unreadable input."""
+    s = settings
+    ctx = ssl.create_default_context(
+        cafile=str(s.tls_ca) if s.tls_ca else None, cadata=s.tls_ca_pem or None
+    )
+    if s.tls_cert is not None:
+        ctx.load_cert_chain(str(s.tls_cert), str(s.tls_key) if s.tls_key else None)
+    return ctx
 
 
 def new_client(settings: MqttSettings, client_id: str) -> mqtt.Client:
@@ -111,12 +129,11 @@ def new_client(settings: MqttSettings, client_id: str) -> mqtt.Client:
         c.username_pw_set(s.username, s.password.get_secret_value() if s.password else None)
     if scheme == "mqtts":
         try:
-            ca, cert, key = (str(p) if p else None for p in (s.tls_ca, s.tls_cert, s.tls_key))
-            c.tls_set(ca_certs=ca, certfile=cert, keyfile=key)  # verifies the host too
+            c.tls_set_context(tls_context(s))
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
             raise UserError(f"broker {s.url}: TLS setup failed: {exc}") from None
         c.tls_insecure_set(s.tls_insecure)
-    elif s.tls_ca or s.tls_cert or s.tls_insecure:
+    elif s.tls_ca or s.tls_ca_pem or s.tls_cert or s.tls_insecure:
         raise UserError(f"broker {s.url}: TLS options need an mqtts:// URL")
     # paho only does arithmetic with these, so fractions of a second work.
     c.reconnect_delay_set(s.reconnect_min_s, s.reconnect_max_s)  # type: ignore[arg-type]

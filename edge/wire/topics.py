@@ -3,7 +3,8 @@
 Device topics: ``devices/{id}/status`` (retained; last-will ``offline``),
 ``devices/{id}/profile`` (retained), ``devices/{id}/heartbeat`` and
 ``devices/{id}/cmd``. Job topics: the stage frames (``jobs/{job}/stage/{s}/fwd|bwd``,
-:mod:`edge.wire.frames`) and ``jobs/{job}/events``, and besides them, all
+:mod:`edge.wire.frames`) and ``jobs/{job}/events/{device}``, each device's own
+(so a broker ACL, not a payload, says who sent an event), and besides them, all
 carrying safetensors bytes (:mod:`edge.runtime.checkpoint`), never a pickle:
 
 - ``jobs/{job}/weights/{s}`` (:func:`job_weights`): stage ``s``'s trained
@@ -17,6 +18,11 @@ carrying safetensors bytes (:mod:`edge.runtime.checkpoint`), never a pickle:
   assignment that says ``restore`` (and best cleared, with an empty retained
   message, once the stage is ready).
 
+Who may use which topic is part of the contract too: :func:`stage_access` lists
+the topics one stage publishes and reads, which is what a broker's ACL grants a
+device while it holds that stage (``coordinator.access``); device ids are
+restricted (:func:`valid_device_id`) so that they can never be wildcards.
+
 A state's ``step`` is the number of steps done: the state at the start of step
 ``step`` ([Note: the step of a state] in :mod:`edge.runtime.checkpoint`).
 """
@@ -24,19 +30,25 @@ A state's ``step`` is the number of steps done: the state at the start of step
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 __all__ = [
     "TOPIC_ROOT",
+    "StageAccess",
     "device_cmd",
     "device_heartbeat",
     "device_profile",
     "device_status",
     "job_events",
+    "job_events_all",
     "job_replica",
     "job_restore",
     "job_weights",
+    "parse_events_topic",
     "parse_stage_topic",
+    "stage_access",
     "stage_topic",
+    "valid_device_id",
     "valid_job_id",
 ]
 
@@ -45,9 +57,19 @@ TOPIC_ROOT = "edgetrain/v1"
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,16}")  # fullmatch: "$" would allow a final "\n"
 
 
+_DEVICE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
 def valid_job_id(job: str) -> bool:
     """Job ids are 1-16 characters of ``[A-Za-z0-9_-]``: they fit the frame header."""
     return _JOB_ID.fullmatch(job) is not None
+
+
+def valid_device_id(device: str) -> bool:
+    """Device ids are 1-64 characters of ``[A-Za-z0-9_.-]``, starting with a letter or
+    digit: never a topic wildcard or level separator, so a device's topics (and the ACL
+    rules naming them) match that device only."""
+    return _DEVICE_ID.fullmatch(device) is not None
 
 
 def device_status(device: str) -> str:
@@ -71,8 +93,15 @@ def stage_topic(job: str, stage: int, channel: str) -> str:
     return f"{TOPIC_ROOT}/jobs/{job}/stage/{stage}/{channel}"
 
 
-def job_events(job: str) -> str:
-    return f"{TOPIC_ROOT}/jobs/{job}/events"
+def job_events(job: str, device: str) -> str:
+    """The events one device reports for a job (ready, step, done, failed)."""
+    return f"{TOPIC_ROOT}/jobs/{job}/events/{device}"
+
+
+def job_events_all(job: str) -> str:
+    """The filter for every device's events of a job; :func:`parse_events_topic` names
+    the device a message came on."""
+    return f"{TOPIC_ROOT}/jobs/{job}/events/+"
 
 
 def job_weights(job: str, stage: int) -> str:
@@ -90,6 +119,7 @@ def job_restore(job: str, stage: int) -> str:
     return f"{TOPIC_ROOT}/jobs/{job}/restore/{stage}"
 
 
+_EVENTS_TOPIC = re.compile(rf"{TOPIC_ROOT}/jobs/({_JOB_ID.pattern})/events/({_DEVICE_ID.pattern})")
 _STAGE_TOPIC = re.compile(rf"{TOPIC_ROOT}/jobs/({_JOB_ID.pattern})/stage/(0|[1-9][0-9]*)/(fwd|bwd)")
 
 
@@ -97,3 +127,44 @@ def parse_stage_topic(topic: str) -> tuple[str, int, str] | None:
     """``(job, stage, channel)`` of a stage topic, or ``None`` for any other topic."""
     m = _STAGE_TOPIC.fullmatch(topic)
     return (m.group(1), int(m.group(2)), m.group(3)) if m else None
+
+
+def parse_events_topic(topic: str) -> tuple[str, str] | None:
+    """``(job, device)`` of an events topic, or ``None`` for any other topic."""
+    m = _EVENTS_TOPIC.fullmatch(topic)
+    return (m.group(1), m.group(2)) if m else None
+
+
+@dataclass(frozen=True)
+class StageAccess:
+    """The topics the device holding one stage publishes to and reads (exact names)."""
+
+    publish: tuple[str, ...]
+    read: tuple[str, ...]
+
+
+def stage_access(
+    job: str, stage: int, num_stages: int, device: str, *, replicate: bool = False
+) -> StageAccess:
+    """What the device running ``stage`` of ``num_stages`` needs, and nothing more.
+
+    It sends activations to the next stage, gradients to the previous one and, as
+    stage 0, the labels straight to the last; it reports on its own events topic and
+    publishes its weights (and with ``replicate`` its state) under its stage number.
+    It reads its own frames, the state it may be restored from and, with
+    ``replicate``, its predecessor's state (stage 0: the last stage's).
+    """
+    last = num_stages - 1
+    publish = [job_events(job, device), job_weights(job, stage)]
+    read = [stage_topic(job, stage, "fwd"), stage_topic(job, stage, "bwd"), job_restore(job, stage)]
+    if stage < last:
+        publish.append(stage_topic(job, stage + 1, "fwd"))
+    if stage > 0:
+        publish.append(stage_topic(job, stage - 1, "bwd"))
+    if stage == 0 and last > 1:
+        publish.append(stage_topic(job, last, "fwd"))  # the labels
+    if replicate:
+        publish.append(job_replica(job, stage))
+        if num_stages > 1:
+            read.append(job_replica(job, (stage - 1) % num_stages))
+    return StageAccess(tuple(publish), tuple(read))

@@ -21,6 +21,7 @@ from edgetrain.cli import (
     client,
     coordinator,
     devices,
+    fleet,
     launch,
     models,
     plan,
@@ -55,7 +56,7 @@ app.command("launch")(launch.launch_command)
 app.command("coordinator")(coordinator.coordinator_command)
 app.command("submit")(client.submit_command)
 app.command("jobs")(client.jobs_command)
-app.command("fleet")(client.fleet_command)
+app.add_typer(fleet.app, name="fleet")
 app.add_typer(devices.app, name="devices")
 app.add_typer(models.app, name="models")
 app.add_typer(testbed.app, name="testbed")

@@ -8,6 +8,7 @@ profile, a catalogue profile, or one read from a JSON file
 from __future__ import annotations
 
 import ipaddress
+import logging
 import math
 import re
 import signal
@@ -23,6 +24,42 @@ if TYPE_CHECKING:
     from edge.problem import DeviceSpec
 
 __all__ = ["agent_command"]
+
+log = logging.getLogger("edgetrain.agent")
+
+
+def _login(
+    broker: str | None,
+    credentials: Path | None,
+    insecure: bool,
+    device_id: str,
+    username: str | None,
+    password: str | None,
+    tls_ca: Path | None,
+) -> dict[str, Any]:
+    """How the agent logs in: ``{"settings": MqttSettings, "device_id"?: str}``; refuses
+    (one line) conflicting options and a login without credentials unless ``insecure``."""
+    from edge.transport.credentials import read_credentials
+    from edge.transport.settings import MqttSettings, parse_broker_url
+
+    if credentials is not None:
+        if username or password or tls_ca:
+            raise UserError("--credentials: give it alone, not with --username/--password/--tls-ca")
+        creds = read_credentials(credentials)
+        if broker is not None and broker != creds.broker:
+            raise UserError(f"--broker {broker}: the credentials are for {creds.broker}")
+        return {"settings": creds.settings(), "device_id": creds.device_id}
+    if broker is None:
+        raise UserError("--broker or --credentials: say which broker to connect to")
+    parse_broker_url(broker)
+    if username is None and not insecure:
+        raise UserError(
+            f"no credentials for {broker}: anyone who can publish on it could drive this "
+            "agent; give --credentials FILE (edgetrain fleet enroll), or --insecure to accept that"
+        )
+    extra: dict[str, Any] = {"username": username, "password": password, "tls_ca": tls_ca}
+    settings = MqttSettings(url=broker, **{k: v for k, v in extra.items() if v is not None})
+    return {"settings": settings}
 
 
 def _measured(device_id: str, seconds: float, device: str, precision: str) -> DeviceSpec:
@@ -51,8 +88,21 @@ def _check_host(host: str) -> None:
 
 
 def agent_command(
-    broker: str = typer.Option(
-        ..., "--broker", envvar="EDGETRAIN_BROKER", help="Broker URL: mqtt://HOST:PORT or mqtts://."
+    broker: str | None = typer.Option(
+        None,
+        "--broker",
+        envvar="EDGETRAIN_BROKER",
+        help="Broker URL: mqtt://HOST:PORT or mqtts://; --credentials names it otherwise.",
+    ),
+    credentials: Path | None = typer.Option(
+        None,
+        "--credentials",
+        envvar="EDGETRAIN_CREDENTIALS",
+        metavar="FILE",
+        help=(
+            "This device's broker account, as `edgetrain fleet enroll` writes it: broker, "
+            "user name, password and the CA to verify the broker by."
+        ),
     ),
     device_id: str = typer.Option(
         socket.gethostname(),
@@ -148,6 +198,26 @@ def agent_command(
         envvar="EDGETRAIN_SERVER",
         help="Server tier: may join torch.distributed groups (implied by cuda).",
     ),
+    allow_code: list[str] | None = typer.Option(
+        None,
+        "--allow-code",
+        envvar="EDGETRAIN_ALLOW_CODE",
+        metavar="MODULE_PREFIX",
+        help=(
+            "Also run user models and datasets (package.module:function) whose module is "
+            "under this prefix (mypkg allows mypkg.models, not mypkgevil); repeatable. "
+            "Without it the agent runs zoo models and built-in datasets only."
+        ),
+    ),
+    insecure: bool = typer.Option(
+        False,
+        "--insecure",
+        envvar="EDGETRAIN_INSECURE",
+        help=(
+            "Connect without broker credentials, although anyone on that broker could "
+            "then drive this agent (a testbed on a closed network)."
+        ),
+    ),
     store_host: list[str] = typer.Option(
         [],
         "--store-host",
@@ -171,6 +241,10 @@ def agent_command(
     --slowdown, --link-mbps and --link-latency-ms emulate a slower device on
     this machine without root; a measured profile then announces the link as
     shaped (its rate capped, the latency added).
+
+    The agent imports no code it is sent: an assignment naming a user model or
+    dataset outside the --allow-code prefixes fails before anything is imported.
+    Without broker credentials it refuses to start unless given --insecure.
     """
     if link_mbps is not None and not (math.isfinite(link_mbps) and link_mbps > 0):
         raise UserError(f"--link-mbps: must be a positive number (got {link_mbps:g})")
@@ -181,8 +255,9 @@ def agent_command(
     from edge import __version__
     from edge.agent import Agent
     from edge.logs import setup_logging
+    from edge.models.user_code import allow_prefixes
     from edge.runtime.allocator import tune_malloc
-    from edge.transport.settings import MqttSettings, parse_broker_url
+    from edge.transport.settings import MqttSettings
 
     if device != "cpu" and not device.startswith("cuda"):
         raise UserError(f"--device: {device!r} is not cpu, cuda or cuda:N")
@@ -190,9 +265,16 @@ def agent_command(
         raise UserError(f"--precision: {precision!r} is not fp32 or bf16")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {device}: torch sees no CUDA GPU on this machine")
-    if not device_id.strip() or "/" in device_id or "+" in device_id or "#" in device_id:
-        raise UserError(f"--device-id: {device_id!r} must be non-empty without / + #")
-    parse_broker_url(broker)
+    login = _login(broker, credentials, insecure, device_id, username, password, tls_ca)
+    if credentials is not None:
+        device_id = login.get("device_id", device_id)
+    from edge.wire.topics import valid_device_id
+
+    if not valid_device_id(device_id):
+        raise UserError(
+            f"--device-id: {device_id!r} is not 1-64 of A-Z a-z 0-9 _ . - "
+            "(starting with a letter or digit)"
+        )
     for host in store_host:
         _check_host(host)
     announced: DeviceSpec | None = None  # bad input fails here, before connecting
@@ -204,22 +286,21 @@ def agent_command(
         from edge.profiling.catalog import resolve
 
         announced = resolve(profile).to_device_spec(device_id)
+    allowed = allow_prefixes(allow_code or [])
     setup_logging(log_level, device=device_id)
     tune_malloc()
     if threads is not None:
         torch.set_num_threads(threads)
     data_dir.mkdir(parents=True, exist_ok=True)
-    extra: dict[str, Any] = {
-        "username": username,
-        "password": password,
-        "tls_ca": tls_ca,
-        "link_mbps": link_mbps,
-    }
-    settings = MqttSettings(
-        url=broker,
-        link_latency_ms=link_latency_ms,
-        **{k: v for k, v in extra.items() if v is not None},
+    settings: MqttSettings = login["settings"].model_copy(
+        update={"link_mbps": link_mbps, "link_latency_ms": link_latency_ms}
     )
+    if settings.username is None:
+        log.warning(
+            "--insecure: no broker credentials, so anyone who can publish on %s could drive "
+            "this agent",
+            settings.url,
+        )
 
     tier = {"server": True, "torch_device": device} if server or device != "cpu" else {}
 
@@ -243,6 +324,7 @@ def agent_command(
         version=__version__,
         slowdown=slowdown,
         torch_device=device,
+        allow_code=allowed,
         store_hosts=store_host,
     )
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())

@@ -1,4 +1,5 @@
-"""``edgetrain submit``, ``edgetrain jobs``, ``edgetrain fleet``: thin clients of the REST API.
+"""``edgetrain submit`` and ``edgetrain jobs``, thin clients of the REST API, and the
+request helpers ``edgetrain fleet`` (:mod:`edgetrain.cli.fleet`) shares.
 
 They talk to a running coordinator (``--coordinator``, else ``EDGETRAIN_COORDINATOR``,
 else ``http://127.0.0.1:8000``) over HTTP with httpx and a timeout, and send
@@ -27,25 +28,36 @@ import typer
 
 from edge.errors import UserError, needs_coordinator_extras
 
-__all__ = ["DEFAULT_COORDINATOR", "fleet_command", "jobs_command", "submit_command"]
+__all__ = [
+    "COORDINATOR_OPTION",
+    "DEFAULT_COORDINATOR",
+    "JSON_OPTION",
+    "TOKEN_OPTION",
+    "call",
+    "echo_json",
+    "jobs_command",
+    "submit_command",
+    "table",
+    "when",
+]
 
 DEFAULT_COORDINATOR = "http://127.0.0.1:8000"
 ENDED = frozenset({"completed", "failed", "cancelled"})
 TIMEOUT_S = 15.0
 
-_COORDINATOR = typer.Option(
+COORDINATOR_OPTION = typer.Option(
     DEFAULT_COORDINATOR,
     "--coordinator",
     envvar="EDGETRAIN_COORDINATOR",
     help="Base URL of the coordinator.",
 )
-_TOKEN = typer.Option(
+TOKEN_OPTION = typer.Option(
     None,
     "--token",
     envvar="EDGETRAIN_API_TOKEN",
     help="Bearer token the coordinator requires (EDGETRAIN_API_TOKEN).",
 )
-_JSON = typer.Option(False, "--json", help="Print the coordinator's JSON instead of a table.")
+JSON_OPTION = typer.Option(False, "--json", help="Print the coordinator's JSON instead of a table.")
 
 
 def _detail(body: Any) -> str:
@@ -62,7 +74,7 @@ def _detail(body: Any) -> str:
     return json.dumps(body)[:200] if body is not None else "no detail"
 
 
-def _call(method: str, base: str, path: str, token: str | None = None, body: Any = None) -> Any:
+def call(method: str, base: str, path: str, token: str | None = None, body: Any = None) -> Any:
     """One request; its decoded JSON, or a :class:`UserError` naming what went wrong."""
     with needs_coordinator_extras("edgetrain submit, jobs and fleet"):
         import httpx
@@ -81,7 +93,7 @@ def _call(method: str, base: str, path: str, token: str | None = None, body: Any
     if response.status_code >= 400:
         reason = _detail(data) if data is not None else response.text.strip()[:200]
         raise UserError(f"{method} {path}: {response.status_code}: {' '.join(reason.split())}")
-    if data is None:
+    if data is None and response.status_code != 204:  # 204: done, nothing to say
         raise UserError(f"{method} {path}: the coordinator did not answer with JSON")
     return data
 
@@ -101,18 +113,18 @@ def _read_job(path: Path) -> dict[str, Any]:
     return job
 
 
-def _echo_json(data: Any) -> None:
+def echo_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2, sort_keys=True))
 
 
 def submit_command(
     job_file: Path = typer.Argument(..., help="Job file (TOML): the fields of POST /api/v1/jobs."),
-    coordinator: str = _COORDINATOR,
-    token: str | None = _TOKEN,
+    coordinator: str = COORDINATOR_OPTION,
+    token: str | None = TOKEN_OPTION,
     wait: bool = typer.Option(
         False, "--wait", help="Wait for the job to end; exit 0 if it completed, 1 otherwise."
     ),
-    as_json: bool = _JSON,
+    as_json: bool = JSON_OPTION,
     poll_s: float = typer.Option(1.0, "--poll", min=0.05, help="Seconds between polls."),
 ) -> None:
     """Submit a training job to a coordinator; print its id (or its JSON).
@@ -122,11 +134,11 @@ def submit_command(
     microbatches, schedule, codec, partition, stages, seed, devices, [optimizer],
     [model_options].
     """
-    job = _call("POST", coordinator, "/api/v1/jobs", token, _read_job(job_file))
+    job = call("POST", coordinator, "/api/v1/jobs", token, _read_job(job_file))
     job_id = str(job["id"])
     if not wait:
         if as_json:
-            _echo_json(job)
+            echo_json(job)
         else:
             typer.echo(job_id)
         return
@@ -135,13 +147,13 @@ def submit_command(
     last = -1
     while job["state"] not in ENDED:
         time.sleep(poll_s)
-        job = _call("GET", coordinator, f"/api/v1/jobs/{job_id}", token)
+        job = call("GET", coordinator, f"/api/v1/jobs/{job_id}", token)
         if not as_json and job["steps_done"] != last:
             last = job["steps_done"]
             steps = job["spec"].get("steps", "?")
             print(f"\r{job['state']}: step {last}/{steps}", end="", file=sys.stderr, flush=True)
     if as_json:
-        _echo_json(job)
+        echo_json(job)
     else:
         print(file=sys.stderr)
         reason = f" ({job['reason']})" if job.get("reason") else ""
@@ -150,11 +162,11 @@ def submit_command(
         raise typer.Exit(1)
 
 
-def _when(ts: float | None) -> str:
+def when(ts: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
 
 
-def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+def table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -168,15 +180,15 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
 
 def jobs_command(
     job_id: str | None = typer.Argument(None, help="One job's id; all jobs when absent."),
-    coordinator: str = _COORDINATOR,
-    token: str | None = _TOKEN,
-    as_json: bool = _JSON,
+    coordinator: str = COORDINATOR_OPTION,
+    token: str | None = TOKEN_OPTION,
+    as_json: bool = JSON_OPTION,
 ) -> None:
     """The coordinator's jobs as a table, or one job in detail."""
     if job_id is not None:
-        job = _call("GET", coordinator, f"/api/v1/jobs/{job_id}", token)
+        job = call("GET", coordinator, f"/api/v1/jobs/{job_id}", token)
         if as_json:
-            _echo_json(job)
+            echo_json(job)
             return
         spec = job["spec"]
         lines = {
@@ -188,8 +200,8 @@ def jobs_command(
             "steps": f"{job['steps_done']}/{spec.get('steps', '?')}",
             "batch": f"{spec.get('batch_size')} in {spec.get('microbatches')} microbatches",
             "samples/s": f"{job['samples_per_s']:.1f}" if job.get("samples_per_s") else "-",
-            "created": _when(job["created"]),
-            "finished": _when(job.get("finished")),
+            "created": when(job["created"]),
+            "finished": when(job.get("finished")),
         }
         latest = job.get("latest") or {}
         if latest.get("loss") is not None:
@@ -197,9 +209,9 @@ def jobs_command(
         for key, value in lines.items():
             typer.echo(f"{key:>10}  {value}")
         return
-    jobs = _call("GET", coordinator, "/api/v1/jobs", token)
+    jobs = call("GET", coordinator, "/api/v1/jobs", token)
     if as_json:
-        _echo_json(jobs)
+        echo_json(jobs)
         return
     rows = [
         [
@@ -208,35 +220,10 @@ def jobs_command(
             str(j["spec"].get("model", "?")),
             f"{j['steps_done']}/{j['spec'].get('steps', '?')}",
             f"{j['samples_per_s']:.1f}" if j.get("samples_per_s") else "-",
-            _when(j["created"]),
+            when(j["created"]),
             j.get("reason") or "",
         ]
         for j in jobs["data"]
     ]
     columns = ["id", "state", "model", "steps", "samples/s", "created", "reason"]
-    _table(f"jobs ({jobs['count']})", columns, rows)
-
-
-def fleet_command(
-    coordinator: str = _COORDINATOR,
-    token: str | None = _TOKEN,
-    as_json: bool = _JSON,
-) -> None:
-    """The devices the coordinator knows: state, measured speed, memory, link, current job.
-
-    (The device-profile catalogue is ``edgetrain devices``.)
-    """
-    devices = _call("GET", coordinator, "/api/v1/devices", token)
-    if as_json:
-        _echo_json(devices)
-        return
-    rows = []
-    for d in devices["data"]:
-        p = d.get("profile") or {}
-        gflops = f"{p['gflops']:.1f}" if p.get("gflops") is not None else "-"
-        memory = f"{p['memory_bytes'] / 2**30:.1f} GiB" if p.get("memory_bytes") else "-"
-        link = f"{p['bandwidth_mbps']:.0f} Mbit/s" if p.get("bandwidth_mbps") else "-"
-        job = f"{d['job']} (stage {d['stage']})" if d.get("job") else "-"
-        rows.append([d["id"], d["state"], gflops, memory, link, job, _when(d.get("last_seen"))])
-    columns = ["device", "state", "GFLOP/s", "memory", "link", "job", "last seen"]
-    _table(f"fleet ({devices['count']})", columns, rows)
+    table(f"jobs ({jobs['count']})", columns, rows)

@@ -1,8 +1,9 @@
 """``edgetrain demo``: the product end to end, on embedded defaults.
 
-It starts a broker (Mosquitto, or the embedded amqtt), the coordinator (REST
-API and dashboard) with a freshly generated API token, and three agent
-processes emulating catalogue devices: each announces its catalogue profile
+It starts the coordinator (REST API and dashboard) with a freshly generated
+API token and its own broker (Mosquitto with TLS, accounts and ACLs; the
+embedded amqtt, anonymous, without Mosquitto), enrols three agent processes
+through the API emulating catalogue devices: each announces its catalogue profile
 and is slowed in software to that device's speed relative to the fastest.
 It then submits a ``cnn-digits`` job on ``digits`` through the REST API (the
 first device holds the data; the model at twice its default width, see
@@ -15,10 +16,13 @@ at a terminal to press Ctrl-C, as in CI).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,19 +33,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 from torch.utils.data import DataLoader
 
-from coordinator.local.broker import free_port, start_broker
+from coordinator.local.broker import find_mosquitto, free_port
 from coordinator.local.fleet import LocalFleet
+from coordinator.local.owned import start_owned_broker
 from edge.errors import UserError, needs_coordinator_extras
 from edge.models.datasets import build_dataset
 from edge.models.zoo import ModelSpec, get_model
 from edge.profiling.catalog import resolve
+from edge.transport.credentials import Credentials
 
 if TYPE_CHECKING:
     import httpx
 
 __all__ = ["MODEL_OPTIONS", "demo_command", "test_accuracy"]
 
-MODEL_OPTIONS = {"width": 32}
+MODEL_OPTIONS: dict[str, Any] = {"width": 32}
 """cnn-digits at twice its default width: enough work per step that the planner's own
 best plan on the default fleet is a pipeline (the Pi, which holds the data, runs the
 first convolution and hands the rest to the Jetson). At the default width the Pi alone
@@ -107,33 +113,48 @@ def demo_command(
     fastest = max(d.gflops for d in specs)
     slowdowns = [fastest / d.gflops for d in specs]
     token = secrets.token_urlsafe(24)
-    with start_broker() as broker:
-        console.print(f"broker: {broker.describe()}")
-        import tempfile
+    with (
+        tempfile.TemporaryDirectory(prefix="edgetrain-demo-") as tmp,
+        contextlib.ExitStack() as stack,
+    ):
+        # With Mosquitto the coordinator starts its own broker (TLS, accounts, ACLs that
+        # follow the plan) and the agents are enrolled through its API, as a user would;
+        # without it, an anonymous embedded broker started here.
+        secure = find_mosquitto() is not None
+        broker_url = None
+        if not secure:
+            plain = start_owned_broker(Path(tmp) / "broker", secure=False)
+            stack.callback(plain.stop)
+            broker_url = plain.url
+        settings = Settings(
+            broker_url=broker_url,
+            data_dir=Path(tmp),
+            api_token=SecretStr(token),
+            port=port or free_port(),
+        )
+        url = f"http://{settings.host}:{settings.port}"
+        with (
+            serve_in_thread(settings),
+            httpx.Client(
+                base_url=url, timeout=30, headers={"Authorization": f"Bearer {token}"}
+            ) as api,
+        ):
 
-        with tempfile.TemporaryDirectory(prefix="edgetrain-demo-") as tmp:
-            from pathlib import Path
+            def enroll(device: str) -> Credentials:
+                got = api.post("/api/v1/devices/enroll", json={"device_id": device})
+                got.raise_for_status()
+                return Credentials.model_validate(got.json())
 
-            settings = Settings(
-                broker_url=broker.url,
-                data_dir=Path(tmp),
-                api_token=SecretStr(token),
-                port=port or free_port(),
-            )
-            url = f"http://{settings.host}:{settings.port}"
-            with (
-                serve_in_thread(settings),
-                LocalFleet(
-                    len(names),
-                    broker.url,
-                    threads=1,
-                    profiles=[p.name for p in profiles],
-                    slowdowns=slowdowns,
-                ) as agents,
-                httpx.Client(
-                    base_url=url, timeout=30, headers={"Authorization": f"Bearer {token}"}
-                ) as api,
-            ):
+            with LocalFleet(
+                len(names),
+                broker_url,
+                enroll=enroll if secure else None,
+                threads=1,
+                profiles=[p.name for p in profiles],
+                slowdowns=slowdowns,
+            ) as agents:
+                how = "TLS, an account per device, ACLs" if secure else "anonymous"
+                console.print(f"broker: {agents.broker_url} ({how})")
                 console.print(f"coordinator: {url}  (dashboard {url}/, API token {token})")
                 for device, name, slow in zip(agents.ids, names, slowdowns, strict=True):
                     console.print(

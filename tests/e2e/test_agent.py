@@ -83,7 +83,7 @@ def test_a_store_on_an_address_the_agent_does_not_accept_fails_the_stage(one_age
     (a,) = make_assignments("storejob", spec, Plan.of((device, 0, 3)))
     group = DistGroup(store_host="192.0.2.7", store_port=29500, world_size=1, ranks={0: 0})
     events: list[Any] = []
-    control.subscribe(job_events("storejob"), lambda _t, p: events.append(parse_event(p)))
+    control.subscribe(job_events("storejob", device), lambda _t, p: events.append(parse_event(p)))
     control.publish(device_cmd(device), a.model_copy(update={"dist": group}).model_dump_json(), 1)
     assert until(lambda: events, 20), fleet.tail(device)
     (failed,) = events

@@ -34,7 +34,7 @@ from edge.wire.messages import (
     StepReport,
     parse_event,
 )
-from edge.wire.topics import TOPIC_ROOT, device_cmd, job_events, job_restore
+from edge.wire.topics import TOPIC_ROOT, device_cmd, job_events_all, job_restore
 
 STEPS, EVERY, RESUME_AT = 6, 2, 4
 SPEC = JobSpec(
@@ -64,7 +64,7 @@ class Job:
         self.events: list[Any] = []
         self.replicas: list[tuple[int, bytes]] = []  # (stage of the topic, blob)
         self._cond = threading.Condition()
-        self._topics = [job_events(job), f"{TOPIC_ROOT}/jobs/{job}/replica/+"]
+        self._topics = [job_events_all(job), f"{TOPIC_ROOT}/jobs/{job}/replica/+"]
         control.subscribe(self._topics[0], self._on_event)
         control.subscribe(self._topics[1], self._on_replica)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,49 @@ def test_three_agents_over_mqtt_match_one_device_and_in_process(tmp_path: Path) 
     two = ok_json(train("--devices", "3", "--stages", "2", "--transport", "inprocess", "--json"))
     assert len(two["plan"]["stages"]) == 2 and [s["stage"] for s in two["stages"]] == [0, 1]
     assert two["losses"] == three["losses"]
+
+
+USER_CODE = {
+    "edgetrain_mine/__init__.py": "",
+    "edgetrain_mine/models.py": """
+from torch import nn
+
+
+def tiny():
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 10))
+tiny.input_shape = (1, 8, 8)
+""",
+    "edgetrain_mydata.py": """
+from edge.models.datasets import DigitsDataset
+
+
+def digits(split):
+    return DigitsDataset(split)
+""",
+}
+
+
+@pytest.mark.broker
+@pytest.mark.skipif(find_mosquitto() is None, reason=NO_MOSQUITTO)
+@pytest.mark.slow
+def test_a_user_model_and_dataset_train_on_agents_that_allow_their_modules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Agents run only the user code they are allowed: ``train`` allows them the job's
+    own modules, so two stages of a user model on a user dataset train over MQTT as
+    they do in process."""
+    for name, text in USER_CODE.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    path = [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(path))
+    mine = ["--model", "edgetrain_mine.models:tiny", "--dataset", "edgetrain_mydata:digits"]
+    agents = ok_json(train(*mine, "--devices", "2", "--partition", "even", "--json"))
+    assert agents["transport"] == "mqtt" and len(agents["plan"]["stages"]) == 2
+    local = ok_json(
+        train(*mine, "--devices", "2", "--partition", "even", "--transport", "inprocess", "--json")
+    )
+    assert len(agents["losses"]) == 4 and agents["losses"] == local["losses"]
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,7 @@ def _agent(broker: str, tmp: Path, *args: str) -> subprocess.Popen[str]:
         "1",
         "--measure-seconds",
         "0.05",
+        "--insecure",
         *args,
     ]
     return subprocess.Popen(

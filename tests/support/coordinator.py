@@ -17,20 +17,21 @@ __all__ = ["coordinator_process"]
 @contextmanager
 def coordinator_process(
     port: int,
-    broker: str,
+    broker: str | None,
     data: Path,
     *,
     token: str | None = None,
     stderr: IO[bytes] | int = subprocess.DEVNULL,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """The coordinator on ``port`` with ``broker`` and ``data``; an API token only when
+    """The coordinator on ``port`` with ``broker`` (``None``: its own, secure) and ``data``;
+    an API token only when
     ``token`` is given. SIGTERM when the block ends (SIGKILL after 30 s); a process the
     block killed itself is left as it is."""
     env = {k: v for k, v in os.environ.items() if k != "EDGETRAIN_API_TOKEN"}
     if token is not None:
         env["EDGETRAIN_API_TOKEN"] = token
     cmd = [sys.executable, "-m", "edgetrain.cli", "coordinator", "--port", str(port)]
-    cmd += ["--broker", broker, "--data-dir", str(data)]
+    cmd += ["--data-dir", str(data), *(["--broker", broker] if broker else [])]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         yield proc

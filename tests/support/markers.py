@@ -31,9 +31,9 @@ import coordinator.local.broker as broker_mod
 
 __all__ = ["BROKER_FIXTURES", "NO_MOSQUITTO", "BrokerMarkers", "needs_mosquitto"]
 
-BROKER_FIXTURES = frozenset({"mosquitto", "module_broker", "own_brokers"})
+BROKER_FIXTURES = frozenset({"mosquitto", "module_broker", "own_brokers", "secure_broker"})
 """Fixtures that start Mosquitto, or skip without it (tests/conftest.py, tests/e2e/conftest.py,
-tests/integration/test_transport_conformance.py)."""
+tests/integration/test_transport_conformance.py, tests/security/conftest.py)."""
 
 NO_MOSQUITTO = "mosquitto binary not found (on PATH or /usr/sbin/mosquitto)"
 

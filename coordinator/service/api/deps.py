@@ -15,6 +15,7 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from coordinator.access.accounts import BrokerAccounts
 from coordinator.service.events import EventBus
 from coordinator.service.manager import JobManager
 from coordinator.service.registry import DeviceRegistry
@@ -39,6 +40,9 @@ class Services:
     bus: EventBus
     registry: DeviceRegistry
     manager: JobManager
+    accounts: BrokerAccounts | None = None
+    """The broker's accounts when the coordinator started it (enrolment, revocation)."""
+    broker_url: str = ""
 
 
 def get_services(request: Request) -> Services:

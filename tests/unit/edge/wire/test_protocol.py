@@ -481,7 +481,7 @@ def test_only_canonical_stage_topics_parse(
         device_profile("d1"),
         device_cmd("d1"),
         device_heartbeat("d1"),
-        job_events("j"),
+        job_events("j", "d1"),
         job_weights("j", 1),
         "",
         "edgetrain/v1/jobs/j/stage/1",

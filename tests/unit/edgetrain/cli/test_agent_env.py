@@ -39,6 +39,9 @@ ENV = {
     "EDGETRAIN_DEVICE": "cuda:1",
     "EDGETRAIN_PRECISION": "bf16",
     "EDGETRAIN_SERVER": "1",
+    "EDGETRAIN_CREDENTIALS": "/etc/edgetrain/creds.json",
+    "EDGETRAIN_ALLOW_CODE": "mypkg other.models",
+    "EDGETRAIN_INSECURE": "1",
     "EDGETRAIN_STORE_HOST": "10.0.0.5 gpu-box.lan",  # repeatable: separated by spaces
 }
 PARSED: dict[str, Any] = {
@@ -59,6 +62,9 @@ PARSED: dict[str, Any] = {
     "device": "cuda:1",
     "precision": "bf16",
     "server": True,
+    "credentials": Path("/etc/edgetrain/creds.json"),
+    "allow_code": ["mypkg", "other.models"],
+    "insecure": True,
     "store_host": ["10.0.0.5", "gpu-box.lan"],
 }
 
@@ -110,16 +116,46 @@ def test_a_value_from_the_environment_is_checked_as_a_flags_is(env: pytest.Monke
     done = runner.invoke(app, ["agent"])
     assert isinstance(done.exception, UserError)
     assert done.exception.message == "--link-latency-ms: must be 0 to 60000 (got -5)"
-    # The flag wins over the bad variable; the next check is the variable's device id.
+    # The flag wins over the bad variable; the next check is the login: no credentials
+    # needs --insecure (from its variable too), and then the variable's device id.
+    done = runner.invoke(app, ["agent", "--link-latency-ms", "0"])
+    assert isinstance(done.exception, UserError)
+    assert done.exception.message.startswith("no credentials for mqtt://127.0.0.1:9: anyone")
+    env.setenv("EDGETRAIN_INSECURE", "1")
     env.setenv("EDGETRAIN_DEVICE_ID", "pi/7")
     done = runner.invoke(app, ["agent", "--link-latency-ms", "0"])
     assert isinstance(done.exception, UserError)
-    assert done.exception.message == "--device-id: 'pi/7' must be non-empty without / + #"
+    assert done.exception.message == (
+        "--device-id: 'pi/7' is not 1-64 of A-Z a-z 0-9 _ . - (starting with a letter or digit)"
+    )
+
+
+def test_an_agent_without_credentials_needs_insecure(env: pytest.MonkeyPatch) -> None:
+    runner = CliRunner()
+    env.setenv("EDGETRAIN_BROKER", "mqtt://127.0.0.1:9")
+    done = runner.invoke(app, ["agent"])
+    assert isinstance(done.exception, UserError) and done.exception.exit_code == 2
+    assert done.exception.message == (
+        "no credentials for mqtt://127.0.0.1:9: anyone who can publish on it could drive this "
+        "agent; give --credentials FILE (edgetrain fleet enroll), or --insecure to accept that"
+    )
+
+
+def test_an_empty_or_wildcard_allowance_is_refused(env: pytest.MonkeyPatch) -> None:
+    runner = CliRunner()
+    env.setenv("EDGETRAIN_BROKER", "mqtt://127.0.0.1:9")
+    for bad, why in (("", "empty"), ("*", "a wildcard")):
+        done = runner.invoke(
+            app, ["agent", "--insecure", "--allow-code", "ok", "--allow-code", bad]
+        )
+        assert isinstance(done.exception, UserError) and done.exception.exit_code == 2
+        assert done.exception.message.startswith(f"--allow-code: {bad!r} is {why}; "), done.output
 
 
 def test_a_store_host_is_an_address_or_a_name(env: pytest.MonkeyPatch) -> None:
     runner = CliRunner()
-    base = ["agent", "--broker", "mqtt://127.0.0.1:9", "--store-host", "[fd00::5]"]
+    base = ["agent", "--broker", "mqtt://127.0.0.1:9", "--insecure"]
+    base += ["--store-host", "[fd00::5]"]
     for bad in ("gpu box", "-x", "10.0.0.5:29500", ""):
         done = runner.invoke(app, [*base, "--store-host", bad])
         assert isinstance(done.exception, UserError), done.output

@@ -1,0 +1,138 @@
+"""The broker a command owns, secure by default: TLS, accounts, ACLs that follow the plan.
+
+This module owns starting a broker together with its security, for
+``edgetrain coordinator``, ``demo`` and ``train`` (``testbed up`` and
+``testbed compose`` write the same files for their own broker processes):
+
+1. the TLS files (:func:`coordinator.access.certs.broker_tls`) and the accounts
+   record (:class:`coordinator.access.accounts.BrokerAccounts`) in a directory
+   (the coordinator's data directory, or a temporary one for a one-off run);
+2. Mosquitto, TLS-only, with the dynamic-security plugin's file written from that
+   record (:func:`coordinator.local.broker.start_broker`);
+3. one connection of the coordinator's own account, through which accounts and
+   rules change while the broker runs.
+
+:meth:`OwnedBroker.settings` gives every other connection of the coordinator the
+same login. Without Mosquitto (the embedded amqtt broker), or with
+``secure=False``, the broker is anonymous and plain: :attr:`OwnedBroker.accounts`
+is ``None``, and agents need ``--insecure``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator.access.accounts import BrokerAccounts
+from coordinator.access.certs import broker_tls
+from coordinator.local.broker import (
+    HOST,
+    BrokerSecurity,
+    BrokerStartError,
+    RunningBroker,
+    find_mosquitto,
+    start_broker,
+)
+from edge.errors import UserError
+from edge.transport.mqtt import MqttTransport
+from edge.transport.settings import MqttSettings
+
+__all__ = ["OwnedBroker", "start_owned_broker"]
+
+log = logging.getLogger("edgetrain.broker")
+
+
+@dataclass
+class OwnedBroker:
+    """A running broker, its accounts (``None``: anonymous) and the admin connection."""
+
+    broker: RunningBroker
+    accounts: BrokerAccounts | None
+    admin: MqttTransport | None
+
+    @property
+    def url(self) -> str:
+        return self.broker.url
+
+    @property
+    def secure(self) -> bool:
+        return self.accounts is not None
+
+    def settings(self, **extra: object) -> MqttSettings:
+        """MQTT settings of the coordinator's account (anonymous when not secure)."""
+        if self.accounts is None:
+            return MqttSettings(url=self.url, **extra)  # type: ignore[arg-type]
+        user, password = self.accounts.coordinator
+        return MqttSettings(
+            url=self.url,
+            username=user,
+            password=password,  # type: ignore[arg-type]
+            tls_ca_pem=self.accounts.ca_pem,
+            **extra,  # type: ignore[arg-type]
+        )
+
+    def describe(self) -> str:
+        how = "TLS, accounts and ACLs" if self.secure else "anonymous, no TLS"
+        return f"{self.broker.describe()}, {how}"
+
+    def stop(self) -> None:
+        if self.admin is not None:
+            self.admin.close()
+            self.admin = None
+        self.broker.stop()
+
+
+def start_owned_broker(
+    directory: Path,
+    *,
+    secure: bool = True,
+    prefer: str = "auto",
+    port: int | None = None,
+    log_dir: Path | None = None,
+    hosts: list[str] | None = None,
+    own_tls: tuple[Path, Path, Path] | None = None,
+    bind: str | None = None,
+) -> OwnedBroker:
+    """Start a broker whose security lives in ``directory`` (see the module docstring).
+
+    ``hosts`` are further names devices reach it by (its certificate names them, and
+    credentials files give the first); with any, it listens on every interface unless
+    ``bind`` says where. ``own_tls`` (cert, key, CA files) replaces the generated
+    certificate. A broker that does not start is a one-line :class:`~edge.errors.UserError`.
+    """
+    bind = bind or ("0.0.0.0" if hosts else HOST)
+    if secure and (prefer == "amqtt" or (prefer == "auto" and find_mosquitto() is None)):
+        log.warning(
+            "the embedded amqtt broker is anonymous and plain: anyone who can reach it can "
+            "drive its agents; install mosquitto for TLS, accounts and ACLs"
+        )
+        secure = False
+    if not secure:
+        return OwnedBroker(_start(prefer, port, log_dir, None, bind), None, None)
+    tls = broker_tls(directory / "tls", hosts, own_tls)
+    accounts = BrokerAccounts(directory, "", tls.ca_pem)
+    security = BrokerSecurity(tls, accounts.plugin_config())
+    broker = _start(prefer, port, log_dir, security, bind)
+    accounts.broker_url = f"mqtts://{hosts[0]}:{broker.port}" if hosts else broker.url
+    owned = OwnedBroker(broker, accounts, None)
+    try:
+        admin = MqttTransport(owned.settings())
+        admin.connect(timeout=15)
+    except BaseException:
+        broker.stop()
+        raise
+    owned.admin = admin
+    accounts.attach(admin)
+    return owned
+
+
+def _start(
+    prefer: str, port: int | None, log_dir: Path | None, security: BrokerSecurity | None, bind: str
+) -> RunningBroker:
+    try:
+        if prefer == "amqtt":
+            return start_broker(prefer, port, log_dir)
+        return start_broker(prefer, port, log_dir, security=security, bind=bind)
+    except BrokerStartError as exc:
+        raise UserError(f"could not start a broker: {str(exc).splitlines()[0]}") from None

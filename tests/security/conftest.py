@@ -1,0 +1,49 @@
+"""Fixtures of the attacker suite: a secure broker the coordinator owns, and its fleet.
+
+The broker is the one ``edgetrain train`` and ``coordinator`` start (Mosquitto over
+TLS with the dynamic-security plugin, :mod:`coordinator.local.owned`); the fleet's
+agents are real processes, each enrolled and logged in with its own credentials.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from support.markers import NO_MOSQUITTO
+
+from coordinator.local.broker import find_mosquitto
+from coordinator.local.fleet import LocalFleet
+from coordinator.local.owned import OwnedBroker, start_owned_broker
+from edge.transport.mqtt import MqttTransport
+
+
+@pytest.fixture(scope="module")
+def secure_broker() -> Iterator[OwnedBroker]:
+    if find_mosquitto() is None:
+        pytest.skip(NO_MOSQUITTO)
+    with tempfile.TemporaryDirectory(prefix="edgetrain-security-") as tmp:
+        owned = start_owned_broker(Path(tmp) / "broker", log_dir=Path(tmp))
+        try:
+            yield owned
+        finally:
+            owned.stop()
+
+
+@pytest.fixture(scope="module")
+def secure_control(secure_broker: OwnedBroker) -> Iterator[MqttTransport]:
+    """A connection of the coordinator's own account."""
+    transport = MqttTransport(secure_broker.settings())
+    transport.connect(timeout=10)
+    yield transport
+    transport.close()
+
+
+@pytest.fixture(scope="module")
+def secure_fleet(secure_broker: OwnedBroker, secure_control: MqttTransport) -> Iterator[LocalFleet]:
+    """Three enrolled agents, slowed 3x so that a job lasts while it is attacked."""
+    with LocalFleet(3, secure_broker, threads=1, slowdowns=[3.0, 3.0, 3.0]) as local:
+        local.wait_online(secure_control, timeout=90)
+        yield local
