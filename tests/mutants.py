@@ -114,8 +114,8 @@ MUTANTS = [
         name="duplicate-frame-accepted",
         what="an inbox accepts a frame whose key it has already seen",
         path="edge/transport/base.py",
-        old="if frame.step < self._floor or frame.key in self._seen:",
-        new="if frame.step < self._floor:",
+        old='or ("duplicate" if head.key in self._seen else None)',
+        new="or None",
         tests=("tests/integration/test_transport_conformance.py",),
     ),
     Mutant(
@@ -213,6 +213,17 @@ MUTANTS = [
         tests=(
             "tests/integration/test_agent_allow_code.py::"
             "test_an_open_agent_refuses_code_it_was_not_allowed_and_keeps_serving",
+        ),
+    ),
+    Mutant(
+        name="shape-check-skipped",
+        what="an inbox keeps a frame whatever shape and dtype its stage's plan implies",
+        path="edge/transport/base.py",
+        old="or self._mismatch(head.kind, head.shape, head.dtype)",
+        new="or None",
+        tests=(
+            "tests/integration/test_hostile_frames.py",
+            "tests/unit/edge/transport/test_inbox.py",
         ),
     ),
     # Issue 15: nothing torn, and agents that join only stores they accept.

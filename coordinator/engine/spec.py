@@ -42,6 +42,7 @@ __all__ = [
     "JobMonitor",
     "JobResult",
     "JobSpec",
+    "largest_message_bytes",
     "make_assignments",
     "new_job_id",
 ]
@@ -74,6 +75,32 @@ class JobFailed(RuntimeError):
 
 class JobAborted(JobFailed):
     """The caller's ``abort`` check gave a reason to stop (e.g. a device died)."""
+
+
+_MQTT_MAX = 268_435_455  # MQTT's own limit on one packet
+
+
+def largest_message_bytes(spec: JobSpec) -> int:
+    """An upper bound on any one MQTT message of ``spec``, for a broker started for it.
+
+    The largest is either a tensor frame (one microbatch's activations or gradients
+    after any unit, at fp32) or a stage's state (its weights with the optimizer's state,
+    at most two more copies of them: AdamW), each bounded here by the whole model's;
+    with a margin for headers and metadata. MQTT's own limit when the model cannot be
+    profiled here.
+    """
+    from edge.models.unit_costs import profile_model
+    from edge.models.zoo import get_model
+
+    try:
+        model = get_model(spec.model, seed=spec.seed, **spec.model_options)
+        microbatch = max(1, spec.batch_size // spec.microbatches)
+        units = profile_model(model, microbatch, timing=False).units
+    except Exception:  # a user model that will fail later, with its own message
+        return _MQTT_MAX
+    frame = max(u.out_bytes for u in units)
+    state = 3 * sum(u.param_bytes for u in units)
+    return min(_MQTT_MAX, int(1.25 * max(frame, state)) + (1 << 20))
 
 
 def new_job_id() -> str:

@@ -39,12 +39,14 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import psutil
 
-from coordinator.access.certs import BrokerTls
 from edge.errors import UserError, needs_coordinator_extras
+
+if TYPE_CHECKING:
+    from coordinator.access.certs import BrokerTls
 
 __all__ = [
     "HOST",
@@ -239,8 +241,15 @@ def _stop_process(proc: subprocess.Popen[bytes], grace_s: float) -> None:
         proc.wait(timeout=grace_s)
 
 
+MAX_PACKET = 268_435_460
+
+
 def _mosquitto_conf(
-    port: int, password_file: Path | None, secure: Path | None = None, bind: str = HOST
+    port: int,
+    password_file: Path | None,
+    secure: Path | None = None,
+    bind: str = HOST,
+    max_packet: int = MAX_PACKET,
 ) -> str:
     auth = f"false\npassword_file {password_file}" if password_file else "true"
     tls = ""
@@ -260,8 +269,9 @@ def _mosquitto_conf(
         "log_type error\nlog_type warning\nlog_type notice\n"
         # Pipelines queue many QoS 1 frames per client; the default (1000) drops them.
         "max_queued_messages 10000\n"
-        # MQTT's own ceiling (256 MiB payload + header): 64 MiB tensor frames pass.
-        "max_packet_size 268435460\n"
+        # By default MQTT's own ceiling (256 MiB payload + header); a broker started for
+        # one job takes that job's largest message (largest_message_bytes).
+        f"max_packet_size {max_packet}\n"
     )
 
 
@@ -316,9 +326,10 @@ def _start_mosquitto_once(
     timeout_s: float,
     secure: Path | None = None,
     bind: str = HOST,
+    max_packet: int = MAX_PACKET,
 ) -> tuple[subprocess.Popen[bytes], Path, Path]:
     conf = tmp / f"mosquitto-{port}.conf"
-    conf.write_text(_mosquitto_conf(port, passwords, secure, bind))
+    conf.write_text(_mosquitto_conf(port, passwords, secure, bind, max_packet))
     log_path = log_dir / f"mosquitto-{port}.log"
     with log_path.open("ab") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(
@@ -348,6 +359,7 @@ def _start_mosquitto(
     timeout_s: float,
     security: BrokerSecurity | None = None,
     bind: str = HOST,
+    max_packet: int = MAX_PACKET,
 ) -> MosquittoBroker:
     # The config (and a password copy) live in a directory of the broker's own, removed at
     # stop; the log goes to log_dir when one is given, so that it outlives the broker.
@@ -361,7 +373,15 @@ def _start_mosquitto(
             chosen = port or free_port(HOST)
             try:
                 proc, conf, log_path = _start_mosquitto_once(
-                    binary, chosen, tmp, log_dir or tmp, passwords, timeout_s, secure, bind
+                    binary,
+                    chosen,
+                    tmp,
+                    log_dir or tmp,
+                    passwords,
+                    timeout_s,
+                    secure,
+                    bind,
+                    max_packet,
                 )
                 break
             except BrokerStartError as exc:
@@ -447,6 +467,7 @@ def start_broker(
     password_file: Path | None = None,
     security: BrokerSecurity | None = None,
     bind: str = HOST,
+    max_packet: int = MAX_PACKET,
     start_timeout_s: float = 10.0,
 ) -> RunningBroker:
     """Start a broker on ``127.0.0.1:port`` (``None``: a free port) and return it.
@@ -458,7 +479,9 @@ def start_broker(
     a ``mosquitto_passwd`` file) turns anonymous access off; ``security``
     (Mosquitto only) makes it TLS-only with the dynamic-security plugin's accounts.
     ``bind`` (Mosquitto only) is the address it listens on (``0.0.0.0``: every
-    interface); this process reaches it on 127.0.0.1 either way.
+    interface); this process reaches it on 127.0.0.1 either way. ``max_packet``
+    (Mosquitto only): the largest message it takes; a client that sends a larger
+    one is disconnected.
     """
     if prefer not in ("auto", "mosquitto", "amqtt"):
         raise UserError(f"unknown broker {prefer!r}: expected auto, mosquitto or amqtt")
@@ -470,7 +493,7 @@ def start_broker(
         )
     if binary is not None:
         return _start_mosquitto(
-            binary, port, log_dir, password_file, start_timeout_s, security, bind
+            binary, port, log_dir, password_file, start_timeout_s, security, bind, max_packet
         )
     if password_file is not None or security is not None:
         raise UserError("accounts and TLS need mosquitto; the embedded amqtt broker is anonymous")

@@ -13,21 +13,22 @@ This module owns starting a broker together with its security, for
    rules change while the broker runs.
 
 :meth:`OwnedBroker.settings` gives every other connection of the coordinator the
-same login. Without Mosquitto (the embedded amqtt broker), or with
-``secure=False``, the broker is anonymous and plain: :attr:`OwnedBroker.accounts`
-is ``None``, and agents need ``--insecure``.
+same login. Without Mosquitto (the embedded amqtt broker), on a device install
+(no ``cryptography``), or with ``secure=False``, the broker is anonymous and
+plain: :attr:`OwnedBroker.accounts` is ``None``, and agents need ``--insecure``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.access.accounts import BrokerAccounts
-from coordinator.access.certs import broker_tls
 from coordinator.local.broker import (
     HOST,
+    MAX_PACKET,
     BrokerSecurity,
     BrokerStartError,
     RunningBroker,
@@ -93,15 +94,25 @@ def start_owned_broker(
     hosts: list[str] | None = None,
     own_tls: tuple[Path, Path, Path] | None = None,
     bind: str | None = None,
+    max_packet: int = MAX_PACKET,
 ) -> OwnedBroker:
     """Start a broker whose security lives in ``directory`` (see the module docstring).
 
     ``hosts`` are further names devices reach it by (its certificate names them, and
     credentials files give the first); with any, it listens on every interface unless
     ``bind`` says where. ``own_tls`` (cert, key, CA files) replaces the generated
-    certificate. A broker that does not start is a one-line :class:`~edge.errors.UserError`.
+    certificate. ``max_packet``: the largest message it takes (a broker started for one
+    job: :func:`coordinator.engine.spec.largest_message_bytes`). A broker that does not
+    start is a one-line :class:`~edge.errors.UserError`.
     """
     bind = bind or ("0.0.0.0" if hosts else HOST)
+    if secure and importlib.util.find_spec("cryptography") is None:  # a device install
+        log.warning(
+            "no TLS for the broker: it needs the cryptography package (pip install "
+            "'edgetrain[coordinator]'); the broker is anonymous, anyone who can reach it can "
+            "drive its agents"
+        )
+        secure = False
     if secure and (prefer == "amqtt" or (prefer == "auto" and find_mosquitto() is None)):
         log.warning(
             "the embedded amqtt broker is anonymous and plain: anyone who can reach it can "
@@ -109,11 +120,13 @@ def start_owned_broker(
         )
         secure = False
     if not secure:
-        return OwnedBroker(_start(prefer, port, log_dir, None, bind), None, None)
+        return OwnedBroker(_start(prefer, port, log_dir, None, bind, max_packet), None, None)
+    from coordinator.access.certs import broker_tls
+
     tls = broker_tls(directory / "tls", hosts, own_tls)
     accounts = BrokerAccounts(directory, "", tls.ca_pem)
     security = BrokerSecurity(tls, accounts.plugin_config())
-    broker = _start(prefer, port, log_dir, security, bind)
+    broker = _start(prefer, port, log_dir, security, bind, max_packet)
     accounts.broker_url = f"mqtts://{hosts[0]}:{broker.port}" if hosts else broker.url
     owned = OwnedBroker(broker, accounts, None)
     try:
@@ -128,11 +141,18 @@ def start_owned_broker(
 
 
 def _start(
-    prefer: str, port: int | None, log_dir: Path | None, security: BrokerSecurity | None, bind: str
+    prefer: str,
+    port: int | None,
+    log_dir: Path | None,
+    security: BrokerSecurity | None,
+    bind: str,
+    max_packet: int,
 ) -> RunningBroker:
     try:
         if prefer == "amqtt":
             return start_broker(prefer, port, log_dir)
-        return start_broker(prefer, port, log_dir, security=security, bind=bind)
+        return start_broker(
+            prefer, port, log_dir, security=security, bind=bind, max_packet=max_packet
+        )
     except BrokerStartError as exc:
         raise UserError(f"could not start a broker: {str(exc).splitlines()[0]}") from None

@@ -144,7 +144,7 @@ def train_on_local_fleet(
     faster plans (``rebalance``)."""
     from coordinator.engine.engine import JobEngine, JobHooks
     from coordinator.engine.runners import server_tier
-    from coordinator.engine.spec import new_job_id
+    from coordinator.engine.spec import largest_message_bytes, new_job_id
     from coordinator.local.fleet import LocalFleet
     from coordinator.local.owned import OwnedBroker, start_owned_broker
     from edge.models.user_code import user_modules
@@ -156,7 +156,8 @@ def train_on_local_fleet(
         target: str | OwnedBroker
         if broker is None:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="edgetrain-train-")))
-            owned = start_owned_broker(work / "broker", log_dir=work)
+            largest = largest_message_bytes(spec)  # the broker takes nothing larger
+            owned = start_owned_broker(work / "broker", log_dir=work, max_packet=largest)
             stack.callback(owned.stop)
             target, settings, name = owned, owned.settings(), owned.broker.kind
             note(f"started {owned.describe()}")

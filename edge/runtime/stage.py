@@ -11,7 +11,9 @@ over their parameters, and runs a step by executing its row of the schedule
   the loss), run backward, and send the input's gradient back.
 
 After the last action the optimizer steps (the flush). Stage 0 sends every
-microbatch's labels straight to the last stage before the first forward.
+microbatch's labels straight to the last stage before the first forward. The
+stage tells its inbox which step it runs and what its plan lets it receive
+(:mod:`edge.runtime.links`), so anything else a peer sends is dropped, never taken.
 
 On a server (``torch_device`` ``cuda:N``) the segment, its inputs and its
 gradients live on the GPU; frames are encoded from and decoded to host memory.
@@ -54,6 +56,7 @@ from edge.models.user_code import ANY_CODE, CodeAllowance
 from edge.models.zoo import get_model
 from edge.runtime.checkpoint import load_state, read_state, select, stage_state
 from edge.runtime.data import EpochSampler, load_batch
+from edge.runtime.links import expected_frames
 from edge.runtime.schedules import make_schedule
 from edge.transport.base import Transport
 from edge.wire.frames import Codec, Kind, encode_frame
@@ -139,7 +142,14 @@ class StageRuntime:
                 a.dataset, "train", allow_code=allow_code, **a.dataset_options
             )
             self.sampler = EpochSampler(len(self.dataset), a.batch_size, a.seed)  # type: ignore[arg-type]
+        self.expected = expected_frames(a, spec, self.dataset if a.is_first else None)
+        """What the plan lets this stage receive (see :mod:`edge.runtime.links`)."""
         self.inbox = transport.attach(a.job, a.stage)
+        self._expect(a.first_step)
+
+    def _expect(self, step: int) -> None:
+        """Have the inbox keep only the frames of the plan, for ``step`` and the next."""
+        self.inbox.expect(self.expected, microbatches=self.a.microbatches, step=step)
 
     def _start(self) -> float:
         """Start timing a compute block: its wall-clock start (and CPU start, kept here)."""
@@ -314,8 +324,10 @@ class StageRuntime:
         """
         a, done = self.a, 0
         replicate, every = self.replicate, a.replicate_every
+        first = a.first_step if first_step is None else first_step
+        self._expect(first)
         try:
-            for step in range(a.first_step if first_step is None else first_step, a.steps):
+            for step in range(first, a.steps):
                 if self._cancelled.is_set():
                     break
                 report = self.run_step(step)

@@ -33,6 +33,17 @@ Other codecs must convert, which makes the one copy they need. The payload is
 16-byte aligned within the frame, and a view whose address is not 16-byte
 aligned is copied: CPU matmul kernels take a different path on unaligned
 inputs and round differently, which would break bit-exact pipeline parity.
+
+[Note: bounded decoding]
+A receiver must know what a frame will cost before it pays for it. So decoding
+is two calls: :func:`read_header` checks every header field against the bytes
+that arrived (and against a maximum frame size) without touching the payload,
+and :func:`decode_body` then verifies the checksum and makes the tensor. In
+between, the receiver can refuse the frame by its header alone (a step it does
+not expect, a shape its plan does not imply; see :class:`edge.transport.base.Inbox`).
+A decoded tensor is at most 4x its payload: an ``int8`` frame decodes to
+``float32`` (or to the narrower dtype its header names), never ``float64``
+(:func:`decoded_dtype`).
 """
 
 from __future__ import annotations
@@ -52,13 +63,19 @@ __all__ = [
     "DTYPES",
     "HEADER",
     "MAX_ELEMENTS",
+    "MAX_FRAME_BYTES",
     "MAX_NDIM",
     "Codec",
     "Frame",
     "FrameError",
+    "FrameHeader",
     "Kind",
+    "decode_body",
     "decode_frame",
+    "decoded_dtype",
     "encode_frame",
+    "prefix_size",
+    "read_header",
 ]
 
 MAGIC = b"ETF1"
@@ -67,6 +84,8 @@ HEADER = struct.Struct("<4sBBBBB3x16sQIfQI")
 MAX_NDIM = 8
 MAX_ELEMENTS = 1 << 31
 """A frame declaring more elements than this is refused before anything is allocated."""
+MAX_FRAME_BYTES = 1 << 31
+"""The largest frame :func:`read_header` accepts unless told a smaller maximum (2 GiB)."""
 
 
 class Kind(IntEnum):
@@ -120,6 +139,23 @@ def _padding(ndim: int) -> int:
     return -(HEADER.size + 8 * ndim) % _ALIGN
 
 
+def prefix_size(ndim: int) -> int:
+    """Bytes before the payload of a frame of ``ndim`` dimensions: header, shape, padding."""
+    return HEADER.size + 8 * ndim + _padding(ndim)
+
+
+def decoded_dtype(codec: Codec, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a frame of ``codec`` whose header names ``dtype`` decodes to.
+
+    The header's dtype, except that ``int8`` never widens past ``float32``: its
+    values carry 8 bits and a ``float32`` scale, and a ``float64`` tensor would
+    make a frame 8x its payload (see [Note: bounded decoding]).
+    """
+    if codec is Codec.INT8 and dtype.itemsize > 4:
+        return torch.float32
+    return dtype
+
+
 # Per ndim: the shape and its zero padding, alone and after the header (one pack per frame).
 _SHAPES = [struct.Struct(f"<{n}Q{_padding(n)}x") for n in range(MAX_NDIM + 1)]
 _PREFIXES = [struct.Struct(HEADER.format + f"{n}Q{_padding(n)}x") for n in range(MAX_NDIM + 1)]
@@ -142,6 +178,30 @@ class FrameError(ValueError):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    """A frame's header, checked against the bytes that carry it (:func:`read_header`)."""
+
+    kind: Kind
+    job: str
+    step: int
+    microbatch: int
+    codec: Codec
+    dtype: torch.dtype
+    """The tensor's dtype once decoded (:func:`decoded_dtype`)."""
+    shape: tuple[int, ...]
+    scale: float
+    checksum: int
+    offset: int
+    """Where the payload starts."""
+    nbytes: int
+    """Size of the whole frame on the wire."""
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (int(self.kind), self.step, self.microbatch)
 
 
 @dataclass(frozen=True)
@@ -223,12 +283,29 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
 
 
-def decode_frame(data: bytes | bytearray | memoryview) -> Frame:
+def decode_frame(data: bytes | bytearray | memoryview, max_bytes: int = MAX_FRAME_BYTES) -> Frame:
     """Check and decode one frame; anything wrong raises :class:`FrameError`.
 
-    Every field is checked before anything is allocated; the checksum is computed once.
+    Every field is checked before anything is allocated; the checksum is computed
+    once. :func:`read_header` then :func:`decode_body`, for a caller with nothing
+    to check in between.
     """
     view = memoryview(data)
+    return decode_body(read_header(view, max_bytes), view)
+
+
+def read_header(
+    data: bytes | bytearray | memoryview, max_bytes: int = MAX_FRAME_BYTES
+) -> FrameHeader:
+    """Check a frame's header against its bytes, without reading the payload.
+
+    Raises :class:`FrameError` for a frame over ``max_bytes``, a bad magic,
+    version or field, a shape that is too large or does not match the payload's
+    length, or a frame that ends early. The checksum is :func:`decode_body`'s.
+    """
+    view = memoryview(data)
+    if len(view) > max_bytes:
+        raise FrameError("too-large", f"{len(view)} bytes exceed the maximum of {max_bytes}")
     if len(view) < HEADER.size:
         raise FrameError("truncated", f"{len(view)} bytes is shorter than the header")
     (magic, version, kind, codec, dtype, ndim, job_raw, step, mb, scale, length, checksum) = (
@@ -264,27 +341,52 @@ def decode_frame(data: bytes | bytearray | memoryview) -> Frame:
     if numel * wire_dtype.itemsize != length:
         need = numel * wire_dtype.itemsize
         raise FrameError("bad-shape", f"shape {shape} needs {need} bytes, payload has {length}")
-    if crc32c(view[start:]) != checksum:
-        raise FrameError("bad-checksum", "payload checksum does not match")
-    if numel == 0:
-        tensor = torch.empty(shape, dtype=dtype_v)
-    else:
-        # A view of the frame; see [Note: zero-copy decoding].
-        tensor = torch.frombuffer(view, dtype=wire_dtype, count=numel, offset=start)
-        if ndim != 1:
-            tensor = tensor.view(shape)
-        if codec_v is Codec.INT8:
-            tensor = tensor.to(dtype_v).mul_(scale)
-        elif wire_dtype is not dtype_v:
-            tensor = tensor.to(dtype_v)  # a new tensor, aligned like any other
-        elif tensor.data_ptr() % _ALIGN:
-            tensor = tensor.clone()
-    return Frame(
+    return FrameHeader(
         kind=kind_v,
         job=job,
         step=step,
         microbatch=mb,
         codec=codec_v,
-        tensor=tensor,
+        dtype=decoded_dtype(codec_v, dtype_v),
+        shape=shape,
+        scale=scale,
+        checksum=checksum,
+        offset=start,
         nbytes=len(view),
+    )
+
+
+def decode_body(header: FrameHeader, data: bytes | bytearray | memoryview) -> Frame:
+    """Verify the checksum of the frame ``header`` was read from and make its tensor.
+
+    ``data`` must be the very bytes :func:`read_header` checked. A bad checksum
+    raises :class:`FrameError`.
+    """
+    view = memoryview(data)
+    start, shape, codec, dtype = header.offset, header.shape, header.codec, header.dtype
+    if crc32c(view[start:]) != header.checksum:
+        raise FrameError("bad-checksum", "payload checksum does not match")
+    numel = math.prod(shape)
+    wire_dtype = dtype if codec is Codec.RAW else _WIRE_DTYPE[codec]
+    if numel == 0:
+        tensor = torch.empty(shape, dtype=dtype)
+    else:
+        # A view of the frame; see [Note: zero-copy decoding].
+        tensor = torch.frombuffer(view, dtype=wire_dtype, count=numel, offset=start)
+        if len(shape) != 1:
+            tensor = tensor.view(shape)
+        if codec is Codec.INT8:
+            tensor = tensor.to(dtype).mul_(header.scale)
+        elif wire_dtype is not dtype:
+            tensor = tensor.to(dtype)  # a new tensor, aligned like any other
+        elif tensor.data_ptr() % _ALIGN:
+            tensor = tensor.clone()
+    return Frame(
+        kind=header.kind,
+        job=header.job,
+        step=header.step,
+        microbatch=header.microbatch,
+        codec=codec,
+        tensor=tensor,
+        nbytes=header.nbytes,
     )

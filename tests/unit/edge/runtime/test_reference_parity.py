@@ -48,6 +48,8 @@ def _run(spec: JobSpec, stages: int) -> JobResult:
     assert {(r.stage, r.step) for r in result.reports} == {
         (s, t) for s in range(stages) for t in range(spec.steps)
     }
+    # The inboxes' step window and plan never refuse a frame the pipeline really sends.
+    assert [r.frames_dropped for r in result.reports] == [0] * len(result.reports)
     return result
 
 

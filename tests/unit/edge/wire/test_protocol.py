@@ -21,13 +21,18 @@ from edge.wire.frames import (
     DTYPES,
     HEADER,
     MAX_ELEMENTS,
+    MAX_FRAME_BYTES,
     MAX_NDIM,
     Codec,
     Frame,
     FrameError,
     Kind,
+    decode_body,
     decode_frame,
+    decoded_dtype,
     encode_frame,
+    prefix_size,
+    read_header,
 )
 from edge.wire.topics import (
     TOPIC_ROOT,
@@ -88,6 +93,12 @@ def patched(frame: bytes, **changes: object) -> bytes:
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(BITS[t.dtype.itemsize])
+
+
+def received_dtype(dtype: torch.dtype, codec: Codec) -> torch.dtype:
+    """What a tensor of ``dtype`` sent with ``codec`` decodes to: itself, but int8 never
+    decodes to float64 (8x its payload): float32."""
+    return torch.float32 if codec is Codec.INT8 and dtype is torch.float64 else dtype
 
 
 def is_lossy(dtype: torch.dtype, codec: Codec) -> bool:
@@ -168,7 +179,7 @@ def test_every_dtype_and_codec_round_trips(
     assert got.key == (int(kind), step, microbatch)
     assert got.nbytes == len(frame)
     assert got.codec is (codec if dtype.is_floating_point else Codec.RAW)
-    assert got.tensor.dtype == dtype
+    assert got.tensor.dtype == received_dtype(dtype, codec)
     assert got.tensor.shape == t.shape
     if t.numel():
         assert got.tensor.data_ptr() % 16 == 0
@@ -188,7 +199,7 @@ def test_every_dtype_and_codec_round_trips(
         assert stored_scale == (float(np.float32(peak / 127)) if peak else 1.0)
         if t.numel():
             # Within half a step, plus the rounding of the result to the tensor's dtype.
-            eps = max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
+            eps = max(torch.finfo(got.tensor.dtype).eps, torch.finfo(torch.float32).eps)
             error = float((got.tensor.double() - t.double()).abs().max())
             assert error <= stored_scale / 2 + 2 * eps * peak
     else:
@@ -201,8 +212,8 @@ def test_int8_keeps_an_all_zero_tensor_zero(dtype: torch.dtype, shape: tuple[int
     frame = encode_frame(Kind.GRADIENT, "j", 0, 0, torch.zeros(shape, dtype=dtype), Codec.INT8)
     got = decode_frame(frame)
     assert header(frame)["scale"] == 1.0
-    assert got.codec is Codec.INT8 and got.tensor.dtype == dtype
-    assert torch.equal(got.tensor, torch.zeros(shape, dtype=dtype))
+    assert got.codec is Codec.INT8 and got.tensor.dtype == received_dtype(dtype, Codec.INT8)
+    assert torch.equal(got.tensor, torch.zeros(shape, dtype=got.tensor.dtype))
 
 
 def test_int8_stores_its_scale() -> None:
@@ -365,6 +376,46 @@ def test_too_large_is_refused_before_allocating(monkeypatch: pytest.MonkeyPatch)
     # MAX_ELEMENTS itself passes that check; this frame then lacks the bytes it declares.
     at_limit = patched(with_shape(GOOD, MAX_ELEMENTS, 1), length=4 * MAX_ELEMENTS)
     assert reason(at_limit) == "bad-length"
+
+
+def test_a_frame_over_the_maximum_is_refused_before_its_header_is_read() -> None:
+    assert MAX_FRAME_BYTES == 1 << 31
+    for data in (GOOD, b"\xff" * (len(GOOD) + 1)):
+        with pytest.raises(FrameError, match=rf"^too-large: {len(data)} bytes exceed") as caught:
+            decode_frame(data, max_bytes=len(GOOD) - 1)
+        assert caught.value.reason == "too-large"
+    assert decode_frame(GOOD, max_bytes=len(GOOD)).nbytes == len(GOOD)
+
+
+def test_the_header_is_checked_without_the_payload() -> None:
+    corrupt = GOOD[:-1] + bytes([GOOD[-1] ^ 1])
+    head = read_header(corrupt)
+    assert (head.kind, head.job, head.step, head.microbatch) == (Kind.ACTIVATION, "job-7", 3, 1)
+    assert (head.shape, head.dtype, head.codec) == ((4, 8), torch.float32, Codec.FP32)
+    assert head.offset == prefix_size(2) == len(GOOD) - GOOD_LENGTH and head.nbytes == len(GOOD)
+    with pytest.raises(FrameError, match=r"^bad-checksum"):  # decode_body's to check
+        decode_body(head, corrupt)
+    assert torch.equal(
+        decode_body(read_header(GOOD), GOOD).tensor, torch.linspace(-1, 1, 32).view(4, 8)
+    )
+
+
+@pytest.mark.parametrize("codec", list(Codec), ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=str)
+def test_a_decoded_tensor_is_at_most_four_times_its_payload(
+    dtype: torch.dtype, codec: Codec
+) -> None:
+    """int8 never decodes to float64 (8x): a header's shape bounds what decoding allocates."""
+    t = torch.ones(64, dtype=dtype)
+    frame = encode_frame(Kind.ACTIVATION, "j", 0, 0, t, codec)
+    head = read_header(frame)
+    got = decode_frame(frame).tensor
+    assert got.dtype == head.dtype == decoded_dtype(head.codec, dtype)
+    payload = len(frame) - head.offset
+    assert got.nbytes <= 4 * payload
+    if head.codec is Codec.INT8:
+        assert got.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        assert got.dtype == (torch.float32 if dtype is torch.float64 else dtype)
 
 
 @given(bit=st.integers(0, GOOD_LENGTH * 8 - 1))
