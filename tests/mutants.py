@@ -238,6 +238,23 @@ MUTANTS = [
             "tests/unit/coordinator/service/test_app.py::test_a_body_over_max_body_bytes_is_a_413",
         ),
     ),
+    # Issue 15: nothing torn, and agents that join only stores they accept.
+    Mutant(
+        name="agent-joins-any-store",
+        what="an agent joins a rendezvous store on any address an assignment names",
+        path="edge/server/groups.py",
+        old="return any(_address(a) == wanted for a in accepted)",
+        new="return True",
+        tests=("tests/unit/edge/server/test_groups.py",),
+    ),
+    Mutant(
+        name="writes-in-place",
+        what="a file that matters is written in place: a failed write leaves it torn",
+        path="edge/files.py",
+        old='tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")',
+        new="(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), str(target))",
+        tests=("tests/unit/edge/test_files.py",),
+    ),
 ]
 
 

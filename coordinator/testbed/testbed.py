@@ -37,6 +37,7 @@ from coordinator.testbed.sizing import MIN_CPUS, EmulatedDevice, emulate
 from coordinator.testbed.state import State, locked
 from coordinator.testbed.teardown import down, status, teardown
 from edge.errors import UserError
+from edge.files import write_atomic
 from edge.problem import DeviceSpec
 
 __all__ = ["MethodChoice", "Testbed", "down", "measure_core_gflops", "status"]
@@ -166,7 +167,7 @@ class Testbed:
         profiles.mkdir(parents=True, exist_ok=True)
         for dev in self.devices:
             self.announced[dev.id] = dev.announced(state.core_gflops)
-            (profiles / f"{dev.id}.json").write_text(self.announced[dev.id].model_dump_json())
+            write_atomic(profiles / f"{dev.id}.json", self.announced[dev.id].model_dump_json())
         self._procs["broker"], state.broker_url = procs.start_broker(state)
         state.save()
         if coordinator:
@@ -278,8 +279,7 @@ class Testbed:
         self.devices.append(dev)
         self.announced[dev.id] = dev.announced(state.core_gflops)
         profile = state.dir / "profiles" / f"{dev.id}.json"
-        profile.parent.mkdir(parents=True, exist_ok=True)
-        profile.write_text(self.announced[dev.id].model_dump_json())
+        write_atomic(profile, self.announced[dev.id].model_dump_json())
         self._start_software_agent(dev)
         return dev.id
 

@@ -17,6 +17,7 @@ from coordinator.planner.build import parse_fleet
 from coordinator.testbed.compose import DEFAULT_IMAGE_TAG, render_compose
 from coordinator.testbed.sizing import emulate
 from edge.errors import UserError
+from edge.files import write_atomic
 
 __all__ = ["compose_command"]
 
@@ -113,6 +114,6 @@ def compose_command(
         typer.echo(text, nl=False)
         return
     try:
-        output.write_text(text)
+        write_atomic(output, text)
     except OSError as exc:
         raise UserError(f"--output {output}: cannot write: {exc.strerror or exc}") from None
