@@ -264,6 +264,8 @@ def _mosquitto_conf(
         f"{tls}"
         f"allow_anonymous {auth}\n"
         "persistence false\n"
+        # Nagle off: see [Note: no Nagle] in edge.transport.mqtt.
+        "set_tcp_nodelay true\n"
         # stderr, unlike stdout, is unbuffered: the log file is current while it runs.
         "log_dest stderr\n"
         "log_type error\nlog_type warning\nlog_type notice\n"
