@@ -1,6 +1,7 @@
 """The accounts record: what enrolment keeps, what the broker's plugin file says.
 
-No broker here: changes while a broker runs are tests/security/'s (a real Mosquitto).
+No broker here: creating the devices in a running broker, and changes while it runs,
+are tests/security/'s (a real Mosquitto).
 """
 
 from __future__ import annotations
@@ -23,30 +24,30 @@ def _verifies(entry: dict[str, object], password: str) -> bool:
     return base64.b64encode(digest).decode() == entry["password"]
 
 
-def test_enrolment_keeps_a_hash_and_the_plugin_file_binds_the_client_id(tmp_path: Path) -> None:
+def test_the_record_is_private_and_the_plugin_file_holds_the_coordinator_only(
+    tmp_path: Path,
+) -> None:
     accounts = BrokerAccounts(tmp_path, "mqtts://gw:8883", "-----BEGIN CERTIFICATE-----x")
     creds = accounts.enroll("pi-1")
-    password = creds.password.get_secret_value()
     assert (creds.broker, creds.username, creds.device_id) == ("mqtts://gw:8883", "pi-1", "pi-1")
-    record = (tmp_path / "accounts.json").read_text()
     assert stat.S_IMODE((tmp_path / "accounts.json").stat().st_mode) == 0o600
-    assert password not in record
     config = accounts.plugin_config()
-    admin, device = config["clients"]
+    [admin] = config["clients"]  # devices are created live, once attached
     assert admin["username"] == COORDINATOR_USER and _verifies(admin, accounts.coordinator[1])
-    assert device["username"] == "pi-1" and device["clientid"] == "agent-pi-1"
-    assert _verifies(device, password) and not _verifies(device, password + "x")
+    assert accounts.coordinator[1] not in json.dumps(config)  # hashed there
     assert config["defaultACLAccess"] == {
         "publishClientSend": False,
         "publishClientReceive": False,
         "subscribe": False,
         "unsubscribe": True,
     }
-    role = next(r for r in config["roles"] if r["rolename"] == "device-pi-1")
-    topics = {(a["acltype"], a["topic"]) for a in role["acls"]}
+    [create_role, create_client] = accounts._create("pi-1", "pw")
+    topics = {(a["acltype"], a["topic"]) for a in create_role["acls"]}
     assert ("publishClientSend", "edgetrain/v1/devices/pi-1/status") in topics
     assert ("subscribeLiteral", "edgetrain/v1/devices/pi-1/cmd") in topics
     assert not any("jobs" in t for _kind, t in topics)  # no job's topics until granted
+    assert create_client["clientid"] == "agent-pi-1"
+    assert create_client["roles"] == [{"rolename": "device-pi-1"}]
 
 
 def test_rotation_revocation_and_the_record_survive_a_restart(tmp_path: Path) -> None:
@@ -57,8 +58,7 @@ def test_rotation_revocation_and_the_record_survive_a_restart(tmp_path: Path) ->
     later = BrokerAccounts(tmp_path, "mqtts://gw:8883", None)
     assert later.devices() == ["pi-1", "pi-2"]
     assert later.coordinator == accounts.coordinator
-    entry = next(c for c in later.plugin_config()["clients"] if c["username"] == "pi-1")
-    assert _verifies(entry, new) and not _verifies(entry, old)
+    assert later.record["devices"]["pi-1"]["password"] == new != old
     later.revoke("pi-1")
     assert BrokerAccounts(tmp_path, "", None).devices() == ["pi-2"]
     with pytest.raises(UserError, match="device 'pi-1' is not enrolled"):
