@@ -24,7 +24,9 @@ The record of accounts (``accounts.json`` in the directory, mode 0600) holds
 password hashes only; it is the source from which a broker's plugin file is
 written at each start (:meth:`~BrokerAccounts.plugin_config`). Changes made
 while the broker runs go to it through the plugin's API, once :meth:`attach` gave
-the coordinator's connection, and to the record.
+the coordinator's connection (or, for the embedded amqtt broker, the same commands
+to its tables, :class:`~coordinator.access.dynsec_tables.DynSecTables`), and to
+the record.
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from coordinator.access.dynsec import DynSec, DynSecError, hash_password, initial_config
+from coordinator.access.dynsec import (
+    DynSec,
+    DynSecControl,
+    DynSecError,
+    hash_password,
+    initial_config,
+)
 from edge.errors import UserError
 from edge.files import PRIVATE, write_atomic
 from edge.transport.credentials import Credentials, device_client_id
@@ -95,7 +103,7 @@ class BrokerAccounts:
         self.ca_pem = ca_pem
         self._path = directory / "accounts.json"
         self._lock = threading.Lock()
-        self._dynsec: DynSec | None = None
+        self._dynsec: DynSecControl | None = None
         self._granted: dict[str, list[tuple[str, _Rule]]] = {}  # job -> (role, rule)
         self.record = self._load()
 
@@ -162,10 +170,11 @@ class BrokerAccounts:
 
     # -- live changes ------------------------------------------------------------------
 
-    def attach(self, control: MqttTransport) -> None:
-        """From now on, apply changes to the running broker through ``control`` (a
-        connection of the coordinator's account)."""
-        self._dynsec = DynSec(control)
+    def attach(self, control: MqttTransport | DynSecControl) -> None:
+        """From now on, apply changes to the running broker through ``control``: a
+        connection of the coordinator's account (Mosquitto's plugin), or the tables of
+        a broker in this process."""
+        self._dynsec = DynSec(control) if isinstance(control, MqttTransport) else control
 
     def _call(self, *commands: dict[str, Any]) -> None:
         if self._dynsec is not None:
