@@ -18,7 +18,9 @@ weights of the plain PyTorch reference.
 
 from __future__ import annotations
 
+import logging
 import queue
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -28,6 +30,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from support.reference import assert_matches, train_reference
 
+import coordinator.local.broker as broker_mod
 from coordinator.access.accounts import BrokerAccounts
 from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobSpec, new_job_id
@@ -241,6 +244,27 @@ def test_the_embedded_broker_is_secure(owned: OwnedBroker) -> None:
             if client is not None:
                 client.close()
         spy.transport.close()
+
+
+def test_without_mosquitto_the_owned_broker_is_amqtt_and_secure(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(shutil, "which", lambda *a, **k: None)
+    monkeypatch.setattr(broker_mod, "MOSQUITTO_FALLBACK", tmp_path / "no-mosquitto")
+    with caplog.at_level(logging.WARNING):
+        secure = start_owned_broker(tmp_path / "broker")  # prefer="auto"
+    try:
+        assert isinstance(secure.broker, AmqttBroker) and secure.secure
+        assert secure.url.startswith("mqtts://")
+        assert secure.broker.tables is not None
+        assert caplog.records == []  # no warning: nothing to warn about
+        creds = secure.accounts.enroll("pi-1")  # type: ignore[union-attr]
+        clients = [Client(secure, creds, device_client_id("pi-1")), Client(secure, None, "x")]
+        assert [c.accepted for c in clients] == [True, False]
+        for c in clients:
+            c.close()
+    finally:
+        secure.stop()
 
 
 def _spec() -> JobSpec:
