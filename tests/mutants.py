@@ -255,6 +255,18 @@ MUTANTS = [
         new="(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), str(target))",
         tests=("tests/unit/edge/test_files.py",),
     ),
+    # Issue 15: the embedded amqtt broker enforces the same accounts and ACLs.
+    Mutant(
+        name="amqtt-acl-allows-any-publish",
+        what="the embedded amqtt broker lets any logged-in account publish on any topic",
+        path="coordinator/local/amqtt_embedded.py",
+        old="return _tables(self.config).allowed(session.username, _KIND[action], topic)",
+        new=(
+            "return action == Action.PUBLISH or "
+            "_tables(self.config).allowed(session.username, _KIND[action], topic)"
+        ),
+        tests=("tests/integration/test_amqtt_security.py::test_the_embedded_broker_is_secure",),
+    ),
 ]
 
 

@@ -31,7 +31,9 @@ Mosquitto 2.0.11: a client loaded from the plugin's file is disconnected by
 runs, is not (the role does not list it), and its rules still apply. A device
 disconnected at an assignment would lose it (clean sessions), so the broker
 starts with the coordinator's account only (:meth:`~BrokerAccounts.plugin_config`)
-and :meth:`~BrokerAccounts.attach` creates every enrolled device through the API.
+and :meth:`~BrokerAccounts.attach` creates every enrolled device through the API
+(for the embedded amqtt broker, the same commands go to its tables,
+:class:`~coordinator.access.dynsec_tables.DynSecTables`).
 That needs the devices' passwords, so the record keeps them (not hashes): it is
 as secret as the coordinator's own password beside them. The plugin stores its
 own copy hashed. Should a later Mosquitto list such clients too, grants would
@@ -47,7 +49,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from coordinator.access.dynsec import DynSec, DynSecError, hash_password, initial_config
+from coordinator.access.dynsec import (
+    DynSec,
+    DynSecControl,
+    DynSecError,
+    hash_password,
+    initial_config,
+)
 from edge.errors import UserError
 from edge.files import PRIVATE, write_atomic
 from edge.transport.credentials import Credentials, device_client_id
@@ -106,7 +114,7 @@ class BrokerAccounts:
         self.ca_pem = ca_pem
         self._path = directory / "accounts.json"
         self._lock = threading.Lock()
-        self._dynsec: DynSec | None = None
+        self._dynsec: DynSecControl | None = None
         self._granted: dict[str, list[tuple[str, _Rule]]] = {}  # job -> (role, rule)
         self.record = self._load()
 
@@ -155,10 +163,11 @@ class BrokerAccounts:
 
     # -- live changes ------------------------------------------------------------------
 
-    def attach(self, control: MqttTransport) -> None:
-        """From now on, apply changes to the running broker through ``control`` (a
-        connection of the coordinator's account); first, create every enrolled device."""
-        self._dynsec = DynSec(control)
+    def attach(self, control: MqttTransport | DynSecControl) -> None:
+        """From now on, apply changes to the running broker through ``control``: a
+        connection of the coordinator's account (Mosquitto's plugin), or the tables of
+        a broker in this process. First, create every enrolled device in it."""
+        self._dynsec = DynSec(control) if isinstance(control, MqttTransport) else control
         with self._lock:
             devices = dict(self.record["devices"])
         commands = []

@@ -30,13 +30,14 @@ import json
 import queue
 import secrets
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 from edge.transport.mqtt import MqttTransport
 
 __all__ = [
     "ADMIN_ROLE",
     "DynSec",
+    "DynSecControl",
     "DynSecError",
     "hash_password",
     "initial_config",
@@ -96,6 +97,15 @@ def initial_config(
             "unsubscribe": True,
         },
     }
+
+
+class DynSecControl(Protocol):
+    """What changes a running broker's accounts and rules: :class:`DynSec` (Mosquitto, over
+    MQTT) or :class:`coordinator.access.dynsec_tables.DynSecTables` (the embedded broker)."""
+
+    def call(self, *commands: dict[str, Any]) -> list[dict[str, Any]]:
+        """Run ``commands``; their answers in order, or :class:`DynSecError` if one was refused."""
+        ...
 
 
 class DynSec:
