@@ -42,6 +42,7 @@ disconnect devices for a moment, and ``tests/security`` would fail.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
@@ -166,17 +167,27 @@ class BrokerAccounts:
     def attach(self, control: MqttTransport | DynSecControl) -> None:
         """From now on, apply changes to the running broker through ``control``: a
         connection of the coordinator's account (Mosquitto's plugin), or the tables of
-        a broker in this process. First, create every enrolled device in it."""
+        a broker in this process. First, (re)create every enrolled device in it: one the
+        broker already has (another coordinator made it, or its file held it after a
+        restart) is deleted first, which disconnects it once, now, rather than at a grant
+        ([Note: devices are created live])."""
         self._dynsec = DynSec(control) if isinstance(control, MqttTransport) else control
         with self._lock:
             devices = dict(self.record["devices"])
-        commands = []
-        for device, entry in sorted(devices.items()):
-            if "password" not in entry:  # cannot happen with a record this module wrote
-                log.warning("device %s has no password on record: enrol it again", device)
-                continue
-            commands += self._create(device, str(entry["password"]))
-        self._call(*commands)
+        known = [d for d, entry in sorted(devices.items()) if "password" in entry]
+        for device in sorted(set(devices) - set(known)):  # not with a record written here
+            log.warning("device %s has no password on record: enrol it again", device)
+        stale = [
+            {"command": c, key: name}
+            for device in known
+            for c, key, name in (
+                ("deleteClient", "username", device),
+                ("deleteRole", "rolename", _role(device)),
+            )
+        ]
+        with contextlib.suppress(DynSecError):  # "not found": the usual case
+            self._call(*stale)
+        self._call(*[c for d in known for c in self._create(d, str(devices[d]["password"]))])
 
     @staticmethod
     def _create(device: str, password: str) -> list[dict[str, Any]]:
