@@ -19,6 +19,7 @@ PYTEST_WORKERS ?= 2
 .PHONY: demo test check mutants lint typecheck setup system-deps clean
 
 demo: $(STAMP)
+	@$(MAKE) --no-print-directory system-deps SYSTEM_PACKAGES="$(BROKER_PACKAGE)"
 	$(BIN)/edgetrain demo
 
 test: $(STAMP) system-deps
@@ -63,7 +64,10 @@ $(STAMP): pyproject.toml | $(BIN)/python
 # v1, which only validates the compose testbed files with `docker-compose config`;
 # no Docker engine is installed or run). Installed with apt-get when missing and
 # we are root; otherwise those tests are skipped with a reason.
-SYSTEM_PACKAGES := mosquitto:/usr/sbin/mosquitto chromium:/usr/bin/chromium docker-compose:/usr/bin/docker-compose
+# `make demo` needs only the broker: Mosquitto gives it TLS, accounts and ACLs (without
+# it the demo runs on the embedded amqtt broker, anonymous, and says so).
+BROKER_PACKAGE := mosquitto:/usr/sbin/mosquitto
+SYSTEM_PACKAGES := $(BROKER_PACKAGE) chromium:/usr/bin/chromium docker-compose:/usr/bin/docker-compose
 
 system-deps:
 	@missing=""; for entry in $(SYSTEM_PACKAGES); do \
@@ -75,7 +79,7 @@ system-deps:
 		echo "installing$$missing with apt-get"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	else \
-		echo "warning:$$missing not installed and we are not root; their tests will be skipped"; \
+		echo "warning:$$missing not installed and we are not root (their tests are skipped; the demo's broker is the embedded one)"; \
 	fi
 
 clean:

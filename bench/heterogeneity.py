@@ -229,7 +229,6 @@ def run_fleet(
         print(f"# fleet {name}: limits {tb.method} ({tb.method_reason})", file=sys.stderr)
         control = MqttTransport(tb.login())
         control.connect(30)
-        accounts = tb.accounts(control)  # the testbed's broker: stages use topics by grant
         try:
             for model in models:
 
@@ -263,7 +262,7 @@ def run_fleet(
                         seed=0,
                     )
                     started = time.perf_counter()
-                    measured, compute = measure(control, spec, plan, args.warmup, accounts)
+                    measured, compute = measure(control, spec, plan, args.warmup, tb.accounts)
                     predicted_compute = [t * args.microbatches for t in score.compute_s]
                     row = Row(
                         model,

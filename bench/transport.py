@@ -88,6 +88,7 @@ def mosquitto() -> Iterator[int]:
         conf.write_text(
             f"listener {port} {HOST}\nallow_anonymous true\npersistence false\n"
             "log_dest stderr\nlog_type error\nmax_queued_messages 10000\n"
+            "set_tcp_nodelay true\n"  # as coordinator.local.broker starts it
         )
         with (Path(tmp) / "log").open("wb") as log:
             proc = subprocess.Popen([binary, "-c", str(conf)], stdout=log, stderr=log)

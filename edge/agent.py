@@ -43,11 +43,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
 from edge.errors import UserError
+from edge.files import write_atomic
 from edge.logs import bind
 from edge.models.user_code import ZOO_ONLY, CodeAllowance
 from edge.problem import DeviceSpec
@@ -57,7 +58,7 @@ from edge.server.groups import join_group, leave_group
 from edge.transport.base import Transport
 from edge.transport.credentials import device_client_id
 from edge.transport.mqtt import MqttTransport
-from edge.transport.settings import MqttSettings
+from edge.transport.settings import MqttSettings, parse_broker_url
 from edge.wire.messages import (
     CancelJob,
     DeviceStatus,
@@ -110,6 +111,7 @@ class Agent:
         slowdown: float = 1.0,
         torch_device: str = "cpu",
         allow_code: CodeAllowance = ZOO_ONLY,
+        store_hosts: Sequence[str] = (),
     ) -> None:
         self.device_id = device_id
         self.allow_code = allow_code
@@ -132,6 +134,8 @@ class Agent:
         self._incoming_lock = threading.Lock()
         self._watching: str | None = None  # the neighbour replica topic subscribed to
         self.replicas = ReplicaKeeper(data_dir)
+        self.store_hosts = (parse_broker_url(settings.url)[1], *store_hosts)
+        """Where a server-tier stage may find its rendezvous store, beside loopback."""
         self.bad_replicas = 0
         self.transport = MqttTransport(
             settings.model_copy(
@@ -324,7 +328,7 @@ class Agent:
         replicate = self._replicator(a) if a.replicate_every else None
         transport: Transport = self.transport
         if a.dist is not None:  # blocks until every rank of the group has joined
-            transport = join_group(a, self.transport)
+            transport = join_group(a, self.transport, self.store_hosts)
         try:
             rt = StageRuntime(
                 a,
@@ -462,9 +466,7 @@ class Agent:
             steps = rt.run()
             if not rt.cancelled:
                 weights = rt.weights()
-                out = self.data_dir / a.job
-                out.mkdir(parents=True, exist_ok=True)
-                (out / f"stage{a.stage}.safetensors").write_bytes(weights)
+                write_atomic(self.data_dir / a.job / f"stage{a.stage}.safetensors", weights)
                 self.transport.publish(job_weights(a.job, a.stage), weights, 1)
                 self._event(StageDone(job=a.job, stage=a.stage, device=self.device_id, steps=steps))
                 bind(log, job=a.job, stage=a.stage).info(

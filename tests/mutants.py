@@ -234,6 +234,47 @@ MUTANTS = [
             "tests/unit/edge/transport/test_inbox.py",
         ),
     ),
+    # The REST API's hardening.
+    Mutant(
+        name="chunked-body-unbounded",
+        what="a request body without Content-Length (chunked) is read whole, past the limit",
+        path="coordinator/service/body_limit.py",
+        old="                if received > self.max_bytes:\n",
+        new="                if received > self.max_bytes and declared is not None:\n",
+        tests=(
+            "tests/unit/coordinator/service/test_body_limit.py",
+            "tests/unit/coordinator/service/test_app.py::test_a_body_over_max_body_bytes_is_a_413",
+        ),
+    ),
+    # Issue 15: nothing torn, and agents that join only stores they accept.
+    Mutant(
+        name="agent-joins-any-store",
+        what="an agent joins a rendezvous store on any address an assignment names",
+        path="edge/server/groups.py",
+        old="return any(_address(a) == wanted for a in accepted)",
+        new="return True",
+        tests=("tests/unit/edge/server/test_groups.py",),
+    ),
+    Mutant(
+        name="writes-in-place",
+        what="a file that matters is written in place: a failed write leaves it torn",
+        path="edge/files.py",
+        old='tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")',
+        new="(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), str(target))",
+        tests=("tests/unit/edge/test_files.py",),
+    ),
+    # Issue 15: the embedded amqtt broker enforces the same accounts and ACLs.
+    Mutant(
+        name="amqtt-acl-allows-any-publish",
+        what="the embedded amqtt broker lets any logged-in account publish on any topic",
+        path="coordinator/local/amqtt_embedded.py",
+        old="return _tables(self.config).allowed(session.username, _KIND[action], topic)",
+        new=(
+            "return action == Action.PUBLISH or "
+            "_tables(self.config).allowed(session.username, _KIND[action], topic)"
+        ),
+        tests=("tests/integration/test_amqtt_security.py::test_the_embedded_broker_is_secure",),
+    ),
 ]
 
 

@@ -20,15 +20,29 @@ in the README's Security section):
   (:func:`coordinator.engine.runners.run_on_agents`). Only the coordinator's
   account publishes commands.
 
-The record of accounts (``accounts.json`` in the directory, mode 0600) holds
-password hashes only; it is the source from which a broker's plugin file is
-written at each start (:meth:`~BrokerAccounts.plugin_config`). Changes made
-while the broker runs go to it through the plugin's API, once :meth:`attach` gave
-the coordinator's connection, and to the record.
+The record of accounts (``accounts.json`` in the directory, mode 0600, read by
+the coordinator only) is the source of the broker's accounts at each start.
+
+[Note: devices are created live]
+The plugin disconnects every client of a role whose ACL changes (its
+``role__kick_all``), and a job's grants change a device's role. Measured with
+Mosquitto 2.0.11: a client loaded from the plugin's file is disconnected by
+``addRoleACL``; one made by ``createClient`` with its roles, while the broker
+runs, is not (the role does not list it), and its rules still apply. A device
+disconnected at an assignment would lose it (clean sessions), so the broker
+starts with the coordinator's account only (:meth:`~BrokerAccounts.plugin_config`)
+and :meth:`~BrokerAccounts.attach` creates every enrolled device through the API
+(for the embedded amqtt broker, the same commands go to its tables,
+:class:`~coordinator.access.dynsec_tables.DynSecTables`).
+That needs the devices' passwords, so the record keeps them (not hashes): it is
+as secret as the coordinator's own password beside them. The plugin stores its
+own copy hashed. Should a later Mosquitto list such clients too, grants would
+disconnect devices for a moment, and ``tests/security`` would fail.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import secrets
@@ -36,7 +50,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from coordinator.access.dynsec import DynSec, DynSecError, hash_password, initial_config
+from coordinator.access.dynsec import (
+    DynSec,
+    DynSecControl,
+    DynSecError,
+    hash_password,
+    initial_config,
+)
 from edge.errors import UserError
 from edge.files import PRIVATE, write_atomic
 from edge.transport.credentials import Credentials, device_client_id
@@ -95,7 +115,7 @@ class BrokerAccounts:
         self.ca_pem = ca_pem
         self._path = directory / "accounts.json"
         self._lock = threading.Lock()
-        self._dynsec: DynSec | None = None
+        self._dynsec: DynSecControl | None = None
         self._granted: dict[str, list[tuple[str, _Rule]]] = {}  # job -> (role, rule)
         self.record = self._load()
 
@@ -136,36 +156,52 @@ class BrokerAccounts:
             return sorted(self.record["devices"])
 
     def plugin_config(self) -> dict[str, Any]:
-        """The dynamic-security plugin's file for a broker starting now."""
+        """The dynamic-security plugin's file for a broker starting now: the coordinator's
+        account only. :meth:`attach` then creates every enrolled device through the
+        plugin's API ([Note: devices are created live])."""
         name, password = self.coordinator
-        clients, roles = [], []
-        with self._lock:
-            for device, entry in sorted(self.record["devices"].items()):
-                clients.append(
-                    {
-                        "username": device,
-                        "clientid": device_client_id(device),
-                        **entry["hash"],
-                        "roles": [{"rolename": _role(device)}],
-                    }
-                )
-                roles.append(
-                    {
-                        "rolename": _role(device),
-                        "acls": [
-                            {"acltype": t, "topic": topic, "allow": True}
-                            for t, topic in _own_rules(device)
-                        ],
-                    }
-                )
-        return initial_config(name, hash_password(password), clients, roles)
+        return initial_config(name, hash_password(password), [], [])
 
     # -- live changes ------------------------------------------------------------------
 
-    def attach(self, control: MqttTransport) -> None:
-        """From now on, apply changes to the running broker through ``control`` (a
-        connection of the coordinator's account)."""
-        self._dynsec = DynSec(control)
+    def attach(self, control: MqttTransport | DynSecControl) -> None:
+        """From now on, apply changes to the running broker through ``control``: a
+        connection of the coordinator's account (Mosquitto's plugin), or the tables of
+        a broker in this process. First, (re)create every enrolled device in it: one the
+        broker already has (another coordinator made it, or its file held it after a
+        restart) is deleted first, which disconnects it once, now, rather than at a grant
+        ([Note: devices are created live])."""
+        self._dynsec = DynSec(control) if isinstance(control, MqttTransport) else control
+        with self._lock:
+            devices = dict(self.record["devices"])
+        known = [d for d, entry in sorted(devices.items()) if "password" in entry]
+        for device in sorted(set(devices) - set(known)):  # not with a record written here
+            log.warning("device %s has no password on record: enrol it again", device)
+        stale = [
+            {"command": c, key: name}
+            for device in known
+            for c, key, name in (
+                ("deleteClient", "username", device),
+                ("deleteRole", "rolename", _role(device)),
+            )
+        ]
+        with contextlib.suppress(DynSecError):  # "not found": the usual case
+            self._call(*stale)
+        self._call(*[c for d in known for c in self._create(d, str(devices[d]["password"]))])
+
+    @staticmethod
+    def _create(device: str, password: str) -> list[dict[str, Any]]:
+        acls = [{"acltype": t, "topic": topic, "allow": True} for t, topic in _own_rules(device)]
+        return [
+            {"command": "createRole", "rolename": _role(device), "acls": acls},
+            {
+                "command": "createClient",
+                "username": device,
+                "password": password,
+                "clientid": device_client_id(device),
+                "roles": [{"rolename": _role(device)}],
+            },
+        ]
 
     def _call(self, *commands: dict[str, Any]) -> None:
         if self._dynsec is not None:
@@ -188,20 +224,8 @@ class BrokerAccounts:
                     {"command": "setClientPassword", "username": device, "password": password}
                 )
             else:
-                acls = [
-                    {"acltype": t, "topic": topic, "allow": True} for t, topic in _own_rules(device)
-                ]
-                self._call(
-                    {"command": "createRole", "rolename": _role(device), "acls": acls},
-                    {
-                        "command": "createClient",
-                        "username": device,
-                        "password": password,
-                        "clientid": device_client_id(device),
-                        "roles": [{"rolename": _role(device)}],
-                    },
-                )
-            self.record["devices"][device] = {"hash": hash_password(password)}
+                self._call(*self._create(device, password))
+            self.record["devices"][device] = {"password": password}
             self._save()
         log.info("%s device %s", "rotated the password of" if known else "enrolled", device)
         return Credentials(

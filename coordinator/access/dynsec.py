@@ -20,11 +20,6 @@ not be disconnected (its frames in flight would be lost), so every device has
 one role of its own for its whole life, and a job's rights are ACL entries
 added to and removed from that role. ``deleteClient`` disconnects the device:
 that is revocation.
-That holds for accounts created through this API while the broker runs. An
-account the plugin loaded from its file at start *is* disconnected by
-``addRoleACL`` and ``removeRoleACL`` on its role (measured, same version); the
-testbed therefore enrols its agents once its broker runs (see
-[Note: enrol once the broker runs] in :mod:`coordinator.testbed.access`).
 """
 
 from __future__ import annotations
@@ -35,13 +30,14 @@ import json
 import queue
 import secrets
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 from edge.transport.mqtt import MqttTransport
 
 __all__ = [
     "ADMIN_ROLE",
     "DynSec",
+    "DynSecControl",
     "DynSecError",
     "hash_password",
     "initial_config",
@@ -101,6 +97,15 @@ def initial_config(
             "unsubscribe": True,
         },
     }
+
+
+class DynSecControl(Protocol):
+    """What changes a running broker's accounts and rules: :class:`DynSec` (Mosquitto, over
+    MQTT) or :class:`coordinator.access.dynsec_tables.DynSecTables` (the embedded broker)."""
+
+    def call(self, *commands: dict[str, Any]) -> list[dict[str, Any]]:
+        """Run ``commands``; their answers in order, or :class:`DynSecError` if one was refused."""
+        ...
 
 
 class DynSec:

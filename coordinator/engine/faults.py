@@ -8,7 +8,10 @@ stage 1 after the first recovery), and when: as soon as any stage reports step
 ``STEP`` done, so faults of the same step fire together (``kill:1@5 kill:2@5``
 kills two devices at once). :class:`FaultInjector` watches step reports and fires each fault
 once, through a callback that does the deed (``LocalFleet.kill`` sends SIGKILL
-to the agent's process), and records when it did, for the job's events.
+to the agent's process), and records when it did, for the job's events. A
+``kill`` or ``slow`` fault naming a stage that the job's first plan does not
+have would never fire: :func:`check_fault_stages` refuses it once that plan is
+known, before anything runs.
 
 In the coordinator service the deed is done by a :class:`FaultActuator`: a plain
 coordinator has a :class:`ThrottleActuator`, which can slow any device (a
@@ -23,7 +26,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -34,7 +37,14 @@ from edge.wire.topics import device_cmd
 if TYPE_CHECKING:
     from edge.transport.mqtt import MqttTransport
 
-__all__ = ["Fault", "FaultActuator", "FaultInjector", "ThrottleActuator", "parse_fault"]
+__all__ = [
+    "Fault",
+    "FaultActuator",
+    "FaultInjector",
+    "ThrottleActuator",
+    "check_fault_stages",
+    "parse_fault",
+]
 
 _FAULT = re.compile(r"^(kill|slow):(\d+)@(\d+)(?::(\d+(?:\.\d+)?))?$")
 _JOIN = re.compile(r"^join:([A-Za-z0-9][A-Za-z0-9._-]{0,63})@(\d+)$")
@@ -74,6 +84,19 @@ def parse_fault(text: str, label: str = "--fault") -> Fault:
     if m.group(1) == "slow" and not 1.0 <= factor <= 1000.0:
         raise UserError(f"{label} {text!r}: FACTOR must be between 1 and 1000")
     return Fault(kind=m.group(1), stage=int(m.group(2)), step=int(m.group(3)), factor=factor)  # type: ignore[arg-type]
+
+
+def check_fault_stages(faults: Iterable[Fault], stages: int, label: str = "--fault") -> None:
+    """A one-line :class:`UserError` (starting with ``label`` and the fault) for the first
+    ``kill`` or ``slow`` fault that names a stage the plan, of ``stages`` stages, does not
+    have: it would never fire. Checked once the job is planned, before it runs."""
+    for fault in faults:
+        if fault.kind != "join" and fault.stage >= stages:
+            have = "stage 0" if stages == 1 else f"stages 0-{stages - 1}"
+            raise UserError(
+                f"{label} {fault}: the plan has {stages} stage{'s' if stages > 1 else ''} "
+                f"({have}), no stage {fault.stage}"
+            )
 
 
 @dataclass

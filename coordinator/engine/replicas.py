@@ -21,13 +21,8 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from edge.runtime.checkpoint import (
-    StageState,
-    encode_state,
-    read_state,
-    select,
-    write_atomically,
-)
+from edge.files import write_atomic
+from edge.runtime.checkpoint import StageState, encode_state, read_state, select
 from edge.transport.mqtt import MqttTransport
 from edge.wire.topics import TOPIC_ROOT
 
@@ -110,7 +105,7 @@ class ReplicaStore:
             self._prune_locked()
         if keep and self.directory is not None:
             name = f"step{state.step:08d}-{state.start}-{state.end}.safetensors"
-            write_atomically(self.directory / name, blob)
+            write_atomic(self.directory / name, blob)
         return state
 
     def _covers_locked(self, step: int) -> bool:

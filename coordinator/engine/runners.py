@@ -155,8 +155,9 @@ def run_on_agents(
 
     ``servers`` maps server-tier devices to their torch device (``cpu``,
     ``cuda:0``); when two or more stages run on them, those stages form a
-    torch.distributed group with a store hosted here, which agents reach at
-    ``store_host``.
+    torch.distributed group with a store hosted here, listening on ``store_host``
+    only, where agents reach it (each joins only a store on an address it accepts:
+    :func:`edge.server.groups.accepts_store_host`).
     """
     job = job or new_job_id()
     assignments = make_assignments(
@@ -257,16 +258,13 @@ def _server_group(
     """Put the stages on ``servers`` into one torch.distributed group, if two or more are.
 
     Returns the assignments and the rendezvous store (hosted by this process on a
-    free port) that the group's ranks connect to, or ``None`` for no group.
+    free port of ``host``, :func:`_store_on`) that the group's ranks connect to, or
+    ``None`` for no group.
     """
     stages = [a.stage for a in assignments if plan.stages[a.stage].device in servers]
     if len(stages) < 2:
         return assignments, None
-    import torch.distributed as dist
-
-    store = dist.TCPStore(
-        "0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120)
-    )
+    store = _store_on(host)
     cuda = all(servers[plan.stages[s].device].startswith("cuda") for s in stages)
     group = DistGroup(
         store_host=host,
@@ -285,3 +283,42 @@ def _server_group(
         a.model_copy(update={"dist": group}) if a.stage in group.ranks else a for a in assignments
     ]
     return out, store
+
+
+def _store_on(host: str) -> Any:
+    """A rendezvous store (``TCPStore`` master) listening on a free port of ``host`` only.
+
+    ``TCPStore`` itself listens on every interface whatever host it is given; so
+    it gets a socket bound here to ``host`` (the address the group's ranks are
+    told, 127.0.0.1 by default), which it then owns and closes. An address this
+    machine does not have is a :class:`~coordinator.engine.spec.JobFailed`.
+    """
+    import socket
+
+    import torch.distributed as dist
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise JobFailed(f"cannot host the rendezvous store on {host}: {exc}") from None
+    try:
+        sock.bind(address)
+        sock.listen(128)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore(
+            host,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=120),
+            master_listen_fd=sock.fileno(),
+        )
+    except OSError as exc:
+        sock.close()
+        raise JobFailed(f"cannot host the rendezvous store on {host}: {exc.strerror}") from None
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store closes it
+    return store

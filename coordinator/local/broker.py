@@ -11,8 +11,11 @@ bound to 127.0.0.1 only:
   With a :class:`BrokerSecurity` it listens with TLS only and loads the
   dynamic-security plugin (:mod:`coordinator.access`): no anonymous client.
 - **amqtt**, embedded, otherwise: on its own asyncio event loop in a dedicated
-  thread so synchronous callers can use it; anonymous, no plugins that write
-  files; ``stop()`` shuts it down and joins the thread.
+  thread so synchronous callers can use it; no plugins that write files;
+  ``stop()`` shuts it down and joins the thread. Anonymous and plain, or with a
+  :class:`BrokerSecurity` TLS-only with the same accounts and rules, enforced by
+  plugins of its own (:mod:`coordinator.local.amqtt_embedded`) and changed through
+  :attr:`AmqttBroker.tables`.
 
 :func:`start_broker` returns a :class:`RunningBroker`; :func:`running_broker` is
 the context-manager form. ``tests/support/mosquitto.py`` wraps this module.
@@ -39,12 +42,16 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import psutil
 
-from coordinator.access.certs import BrokerTls
 from edge.errors import UserError, needs_coordinator_extras
+
+if TYPE_CHECKING:
+    from coordinator.access.certs import BrokerTls
+    from coordinator.access.dynsec_tables import DynSecTables
+    from coordinator.local.amqtt_embedded import EmbeddedBroker
 
 __all__ = [
     "HOST",
@@ -191,14 +198,24 @@ class MosquittoBroker(RunningBroker):
 
 
 class AmqttBroker(RunningBroker):
-    """An embedded amqtt broker on its own event loop in a background thread."""
+    """An embedded amqtt broker on its own event loop in a background thread
+    (:mod:`coordinator.local.amqtt_embedded`)."""
 
     kind: ClassVar[BrokerKind] = "amqtt"
 
-    def __init__(self, port: int, thread: threading.Thread, done: asyncio.Future[None]) -> None:
+    def __init__(
+        self,
+        port: int,
+        thread: threading.Thread,
+        done: asyncio.Future[None],
+        tables: DynSecTables | None = None,
+    ) -> None:
         version = importlib.metadata.version("amqtt")
-        super().__init__(f"amqtt {version} (embedded)", port, os.getpid(), None)
+        super().__init__(f"amqtt {version} (embedded)", port, os.getpid(), None, tables is not None)
         self.thread = thread
+        self.tables = tables
+        """With security: its accounts and rules, changed in place (what
+        :class:`~coordinator.access.dynsec.DynSec` does over MQTT for Mosquitto)."""
         self._done = done  # set on the broker's loop to end it
 
     def _stop(self, grace_s: float) -> None:
@@ -263,6 +280,8 @@ def _mosquitto_conf(
         f"{tls}"
         f"allow_anonymous {auth}\n"
         "persistence false\n"
+        # Nagle off: see [Note: no Nagle] in edge.transport.mqtt.
+        "set_tcp_nodelay true\n"
         # stderr, unlike stdout, is unbuffered: the log file is current while it runs.
         "log_dest stderr\n"
         "log_type error\nlog_type warning\nlog_type notice\n"
@@ -413,33 +432,29 @@ def _start_mosquitto(
     return MosquittoBroker(chosen, proc, log_path, conf, name, tls=security is not None)
 
 
-def _start_amqtt(port: int | None, timeout_s: float) -> AmqttBroker:
+def _start_amqtt(
+    port: int | None,
+    timeout_s: float,
+    security: BrokerSecurity | None = None,
+    bind: str = HOST,
+) -> AmqttBroker:
     # Imported late: only this path needs it, and a device install has no amqtt.
     with needs_coordinator_extras("with no mosquitto installed, the embedded broker"):
-        from amqtt.broker import Broker
+        from coordinator.local.amqtt_embedded import EmbeddedBroker, broker_config
+    from coordinator.access.dynsec_tables import DynSecTables
 
-    class _Broker(Broker):
-        async def stream_connected(
-            self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, listener_name: str
-        ) -> None:
-            try:
-                await super().stream_connected(reader, writer, listener_name)
-            finally:  # amqtt leaves the socket of a client that was mid-disconnect at stop open
-                writer.close()
-
-    config: dict[str, Any] = {
-        "listeners": {"default": {"type": "tcp", "bind": f"{HOST}:{port or 0}"}},
-        # Only anonymous auth: no $SYS publisher, no packet/event loggers, no files.
-        "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}},
-    }
+    tables = DynSecTables(security.plugin_config) if security is not None else None
+    config = broker_config(bind, port or 0, security, tables)
     loop = asyncio.new_event_loop()
     done: asyncio.Future[None] = loop.create_future()  # set (from any thread) to stop
     ready: Future[int] = Future()
 
     async def serve() -> None:
         try:
-            broker = _Broker(config, loop=loop)
+            broker = EmbeddedBroker(config, loop=loop)
             await broker.start()
+            if tables is not None:
+                tables.on_kick = functools.partial(_kick, broker, loop)
             server = broker._servers["default"].instance
             bound = int(next(iter(server.sockets)).getsockname()[1])
         except BaseException as exc:
@@ -472,8 +487,17 @@ def _start_amqtt(port: int | None, timeout_s: float) -> AmqttBroker:
         with contextlib.suppress(RuntimeError):  # still starting: stop once started
             loop.call_soon_threadsafe(_set_done, done)
         thread.join(timeout=5.0)
-        raise BrokerStartError(f"amqtt broker did not start on {HOST}:{port or 0}: {exc}") from exc
-    return AmqttBroker(bound, thread, done)
+        raise BrokerStartError(f"amqtt broker did not start on {bind}:{port or 0}: {exc}") from exc
+    return AmqttBroker(bound, thread, done, tables)
+
+
+def _kick(broker: EmbeddedBroker, loop: asyncio.AbstractEventLoop, usernames: list[str]) -> None:
+    """Disconnect ``usernames`` now (from the coordinator's threads: wait until done)."""
+    kicked = asyncio.run_coroutine_threadsafe(broker.kick(usernames), loop)
+    with contextlib.suppress(RuntimeError):  # asyncio.get_running_loop: none in this thread
+        if asyncio.get_running_loop() is loop:
+            return  # on the broker's own loop: it runs once this returns
+    kicked.result(timeout=10.0)
 
 
 def start_broker(
@@ -494,9 +518,10 @@ def start_broker(
     (default: next to its config, in a directory ``stop()`` removes); amqtt logs via
     Python's ``logging`` (logger ``amqtt``). ``password_file`` (Mosquitto only,
     a ``mosquitto_passwd`` file) turns anonymous access off; ``security``
-    (Mosquitto only) makes it TLS-only with the dynamic-security plugin's accounts.
-    ``bind`` (Mosquitto only) is the address it listens on (``0.0.0.0``: every
-    interface); this process reaches it on 127.0.0.1 either way. ``max_packet``
+    makes it TLS-only with the dynamic-security plugin's accounts (amqtt: the same
+    accounts and rules in its own plugins). ``bind`` (Mosquitto, or amqtt with
+    ``security``) is the address it listens on (``0.0.0.0``: every interface);
+    this process reaches it on 127.0.0.1 either way. ``max_packet``
     (Mosquitto only): the largest message it takes; a client that sends a larger
     one is disconnected.
     """
@@ -512,9 +537,12 @@ def start_broker(
         return _start_mosquitto(
             binary, port, log_dir, password_file, start_timeout_s, security, bind, max_packet
         )
-    if password_file is not None or security is not None:
-        raise UserError("accounts and TLS need mosquitto; the embedded amqtt broker is anonymous")
-    return _start_amqtt(port, start_timeout_s)
+    if password_file is not None:
+        raise UserError(
+            "a password file needs mosquitto; the embedded amqtt broker takes accounts as "
+            "security (BrokerSecurity)"
+        )
+    return _start_amqtt(port, start_timeout_s, security, bind if security is not None else HOST)
 
 
 @contextmanager

@@ -8,31 +8,34 @@ This module owns starting a broker together with its security, for
    record (:class:`coordinator.access.accounts.BrokerAccounts`) in a directory
    (the coordinator's data directory, or a temporary one for a one-off run);
 2. Mosquitto, TLS-only, with the dynamic-security plugin's file written from that
-   record (:func:`coordinator.local.broker.start_broker`);
+   record (:func:`coordinator.local.broker.start_broker`); without Mosquitto, the
+   embedded amqtt broker, TLS-only, whose own plugins hold the same file in memory
+   (:mod:`coordinator.local.amqtt_embedded`);
 3. one connection of the coordinator's own account, through which accounts and
-   rules change while the broker runs.
+   rules change while Mosquitto runs (amqtt runs in this process: they change in
+   its tables directly, :attr:`coordinator.local.broker.AmqttBroker.tables`).
 
 :meth:`OwnedBroker.settings` gives every other connection of the coordinator the
-same login. Without Mosquitto (the embedded amqtt broker), or with
-``secure=False``, the broker is anonymous and plain: :attr:`OwnedBroker.accounts`
-is ``None``, and agents need ``--insecure``.
+same login. On a device install (no ``cryptography``), or with ``secure=False``,
+the broker is anonymous and plain: :attr:`OwnedBroker.accounts` is ``None``, and
+agents need ``--insecure``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.access.accounts import BrokerAccounts
-from coordinator.access.certs import broker_tls
 from coordinator.local.broker import (
     HOST,
     MAX_PACKET,
+    AmqttBroker,
     BrokerSecurity,
     BrokerStartError,
     RunningBroker,
-    find_mosquitto,
     start_broker,
 )
 from edge.errors import UserError
@@ -106,14 +109,17 @@ def start_owned_broker(
     start is a one-line :class:`~edge.errors.UserError`.
     """
     bind = bind or ("0.0.0.0" if hosts else HOST)
-    if secure and (prefer == "amqtt" or (prefer == "auto" and find_mosquitto() is None)):
+    if secure and importlib.util.find_spec("cryptography") is None:  # a device install
         log.warning(
-            "the embedded amqtt broker is anonymous and plain: anyone who can reach it can "
-            "drive its agents; install mosquitto for TLS, accounts and ACLs"
+            "no TLS for the broker: it needs the cryptography package (pip install "
+            "'edgetrain[coordinator]'); the broker is anonymous, anyone who can reach it can "
+            "drive its agents"
         )
         secure = False
     if not secure:
         return OwnedBroker(_start(prefer, port, log_dir, None, bind, max_packet), None, None)
+    from coordinator.access.certs import broker_tls
+
     tls = broker_tls(directory / "tls", hosts, own_tls)
     accounts = BrokerAccounts(directory, "", tls.ca_pem)
     security = BrokerSecurity(tls, accounts.plugin_config())
@@ -127,7 +133,7 @@ def start_owned_broker(
         broker.stop()
         raise
     owned.admin = admin
-    accounts.attach(admin)
+    accounts.attach(broker.tables if isinstance(broker, AmqttBroker) and broker.tables else admin)
     return owned
 
 
@@ -140,8 +146,6 @@ def _start(
     max_packet: int,
 ) -> RunningBroker:
     try:
-        if prefer == "amqtt":
-            return start_broker(prefer, port, log_dir)
         return start_broker(
             prefer, port, log_dir, security=security, bind=bind, max_packet=max_packet
         )

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coordinator.engine.faults import Fault
+from coordinator.engine.faults import Fault, check_fault_stages
 from coordinator.engine.spec import JobResult, JobSpec
 from coordinator.planner.score import PlanScore
 from edge.wire.messages import StepReport
@@ -183,6 +183,7 @@ def train_on_local_fleet(
         )
         first = fleet.ids[0]
         planned = engine.plan(spec, pin_first=first, where="these devices")
+        check_fault_stages(faults or [], len(planned.plan.stages))
         tier = server_tier(profiles)
         if tier and not every:
             extra["servers"] = sorted(tier)

@@ -45,8 +45,12 @@ def _devices_from_file(path: Path) -> list[DeviceSpec]:
     return out
 
 
-def parse_fleet(text: str) -> list[DeviceSpec]:
-    """Devices from ``name[:count],...`` (catalogue names or JSON files of devices)."""
+def parse_fleet(text: str, *, files: bool = True) -> list[DeviceSpec]:
+    """Devices from ``name[:count],...`` (catalogue names or JSON files of devices).
+
+    With ``files=False`` (a fleet a remote client named) no item is read as a file:
+    each must be a catalogue name.
+    """
     items = [part.strip() for part in text.split(",") if part.strip()]
     if not items:
         raise UserError("--devices: no devices given")
@@ -54,7 +58,7 @@ def parse_fleet(text: str) -> list[DeviceSpec]:
     for item in items:
         name, _, count_text = item.partition(":")
         path = Path(name)
-        if name.endswith(".json") or path.is_file():
+        if files and (name.endswith(".json") or path.is_file()):
             devices += _devices_from_file(path)
             continue
         try:

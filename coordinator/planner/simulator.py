@@ -97,6 +97,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from coordinator.planner.score import Plan, score_plan
+from edge.files import write_atomic
 from edge.problem import PlanningProblem
 from edge.runtime.schedules import Action, Schedule, make_schedule, validate_schedule
 
@@ -183,7 +184,7 @@ class SimulationResult:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def write_chrome_trace(self, path: Path | str) -> None:
-        Path(path).write_text(json.dumps(self.to_chrome_trace()))
+        write_atomic(path, json.dumps(self.to_chrome_trace()))
 
 
 def _meta(name: str, pid: int, tid: int, value: object, key: str = "name") -> dict[str, Any]:

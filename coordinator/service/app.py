@@ -10,6 +10,11 @@ actuator (a testbed's when ``testbed_state`` is set: see
 serves them under ``/api/v1`` (OpenAPI at ``/docs``), plus ``/healthz``,
 ``/metrics`` and ``/api/v1/events``. A user error in a request (bad model name,
 bad option) is a 422 naming the field; nothing a client sends produces a 500.
+
+Two middlewares stand before every route: a request whose ``Host`` header is not
+one of ``settings.trusted_hosts`` is a 400 (a guard against DNS rebinding: see
+:mod:`coordinator.service.settings`), and a body over ``settings.max_body_bytes``
+is a 413 (:mod:`coordinator.service.body_limit`).
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import SecretStr
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from coordinator.access.accounts import BrokerAccounts
 from coordinator.engine.faults import FaultActuator, ThrottleActuator
 from coordinator.service.api.deps import Services
 from coordinator.service.api.routes import devices, jobs, plans, system
 from coordinator.service.api.routes.errors import validation_detail
+from coordinator.service.body_limit import BodyLimitMiddleware
 from coordinator.service.events import EventBus
 from coordinator.service.manager import JobManager
 from coordinator.service.registry import DeviceRegistry
@@ -134,6 +141,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             stop()
 
     app = FastAPI(title="edgetrain coordinator", version=__version__, lifespan=lifespan)
+    # The last added runs first: the host is checked before any body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        TrustedHostMiddleware, allowed_hosts=settings.trusted_hosts, www_redirect=False
+    )
     app.include_router(devices.router, prefix="/api/v1")
     app.include_router(jobs.router, prefix="/api/v1")
     app.include_router(plans.router, prefix="/api/v1")

@@ -20,12 +20,14 @@ event saying so.
 A job with ``replicate_every`` runs resiliently, exactly as ``edgetrain train``
 runs one: it survives device deaths and migrates to a faster plan when its
 measured stage times drift or a device joins. Its ``faults`` fire through the
-manager's :class:`~coordinator.engine.faults.FaultActuator`; each is a
-``fault`` event of the job when it fires (a coordinator that resumes the job
-skips those), and a device that joins is added to the job's devices once the
-registry has it online. The manager keeps what the engine reports: steps,
-plans, attempts (in ``attempts.json``, so that a restarted coordinator can
-cancel them and resume from the replicas), and events.
+manager's :class:`~coordinator.engine.faults.FaultActuator`; a job whose
+first plan lacks a fault's stage fails at once, naming the fault and the
+plan's stages (it would never fire); each is a ``fault`` event of the job when
+it fires (a coordinator that resumes the job skips those), and a device that
+joins is added to the job's devices once the registry has it online. The
+manager keeps what the engine reports: steps, plans, attempts (in
+``attempts.json``, so that a restarted coordinator can cancel them and resume
+from the replicas), and events.
 """
 
 from __future__ import annotations
@@ -40,7 +42,13 @@ from collections.abc import Callable
 from typing import Any
 
 from coordinator.engine.engine import JobEngine, JobHooks, PlannedJob
-from coordinator.engine.faults import Fault, FaultActuator, ThrottleActuator, parse_fault
+from coordinator.engine.faults import (
+    Fault,
+    FaultActuator,
+    ThrottleActuator,
+    check_fault_stages,
+    parse_fault,
+)
 from coordinator.engine.replicas import ReplicaStore
 from coordinator.engine.runners import server_tier
 from coordinator.engine.spec import JobAccess, JobFailed, JobResult, JobSpec, new_job_id
@@ -50,9 +58,9 @@ from coordinator.planner.simulator import simulate
 from coordinator.service.events import EventBus
 from coordinator.service.registry import DeviceRegistry
 from edge.errors import UserError
+from edge.files import write_atomic
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec
-from edge.runtime.checkpoint import write_atomically
 from edge.transport.mqtt import MqttTransport
 from edge.wire.messages import CancelJob, StepReport
 from edge.wire.topics import device_cmd
@@ -254,6 +262,12 @@ class JobManager:
             return
         self._store_plan(job, spec, planned)
         plan = planned.plan
+        if not resuming:  # a resumed job's plan may have lost stages to failures
+            try:
+                check_fault_stages(map(parse_fault, spec.faults), len(plan.stages), "fault")
+            except UserError as exc:
+                self._finish(job, "failed", exc.message)
+                return
         with self._lock:
             cancelled = job in self._cancelled
             if not cancelled:
@@ -281,9 +295,9 @@ class JobManager:
         except JobFailed as exc:
             self._finish(job, "failed", str(exc), finished=time.time())
             return
-        path = self.store.model_path(job)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(result.weights_bytes())
+        if result.rejected:  # messages the sender checks ignored: a device spoke out of turn
+            self.store.add_job_event(job, "rejected", dict(result.rejected))
+        write_atomic(self.store.model_path(job), result.weights_bytes())
         self._finish(
             job, "completed", None, finished=time.time(), samples_per_s=result.samples_per_s
         )
@@ -319,7 +333,7 @@ class JobManager:
                 self._attempt[job], self._running[job] = attempt, devices
             attempts.append({"job": attempt, "devices": devices})
             folder.mkdir(parents=True, exist_ok=True)
-            write_atomically(attempts_file, json.dumps(attempts).encode())
+            write_atomic(attempts_file, json.dumps(attempts).encode())
             detail = {"attempt": attempt, "devices": devices, "first_step": first}
             self.store.add_job_event(job, "attempt", detail)
 

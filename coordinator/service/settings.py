@@ -7,6 +7,18 @@ Outside ``development`` a placeholder API token (``changethis``, ``secret``,
 anything shorter than 16 characters) is refused, as full-stack-fastapi-template
 refuses its default secrets; in development it is only warned about.
 
+[Note: an open API stays on loopback] Without an API token every mutating
+endpoint is open, so a ``host`` that is not a loopback address (127.0.0.0/8,
+``::1``, ``localhost``) is refused unless ``api_token`` is set. The rule lives
+here, in the one validation every way of starting the service goes through
+(``edgetrain coordinator``, ``create_app``, ``serve_in_thread``).
+
+The API answers only requests whose ``Host`` header is a loopback name, ``host``
+or one of ``allowed_hosts`` (anything else is a 400): a page on another site that
+rebinds its DNS name to this machine's address sends its own name, so a browser
+cannot be made to reach the API. A loopback name is never an attacker's, so those
+are always allowed.
+
 No instance is cached at module level: :func:`get_settings` reads the
 environment each time it is called, and tests construct :class:`Settings`
 directly with the values they need.
@@ -14,6 +26,7 @@ directly with the values they need.
 
 from __future__ import annotations
 
+import ipaddress
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -26,7 +39,15 @@ from edge.errors import UserError, describe_validation_error
 if TYPE_CHECKING:
     from edge.transport.settings import MqttSettings
 
-__all__ = ["MIN_TOKEN_LENGTH", "PLACEHOLDER_SECRETS", "Environment", "Settings", "get_settings"]
+__all__ = [
+    "LOOPBACK_HOSTS",
+    "MIN_TOKEN_LENGTH",
+    "PLACEHOLDER_SECRETS",
+    "Environment",
+    "Settings",
+    "get_settings",
+    "is_loopback",
+]
 
 Environment = Literal["development", "production"]
 
@@ -34,6 +55,19 @@ MIN_TOKEN_LENGTH = 16
 PLACEHOLDER_SECRETS = frozenset(
     {"changeme", "changethis", "change-me", "change_me", "secret", "password", "token", "test"}
 )
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+"""The ``Host`` names every coordinator answers to, whatever ``allowed_hosts`` adds."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is ``localhost`` or an address in 127.0.0.0/8 or ``::1``."""
+    name = host.strip().lower().removeprefix("[").removesuffix("]")
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 class Settings(BaseSettings):
@@ -87,6 +121,33 @@ class Settings(BaseSettings):
     testbed_state: Path | None = None
     """A testbed's state directory: jobs' kill and join faults then act on its agents
     (edgetrain testbed up starts its coordinator so); unset, only slow faults."""
+    max_body_bytes: int = Field(default=1 << 20, ge=1, le=1 << 30)
+    """Largest request body accepted, in bytes; a larger one is refused with 413."""
+    allowed_hosts: list[str] | None = None
+    """Host headers the API answers besides localhost, 127.0.0.1, ::1 and host: comma-
+    separated or a JSON list ("*": any). Others get 400 (a guard against DNS rebinding)."""
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _check_hosts(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        hosts = [host.strip().lower() for host in value]
+        for host in hosts:
+            # Starlette's rule for patterns: a "*" only alone or as "*." at the front.
+            wild = host.startswith("*") and host != "*" and not host.startswith("*.")
+            if not host or "*" in host[1:] or wild:
+                raise ValueError(f"{host!r} is not a host name, an address, '*' or '*.domain'")
+        if not hosts:
+            raise ValueError("give at least one host (or '*' for any)")
+        return hosts
 
     @field_validator("data_dir")
     @classmethod
@@ -109,6 +170,17 @@ class Settings(BaseSettings):
             )
         if not (self.broker_accounts / "accounts.json").is_file():
             raise ValueError(f"broker_accounts: no accounts.json in {self.broker_accounts}")
+        return self
+
+    @model_validator(mode="after")
+    def _open_api_on_loopback_only(self) -> Settings:
+        # See [Note: an open API stays on loopback].
+        if self.api_token is None and not is_loopback(self.host):
+            raise ValueError(
+                f"host: {self.host} is not a loopback address and no API token is set, so "
+                "anyone on the network could submit jobs; set EDGETRAIN_API_TOKEN "
+                "(or serve on 127.0.0.1)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -147,6 +219,19 @@ class Settings(BaseSettings):
     @property
     def db_path(self) -> Path:
         return self.data_dir / "edgetrain.db"
+
+    @property
+    def trusted_hosts(self) -> list[str]:
+        """The loopback names, ``host`` and ``allowed_hosts``, each as it appears in a
+        ``Host`` header (an IPv6 address in brackets)."""
+        hosts = [*LOOPBACK_HOSTS, self.host.strip().lower(), *(self.allowed_hosts or [])]
+        out: list[str] = []
+        for host in hosts:
+            if ":" in host and not host.startswith("["):
+                host = f"[{host}]"
+            if host not in out:
+                out.append(host)
+        return out
 
 
 def _weak_secret(secret: SecretStr | None) -> str | None:

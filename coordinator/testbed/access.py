@@ -15,23 +15,17 @@ needs in the state directory:
   (``edgetrain agent --credentials``), naming the address that agent reaches the
   broker by.
 
-``up`` makes the record and the TLS files before the broker starts
-(:func:`start_accounts`), and enrols the agents once it runs, before they or the
-coordinator start (:func:`enroll_live`; see [Note: enrol once the broker runs]); a
-device that joins later is enrolled the same way. The testbed's own connections
-(waiting for agents, ``status``) and the coordinator it starts (``--broker-accounts``)
-log in with the coordinator's account of that record (:func:`coordinator_login`).
-Where Mosquitto is not installed the broker is the embedded amqtt one, anonymous and
+``up`` makes the record and the TLS files and enrols every agent in the record
+before the broker starts (:func:`start_accounts`, :func:`enroll`). The broker starts
+with the coordinator's account alone, and whoever attaches the accounts to it
+creates the agents' accounts through the plugin's API, before any agent starts
+([Note: devices are created live] in :mod:`coordinator.access.accounts`): the
+coordinator ``up`` starts (``--broker-accounts``), or, without one, the testbed
+itself (:func:`attach`). A device that joins later is enrolled by whoever attached
+them. The testbed's own connections (waiting for agents, ``status``) log in with
+the coordinator's account of that record (:func:`coordinator_login`). Where
+Mosquitto is not installed the broker is the embedded amqtt one, anonymous and
 plain: agents get ``--insecure`` and ``up`` warns (:func:`secure_possible`).
-
-[Note: enrol once the broker runs]
-Measured with Mosquitto 2.0.11: a job's grant (``addRoleACL``) disconnects the
-clients of that role when their account came from the plugin's file at start, but
-not when it was created through the plugin's API while the broker runs (see
-[Note: dynamic security kicks on role changes] in :mod:`coordinator.access.dynsec`).
-A disconnected agent misses the assignment the coordinator sends right after the
-grant, and the job waits for it forever. So the broker starts with the coordinator's
-account alone, and every agent is enrolled through the API.
 """
 
 from __future__ import annotations
@@ -50,10 +44,10 @@ from edge.transport.mqtt import MqttTransport
 from edge.transport.settings import MqttSettings
 
 __all__ = [
-    "attached_accounts",
+    "attach",
     "broker_dir",
     "coordinator_login",
-    "enroll_live",
+    "enroll",
     "is_secure",
     "secure_possible",
     "start_accounts",
@@ -90,7 +84,8 @@ def broker_dir(state: State) -> Path:
 
 def start_accounts(state: State, port: int, hosts: list[str]) -> tuple[BrokerAccounts, BrokerTls]:
     """The accounts record and TLS files of a broker about to start on 127.0.0.1:``port``,
-    whose certificate names ``hosts`` too."""
+    whose certificate names ``hosts`` too; credentials name ``mqtts://127.0.0.1:port``
+    unless :func:`enroll` is told otherwise."""
     tls = broker_tls(broker_dir(state) / "tls", hosts)
     return BrokerAccounts(broker_dir(state), f"mqtts://127.0.0.1:{port}", tls.ca_pem), tls
 
@@ -101,6 +96,13 @@ def write_credentials(state: State, creds: Credentials) -> Path:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     write_atomic(path, creds.to_json(), mode=PRIVATE)
     return path
+
+
+def enroll(accounts: BrokerAccounts, state: State, device: str, broker_url: str) -> Path:
+    """Enrol ``device`` and write its credentials naming ``broker_url`` (where it reaches
+    the broker); the file's path."""
+    creds = accounts.enroll(device).model_copy(update={"broker": broker_url})
+    return write_credentials(state, creds)
 
 
 def _record(state: State) -> BrokerAccounts:
@@ -130,29 +132,15 @@ def coordinator_login(state: State) -> MqttSettings:
     )
 
 
-def attached_accounts(state: State, control: MqttTransport) -> BrokerAccounts | None:
-    """``state``'s broker accounts, changed through ``control`` (a connection of
-    :func:`coordinator_login`): what a job run on the testbed's agents without its
-    coordinator grants their stages by (``access``); ``None`` on an anonymous broker."""
-    if not is_secure(state):
-        return None
-    accounts = _record(state)
-    accounts.attach(control)
-    return accounts
-
-
-def enroll_live(state: State, urls: dict[str, str]) -> dict[str, Credentials]:
-    """Enrol each device of ``urls`` on ``state``'s running broker, through a connection of
-    the coordinator's account (the plugin's admin); their credentials, each naming the URL
-    ``urls`` gives (where that device reaches the broker)."""
-    accounts = _record(state)
+def attach(state: State, accounts: BrokerAccounts) -> MqttTransport:
+    """Attach ``accounts`` to ``state``'s running broker through a new connection of the
+    coordinator's account, which creates every enrolled device there; the connection
+    (closing it detaches them)."""
     control = MqttTransport(coordinator_login(state))
     control.connect(timeout=15)
     try:
         accounts.attach(control)
-        return {
-            device: accounts.enroll(device).model_copy(update={"broker": url})
-            for device, url in urls.items()
-        }
-    finally:
+    except BaseException:
         control.close()
+        raise
+    return control

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.errors import UserError
+from edge.files import PRIVATE, write_atomic
 
 __all__ = [
     "ENV_DIR",
@@ -140,13 +141,8 @@ class State:
 
     def save(self) -> None:
         """Write the file atomically: a reader sees the old state or the new, never half."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        with tmp.open("w") as f:
-            json.dump(self.to_json(), f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(self.path)
+        # Private: it holds the token that marks the testbed's processes.
+        write_atomic(self.path, json.dumps(self.to_json(), indent=1), mode=PRIVATE)
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)

@@ -7,9 +7,11 @@ picks the method (:func:`~coordinator.testbed.limits.detect`), and starts, each
 recorded in the state before it exists (:mod:`coordinator.testbed.state`):
 
 1. the broker (127.0.0.1 only): Mosquitto with TLS and an account per agent, each
-   agent enrolled once it runs and given its credentials file
+   agent enrolled first and given its credentials file
    (:mod:`coordinator.testbed.access`); and, unless ``coordinator=False``, the
-   coordinator, which administers those accounts;
+   coordinator, which administers those accounts (it creates them in the broker at
+   its start, so it is awaited before the agents start); without it the testbed
+   attaches them itself (:attr:`Testbed.accounts`);
 2. kernel method: per agent a cgroup in the cpu and memory hierarchies, a
    namespace with a tbf-shaped veth pair, and one delay proxy for all of them (the
    links' addresses are fixed before the broker starts: its certificate names them);
@@ -45,6 +47,7 @@ from coordinator.testbed.sizing import MIN_CPUS, EmulatedDevice, emulate
 from coordinator.testbed.state import State, locked
 from coordinator.testbed.teardown import down, status, teardown
 from edge.errors import UserError
+from edge.files import write_atomic
 from edge.problem import DeviceSpec
 from edge.transport.credentials import Credentials
 from edge.transport.mqtt import MqttTransport
@@ -83,6 +86,12 @@ class Testbed:
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._cpu_limits: list[tuple[Path, dict[str, str]]] = []
         self._logins: dict[str, list[str]] = {}  # device -> how its agent logs in
+        self._admin: MqttTransport | None = None
+        self.accounts: BrokerAccounts | None = None
+        """The broker's accounts, attached by the testbed itself when it started no
+        coordinator (which would administer them): the ``access`` of a job run on the
+        agents directly (``run_on_agents``), so that its stages may use their topics.
+        ``None`` with a coordinator, or on the anonymous amqtt broker."""
 
     @property
     def state_dir(self) -> Path:
@@ -97,12 +106,6 @@ class Testbed:
     def login(self) -> MqttSettings:
         """MQTT settings of the coordinator's account on the broker (anonymous on amqtt)."""
         return access.coordinator_login(self.state)
-
-    def accounts(self, control: MqttTransport) -> BrokerAccounts | None:
-        """The broker's accounts, changed through ``control`` (a connection of :meth:`login`):
-        the ``access`` of a job run on the agents directly (``run_on_agents``), so that its
-        stages may use their topics; ``None`` on an anonymous broker."""
-        return access.attached_accounts(self.state, control)
 
     @property
     def coordinator_url(self) -> str | None:
@@ -169,6 +172,7 @@ class Testbed:
             try:
                 bed._start(detection, coordinator, measure_s, online_timeout_s)
             except BaseException:
+                bed._detach()
                 teardown(state)
                 bed.reap()
                 raise
@@ -189,7 +193,7 @@ class Testbed:
         profiles.mkdir(parents=True, exist_ok=True)
         for dev in self.devices:
             self.announced[dev.id] = dev.announced(state.core_gflops)
-            (profiles / f"{dev.id}.json").write_text(self.announced[dev.id].model_dump_json())
+            write_atomic(profiles / f"{dev.id}.json", self.announced[dev.id].model_dump_json())
         port = free_port()
         links = self._links() if detection.method == "kernel" else []
         secure = access.secure_possible()
@@ -197,25 +201,25 @@ class Testbed:
         # proxy) under the kernel method, else 127.0.0.1.
         hosts = [link.host_ip for link in links] or ["127.0.0.1"] * len(self.devices)
         urls = [f"{'mqtts' if secure else 'mqtt'}://{host}:{port}" for host in hosts]
-        security = None
+        accounts, security = None, None
         if secure:
             accounts, tls = access.start_accounts(state, port, [link.host_ip for link in links])
+            for dev, url in zip(self.devices, urls, strict=True):
+                self._logins[dev.id] = procs.login_args(
+                    access.enroll(accounts, state, dev.id, url), url
+                )
             security = BrokerSecurity(tls, accounts.plugin_config())
+        else:
+            for dev, url in zip(self.devices, urls, strict=True):
+                self._logins[dev.id] = procs.login_args(None, url)
         self._procs["broker"], state.broker_url = procs.start_broker(state, port, security)
         state.save()
-        self._enroll({dev.id: url for dev, url in zip(self.devices, urls, strict=True)})
         if coordinator:
             self._procs["coordinator"], state.coordinator_url = procs.start_coordinator(
                 state, state.broker_url, access.broker_dir(state) if security else None
             )
             state.save()
-        started = time.time()
-        if detection.method == "kernel":
-            self._start_kernel_agents(detection, links)
-        else:
-            self._start_software_agents()
-        if coordinator:
-            assert state.coordinator_url is not None
+            # Its start creates the agents' accounts in the broker: before they log in.
             procs.wait_http(
                 f"{state.coordinator_url}/healthz",
                 self._procs["coordinator"],
@@ -223,6 +227,14 @@ class Testbed:
                 "coordinator",
                 timeout_s=60,
             )
+        elif accounts is not None:
+            self._admin = access.attach(state, accounts)
+            self.accounts = accounts
+        started = time.time()
+        if detection.method == "kernel":
+            self._start_kernel_agents(detection, links)
+        else:
+            self._start_software_agents()
         procs.wait_online(
             self.login(),
             [d.id for d in self.devices],
@@ -237,23 +249,6 @@ class Testbed:
         """Each agent's namespace and veth pair, as the kernel method will make them."""
         subnet = netns.free_subnet(self.state.id)
         return [netns.link_names(self.state.id, i, subnet) for i in range(len(self.devices))]
-
-    def _enroll(
-        self, urls: dict[str, str], enroll: Callable[[str], Credentials] | None = None
-    ) -> None:
-        """How each device of ``urls`` logs in to the broker at the URL given: on a secure
-        broker with credentials written to a file of its own (enrolled by ``enroll``, else
-        by :func:`~coordinator.testbed.access.enroll_live`); on an anonymous one by URL."""
-        if not access.is_secure(self.state):
-            for device, url in urls.items():
-                self._logins[device] = procs.login_args(None, url)
-            return
-        if enroll is not None:
-            creds = {d: enroll(d).model_copy(update={"broker": u}) for d, u in urls.items()}
-        else:
-            creds = access.enroll_live(self.state, urls)
-        for device, c in creds.items():
-            self._logins[device] = procs.login_args(access.write_credentials(self.state, c), "")
 
     def _agent_cmd(self, dev: EmulatedDevice, shaping: dict[str, float] | None) -> list[str]:
         return procs.agent_command(
@@ -302,11 +297,10 @@ class Testbed:
         """Start one more agent emulating ``source`` at this testbed's scale; its device id.
 
         Software method only (a kernel testbed's delay proxy has its routes fixed at
-        ``up``). On a secure broker the device is enrolled first, by ``enroll`` (the
-        testbed coordinator's own accounts, so that it can grant the newcomer a stage),
-        else through a connection of the coordinator's account
-        (:func:`~coordinator.testbed.access.enroll_live`). The agent is recorded (process
-        and device row) before this returns and is not awaited: it announces itself like
+        ``up``). On a secure broker the device is enrolled first by whoever attached
+        the accounts: ``enroll`` (the testbed coordinator's, which may then grant the
+        newcomer a stage), else :attr:`accounts`. The agent is recorded (process and
+        device row) before this returns and is not awaited: it announces itself like
         the others. The caller holds the state's lock
         (:func:`~coordinator.testbed.state.locked`).
         """
@@ -314,6 +308,13 @@ class Testbed:
         if state.method != "software":
             raise UserError(
                 f"devices can join only a software-method testbed; this one uses {state.method}"
+            )
+        if enroll is None and self.accounts is not None:
+            enroll = self.accounts.enroll
+        if access.is_secure(state) and enroll is None:
+            raise UserError(
+                "a device joins a secure testbed through the accounts of its coordinator "
+                "(a join fault) or of the process that brought it up"
             )
         if not state.cpus_per_gflops > 0:
             raise UserError(f"the testbed in {state.dir} predates joins: bring it up again")
@@ -335,9 +336,11 @@ class Testbed:
         self.devices.append(dev)
         self.announced[dev.id] = dev.announced(state.core_gflops)
         profile = state.dir / "profiles" / f"{dev.id}.json"
-        profile.parent.mkdir(parents=True, exist_ok=True)
-        profile.write_text(self.announced[dev.id].model_dump_json())
-        self._enroll({dev.id: state.broker_url}, enroll)
+        write_atomic(profile, self.announced[dev.id].model_dump_json())
+        credentials = None
+        if enroll is not None and access.is_secure(state):
+            credentials = access.write_credentials(state, enroll(dev.id))
+        self._logins[dev.id] = procs.login_args(credentials, state.broker_url)
         self._start_software_agent(dev)
         return dev.id
 
@@ -424,8 +427,15 @@ class Testbed:
         """See :func:`status`."""
         return status(self.state.dir)
 
+    def _detach(self) -> None:
+        """Close the testbed's own connection to the broker's plugin, if it has one."""
+        if self._admin is not None:
+            self._admin.close()
+            self._admin, self.accounts = None, None
+
     def down(self) -> list[str]:
         """See :func:`down`."""
+        self._detach()
         removed = down(self.state.dir)
         self.reap()
         return removed

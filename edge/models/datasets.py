@@ -17,6 +17,11 @@ options sees the same samples in the same order.
 - ``package.module:function``: a user's own dataset, called as
   ``function(split=..., **options)`` and returning a ``torch.utils.data.Dataset``.
 
+Every integer option of a built-in dataset is bounded (the ``MAX_*`` constants, as
+:mod:`edge.models.zoo` bounds a model's options): options come from the REST API and
+job files, and a dataset is lazy, but a huge sample shape or class count would make
+its first sample allocate without limit.
+
 Determinism does not rest on any library's random stream: splits and seeds go
 through BLAKE2b, and noise through numpy's legacy ``RandomState`` (MT19937),
 whose stream numpy keeps frozen across versions and platforms.
@@ -30,6 +35,7 @@ import gzip
 import hashlib
 import inspect
 import io
+import math
 import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +53,9 @@ __all__ = [
     "DATASETS",
     "DIGITS_SPLIT_SEED",
     "DIGITS_TRAIN_SIZE",
+    "MAX_CLASSES",
+    "MAX_IMAGE_ELEMENTS",
+    "MAX_SAMPLES",
     "SPLITS",
     "TEXT_MODULES",
     "TEXT_TRAIN_FRACTION",
@@ -73,6 +82,13 @@ DIGITS_SPLIT_SEED = 0
 DIGITS_TRAIN_SIZE = 1437  # 80% of 1797, rounded down; the other 360 are the test split
 TEXT_VOCAB_SIZE = 128  # the ASCII codes; any other byte is dropped from the corpus
 TEXT_TRAIN_FRACTION = 0.9
+MAX_IMAGE_ELEMENTS = 1 << 24
+"""Most elements of one synthetic image (64 MiB in float32); each side at most 2^16."""
+MAX_CLASSES = 1 << 20
+"""Most classes of a synthetic dataset."""
+MAX_SAMPLES = 1 << 31
+"""Most samples of a synthetic dataset, and the largest ``stride`` of ``text``."""
+MAX_SEED = (1 << 63) - 1
 # Pure-Python stdlib modules present from Python 3.11 on; read as ``name.py`` or
 # ``name/__init__.py`` under ``sysconfig.get_paths()["stdlib"]``, in this order.
 TEXT_MODULES = (
@@ -121,11 +137,15 @@ def _hash64(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
 
 
-def _int_option(dataset: str, field: str, value: object, minimum: int | None = 1) -> int:
+def _int_option(
+    dataset: str, field: str, value: object, minimum: int | None = 1, maximum: int | None = None
+) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise UserError(f"dataset {dataset!r}: {field} must be an integer (got {value!r})")
     if minimum is not None and value < minimum:
         raise UserError(f"dataset {dataset!r}: {field} must be >= {minimum} (got {value})")
+    if maximum is not None and value > maximum:
+        raise UserError(f"dataset {dataset!r}: {field} must be <= {maximum} (got {value})")
     return value
 
 
@@ -205,12 +225,19 @@ class SyntheticImages(Dataset[Sample]):
         seed: int = 0,
     ) -> None:
         name = "synthetic-images"
-        if not isinstance(shape, tuple | list) or not shape:
-            raise UserError(f"dataset {name!r}: shape must be a list of sizes (got {shape!r})")
-        self.shape = tuple(_int_option(name, "shape", d) for d in shape)
-        self.num_classes = _int_option(name, "num_classes", num_classes)
-        self.size = _int_option(name, "size", size)
-        self.seed = _int_option(name, "seed", seed, minimum=None)
+        if not isinstance(shape, tuple | list) or not 1 <= len(shape) <= 8:
+            raise UserError(
+                f"dataset {name!r}: shape must be a list of 1 to 8 sizes (got {shape!r:.80})"
+            )
+        self.shape = tuple(_int_option(name, "shape", d, maximum=1 << 16) for d in shape)
+        if math.prod(self.shape) > MAX_IMAGE_ELEMENTS:
+            raise UserError(
+                f"dataset {name!r}: shape {list(self.shape)} has more than "
+                f"{MAX_IMAGE_ELEMENTS} elements"
+            )
+        self.num_classes = _int_option(name, "num_classes", num_classes, maximum=MAX_CLASSES)
+        self.size = _int_option(name, "size", size, maximum=MAX_SAMPLES)
+        self.seed = _int_option(name, "seed", seed, minimum=-MAX_SEED, maximum=MAX_SEED)
         self.split = _check_split(name, split)
         self.info = DatasetInfo(
             name=name, input_shape=self.shape, input_dtype="float32", num_classes=self.num_classes
@@ -292,7 +319,9 @@ class TextDataset(Dataset[Sample]):
         self, split: str = "train", block_size: int = 64, stride: int | None = None
     ) -> None:
         self.block_size = _int_option("text", "block_size", block_size)
-        self.stride = _int_option("text", "stride", block_size if stride is None else stride)
+        self.stride = _int_option(
+            "text", "stride", block_size if stride is None else stride, maximum=MAX_SAMPLES
+        )
         self.split = _check_split("text", split)
         codes = _corpus_codes()
         cut = int(len(codes) * TEXT_TRAIN_FRACTION)

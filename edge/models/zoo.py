@@ -9,10 +9,23 @@ segments built on different devices equal the whole model built in one place.
 
 Vocabulary: a *unit* is one element of the list; a *segment* is the contiguous
 range ``[start, end)`` that one stage runs.
+
+[Note: bounded zoo options] Options reach :func:`get_model` from the REST API,
+job files and the command line, so a zoo model's options are bounded before
+anything is built: every integer option has a range (:data:`OPTION_BOUNDS`,
+generous for real use), and a model built with options must stay within
+:data:`MAX_MODEL_ELEMENTS` parameters and buffers (2^31, about 8.6 GB in fp32;
+the GPU tier's 1.4 B-parameter gpt-mini fits) and within
+:data:`MAX_SAMPLE_ELEMENTS` elements in any one tensor its forward pass makes
+for one sample (2^28, 1 GiB in fp32). Both are counted on the ``meta`` device,
+where modules have shapes but no storage, so checking a model allocates and
+computes nothing. A refused option is a one-line :class:`UserError` naming it
+and its bound; nothing loops or allocates first.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -22,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from edge.errors import UserError
 from edge.models.units import (
@@ -35,12 +49,16 @@ from edge.models.units import (
 from edge.models.user_code import ANY_CODE, CodeAllowance
 
 __all__ = [
+    "MAX_MODEL_ELEMENTS",
+    "MAX_SAMPLE_ELEMENTS",
     "MODELS",
+    "OPTION_BOUNDS",
     "ModelSpec",
     "Segment",
     "UnitDef",
     "get_model",
     "list_models",
+    "model_size",
     "parse_options",
     "seeded",
     "unit_seed",
@@ -140,8 +158,6 @@ class ModelSpec:
 def _mlp(
     seed: int, in_features: int = 64, hidden: int = 128, depth: int = 3, num_classes: int = 10
 ) -> ModelSpec:
-    if depth < 2:
-        raise UserError(f"mlp: depth must be at least 2 (got {depth})")
     units = [
         UnitDef(
             "fc1", lambda: nn.Sequential(nn.Flatten(), nn.Linear(in_features, hidden), nn.ReLU())
@@ -322,6 +338,32 @@ MODELS: dict[str, Callable[..., ModelSpec]] = {
     "gpt-mini": _gpt_mini,
 }
 
+_CLASSES = (1, 1 << 20)
+OPTION_BOUNDS: dict[str, dict[str, tuple[int, int]]] = {
+    "mlp": {"in_features": (1, 1 << 20), "hidden": (1, 1 << 16), "depth": (2, 1024)},
+    "cnn-digits": {"width": (1, 4096)},
+    "vgg11": {"width": (1, 1024)},
+    "resnet18": {"width": (1, 1024)},
+    "mobilenetv2": {},
+    "gpt-mini": {
+        "vocab_size": (1, 1 << 20),
+        "block_size": (1, 8192),
+        "d_model": (1, 1 << 15),
+        "n_head": (1, 1024),
+        "n_layer": (1, 1024),
+    },
+}
+"""Per zoo model, the inclusive range of each integer option (``num_classes`` of every
+classifier: 1 to 2^20); ``norm`` is one of :data:`NORMS`. See [Note: bounded zoo options]."""
+for _name, _bounds in OPTION_BOUNDS.items():
+    if _name != "gpt-mini":
+        _bounds["num_classes"] = _CLASSES
+
+MAX_MODEL_ELEMENTS = 1 << 31
+"""Most parameters and buffers a zoo model built with options may have."""
+MAX_SAMPLE_ELEMENTS = 1 << 28
+"""Most elements of any one tensor the forward pass of one sample may make."""
+
 
 def list_models() -> list[str]:
     """Names of the zoo models."""
@@ -350,8 +392,9 @@ def get_model(
     builder = MODELS[name]
     if options.get("norm", "group") not in NORMS:
         raise UserError(f"model {name}: norm: {options['norm']!r} is not one of {', '.join(NORMS)}")
+    _check_bounds(name, options)
     try:
-        return builder(seed, **options)
+        spec = builder(seed, **options)
     except TypeError as exc:
         import inspect
 
@@ -359,6 +402,79 @@ def get_model(
         raise UserError(f"model {name}: bad option ({exc}); known options: {known}") from None
     except ValueError as exc:
         raise UserError(f"model {name}: {exc}") from None
+    if options:  # the defaults are within bounds (a test keeps them so)
+        elements, largest = model_size(name, tuple(sorted(options.items())))
+        if elements > MAX_MODEL_ELEMENTS:
+            raise UserError(
+                f"model {name}: these options make more than {MAX_MODEL_ELEMENTS:,} "
+                "parameters and buffers (the zoo's bound)"
+            )
+        if largest > MAX_SAMPLE_ELEMENTS:
+            raise UserError(
+                f"model {name}: these options make a tensor of {largest:,} elements for one "
+                f"sample, more than the zoo's bound of {MAX_SAMPLE_ELEMENTS:,}"
+            )
+    return spec
+
+
+def _check_bounds(name: str, options: dict[str, Any]) -> None:
+    """A :class:`UserError` naming the first integer option outside its range."""
+    for key, (low, high) in OPTION_BOUNDS[name].items():
+        value = options.get(key, low)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise UserError(
+                f"model {name}: {key} must be an integer from {low} to {high} (got {value!r})"
+            )
+
+
+class _LargestTensor(TorchFunctionMode):
+    """Notes the most elements of any tensor a torch function returns while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.elements = 0
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for item in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(item, torch.Tensor):
+                self.elements = max(self.elements, item.numel())
+        return out
+
+
+@functools.lru_cache(maxsize=64)
+def model_size(name: str, options: tuple[tuple[str, Any], ...] = ()) -> tuple[int, int]:
+    """``(parameters and buffers, largest tensor of one sample's forward)`` of zoo model
+    ``name`` built with ``options``, counted on the ``meta`` device (nothing is allocated).
+
+    Counting stops at the first unit that takes the total past
+    :data:`MAX_MODEL_ELEMENTS` (the largest tensor is then 0: nothing ran). Options must
+    already be within :data:`OPTION_BOUNDS`; options that cannot make a model raise
+    :class:`UserError`.
+    """
+    spec = MODELS[name](0, **dict(options))
+    try:
+        units, elements = [], 0
+        with torch.device("meta"):
+            for unit in spec.units:
+                units.append(unit.build())
+                elements += sum(t.numel() for t in (*units[-1].parameters(), *units[-1].buffers()))
+                if elements > MAX_MODEL_ELEMENTS:
+                    return elements, 0
+            x = torch.zeros((1, *spec.input_shape), dtype=spec.input_dtype)
+        with torch.no_grad(), _LargestTensor() as largest:
+            for module in units:
+                x = module(x)
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+        why = str(exc).replace("\n", " ")
+        raise UserError(f"model {name}: these options do not make a model ({why})") from None
+    return elements, largest.elements
 
 
 def parse_options(pairs: Sequence[str]) -> dict[str, Any]:

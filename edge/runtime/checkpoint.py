@@ -33,7 +33,6 @@ bit for bit what training without a stop gives.
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
+from edge.files import write_atomic
 from edge.wire.topics import valid_job_id
 
 __all__ = [
@@ -351,7 +351,7 @@ class ReplicaKeeper:
     """The newest state received per ``(job, stage)``: in memory and in a file each.
 
     The file is ``data_dir/<job>/replica-of-stage<N>.safetensors``, replaced
-    atomically (a reader sees the old state or the new one, never half).
+    atomically ([Note: nothing torn] in :mod:`edge.files`).
     """
 
     def __init__(self, data_dir: Path) -> None:
@@ -377,20 +377,9 @@ class ReplicaKeeper:
             return None
         st.weights, st.optim = {}, {}
         self.kept[(job, stage)] = (st, data)
-        write_atomically(self.path(job, stage), data)
+        write_atomic(self.path(job, stage), data)
         return st
 
     def forget_other_jobs(self, job: str) -> None:
         """Drop from memory (not from disk) what was kept for other jobs."""
         self.kept = {k: v for k, v in self.kept.items() if k[0] == job}
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename (after an fsync)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -48,6 +48,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from edge.config import RecvTimeout, Replicas, TrainConfig
 from edge.errors import UserError, describe_validation_error
+from edge.files import write_atomic
 from edge.models.unit_costs import profile_model
 from edge.models.zoo import get_model
 from edge.runtime.checkpoint import StageState, read_state
@@ -192,7 +193,7 @@ def write_job(job: DistJob, path: Path) -> None:
         text = tomli_w.dumps(data)
     except (TypeError, ValueError) as exc:  # e.g. a None inside model_options
         raise UserError(f"job {job.job} cannot be written as TOML: {exc}") from None
-    path.write_text(text)
+    write_atomic(path, text)
 
 
 @dataclass

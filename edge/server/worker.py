@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 
 from edge.errors import UserError
+from edge.files import write_atomic
 from edge.models.zoo import get_model
 from edge.runtime.allocator import tune_malloc
-from edge.runtime.checkpoint import load_state, select, write_atomically
+from edge.runtime.checkpoint import load_state, select
 from edge.runtime.stage import StageRuntime
 from edge.server.data_parallel import DataParallel
 from edge.server.job_file import DistJob, load_job, resume_states
@@ -90,14 +91,14 @@ def _run(job: DistJob, rank: int, device: str) -> list[StepReport]:
     out = Path(job.output)
     out.mkdir(parents=True, exist_ok=True)
     lines = "".join(r.model_dump_json() + "\n" for r in reports)
-    write_atomically(out / f"reports-rank{rank}.jsonl", lines.encode())
+    write_atomic(out / f"reports-rank{rank}.jsonl", lines.encode())
     if replica == 0:
-        write_atomically(out / f"weights-stage{stage}.safetensors", rt.weights())
-        write_atomically(out / f"state-stage{stage}.safetensors", rt.state(job.steps))
+        write_atomic(out / f"weights-stage{stage}.safetensors", rt.weights())
+        write_atomic(out / f"state-stage{stage}.safetensors", rt.state(job.steps))
         if a.is_last:
             losses = [r.loss for r in reports]
             data = {"job": job.job, "first_step": first_step, "losses": losses}
-            write_atomically(out / "losses.json", json.dumps(data).encode())
+            write_atomic(out / "losses.json", json.dumps(data).encode())
     dist.barrier()  # results are on disk before any rank reports success
     return reports
 

@@ -25,6 +25,14 @@ queue is full, :meth:`MqttTransport.send` raises :class:`ConnectionError` at
 once rather than block. ``max_inflight`` (100) keeps enough frames on the wire
 to fill a fast link.
 
+[Note: no Nagle]
+Every connection sets TCP_NODELAY, as the broker does (``set_tcp_nodelay``). With
+Nagle's algorithm on, a segment shorter than the path's MSS waits for the
+acknowledgement of the one before: over TLS every 16 KiB record is such a
+segment, so a 1 MiB frame went out as a string of waits (measured: TLS at 0.4x
+of plain through Mosquitto on loopback), and a small control message after a
+frame waited too.
+
 With ``link_mbps`` or ``link_latency_ms`` in the settings, the transport
 emulates a slower link for its stage frames (the testbed's software method,
 [Note: the emulated link] in :mod:`edge.transport.shaping`): :meth:`send`
@@ -39,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import socket
 import ssl
 import threading
 import time
@@ -80,6 +89,12 @@ def _payload(payload: bytes | bytearray | memoryview | str) -> bytes | bytearray
 _CHANNELS: tuple[Channel, Channel] = ("fwd", "bwd")
 
 
+def _no_delay(_client: Any, _userdata: Any, sock: Any) -> None:
+    """Turn Nagle's algorithm off on a new connection ([Note: no Nagle])."""
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 class MqttTransport:
     """Frames for attached stages, and control topics, over one paho client.
 
@@ -102,6 +117,7 @@ class MqttTransport:
         c.on_connect, c.on_disconnect = self._on_connect, self._on_disconnect
         c.on_subscribe, c.on_publish = self._on_subscribe, self._on_publish
         c.on_message = self._on_message
+        c.on_socket_open = _no_delay
 
         self._cond = threading.Condition()  # guards the subscription state below
         self._inboxes: dict[tuple[str, int], Inbox] = {}

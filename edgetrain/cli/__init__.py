@@ -30,6 +30,7 @@ from edgetrain.cli import (
     train,
 )
 from edgetrain.cli.demo import demo_command
+from edgetrain.cli.signals import exit_on_sigterm
 
 __all__ = ["app", "main"]
 
@@ -77,7 +78,9 @@ def _root(
 
 
 def main() -> None:
-    """Entry point: run the app; bad input ends with one line on stderr and status 2."""
+    """Entry point: run the app; bad input ends with one line on stderr and status 2, and
+    SIGTERM runs the command's cleanup as Ctrl-C does (:mod:`edgetrain.cli.signals`)."""
+    exit_on_sigterm()
     try:
         app()
     except UserError as exc:

@@ -7,8 +7,10 @@ profile, a catalogue profile, or one read from a JSON file
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
+import re
 import signal
 import socket
 from pathlib import Path
@@ -71,6 +73,18 @@ def _measured(device_id: str, seconds: float, device: str, precision: str) -> De
         device=device,
         precision=precision,  # type: ignore[arg-type]
     ).to_device_spec()
+
+
+_HOST_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
+
+
+def _check_host(host: str) -> None:
+    """A ``--store-host`` is an IP address or a host name; else a one-line error."""
+    try:
+        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        if not _HOST_NAME.match(host):
+            raise UserError(f"--store-host: {host!r} is not an IP address or a host name") from None
 
 
 def agent_command(
@@ -204,6 +218,14 @@ def agent_command(
             "then drive this agent (a testbed on a closed network)."
         ),
     ),
+    store_host: list[str] = typer.Option(
+        [],
+        "--store-host",
+        envvar="EDGETRAIN_STORE_HOST",
+        metavar="ADDR",
+        help="Server tier: also join groups whose rendezvous store is on ADDR (repeatable); "
+        "by default only stores on the broker's host or loopback are joined.",
+    ),
 ) -> None:
     """Run the agent daemon: register this device and run the stages it is assigned.
 
@@ -253,6 +275,8 @@ def agent_command(
             f"--device-id: {device_id!r} is not 1-64 of A-Z a-z 0-9 _ . - "
             "(starting with a letter or digit)"
         )
+    for host in store_host:
+        _check_host(host)
     announced: DeviceSpec | None = None  # bad input fails here, before connecting
     if profile is not None and (profile.endswith(".json") or Path(profile).is_file()):
         from edge.profiling.catalog import load_device_file
@@ -301,6 +325,7 @@ def agent_command(
         slowdown=slowdown,
         torch_device=device,
         allow_code=allowed,
+        store_hosts=store_host,
     )
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())

@@ -12,7 +12,11 @@ __all__ = ["coordinator_command"]
 
 
 def coordinator_command(
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to serve the API on."),
+    host: str = typer.Option(
+        "127.0.0.1",
+        "--host",
+        help="Address to serve the API on; one that is not loopback needs EDGETRAIN_API_TOKEN.",
+    ),
     port: int = typer.Option(8000, "--port", min=1, max=65535, help="Port to serve the API on."),
     broker: str | None = typer.Option(
         None, "--broker", help="Broker URL; without it the embedded default broker is started."
@@ -43,8 +47,11 @@ def coordinator_command(
     """Run the coordinator: track the fleet, accept jobs, plan and drive them, store results.
 
     The API is under /api/v1 (OpenAPI at /docs). With EDGETRAIN_API_TOKEN set,
-    every mutating request needs 'Authorization: Bearer <token>'. Logs, the
-    coordinator's and uvicorn's alike, are JSON lines on standard error.
+    every mutating request needs 'Authorization: Bearer <token>'; without it the
+    coordinator serves on a loopback address only. It answers requests for
+    localhost, 127.0.0.1, ::1 and --host; EDGETRAIN_ALLOWED_HOSTS (comma-separated,
+    '*' for any) names the others, e.g. the machine's name when --host is 0.0.0.0.
+    Logs, the coordinator's and uvicorn's alike, are JSON lines on standard error.
     """
     from edge.logs import setup_logging
 

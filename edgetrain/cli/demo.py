@@ -1,8 +1,8 @@
 """``edgetrain demo``: the product end to end, on embedded defaults.
 
 It starts the coordinator (REST API and dashboard) with a freshly generated
-API token and its own broker (Mosquitto with TLS, accounts and ACLs; the
-embedded amqtt, anonymous, without Mosquitto), enrols three agent processes
+API token and its own broker (Mosquitto, else the embedded amqtt; TLS,
+accounts and ACLs either way), enrols three agent processes
 through the API emulating catalogue devices: each announces its catalogue profile
 and is slowed in software to that device's speed relative to the fastest.
 It then submits a ``cnn-digits`` job on ``digits`` through the REST API (the
@@ -16,7 +16,6 @@ at a terminal to press Ctrl-C, as in CI).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import secrets
 import sys
@@ -33,9 +32,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 from torch.utils.data import DataLoader
 
-from coordinator.local.broker import find_mosquitto, free_port
+from coordinator.local.broker import free_port
 from coordinator.local.fleet import LocalFleet
-from coordinator.local.owned import start_owned_broker
 from edge.errors import UserError, needs_coordinator_extras
 from edge.models.datasets import build_dataset
 from edge.models.zoo import ModelSpec, get_model
@@ -113,24 +111,12 @@ def demo_command(
     fastest = max(d.gflops for d in specs)
     slowdowns = [fastest / d.gflops for d in specs]
     token = secrets.token_urlsafe(24)
-    with (
-        tempfile.TemporaryDirectory(prefix="edgetrain-demo-") as tmp,
-        contextlib.ExitStack() as stack,
-    ):
-        # With Mosquitto the coordinator starts its own broker (TLS, accounts, ACLs that
-        # follow the plan) and the agents are enrolled through its API, as a user would;
-        # without it, an anonymous embedded broker started here.
-        secure = find_mosquitto() is not None
-        broker_url = None
-        if not secure:
-            plain = start_owned_broker(Path(tmp) / "broker", secure=False)
-            stack.callback(plain.stop)
-            broker_url = plain.url
+    with tempfile.TemporaryDirectory(prefix="edgetrain-demo-") as tmp:
+        # The coordinator starts its own broker (Mosquitto, else the embedded amqtt; TLS,
+        # accounts and ACLs that follow the plan either way) and the agents are enrolled
+        # through its API, as a user would.
         settings = Settings(
-            broker_url=broker_url,
-            data_dir=Path(tmp),
-            api_token=SecretStr(token),
-            port=port or free_port(),
+            data_dir=Path(tmp), api_token=SecretStr(token), port=port or free_port()
         )
         url = f"http://{settings.host}:{settings.port}"
         with (
@@ -147,14 +133,13 @@ def demo_command(
 
             with LocalFleet(
                 len(names),
-                broker_url,
-                enroll=enroll if secure else None,
+                None,
+                enroll=enroll,
                 threads=1,
                 profiles=[p.name for p in profiles],
                 slowdowns=slowdowns,
             ) as agents:
-                how = "TLS, an account per device, ACLs" if secure else "anonymous"
-                console.print(f"broker: {agents.broker_url} ({how})")
+                console.print(f"broker: {agents.broker_url} (TLS, an account per device, ACLs)")
                 console.print(f"coordinator: {url}  (dashboard {url}/, API token {token})")
                 for device, name, slow in zip(agents.ids, names, slowdowns, strict=True):
                     console.print(

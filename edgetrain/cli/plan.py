@@ -14,6 +14,7 @@ from coordinator.planner.build import build_problem, parse_fleet
 from coordinator.planner.simulator import simulate
 from coordinator.planner.solve import SearchResult, plan_problem
 from edge.errors import UserError
+from edge.files import write_atomic
 from edge.models.zoo import parse_options
 from edge.problem import PlanningProblem, load_problem
 
@@ -75,17 +76,27 @@ def plan_command(
             model_options=parse_options(option),
         )
     if emit_problem is not None:
-        emit_problem.write_text(json.dumps(problem.to_json(), indent=2) + "\n")
+        _write(emit_problem, json.dumps(problem.to_json(), indent=2) + "\n", "--emit-problem")
     result = plan_problem(problem, time_budget_s=time_budget)
     if result.score is None:
         typer.echo(json.dumps({"feasible": False, "reason": result.reason}))
         raise typer.Exit(INFEASIBLE_EXIT)
     if timeline is not None:
-        simulate(problem, result.score.plan, "1f1b").write_chrome_trace(timeline)
+        trace = simulate(problem, result.score.plan, "1f1b").to_chrome_trace()
+        _write(timeline, json.dumps(trace), "--timeline")
     if json_out:
         typer.echo(json.dumps(result.score.to_json()))
         return
     _print_report(problem, result)
+
+
+def _write(path: Path, text: str, option: str) -> None:
+    """Write an output file whole ([Note: nothing torn] in :mod:`edge.files`); one line if
+    it cannot be."""
+    try:
+        write_atomic(path, text)
+    except OSError as exc:
+        raise UserError(f"{option} {path}: cannot write: {exc.strerror or exc}") from None
 
 
 def _print_report(problem: PlanningProblem, result: SearchResult) -> None:

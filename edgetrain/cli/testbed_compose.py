@@ -20,6 +20,7 @@ from coordinator.planner.build import parse_fleet
 from coordinator.testbed.compose import BROKER_SERVICE, DEFAULT_IMAGE_TAG, render_compose
 from coordinator.testbed.sizing import emulate
 from edge.errors import UserError, needs_coordinator_extras
+from edge.files import write_atomic
 
 __all__ = ["compose_command"]
 
@@ -154,6 +155,6 @@ def compose_command(
         typer.echo(text, nl=False)
         return
     try:
-        output.write_text(text)
+        write_atomic(output, text)
     except OSError as exc:
         raise UserError(f"--output {output}: cannot write: {exc.strerror or exc}") from None

@@ -22,6 +22,7 @@ import typer
 
 from coordinator.engine.spec import JobSpec
 from edge.errors import UserError
+from edge.files import write_atomic
 from edge.models.zoo import parse_options
 from edge.wire.messages import StepReport
 
@@ -219,7 +220,12 @@ def train_command(
             )
     result, score, broker_name = run.result, run.score, run.broker
     if save_weights is not None:
-        save_weights.write_bytes(result.weights_bytes())
+        try:
+            write_atomic(save_weights, result.weights_bytes())
+        except OSError as exc:
+            raise UserError(
+                f"--save-weights {save_weights}: cannot write: {exc.strerror or exc}"
+            ) from None
     out = {
         "losses": result.losses,
         "samples_per_s": result.samples_per_s,

@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import psutil
 import pytest
@@ -19,12 +20,12 @@ from support.mosquitto import mosquitto_broker
 from support.waiting import until
 
 from coordinator.engine.runners import run_on_agents
-from coordinator.engine.spec import JobFailed, JobSpec
+from coordinator.engine.spec import JobFailed, JobSpec, make_assignments
 from coordinator.local.fleet import LocalFleet
 from coordinator.planner.score import Plan
 from edge.transport.mqtt import MqttSettings, MqttTransport
-from edge.wire.messages import DeviceStatus
-from edge.wire.topics import device_cmd, device_status
+from edge.wire.messages import DeviceStatus, DistGroup, StageFailed, parse_event
+from edge.wire.topics import device_cmd, device_status, job_events
 
 pytestmark = needs_mosquitto
 
@@ -71,6 +72,24 @@ def test_sigkill_leaves_last_will_and_no_process(one_agent) -> None:  # type: ig
     # The broker notices the dead connection (keepalive or socket close) and publishes the will.
     assert until(lambda: status() is not None and status().state == "offline", 60)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_store_on_an_address_the_agent_does_not_accept_fails_the_stage(one_agent) -> None:  # type: ignore[no-untyped-def]
+    """Not loopback, not the broker's host, no --store-host: the stage fails at once, naming
+    the address; joining would have waited for the store (two minutes) instead."""
+    _url, control, fleet = one_agent
+    device = fleet.ids[0]
+    spec = JobSpec(model="mlp", steps=1, batch_size=8, microbatches=2)
+    (a,) = make_assignments("storejob", spec, Plan.of((device, 0, 3)))
+    group = DistGroup(store_host="192.0.2.7", store_port=29500, world_size=1, ranks={0: 0})
+    events: list[Any] = []
+    control.subscribe(job_events("storejob", device), lambda _t, p: events.append(parse_event(p)))
+    control.publish(device_cmd(device), a.model_copy(update={"dist": group}).model_dump_json(), 1)
+    assert until(lambda: events, 20), fleet.tail(device)
+    (failed,) = events
+    assert isinstance(failed, StageFailed) and failed.stage == 0
+    assert "refused the rendezvous store at 192.0.2.7:29500" in failed.error
+    assert fleet.procs[device].poll() is None
 
 
 @pytest.mark.slow

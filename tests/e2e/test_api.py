@@ -12,6 +12,7 @@ import onnx
 import pytest
 import safetensors.torch
 from fastapi.testclient import TestClient
+from pydantic import SecretStr
 from support.markers import needs_mosquitto
 from support.mosquitto import mosquitto_broker
 from support.reference import assert_matches, train_reference
@@ -25,6 +26,8 @@ from edge import __version__
 
 pytestmark = needs_mosquitto
 TOKEN = "s3cret-token-for-the-tests"
+IN_PROCESS = ["testserver"]
+"""The Host of FastAPI's TestClient, which the app must be told to answer."""
 
 
 @pytest.mark.slow
@@ -32,7 +35,12 @@ def test_job_over_http_runs_a_three_stage_pipeline(tmp_path: Path) -> None:
     """A 3-stage job on three agents, through the API from submission to ONNX; its weights
     are the independent reference's (a plain PyTorch loop, 1e-5)."""
     with mosquitto_broker() as broker:
-        settings = Settings(broker_url=broker.url, data_dir=tmp_path / "coord", api_token=TOKEN)
+        settings = Settings(
+            broker_url=broker.url,
+            data_dir=tmp_path / "coord",
+            api_token=SecretStr(TOKEN),
+            allowed_hosts=IN_PROCESS,
+        )
         auth = {"Authorization": f"Bearer {TOKEN}"}
         with (
             TestClient(create_app(settings)) as client,
@@ -125,7 +133,9 @@ def test_job_over_http_runs_a_three_stage_pipeline(tmp_path: Path) -> None:
 
 def test_what_if_plan_needs_no_devices_online(tmp_path: Path) -> None:
     with mosquitto_broker() as broker:
-        settings = Settings(broker_url=broker.url, data_dir=tmp_path / "coord")
+        settings = Settings(
+            broker_url=broker.url, data_dir=tmp_path / "coord", allowed_hosts=IN_PROCESS
+        )
         with TestClient(create_app(settings)) as client:
             body = {
                 "model": "vgg11",
@@ -155,7 +165,7 @@ def test_restart_keeps_devices_jobs_and_metrics_and_fails_the_interrupted_job(
 ) -> None:
     data = tmp_path / "coord"
     with mosquitto_broker() as broker, LocalFleet(2, broker.url, threads=1) as fleet:
-        settings = Settings(broker_url=broker.url, data_dir=data)
+        settings = Settings(broker_url=broker.url, data_dir=data, allowed_hosts=IN_PROCESS)
         with TestClient(create_app(settings)) as client:
             assert until(lambda: client.get("/api/v1/devices").json()["count"] == 2, 60)
             assert until(

@@ -69,8 +69,10 @@ class _NotingReplicas(ReplicaStore):
         self.arrivals: list[tuple[float, str, int, int, int]] = []
         """``(time.time(), job, step, start, end)`` per replica taken."""
 
-    def add(self, blob: bytes, *, keep: bool = True) -> StageState:
-        state = super().add(blob, keep=keep)
+    def add(
+        self, blob: bytes, *, keep: bool = True, units: tuple[int, int] | None = None
+    ) -> StageState:
+        state = super().add(blob, keep=keep, units=units)
         self.arrivals.append((time.time(), state.job, state.step, state.start, state.end))
         return state
 

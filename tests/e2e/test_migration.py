@@ -132,7 +132,9 @@ def test_a_service_job_with_a_slowed_device_migrates_with_the_same_result(
         "replicate_every": 2,
         "faults": ["slow:1@4:4"],
     }
-    settings = Settings(broker_url=broker, data_dir=tmp_path / "coord")
+    settings = Settings(
+        broker_url=broker, data_dir=tmp_path / "coord", allowed_hosts=["testserver"]
+    )
     with (
         TestClient(create_app(settings)) as client,
         LocalFleet(3, broker, threads=1),

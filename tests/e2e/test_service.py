@@ -1,7 +1,8 @@
 """The coordinator's core without HTTP: registry, job manager and store, real agents.
 
 The job asks for two stages (``stages=2``), so the plan is a real pipeline over
-both agents; a second one asks for three and fails at planning, saying why.
+both agents; a second one asks for three, and a third has a fault on a stage its
+plan lacks: both fail at planning, saying why.
 """
 
 from __future__ import annotations
@@ -64,6 +65,17 @@ def test_a_submitted_job_is_planned_run_and_stored_and_survives_a_restart(tmp_pa
                 assert until(lambda: store.get_job(three).state in ("completed", "failed"), 60)
                 reason = store.get_job(three).reason
                 assert reason is not None and reason.startswith("stages=3 needs 3 devices"), reason
+
+                # A fault on a stage the plan lacks would never fire: the job fails at
+                # planning, naming it (the API refuses this one at submission; a plan the
+                # planner makes shorter than the devices allowed reaches the manager).
+                update = {"stages": 1, "steps": 2, "faults": ("slow:1@1:2",), "replicate_every": 1}
+                lacking = manager.submit(spec.model_copy(update=update))
+                assert until(lambda: store.get_job(lacking).state in ("completed", "failed"), 60)
+                record = store.get_job(lacking)
+                why = "fault slow:1@1:2: the plan has 1 stage (stage 0), no stage 1"
+                assert record.state == "failed" and record.reason == why
+                assert record.plan is not None and len(record.plan["stages"]) == 1
 
                 # A device that vanishes is marked offline.
                 victim = fleet.ids[0]

@@ -172,9 +172,8 @@ def test_kernel_testbed_slows_each_agent_to_its_profile(
         assert quota / int((cpu / "cpu.cfs_period_us").read_text()) == 0.25
         control = control_for(bed.login())
         try:
-            accounts = bed.accounts(control)
-            assert accounts is not None  # a secure broker: stages get their topics by grant
-            result = run_on_agents(spec, plan, control, timeout_s=180, access=accounts)
+            assert bed.accounts is not None  # a secure broker: stages get their topics by grant
+            result = run_on_agents(spec, plan, control, timeout_s=180, access=bed.accounts)
         finally:
             control.close()
     assert leftovers(state) == []

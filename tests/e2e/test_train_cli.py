@@ -161,3 +161,19 @@ def test_bad_input_exits_2_with_one_line(extra: list[str], names: str) -> None:
     assert done.returncode == 2, done.stderr
     assert names in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.broker
+@pytest.mark.skipif(find_mosquitto() is None, reason=NO_MOSQUITTO)
+@pytest.mark.slow
+def test_a_fault_on_a_stage_the_plan_lacks_exits_2_naming_the_plans_stages() -> None:
+    """Three devices but a two-unit model: the even split has two stages, so ``kill:2@1``
+    passes the check against ``--devices`` and is refused once the plan is known; it would
+    never fire."""
+    done = train(
+        "--devices", "3", "--partition", "even", "-o", "depth=2", "--fault", "kill:2@1", "--json"
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stdout == ""
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == "error: --fault kill:2@1: the plan has 2 stages (stages 0-1), no stage 2"

@@ -35,7 +35,9 @@ def _refusal(client: TestClient, **extra: Any) -> tuple[list[Any], str]:
 def test_a_plain_coordinator_refuses_bad_kill_and_join_faults(
     mosquitto: Broker, tmp_path: Path
 ) -> None:
-    settings = Settings(broker_url=mosquitto.url, data_dir=tmp_path / "coord")
+    settings = Settings(
+        broker_url=mosquitto.url, data_dir=tmp_path / "coord", allowed_hosts=["testserver"]
+    )
     with TestClient(create_app(settings)) as client:
         loc, msg = _refusal(client, faults=["kill:1@4", "kill:x@2"])
         assert loc == ["body", "faults", 1] and "fault 'kill:x@2': expected kill:STAGE@STEP" in msg
@@ -71,7 +73,12 @@ def test_a_testbed_coordinator_takes_kill_and_join_faults(
     mosquitto: Broker, tmp_path: Path
 ) -> None:
     bed = tmp_path / "testbed"
-    settings = Settings(broker_url=mosquitto.url, data_dir=tmp_path / "coord", testbed_state=bed)
+    settings = Settings(
+        broker_url=mosquitto.url,
+        data_dir=tmp_path / "coord",
+        testbed_state=bed,
+        allowed_hosts=["testserver"],  # the TestClient's Host
+    )
     with TestClient(create_app(settings)) as client:
         _, msg = _refusal(client, faults=["kill:1@4"])
         assert msg == f"fault 'kill:1@4': kill faults: no running testbed in {bed.resolve()}"

@@ -261,5 +261,5 @@ def test_mosquitto_log_dir_and_password_file(tmp_path: Path) -> None:
 
 
 def test_amqtt_refuses_a_password_file(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="needs mosquitto"):
+    with pytest.raises(UserError, match="a password file needs mosquitto"):
         start_broker(prefer="amqtt", password_file=tmp_path / "passwd")

@@ -149,3 +149,9 @@ def test_bad_command_lines_exit_2() -> None:
     done = run_plan("--model", "vgg11", "--devices", "rpi9")
     assert done.returncode == 2
     assert "rpi9" in done.stderr
+    # A model option past its bound (see [Note: bounded zoo options]): one line, nothing built.
+    done = run_plan("--model", "mlp", "--devices", "laptop", "-o", "depth=1000000000")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "error: model mlp: depth must be an integer from 2 to 1024 (got 1000000000)"
+    ]

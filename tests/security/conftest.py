@@ -43,7 +43,7 @@ def secure_control(secure_broker: OwnedBroker) -> Iterator[MqttTransport]:
 
 @pytest.fixture(scope="module")
 def secure_fleet(secure_broker: OwnedBroker, secure_control: MqttTransport) -> Iterator[LocalFleet]:
-    """Three enrolled agents, slowed 3x so that a job lasts while it is attacked."""
-    with LocalFleet(3, secure_broker, threads=1, slowdowns=[3.0, 3.0, 3.0]) as local:
+    """Three enrolled agents, slowed 4x so that a job lasts while it is attacked."""
+    with LocalFleet(3, secure_broker, threads=1, slowdowns=[4.0, 4.0, 4.0]) as local:
         local.wait_online(secure_control, timeout=90)
         yield local

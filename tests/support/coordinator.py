@@ -21,16 +21,19 @@ def coordinator_process(
     data: Path,
     *,
     token: str | None = None,
+    host: str | None = None,
     stderr: IO[bytes] | int = subprocess.DEVNULL,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """The coordinator on ``port`` with ``broker`` (``None``: its own, secure) and ``data``;
-    an API token only when
-    ``token`` is given. SIGTERM when the block ends (SIGKILL after 30 s); a process the
-    block killed itself is left as it is."""
+    """The coordinator on ``port`` (of ``host``, loopback when not given) with ``broker``
+    (``None``: its own, secure) and ``data``; an API token only when ``token`` is given.
+    SIGTERM when the block ends (SIGKILL after 30 s); a process that ended or the block
+    killed is left as it is."""
     env = {k: v for k, v in os.environ.items() if k != "EDGETRAIN_API_TOKEN"}
     if token is not None:
         env["EDGETRAIN_API_TOKEN"] = token
     cmd = [sys.executable, "-m", "edgetrain.cli", "coordinator", "--port", str(port)]
+    if host is not None:
+        cmd += ["--host", host]
     cmd += ["--data-dir", str(data), *(["--broker", broker] if broker else [])]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
     try:

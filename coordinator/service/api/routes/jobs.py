@@ -2,8 +2,10 @@
 
 The body's training settings are :class:`edge.config.TrainConfig`'s. Its model and
 dataset must be the zoo's and built-in (a ``package.module:function`` would run code
-the client chose on every device); given ``dataset_options`` are checked by building
-the dataset, so a bad one is a 422 naming them.
+the client chose on every device). Both are checked by building them before the job
+is queued, the model with its options and the dataset with its own, so an unknown
+name or a bad (or out-of-bounds: [Note: bounded zoo options]) option is a 422
+naming ``model``, ``dataset`` or ``dataset_options``.
 
 A job may carry ``faults`` to inject (for testing fault tolerance; the forms of
 :mod:`coordinator.engine.faults`): each is checked when the job is submitted, against
@@ -45,7 +47,7 @@ from coordinator.service.api.routes.errors import (
 from coordinator.service.store.sqlite import JobRecord
 from edge.config import BatchSize, Microbatches, ReplicateEvery, Steps, TrainConfig
 from edge.errors import UserError, describe_validation_error
-from edge.models.datasets import build_dataset
+from edge.models.datasets import DATASETS, build_dataset
 from edge.models.zoo import get_model
 
 __all__ = ["router"]
@@ -162,14 +164,13 @@ def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPubl
         dataset, options = body.resolve_data()
     except UserError as exc:
         raise unprocessable(["body", "model"], exc.message) from None
-    steps = body.steps
-    if steps is None or body.dataset_options is not None:
-        try:  # the size for epochs; and given options are checked here, not on the devices
-            size = len(build_dataset(dataset, "train", **options))  # type: ignore[arg-type]
-        except UserError as exc:
-            field = "dataset" if body.dataset_options is None else "dataset_options"
-            raise unprocessable(["body", field], exc.message) from None
-        steps = steps or max(1, round((body.epochs or 1) * size / body.batch_size))
+    try:  # checked here, as the model is, not on the devices; and the size for epochs
+        size = len(build_dataset(dataset, "train", **options))  # type: ignore[arg-type]
+    except UserError as exc:
+        given = body.dataset_options is not None and dataset in DATASETS
+        field = "dataset_options" if given else "dataset"
+        raise unprocessable(["body", field], exc.message) from None
+    steps = body.steps or max(1, round((body.epochs or 1) * size / body.batch_size))
     replicate_every = body.replicate_every
     if replicate_every is None:
         replicate_every = max(1, steps // 10) if body.faults else 0

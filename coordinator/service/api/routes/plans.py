@@ -1,36 +1,102 @@
-"""``/api/v1/plans``: what-if planning; nothing runs."""
+"""``/api/v1/plans``: what-if planning; nothing runs.
+
+Planning profiles the model on the coordinator, so it needs the write token, as
+submitting a job does. The fleet is named in the body and nothing else: each item
+of ``devices`` is the id of a known device, a catalogue profile
+(``NAME[:COUNT]``, at most :data:`MAX_DEVICES` devices in all) or a measured
+device itself, as an object (what ``edgetrain profile --json`` prints, its figures
+bounded so that no prediction overflows). The command line's other form, the path
+of a JSON file, is refused: a client must not make the coordinator read its files.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 from coordinator.planner import plan_problem
 from coordinator.planner.baselines import run_baselines
 from coordinator.planner.build import build_problem, parse_fleet
 from coordinator.planner.simulator import simulate
-from coordinator.service.api.deps import ReadAuth, RegistryDep
+from coordinator.service.api.deps import RegistryDep, WriteAuth
 from coordinator.service.api.routes.errors import AUTH, unprocessable
 from coordinator.service.api.routes.jobs import zoo_model_name
 from edge.config import BatchSize, Microbatches, ModelName, Schedule, check_batch_split
 from edge.errors import UserError
 from edge.problem import DeviceSpec
 
-__all__ = ["router"]
+__all__ = ["MAX_DEVICES", "DeviceCreate", "PlanCreate", "router"]
 
-router = APIRouter(prefix="/plans", tags=["plans"], dependencies=[ReadAuth], responses=AUTH)
+router = APIRouter(prefix="/plans", tags=["plans"], responses=AUTH)
+
+MAX_DEVICES = 256
+"""Most devices one what-if plan may have, counting a catalogue item's ``:COUNT``."""
+
+
+def _within(low: float, high: float) -> Any:
+    return Field(ge=low, le=high, allow_inf_nan=False)
+
+
+class DeviceCreate(DeviceSpec):
+    """A measured device, given in the body (the fields of ``edgetrain profile --json``)."""
+
+    id: str = Field(min_length=1, max_length=128)
+    gflops: Annotated[float, _within(1e-3, 1e7)]
+    """Sustained training GFLOP/s."""
+    memory_bytes: Annotated[float, _within(1, 2.0**60)]
+    bandwidth_mbps: Annotated[float, _within(1e-3, 1e7)]
+    """Link to the network, megabits per second, each way."""
+    latency_ms: Annotated[float, _within(0, 1e6)]
+    """One-way latency of that link, milliseconds."""
+
+
+def _named_device(item: str) -> str:
+    """A known id or a catalogue ``NAME[:COUNT]``, never a file: see the module."""
+    if any(c in item for c in "/\\,") or item.lower().endswith(".json"):
+        raise ValueError(
+            f"{item!r} is not a device name: the API reads no files and takes one device "
+            "per item; give a measured device as an object in devices instead"
+        )
+    _, colon, count = item.rpartition(":")
+    if colon and count.isdigit() and (len(count) > 4 or int(count) > MAX_DEVICES):
+        raise ValueError(f"{item!r}: a count is at most {MAX_DEVICES}")
+    return item
+
+
+def _item_kind(value: Any) -> str:
+    return "device" if isinstance(value, dict | DeviceSpec) else "name"
+
+
+DeviceItem = Annotated[
+    Annotated[str, Field(min_length=1, max_length=128), AfterValidator(_named_device), Tag("name")]
+    | Annotated[DeviceCreate, Tag("device")],
+    Discriminator(_item_kind),
+]
+"""An item of ``devices``: a name (a string) or a measured device (an object)."""
 
 
 class PlanCreate(BaseModel):
-    """A model and a fleet: ids of known devices and/or catalogue names (``rpi4-4gb:2``)."""
+    """A model and a fleet: ids of known devices, catalogue names (``rpi4-4gb:2``) and
+    measured devices as objects."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: ModelName = Field(examples=["vgg11"])
     model_options: dict[str, Any] = Field(default_factory=dict)
-    devices: list[str] = Field(min_length=1, max_length=256, examples=[["rpi4-4gb:2", "laptop"]])
+    devices: list[DeviceItem] = Field(
+        min_length=1, max_length=MAX_DEVICES, examples=[["rpi4-4gb:2", "laptop"]]
+    )
     batch_size: BatchSize = 32
     microbatches: Microbatches = 4
     pin_first: str | None = None
@@ -44,23 +110,37 @@ class PlanCreate(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> PlanCreate:
         check_batch_split(self.batch_size, self.microbatches)
+        total = sum(_count(item) for item in self.devices)
+        if total > MAX_DEVICES:
+            raise ValueError(f"devices: {total} devices in all, more than {MAX_DEVICES}")
         return self
 
 
-@router.post("")
+def _count(item: str | DeviceSpec) -> int:
+    """How many devices an item of ``devices`` stands for."""
+    if isinstance(item, DeviceSpec):
+        return 1
+    _, colon, count = item.rpartition(":")
+    return int(count) if colon and count.isdigit() else 1
+
+
+@router.post("", dependencies=[WriteAuth])
 def create_plan(body: PlanCreate, registry: RegistryDep) -> dict[str, Any]:
     """The plan, its predicted samples/s, the baselines' predictions and the simulated step."""
     fleet: list[DeviceSpec] = []
     known = {d.id: d for d in registry.devices()}
     try:
-        for name in body.devices:
-            device = known.get(name)
+        for item in body.devices:
+            if isinstance(item, DeviceSpec):
+                fleet.append(DeviceSpec.model_validate(item.model_dump()))
+                continue
+            device = known.get(item)
             if device is not None and device.profile is not None:
                 fleet.append(
-                    DeviceSpec.model_validate({**device.profile, "id": name, "details": None})
+                    DeviceSpec.model_validate({**device.profile, "id": item, "details": None})
                 )
             else:
-                fleet += parse_fleet(name)
+                fleet += parse_fleet(item, files=False)
         problem = build_problem(
             body.model,
             fleet,

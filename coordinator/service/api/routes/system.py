@@ -11,11 +11,19 @@ counters end in ``_total``, shares of a whole in ``_ratio``:
   ``edgetrain_stage_wait_ratio{job,stage}`` (the bubble) and
   ``edgetrain_link_bytes_per_second{job,stage}``, from its last step;
 - prometheus-client's ``process_*``, ``python_info`` and ``python_gc_*``.
+
+[Note: event streams hold no thread] ``/api/v1/events`` is an async generator on
+the event loop that polls its subscription without blocking (every
+:data:`EVENT_POLL_S`, with ``await asyncio.sleep``). A generator that blocked in
+the subscription's wait would hold a threadpool worker per open browser for as
+long as the stream lasts; the pool is small (40 by default) and every plain route
+(``def``) needs one, so a few dozen dashboards would stall the whole API.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator, Iterator
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
@@ -36,7 +44,12 @@ from coordinator.service.api.routes.errors import AUTH
 from edge import __version__
 from edge.wire.messages import StepReport
 
-__all__ = ["FleetCollector", "metrics_registry", "router"]
+__all__ = ["EVENT_POLL_S", "KEEP_ALIVE_S", "FleetCollector", "metrics_registry", "router"]
+
+EVENT_POLL_S = 0.25
+"""How often an event stream looks for new events, in seconds."""
+KEEP_ALIVE_S = 15.0
+"""Seconds without an event after which a stream sends a comment to keep it open."""
 
 router = APIRouter(tags=["system"])
 
@@ -47,19 +60,27 @@ def healthz(services: ServicesDep) -> dict[str, object]:
 
 
 @router.get("/api/v1/events", dependencies=[ReadAuth], responses=AUTH)
-def events(services: ServicesDep) -> StreamingResponse:
+async def events(services: ServicesDep) -> StreamingResponse:
     """Live updates as Server-Sent Events: ``device``, ``job`` and ``step`` events."""
     sub = services.bus.subscribe()
 
-    def stream() -> Iterator[str]:
+    async def stream() -> AsyncIterator[str]:
+        # See [Note: event streams hold no thread].
         try:
             yield ": connected\n\n"
+            idle = 0.0
             while not sub.closed:
-                batch = sub.get(timeout=15.0)
-                if not batch:
-                    yield ": keep-alive\n\n"
+                batch = sub.get(timeout=0)
                 for event in batch:
                     yield event.sse()
+                if batch:
+                    idle = 0.0
+                    continue
+                await asyncio.sleep(EVENT_POLL_S)
+                idle += EVENT_POLL_S
+                if idle >= KEEP_ALIVE_S:
+                    yield ": keep-alive\n\n"
+                    idle = 0.0
         finally:
             sub.close()
 

@@ -432,6 +432,7 @@ def test_settings_from_the_environment(env: pytest.MonkeyPatch, tmp_path: Path) 
     assert Settings().api_read_auth
     env.setenv("EDGETRAIN_API_READ_AUTH", "0")
     assert not Settings().api_read_auth
+    env.setenv("EDGETRAIN_HOST", "127.0.0.1")  # an open API serves on loopback only
     env.setenv("EDGETRAIN_API_TOKEN", "")  # empty counts as unset
     assert Settings().api_token is None
 
@@ -482,3 +483,57 @@ def test_broker_accounts_name_a_record_of_a_broker_at_a_url(
         get_settings()
     (record / "accounts.json").write_text("{}")
     assert get_settings().broker_accounts == record
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "192.168.1.20", "::", "coordinator.example"])
+def test_an_open_api_is_refused_off_loopback(env: pytest.MonkeyPatch, host: str) -> None:
+    with pytest.raises(UserError) as refused:
+        get_settings(host=host)
+    assert refused.value.message == (
+        f"settings: host: {host} is not a loopback address and no API token is set, so anyone "
+        "on the network could submit jobs; set EDGETRAIN_API_TOKEN (or serve on 127.0.0.1)"
+    )
+    assert refused.value.exit_code == 2
+    env.setenv("EDGETRAIN_API_TOKEN", GOOD_TOKEN)
+    assert get_settings(host=host).host == host
+
+
+@pytest.mark.parametrize(
+    "host", ["127.0.0.1", "127.8.9.10", "::1", "[::1]", "localhost", "LocalHost"]
+)
+def test_an_open_api_may_serve_on_loopback(env: pytest.MonkeyPatch, host: str) -> None:
+    assert get_settings(host=host).token is None
+
+
+def test_trusted_hosts_are_loopback_host_and_allowed_hosts(env: pytest.MonkeyPatch) -> None:
+    assert Settings().trusted_hosts == ["localhost", "127.0.0.1", "[::1]"]
+    env.setenv("EDGETRAIN_API_TOKEN", GOOD_TOKEN)
+    assert Settings(host="10.1.2.3").trusted_hosts == [
+        "localhost",
+        "127.0.0.1",
+        "[::1]",
+        "10.1.2.3",
+    ]
+    assert Settings(host="fe80::1").trusted_hosts[-1] == "[fe80::1]"
+    env.setenv("EDGETRAIN_ALLOWED_HOSTS", " Pi.Example , *.lab.example,fd00::2")
+    assert Settings().allowed_hosts == ["pi.example", "*.lab.example", "fd00::2"]
+    assert Settings().trusted_hosts[3:] == ["pi.example", "*.lab.example", "[fd00::2]"]
+    env.setenv("EDGETRAIN_ALLOWED_HOSTS", '["a.example", "*"]')
+    assert Settings().allowed_hosts == ["a.example", "*"]
+    for bad, named in (("a*.example", "a*.example"), ("*example", "*example"), ("a,,*b", "*b")):
+        env.setenv("EDGETRAIN_ALLOWED_HOSTS", bad)
+        with pytest.raises(UserError) as refused:
+            get_settings()
+        assert refused.value.message == (
+            f"settings: allowed_hosts: {named!r} is not a host name, an address, '*' or "
+            f"'*.domain' (got {bad!r})"
+        )
+
+
+def test_max_body_bytes_is_a_mebibyte_unless_set(env: pytest.MonkeyPatch) -> None:
+    assert Settings().max_body_bytes == 1 << 20
+    env.setenv("EDGETRAIN_MAX_BODY_BYTES", "4096")
+    assert Settings().max_body_bytes == 4096
+    env.setenv("EDGETRAIN_MAX_BODY_BYTES", "0")
+    with pytest.raises(UserError, match=r"^settings: max_body_bytes: "):
+        get_settings()

@@ -31,7 +31,8 @@ def test_state_round_trips_through_its_file(tmp_path: Path) -> None:
     assert loaded == state
     assert loaded is not None and loaded.cgroups == ["/sys/fs/cgroup/cpu/edgetrain-testbed-ab12"]
     assert loaded.processes[0].start == proc_start(os.getpid())
-    assert not list(tmp_path.glob("*.tmp"))  # written atomically, nothing half-written left
+    assert [p.name for p in tmp_path.iterdir()] == [STATE_FILE]  # no temporary left
+    assert (tmp_path / STATE_FILE).stat().st_mode & 0o777 == 0o600  # it holds the token
 
 
 def test_missing_and_bad_state(tmp_path: Path) -> None:

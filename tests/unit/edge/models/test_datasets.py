@@ -141,10 +141,17 @@ def test_synthetic_images_shape_labels_and_learnable_across_splits() -> None:
         ({"shape": [3, -1]}, "shape must be >= 1"),
         ({"num_classes": 2.5}, "num_classes must be an integer"),
         ({"colour": True}, "unknown option 'colour'"),
+        # Bounded: a sample or a class table must not allocate without limit.
+        ({"shape": [65536] * 8}, r"shape \[65536, .*\] has more than 16777216 elements"),
+        ({"shape": [3, 70000]}, r"shape must be <= 65536 \(got 70000\)"),
+        ({"shape": [1] * 9}, "shape must be a list of 1 to 8 sizes"),
+        ({"num_classes": 10**9}, r"num_classes must be <= 1048576 \(got 1000000000\)"),
+        ({"size": 10**12}, r"size must be <= 2147483648 \(got 1000000000000\)"),
+        ({"seed": 2**70}, r"seed must be <= 9223372036854775807"),
     ],
 )
 def test_synthetic_images_bad_options(options: dict[str, Any], message: str) -> None:
-    with pytest.raises(UserError, match=message):
+    with pytest.raises(UserError, match=f"^dataset 'synthetic-images': {message}"):
         build_dataset("synthetic-images", **options)
 
 
@@ -189,6 +196,8 @@ def test_text_decode_and_bad_options() -> None:
         build_dataset("text", "test", block_size=10_000_000)
     with pytest.raises(UserError, match="block_size must be >= 1"):
         build_dataset("text", block_size=0)
+    with pytest.raises(UserError, match=r"stride must be <= 2147483648 \(got 10000000000\)"):
+        build_dataset("text", stride=10**10)
 
 
 @pytest.fixture

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from edge.config import TrainConfig
 from edge.errors import UserError
-from edge.models.zoo import UnitDef, get_model, list_models, parse_options
+from edge.models.zoo import (
+    MAX_MODEL_ELEMENTS,
+    MAX_SAMPLE_ELEMENTS,
+    MODELS,
+    OPTION_BOUNDS,
+    UnitDef,
+    get_model,
+    list_models,
+    model_size,
+    parse_options,
+)
 
 REQUIRED = {"mlp", "cnn-digits", "vgg11", "resnet18", "mobilenetv2", "gpt-mini"}
 
@@ -139,3 +152,74 @@ def test_batchnorm_variant_exists_and_defaults_are_groupnorm() -> None:
     assert any(isinstance(m, torch.nn.GroupNorm) for m in default.modules())
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in default.modules())
     assert any(isinstance(m, torch.nn.BatchNorm2d) for m in batch.modules())
+
+
+def test_every_option_of_every_zoo_model_is_bounded_and_the_defaults_fit() -> None:
+    """See [Note: bounded zoo options]: ``norm`` is one of NORMS, every other option has
+    a range, the defaults lie in it, and the default models are within both size bounds."""
+    for name, builder in MODELS.items():
+        params = inspect.signature(builder).parameters
+        options = {p: params[p].default for p in params if p not in ("seed", "norm")}
+        assert set(options) == set(OPTION_BOUNDS[name]), name
+        for option, default in options.items():
+            low, high = OPTION_BOUNDS[name][option]
+            assert low <= default <= high, (name, option)
+        elements, largest = model_size(name)
+        assert 0 < elements <= MAX_MODEL_ELEMENTS and 0 < largest <= MAX_SAMPLE_ELEMENTS
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("mlp", {"depth": 10**9}, "depth must be an integer from 2 to 1024 (got 1000000000)"),
+        ("mlp", {"depth": 1e9}, "depth must be an integer from 2 to 1024 (got 1000000000.0)"),
+        ("mlp", {"depth": 1}, "depth must be an integer from 2 to 1024 (got 1)"),
+        ("mlp", {"hidden": 10**9}, "hidden must be an integer from 1 to 65536 (got 1000000000)"),
+        ("mlp", {"hidden": True}, "hidden must be an integer from 1 to 65536 (got True)"),
+        ("vgg11", {"width": 10**9}, "width must be an integer from 1 to 1024 (got 1000000000)"),
+        ("cnn-digits", {"width": 0}, "width must be an integer from 1 to 4096 (got 0)"),
+        ("resnet18", {"num_classes": -3}, "num_classes must be an integer from 1 to 1048576"),
+        ("gpt-mini", {"n_layer": "4"}, "n_layer must be an integer from 1 to 1024 (got '4')"),
+        ("gpt-mini", {"block_size": 10**6}, "block_size must be an integer from 1 to 8192"),
+        (
+            "mlp",
+            {"hidden": 65536, "depth": 1024},
+            "these options make more than 2,147,483,648 parameters and buffers (the zoo's bound)",
+        ),
+        (
+            "vgg11",
+            {"width": 1024},
+            "these options make more than 2,147,483,648 parameters and buffers (the zoo's bound)",
+        ),
+        (
+            "gpt-mini",
+            {"block_size": 8192, "n_head": 64},  # 64 heads x 8192^2 attention scores
+            "these options make a tensor of 4,294,967,296 elements for one sample, more than "
+            "the zoo's bound of 268,435,456",
+        ),
+        (
+            "gpt-mini",
+            {"d_model": 100, "n_head": 3},
+            "these options do not make a model (d_model (100) must be divisible by n_head (3))",
+        ),
+    ],
+)
+def test_options_out_of_bounds_are_refused_in_one_line(
+    name: str, options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(UserError) as refused:
+        get_model(name, **options)
+    assert refused.value.message.startswith(f"model {name}: {message}"), refused.value.message
+    config = TrainConfig(model=name, model_options=options, steps=1, batch_size=4)
+    with pytest.raises(UserError, match=f"^model {name}: "):  # a job file or the train CLI
+        config.resolve_data()
+
+
+def test_large_models_within_the_bounds_are_accepted() -> None:
+    """The GPU tier's gpt-mini (bench/gpu.py: 1.42 B parameters) and a wide CNN."""
+    gpu = {"d_model": 2048, "n_layer": 24, "n_head": 16, "block_size": 1024, "vocab_size": 50304}
+    assert get_model("gpt-mini", **gpu).num_units == 26
+    elements, largest = model_size("gpt-mini", tuple(sorted(gpu.items())))
+    assert 1.4e9 < elements <= MAX_MODEL_ELEMENTS and largest == 1024 * 50304
+    assert get_model("mlp", hidden=8192, depth=16).num_units == 16
+    assert get_model("resnet18", width=256).num_units == 10

@@ -42,8 +42,11 @@ from edge.wire.topics import (
     device_status,
     job_events,
     job_weights,
+    parse_events_topic,
     parse_stage_topic,
+    stage_access,
     stage_topic,
+    valid_device_id,
     valid_job_id,
 )
 
@@ -578,3 +581,46 @@ def test_unknown_codec_names_are_refused_with_the_known_ones(name: str) -> None:
     with pytest.raises(ValueError, match="known: fp32, fp16, bf16, int8") as caught:
         Codec.parse(name)
     assert repr(name) in str(caught.value)
+
+
+def test_a_stage_may_use_exactly_its_own_topics() -> None:
+    """What a broker ACL grants the holder of a stage (edge.wire.topics.stage_access)."""
+    first = stage_access("j", 0, 3, "pi-a", replicate=True)
+    middle = stage_access("j", 1, 3, "pi-b")
+    last = stage_access("j", 2, 3, "pi-c", replicate=True)
+    root = f"{TOPIC_ROOT}/jobs/j"
+    assert set(first.publish) == {
+        f"{root}/events/pi-a",
+        f"{root}/weights/0",
+        f"{root}/stage/1/fwd",
+        f"{root}/stage/2/fwd",  # the labels, straight to the last stage
+        f"{root}/replica/0",
+    }
+    assert set(first.read) == {
+        f"{root}/stage/0/fwd",
+        f"{root}/stage/0/bwd",
+        f"{root}/restore/0",
+        f"{root}/replica/2",  # stage 0 keeps the last stage's state
+    }
+    assert set(middle.publish) == {
+        f"{root}/events/pi-b",
+        f"{root}/weights/1",
+        f"{root}/stage/2/fwd",
+        f"{root}/stage/0/bwd",
+    }
+    assert set(middle.read) == {f"{root}/stage/1/fwd", f"{root}/stage/1/bwd", f"{root}/restore/1"}
+    assert f"{root}/stage/1/bwd" in last.publish and f"{root}/replica/1" in last.read
+    assert not any("devices" in t for t in first.publish + middle.publish + last.publish)
+    alone = stage_access("j", 0, 1, "pi-a", replicate=True)
+    assert set(alone.read) == {f"{root}/stage/0/fwd", f"{root}/stage/0/bwd", f"{root}/restore/0"}
+
+
+@pytest.mark.parametrize("device", ["pi-1", "a", "Jetson_Nano.2", "x" * 64])
+def test_device_ids_that_are_topic_safe(device: str) -> None:
+    assert valid_device_id(device)
+    assert parse_events_topic(job_events("j", device)) == ("j", device)
+
+
+@pytest.mark.parametrize("device", ["", "+", "#", "a/b", "-a", ".a", "x" * 65, "a b", "a\n"])
+def test_device_ids_that_could_be_wildcards_or_levels_are_refused(device: str) -> None:
+    assert not valid_device_id(device)

@@ -42,6 +42,7 @@ ENV = {
     "EDGETRAIN_CREDENTIALS": "/etc/edgetrain/creds.json",
     "EDGETRAIN_ALLOW_CODE": "mypkg other.models",
     "EDGETRAIN_INSECURE": "1",
+    "EDGETRAIN_STORE_HOST": "10.0.0.5 gpu-box.lan",  # repeatable: separated by spaces
 }
 PARSED: dict[str, Any] = {
     "broker": "mqtt://broker.lan:1884",
@@ -64,6 +65,7 @@ PARSED: dict[str, Any] = {
     "credentials": Path("/etc/edgetrain/creds.json"),
     "allow_code": ["mypkg", "other.models"],
     "insecure": True,
+    "store_host": ["10.0.0.5", "gpu-box.lan"],
 }
 
 
@@ -148,3 +150,15 @@ def test_an_empty_or_wildcard_allowance_is_refused(env: pytest.MonkeyPatch) -> N
         )
         assert isinstance(done.exception, UserError) and done.exception.exit_code == 2
         assert done.exception.message.startswith(f"--allow-code: {bad!r} is {why}; "), done.output
+
+
+def test_a_store_host_is_an_address_or_a_name(env: pytest.MonkeyPatch) -> None:
+    runner = CliRunner()
+    base = ["agent", "--broker", "mqtt://127.0.0.1:9", "--insecure"]
+    base += ["--store-host", "[fd00::5]"]
+    for bad in ("gpu box", "-x", "10.0.0.5:29500", ""):
+        done = runner.invoke(app, [*base, "--store-host", bad])
+        assert isinstance(done.exception, UserError), done.output
+        assert (
+            done.exception.message == f"--store-host: {bad!r} is not an IP address or a host name"
+        )

@@ -1,5 +1,6 @@
-"""The read routes of a job that need no broker: per-step metrics (``?since_step=``) and
-the ONNX download without the ``export`` extra.
+"""The routes of a job that need no broker: per-step metrics (``?since_step=``), the
+ONNX download without the ``export`` extra, and the checks a job passes before it is
+queued (a refused one never reaches the job manager, which is absent here).
 
 The jobs router runs in-process (FastAPI's TestClient, no socket) over a real store;
 registry and manager are not started, as these routes only read the store.
@@ -123,3 +124,31 @@ def test_onnx_without_the_export_extra_is_a_501_naming_it(
         "pip install 'edgetrain[export]'"
     }
     assert client.get("/api/v1/jobs/j1/model").status_code == 200  # the weights still are
+
+
+@pytest.mark.parametrize(
+    ("extra", "loc", "message"),
+    [
+        ({"dataset": "nope"}, "dataset", "unknown dataset 'nope'"),
+        ({"dataset": "digitz"}, "dataset", "unknown dataset 'digitz'; did you mean 'digits'?"),
+        ({"dataset": "nope", "dataset_options": {"size": 3}}, "dataset", "unknown dataset 'nope'"),
+        (
+            {"dataset": "synthetic-images", "dataset_options": {"size": 10**12}},
+            "dataset_options",
+            "dataset 'synthetic-images': size must be <= 2147483648 (got 1000000000000)",
+        ),
+        (
+            {"model_options": {"depth": 10**9}},
+            "model",
+            "model mlp: depth must be an integer from 2 to 1024 (got 1000000000)",
+        ),
+        ({"model": "nope"}, "model", "model: unknown model 'nope'"),
+    ],
+)
+def test_model_and_dataset_are_checked_before_a_job_is_queued(
+    client: TestClient, extra: dict[str, object], loc: str, message: str
+) -> None:
+    response = client.post("/api/v1/jobs", json={**SPEC, **extra})
+    assert response.status_code == 422, response.text
+    (detail,) = response.json()["detail"]
+    assert detail["loc"] == ["body", loc] and detail["msg"].startswith(message), detail

@@ -1,0 +1,167 @@
+"""The embedded amqtt broker's own parts: its broker class, its security plugins, its config.
+
+This module owns what :func:`coordinator.local.broker.start_broker` runs when there
+is no Mosquitto (imported late: a device install has no amqtt):
+
+- :class:`EmbeddedBroker`, amqtt's broker with two fixes. It authenticates a
+  CONNECT *before* it looks up the client id's session: amqtt itself first
+  deletes (clean session) or takes over the session of that id and only then asks
+  its plugins, so anyone who can reach the port could cut a device off with its
+  client id and no password. And it closes a client's socket when the broker stops.
+  :meth:`EmbeddedBroker.kick` disconnects the clients of some accounts and forgets
+  their sessions (revocation).
+- :class:`AccountsAuth` and :class:`AccountsAcl`, plugins on amqtt's own plugin API
+  that ask a :class:`~coordinator.access.dynsec_tables.DynSecTables` (Mosquitto's
+  dynamic-security semantics, in memory): no anonymous client, each password checked
+  against the accounts record's PBKDF2 hash, a device only under its own client id,
+  and every publish, subscription and delivery checked against its role, rules that
+  the coordinator changes while the broker runs. A last will is a publish: one on a
+  topic the account may not publish to is refused at CONNECT, as Mosquitto does.
+- :func:`broker_config`: a TLS listener with the broker's certificate and those
+  plugins, or (no security) plain and anonymous; never a plugin that writes files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+from amqtt.broker import Broker
+from amqtt.contexts import Action
+from amqtt.errors import AMQTTError, MQTTError, NoDataError
+from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
+from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
+from amqtt.session import Session
+from amqtt.utils import format_client_message, gen_client_id
+
+from coordinator.access.dynsec_tables import DynSecTables
+from coordinator.local.broker import BrokerSecurity
+
+__all__ = ["AccountsAcl", "AccountsAuth", "EmbeddedBroker", "broker_config"]
+
+_KIND = {
+    Action.PUBLISH: "publishClientSend",
+    Action.SUBSCRIBE: "subscribe",
+    Action.RECEIVE: "publishClientReceive",
+}
+
+
+@dataclass
+class _Tables:
+    tables: Any = None
+    """The :class:`DynSecTables` to ask (an object: amqtt hands the config over as is)."""
+
+
+def _tables(config: Any) -> DynSecTables:
+    tables = getattr(config, "tables", None)
+    if not isinstance(tables, DynSecTables):
+        raise TypeError("the accounts plugins need their DynSecTables in 'tables'")
+    return tables
+
+
+class AccountsAuth(BaseAuthPlugin):
+    """Logs in the accounts of a :class:`DynSecTables`; refuses everyone else."""
+
+    Config = _Tables
+
+    async def authenticate(self, *, session: Session) -> bool:
+        tables = _tables(self.config)
+        if not tables.login(session.username, session.password, session.client_id):
+            return False
+        will = session.will_topic if session.will_flag else None
+        return will is None or tables.allowed(session.username, "publishClientSend", will)
+
+
+class AccountsAcl(BaseTopicPlugin):
+    """Lets an account publish, subscribe and receive as its roles say."""
+
+    Config = _Tables
+
+    async def topic_filtering(
+        self,
+        *,
+        session: Session | None = None,
+        topic: str | None = None,
+        action: Action | None = None,
+    ) -> bool:
+        if session is None or topic is None or action not in _KIND:
+            return False
+        return _tables(self.config).allowed(session.username, _KIND[action], topic)
+
+
+class EmbeddedBroker(Broker):
+    """amqtt's broker, authenticating before any session is touched (module docstring)."""
+
+    async def stream_connected(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, listener_name: str
+    ) -> None:
+        try:
+            await super().stream_connected(reader, writer, listener_name)
+        finally:  # amqtt leaves the socket of a client that was mid-disconnect at stop open
+            writer.close()
+
+    async def _initialize_client_session(
+        self, reader: Any, writer: Any, remote_address: str, remote_port: int
+    ) -> tuple[BrokerProtocolHandler, Session]:
+        # amqtt 0.12.1's own, with the authentication moved before the session lookup.
+        where = format_client_message(address=remote_address, port=remote_port)
+        try:
+            handler, session = await BrokerProtocolHandler.init_from_connect(
+                reader, writer, self.plugins_manager
+            )
+        except MQTTError as exc:
+            await writer.close()
+            raise MQTTError(f"invalid connection from {where}: {exc}") from exc
+        except (AMQTTError, NoDataError) as exc:
+            raise AMQTTError(f"{where}: cannot read a CONNECT: {exc}") from exc
+        if not await self._authenticate(session, None):
+            handler.attach(session, reader, writer)
+            with contextlib.suppress(OSError):  # the client may hang up first
+                await handler.mqtt_connack_authorize(False)
+                await writer.close()
+            raise AMQTTError(
+                f"{where}: not authorised (user {session.username!r}, client {session.client_id!r})"
+            )
+        if session.clean_session:
+            if session.client_id:
+                await self._delete_session(session.client_id)
+            else:
+                session.client_id = gen_client_id()
+            session.parent = 0
+        elif session.client_id in self._sessions:
+            old, _ = self._sessions[session.client_id]
+            for name in ("will_flag", "will_message", "will_topic", "will_qos", "keep_alive"):
+                setattr(old, name, getattr(session, name))
+            old.username, old.password = session.username, session.password
+            session = old
+            session.parent = 1
+        else:
+            session.parent = 0
+        return handler, session
+
+    async def kick(self, usernames: list[str]) -> None:
+        """Disconnect every client logged in as one of ``usernames`` and forget its session."""
+        for client_id, (session, handler) in list(self._sessions.items()):
+            if session.username in usernames:
+                if session.transitions.is_connected():
+                    await handler.stop()
+                await self._delete_session(client_id)
+
+
+def broker_config(
+    bind: str, port: int, security: BrokerSecurity | None, tables: DynSecTables | None
+) -> dict[str, Any]:
+    """amqtt's configuration: with ``security``, a TLS listener with its certificate and
+    the accounts plugins asking ``tables``; without, plain and anonymous."""
+    listener: dict[str, Any] = {"type": "tcp", "bind": f"{bind}:{port}"}
+    if security is None or tables is None:
+        # Only anonymous auth: no $SYS publisher, no packet/event loggers, no files.
+        plugins: dict[str, Any] = {
+            "amqtt.plugins.authentication.AnonymousAuthPlugin": {"allow_anonymous": True}
+        }
+        return {"listeners": {"default": listener}, "plugins": plugins}
+    listener.update(ssl=True, certfile=str(security.tls.cert), keyfile=str(security.tls.key))
+    plugins = {f"{__name__}.{p.__name__}": {"tables": tables} for p in (AccountsAuth, AccountsAcl)}
+    return {"listeners": {"default": listener}, "plugins": plugins}

@@ -1,0 +1,41 @@
+"""SIGTERM ends a command the way Ctrl-C does: through its cleanup.
+
+Python's default SIGTERM ends the process at once: no ``finally`` block and no
+context manager's exit runs, so the broker and the agents a command started
+(``edgetrain demo``, ``train``, ``coordinator``) would outlive it, and a
+supervisor (systemd, docker, a CI runner) stops commands with SIGTERM. The
+handler :func:`exit_on_sigterm` installs raises ``SystemExit(143)`` in the main
+thread instead: the blocks that started the broker and the agents stop them as
+they unwind, and the process ends with 143, the status a shell gives a process
+ended by SIGTERM. Further SIGTERMs are ignored while that cleanup runs (a
+second one would cut it short); SIGKILL still ends it at once.
+
+A command that serves until stopped installs its own handler over this one
+(``edgetrain agent`` stops its daemon; uvicorn, under ``edgetrain coordinator``,
+shuts its server down, then restores this handler and raises the signal again).
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+
+__all__ = ["TERMINATED", "exit_on_sigterm"]
+
+TERMINATED = 128 + signal.SIGTERM
+"""The exit status of a command ended by SIGTERM (143)."""
+
+
+def _cleaning_up(_signum: int, _frame: FrameType | None) -> None:
+    """Further SIGTERMs while the first one's cleanup runs: ignored."""
+
+
+def _terminate(_signum: int, _frame: FrameType | None) -> None:
+    signal.signal(signal.SIGTERM, _cleaning_up)
+    raise SystemExit(TERMINATED)
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM raise ``SystemExit(143)`` in the main thread (see the module docstring).
+    Call it from the main thread, once, before the command runs."""
+    signal.signal(signal.SIGTERM, _terminate)
