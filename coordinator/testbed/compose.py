@@ -11,10 +11,13 @@ without that capability, in software; latency is always added in software.
 
 The broker is secure by default: TLS on port 8883 only, the dynamic-security
 plugin's accounts, one per agent, and ACLs that the coordinator changes as its jobs'
-plans say (``EDGETRAIN_BROKER_ACCOUNTS``). Those secrets are not in the file: it
-mounts, read-only, each service's part of a secrets directory that
-:func:`coordinator.testbed.compose_secrets.write_secrets` writes beside it
-(``./secrets`` by default), and each entry point copies its part for its own user.
+plans say (``EDGETRAIN_BROKER_ACCOUNTS``): the coordinator creates the agents'
+accounts in the broker as it starts, so agents wait for it to be healthy. Those
+secrets are not in the file: it mounts, read-only, each service's part of a secrets
+directory that :func:`coordinator.testbed.compose_secrets.write_secrets` writes
+beside it (``./secrets`` by default), and each entry point copies its part for its
+own user. The API listens on the container's every interface, so it needs a token:
+``EDGETRAIN_API_TOKEN`` from the caller's environment, else the one in the secrets.
 
 The file is compose format 2.4: the last format whose ``cpus`` and ``mem_limit``
 both docker-compose v1 (what CI validates with) and Docker Compose v2 accept.
@@ -169,7 +172,11 @@ def _agent(e: EmulatedDevice, image: str, context: str | None, secrets: str) -> 
         "memswap_limit": e.memory_bytes,  # no swap beyond the device's memory
         "cap_add": ["NET_ADMIN"],  # for tc in the entry point only; the agent drops it
         "volumes": [f"{secrets}/{agent_dir(e.id)}:{MOUNTED}:ro"],
-        "depends_on": {BROKER_SERVICE: {"condition": "service_healthy"}},
+        # The coordinator creates the agents' accounts in the broker as it starts.
+        "depends_on": {
+            BROKER_SERVICE: {"condition": "service_healthy"},
+            "coordinator": {"condition": "service_healthy"},
+        },
         "networks": [NETWORK],
         "restart": "unless-stopped",
     }

@@ -12,11 +12,16 @@ follow the plans of the coordinator's jobs. :func:`write_secrets` makes::
                     (coordinator.access.certs.broker_tls); stays on this host
     broker/         mounted into the broker: mosquitto.conf (a TLS listener on 8883,
                     the plugin), server.pem, server.key, ca.pem, dynsec.json (the
-                    plugin's file: the coordinator's, every agent's and the health
-                    check's accounts, passwords hashed), health.password
+                    plugin's file: the coordinator's and the health check's
+                    accounts, passwords hashed), health.password
     coordinator/    mounted into the coordinator: the accounts record (accounts.json,
-                    tls/ca.pem), which EDGETRAIN_BROKER_ACCOUNTS names
+                    with every agent's account, and tls/ca.pem), which
+                    EDGETRAIN_BROKER_ACCOUNTS names, and api-token: the API's token
+                    unless EDGETRAIN_API_TOKEN is set (the entry point exports it)
     agent-<id>/     mounted into that agent: credentials.json
+
+The coordinator creates the agents' accounts in the broker when it attaches to
+it ([Note: devices are created live] in :mod:`coordinator.access.accounts`).
 
 Each service's part is mounted read-only at
 :data:`~coordinator.testbed.compose.MOUNTED`; its entry point, as root, copies it to
@@ -122,6 +127,7 @@ def write_secrets(devices: list[EmulatedDevice], directory: Path, broker_host: s
         coordinator = _private_dir(directory / "coordinator")
         accounts = BrokerAccounts(coordinator, f"mqtts://{broker_host}:{BROKER_PORT}", tls.ca_pem)
         write_atomic(_private_dir(coordinator / "tls") / "ca.pem", tls.ca_pem, mode=PRIVATE)
+        write_atomic(coordinator / "api-token", secrets.token_urlsafe(32), mode=PRIVATE)
         for e in devices:
             creds = accounts.enroll(e.id)
             path = _private_dir(directory / agent_dir(e.id)) / "credentials.json"

@@ -3,11 +3,12 @@
 No Docker engine runs here, so the broker is this machine's Mosquitto started with
 the files the compose file mounts into its container: the generated certificate,
 key and dynamic-security file (the generated ``mosquitto.conf`` differs only in
-its paths, checked in tests/unit/coordinator/testbed/test_compose_render.py). On
+its paths, checked in tests/unit/coordinator/testbed/test_compose_secrets.py). On
 it: the health check's account reads ``$SYS/broker/uptime`` and nothing else, an
-anonymous client is refused, every agent logs in with its credentials file, and a
-coordinator given the generated accounts record (``EDGETRAIN_BROKER_ACCOUNTS``)
-logs in as its admin and knows every agent.
+anonymous client is refused, and so is every agent until a coordinator given the
+generated accounts record (``EDGETRAIN_BROKER_ACCOUNTS``) has started: it logs in as
+the plugin's admin and creates their accounts, and then every agent logs in with
+its credentials file.
 """
 
 from __future__ import annotations
@@ -93,11 +94,13 @@ def test_the_generated_accounts_are_the_only_way_in(
     with pytest.raises(UserError, match="refused the connection"):
         anonymous.connect(timeout=10)
 
+    logins = []
     for e in fleet:
         creds = read_credentials(secrets / f"agent-{e.id}" / "credentials.json")
         assert (creds.broker, creds.device_id, creds.ca) == ("mqtts://mosquitto:8883", e.id, ca)
-        agent = _connected(creds.model_copy(update={"broker": broker.url}).settings())
-        agent.close()
+        logins.append(creds.model_copy(update={"broker": broker.url}).settings())
+    with pytest.raises(UserError, match="refused the connection"):  # no account yet
+        MqttTransport(logins[0]).connect(timeout=10)
 
     settings = Settings(
         broker_url=broker.url,
@@ -108,6 +111,7 @@ def test_the_generated_accounts_are_the_only_way_in(
     try:
         assert services.accounts is not None
         assert services.accounts.devices() == sorted(e.id for e in fleet)
-        assert services.accounts.coordinator[0] == "edgetrain-coordinator"
+        for login in logins:
+            _connected(login).close()
     finally:
         stop()

@@ -72,7 +72,10 @@ def test_agents_get_the_profiles_cpu_ratios_and_memory() -> None:
         assert agent["cpus"] == pytest.approx(e.source.gflops / fastest, abs=5e-5)
         assert agent["mem_limit"] == agent["memswap_limit"] == int(e.source.memory_bytes)
         assert agent["cap_add"] == ["NET_ADMIN"]
-        assert agent["depends_on"] == {"mosquitto": {"condition": "service_healthy"}}
+        assert agent["depends_on"] == {  # the coordinator creates the agents' accounts
+            "mosquitto": {"condition": "service_healthy"},
+            "coordinator": {"condition": "service_healthy"},
+        }
         command = agent["command"]
         assert command[command.index("--device-id") + 1] == e.id
         # Its own account: the credentials its entry point copies from the mounted secrets.

@@ -59,9 +59,10 @@ def test_the_file_names_the_secrets_and_holds_none(tmp_path: Path) -> None:
     passwords = [
         record["coordinator"]["password"],
         (secrets / "broker" / "health.password").read_text(),
+        (secrets / "coordinator" / "api-token").read_text(),
         *(c.password.get_secret_value() for c in creds.values()),
     ]
-    assert len(set(passwords)) == len(passwords) == 2 + len(devices())
+    assert len(set(passwords)) == len(passwords) == 3 + len(devices())
     plugin_text = (secrets / "broker" / "dynsec.json").read_text()
     for password in passwords:
         assert password not in text and password not in plugin_text
@@ -79,20 +80,23 @@ def test_the_file_names_the_secrets_and_holds_none(tmp_path: Path) -> None:
             device,
             ca,
         )
-    # The plugin's file: every agent's account, bound to its client id, its password hashed
-    # as the plugin hashes them (PBKDF2-SHA512), and the health check's, which reads uptime.
+    # The coordinator's record: every agent's account, whose password is its credentials'
+    # (the coordinator creates them in the broker as it starts).
+    assert {d: e["password"] for d, e in record["devices"].items()} == {
+        d: c.password.get_secret_value() for d, c in creds.items()
+    }
+    # The plugin's file: the coordinator's account and the health check's (which reads
+    # uptime), each password hashed as the plugin hashes them (PBKDF2-SHA512).
     plugin = json.loads(plugin_text)
     clients = {c["username"]: c for c in plugin["clients"]}
-    assert set(clients) == {"edgetrain-coordinator", HEALTH_USER, *creds}
-    for device, c in creds.items():
-        entry = clients[device]
-        assert entry["clientid"] == f"agent-{device}"
-        assert entry["roles"] == [{"rolename": f"device-{device}"}]
+    assert set(clients) == {"edgetrain-coordinator", HEALTH_USER}
+    for user, password in (
+        ("edgetrain-coordinator", record["coordinator"]["password"]),
+        (HEALTH_USER, (secrets / "broker" / "health.password").read_text()),
+    ):
+        entry = clients[user]
         digest = hashlib.pbkdf2_hmac(
-            "sha512",
-            c.password.get_secret_value().encode(),
-            base64.b64decode(entry["salt"]),
-            entry["iterations"],
+            "sha512", password.encode(), base64.b64decode(entry["salt"]), entry["iterations"]
         )
         assert base64.b64decode(entry["password"]) == digest
     roles = {r["rolename"]: r["acls"] for r in plugin["roles"]}
