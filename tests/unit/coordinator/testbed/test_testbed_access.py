@@ -16,6 +16,7 @@ from coordinator.testbed import access, procs
 from coordinator.testbed.state import State
 from coordinator.testbed.teardown import teardown
 from edge.errors import UserError
+from edge.transport.credentials import read_credentials
 from edge.transport.settings import MqttSettings
 
 
@@ -53,8 +54,14 @@ def test_a_secure_broker_is_reached_as_its_coordinator(tmp_path: Path) -> None:
 def test_credentials_are_private_and_down_removes_them(tmp_path: Path) -> None:
     bed = state(tmp_path / "bed", "mqtts://127.0.0.1:18883")
     accounts, _tls = access.start_accounts(bed, 18883, [])
-    path = access.write_credentials(bed, accounts.enroll("pi"))
+    path = access.enroll(accounts, bed, "pi", "mqtts://10.201.7.1:18883")
     assert path == bed.dir / "credentials" / "pi.json"
+    creds = read_credentials(path)  # the address this agent reaches the broker by
+    assert (creds.broker, creds.device_id, creds.ca) == (
+        "mqtts://10.201.7.1:18883",
+        "pi",
+        accounts.ca_pem,
+    )
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     ours = tmp_path / f"{procs.PRIVATE_PREFIX}x1"
