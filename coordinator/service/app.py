@@ -96,7 +96,7 @@ def start_services(settings: Settings) -> tuple[Services, Callable[[], None]]:
         control.connect(timeout=15)
         stack.callback(control.close)
         if settings.broker_url is not None and accounts is not None:
-            accounts.attach(control)  # the plugin's admin: changes go through this connection
+            accounts.attach(control)  # creates the enrolled devices; changes go through it
         bus = EventBus()
         stack.callback(bus.close)
         registry = DeviceRegistry(store, bus, control, settings.heartbeat_timeout_s)
