@@ -76,6 +76,8 @@ def _kind(p: psutil.Process) -> str:
         cmdline = p.cmdline()
     except psutil.NoSuchProcess:
         return "gone"
+    if not cmdline:  # a zombie: a broker that failed to bind a port, before it is reaped
+        return "gone"
     if Path(cmdline[0]).name == "mosquitto":
         return "mosquitto"
     return "agent" if cmdline[3:4] == ["agent"] else "other"

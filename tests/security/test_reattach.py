@@ -46,6 +46,7 @@ def test_a_second_coordinator_attaches_and_its_grants_disconnect_no_one(tmp_path
             seen: list[bytes] = []
             admin.subscribe(job_events("j1", "pi-1"), lambda _t, p: seen.append(bytes(p)))
             device.publish(job_events("j1", "pi-1"), b"before", 1)
+            time.sleep(0.5)  # the broker judges it before the grant, not after
             again.grant("j1", [("pi-1", a)])
             device.publish(job_events("j1", "pi-1"), b"granted", 1)
             assert until(lambda: b"granted" in seen, 10)
