@@ -61,6 +61,7 @@ from edge.errors import UserError
 from edge.files import PRIVATE, write_atomic
 from edge.transport.credentials import Credentials, device_client_id
 from edge.transport.mqtt import MqttTransport
+from edge.transport.settings import MqttSettings
 from edge.wire.messages import StageAssignment
 from edge.wire.topics import (
     device_cmd,
@@ -116,7 +117,7 @@ class BrokerAccounts:
         self._path = directory / "accounts.json"
         self._lock = threading.Lock()
         self._dynsec: DynSecControl | None = None
-        self._granted: dict[str, list[tuple[str, _Rule]]] = {}  # job -> (role, rule)
+        self._granted: dict[str, list[tuple[str, _Rule]]] = {}  # job -> (device, rule)
         self.record = self._load()
 
     # -- the record --------------------------------------------------------------------
@@ -150,6 +151,16 @@ class BrokerAccounts:
         c = self.record["coordinator"]
         return str(c["username"]), str(c["password"])
 
+    def login(self, url: str) -> MqttSettings:
+        """The coordinator's login on the broker at ``url``, verifying it by :attr:`ca_pem`."""
+        user, password = self.coordinator
+        return MqttSettings(
+            url=url,
+            username=user,
+            password=password,  # type: ignore[arg-type]
+            tls_ca_pem=self.ca_pem,
+        )
+
     def devices(self) -> list[str]:
         """The enrolled devices."""
         with self._lock:
@@ -173,13 +184,10 @@ class BrokerAccounts:
         ([Note: devices are created live])."""
         self._dynsec = DynSec(control) if isinstance(control, MqttTransport) else control
         with self._lock:
-            devices = dict(self.record["devices"])
-        known = [d for d, entry in sorted(devices.items()) if "password" in entry]
-        for device in sorted(set(devices) - set(known)):  # not with a record written here
-            log.warning("device %s has no password on record: enrol it again", device)
+            devices = {d: str(entry["password"]) for d, entry in self.record["devices"].items()}
         stale = [
             {"command": c, key: name}
-            for device in known
+            for device in sorted(devices)
             for c, key, name in (
                 ("deleteClient", "username", device),
                 ("deleteRole", "rolename", _role(device)),
@@ -187,7 +195,7 @@ class BrokerAccounts:
         ]
         with contextlib.suppress(DynSecError):  # "not found": the usual case
             self._call(*stale)
-        self._call(*[c for d in known for c in self._create(d, str(devices[d]["password"]))])
+        self._call(*[c for d, pw in sorted(devices.items()) for c in self._create(d, pw)])
 
     @staticmethod
     def _create(device: str, password: str) -> list[dict[str, Any]]:
@@ -258,7 +266,7 @@ class BrokerAccounts:
                 if device not in self.record["devices"]:
                     raise UserError(f"job {job}: device {device} has no account on the broker")
                 for rule in _stage_rules(device, a):
-                    granted.append((_role(device), rule))
+                    granted.append((device, rule))
                     commands.append(
                         {
                             "command": "addRoleACL",
@@ -277,9 +285,9 @@ class BrokerAccounts:
             granted = self._granted.pop(job, [])
             live = set(self.record["devices"])
         commands = [
-            {"command": "removeRoleACL", "rolename": role, "acltype": t, "topic": topic}
-            for role, (t, topic) in granted
-            if role.removeprefix("device-") in live
+            {"command": "removeRoleACL", "rolename": _role(device), "acltype": t, "topic": topic}
+            for device, (t, topic) in granted
+            if device in live
         ]
         try:
             self._call(*commands)

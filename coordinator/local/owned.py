@@ -67,14 +67,7 @@ class OwnedBroker:
         """MQTT settings of the coordinator's account (anonymous when not secure)."""
         if self.accounts is None:
             return MqttSettings(url=self.url, **extra)  # type: ignore[arg-type]
-        user, password = self.accounts.coordinator
-        return MqttSettings(
-            url=self.url,
-            username=user,
-            password=password,  # type: ignore[arg-type]
-            tls_ca_pem=self.accounts.ca_pem,
-            **extra,  # type: ignore[arg-type]
-        )
+        return self.accounts.login(self.url).model_copy(update=extra)
 
     def describe(self) -> str:
         how = "TLS, accounts and ACLs" if self.secure else "anonymous, no TLS"
@@ -127,13 +120,13 @@ def start_owned_broker(
     accounts.broker_url = f"mqtts://{hosts[0]}:{broker.port}" if hosts else broker.url
     owned = OwnedBroker(broker, accounts, None)
     try:
-        admin = MqttTransport(owned.settings())
-        admin.connect(timeout=15)
+        owned.admin = MqttTransport(owned.settings())
+        owned.admin.connect(timeout=15)
+        tables = broker.tables if isinstance(broker, AmqttBroker) else None
+        accounts.attach(tables or owned.admin)
     except BaseException:
-        broker.stop()
+        owned.stop()
         raise
-    owned.admin = admin
-    accounts.attach(broker.tables if isinstance(broker, AmqttBroker) and broker.tables else admin)
     return owned
 
 

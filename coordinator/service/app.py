@@ -25,7 +25,6 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import SecretStr
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from coordinator.access.accounts import BrokerAccounts
@@ -61,13 +60,11 @@ def _broker_login(settings: Settings) -> tuple[MqttSettings, BrokerAccounts | No
     except OSError as exc:
         raise UserError(f"broker CA {ca}: {exc.strerror or exc}") from None
     accounts = BrokerAccounts(record, login.url, ca_pem)
-    update: dict[str, object] = {}
     if settings.broker_username is None:
-        user, password = accounts.coordinator
-        update.update(username=user, password=SecretStr(password))
-    if settings.broker_ca is None and ca_pem is not None:
-        update.update(tls_ca_pem=ca_pem)
-    return login.model_copy(update=update), accounts
+        login = accounts.login(login.url)  # verifying by broker_ca's CA, or the record's
+    elif settings.broker_ca is None and ca_pem is not None:
+        login = login.model_copy(update={"tls_ca_pem": ca_pem})
+    return login, accounts
 
 
 def start_services(settings: Settings) -> tuple[Services, Callable[[], None]]:

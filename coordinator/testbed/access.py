@@ -122,14 +122,7 @@ def coordinator_login(state: State) -> MqttSettings:
     and the testbed's CA (anonymous on a broker without TLS)."""
     if not is_secure(state):
         return MqttSettings(url=state.broker_url)
-    accounts = _record(state)
-    user, password = accounts.coordinator
-    return MqttSettings(
-        url=state.broker_url,
-        username=user,
-        password=password,  # type: ignore[arg-type]
-        tls_ca_pem=accounts.ca_pem,
-    )
+    return _record(state).login(state.broker_url)
 
 
 def attach(state: State, accounts: BrokerAccounts) -> MqttTransport:

@@ -130,6 +130,11 @@ class _Plan:
     microbatches: int
 
 
+def _what(head: FrameHeader) -> str:
+    """A dropped frame, for the log (built only when one is dropped)."""
+    return f"{head.kind.name} of step {head.step} microbatch {head.microbatch}"
+
+
 class InboxClosed(RuntimeError):
     """The inbox was closed (job cancelled or transport shut down) while waiting."""
 
@@ -258,7 +263,6 @@ class Inbox:
             return self._drop("wrong-job", f"frame for job {head.job!r}")
         if head.kind not in _EXPECTED[channel]:
             return self._drop("wrong-kind", f"{head.kind.name} on {channel}")
-        what = f"{head.kind.name} of step {head.step} microbatch {head.microbatch}"
         # Unlocked reads of the window, plan and keys: cheap refusals before the
         # checksum. All of it is checked again under the lock before the frame is kept.
         why = self._unwanted(head)
@@ -266,11 +270,11 @@ class Inbox:
             got = f"{str(head.dtype).removeprefix('torch.')} {list(head.shape)}"
             plan = self._plan
             want = plan.kinds.get(head.kind) if plan is not None else None
-            return self._drop(why, f"{what}: {got}" + (f", expected {want}" if want else ""))
+            return self._drop(why, f"{_what(head)}: {got}" + (f", expected {want}" if want else ""))
         try:
             frame = decode_body(head, data)
         except FrameError as exc:
-            return self._drop(exc.reason, f"{what}: {exc}")
+            return self._drop(exc.reason, f"{_what(head)}: {exc}")
         size = max(head.nbytes, frame.tensor.nbytes)
         with self._cond:
             why = self._unwanted(head)
@@ -285,7 +289,7 @@ class Inbox:
                 self.bytes_received += frame.nbytes
                 self._cond.notify_all()
                 return True
-        return self._drop(why, what)
+        return self._drop(why, _what(head))
 
     def _unwanted(self, head: FrameHeader) -> str | None:
         """Why the frame of ``head`` is not wanted (window, plan, a repeat), if it is not.

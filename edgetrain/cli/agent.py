@@ -22,6 +22,7 @@ from edge.errors import UserError
 
 if TYPE_CHECKING:
     from edge.problem import DeviceSpec
+    from edge.transport.settings import MqttSettings
 
 __all__ = ["agent_command"]
 
@@ -32,13 +33,13 @@ def _login(
     broker: str | None,
     credentials: Path | None,
     insecure: bool,
-    device_id: str,
     username: str | None,
     password: str | None,
     tls_ca: Path | None,
-) -> dict[str, Any]:
-    """How the agent logs in: ``{"settings": MqttSettings, "device_id"?: str}``; refuses
-    (one line) conflicting options and a login without credentials unless ``insecure``."""
+) -> tuple[MqttSettings, str | None]:
+    """How the agent logs in, and the device id its credentials name (``None`` without
+    them); refuses (one line) conflicting options and a login without credentials unless
+    ``insecure``."""
     from edge.transport.credentials import read_credentials
     from edge.transport.settings import MqttSettings, parse_broker_url
 
@@ -48,7 +49,7 @@ def _login(
         creds = read_credentials(credentials)
         if broker is not None and broker != creds.broker:
             raise UserError(f"--broker {broker}: the credentials are for {creds.broker}")
-        return {"settings": creds.settings(), "device_id": creds.device_id}
+        return creds.settings(), creds.device_id
     if broker is None:
         raise UserError("--broker or --credentials: say which broker to connect to")
     parse_broker_url(broker)
@@ -59,7 +60,7 @@ def _login(
         )
     extra: dict[str, Any] = {"username": username, "password": password, "tls_ca": tls_ca}
     settings = MqttSettings(url=broker, **{k: v for k, v in extra.items() if v is not None})
-    return {"settings": settings}
+    return settings, None
 
 
 def _measured(device_id: str, seconds: float, device: str, precision: str) -> DeviceSpec:
@@ -257,7 +258,6 @@ def agent_command(
     from edge.logs import setup_logging
     from edge.models.user_code import allow_prefixes
     from edge.runtime.allocator import tune_malloc
-    from edge.transport.settings import MqttSettings
 
     if device != "cpu" and not device.startswith("cuda"):
         raise UserError(f"--device: {device!r} is not cpu, cuda or cuda:N")
@@ -265,9 +265,8 @@ def agent_command(
         raise UserError(f"--precision: {precision!r} is not fp32 or bf16")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {device}: torch sees no CUDA GPU on this machine")
-    login = _login(broker, credentials, insecure, device_id, username, password, tls_ca)
-    if credentials is not None:
-        device_id = login.get("device_id", device_id)
+    login, named = _login(broker, credentials, insecure, username, password, tls_ca)
+    device_id = named or device_id
     from edge.wire.topics import valid_device_id
 
     if not valid_device_id(device_id):
@@ -292,9 +291,7 @@ def agent_command(
     if threads is not None:
         torch.set_num_threads(threads)
     data_dir.mkdir(parents=True, exist_ok=True)
-    settings: MqttSettings = login["settings"].model_copy(
-        update={"link_mbps": link_mbps, "link_latency_ms": link_latency_ms}
-    )
+    settings = login.model_copy(update={"link_mbps": link_mbps, "link_latency_ms": link_latency_ms})
     if settings.username is None:
         log.warning(
             "--insecure: no broker credentials, so anyone who can publish on %s could drive "
