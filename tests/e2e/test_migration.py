@@ -56,7 +56,7 @@ def broker(mosquitto: Broker) -> str:
 
 
 def test_a_faster_device_that_joins_is_taken_in(broker: str) -> None:
-    model, steps = "gpt-mini", 40  # the join takes seconds: leave steps for it to pay off
+    model, steps = "gpt-mini", 80  # the join takes seconds (more under load): steps to pay off
     spec = JobSpec(model=model, steps=steps, batch_size=16, microbatches=4, seed=5)
     control = MqttTransport(MqttSettings(url=broker))
     control.connect(10)
