@@ -20,6 +20,15 @@ order, so none always follows another (the median is reported):
   stages 0 and 1 of a job, as a job's plan grants them. ``x plain`` is
   edgetrain+tls / edgetrain (the target is >= 0.85 at 1 MiB).
 
+For ``edgetrain`` and ``edgetrain+tls`` the bench also counts the CPU time
+(user + system) that the sender, the receiver and the broker spent per MiB, and
+how many cores they kept busy together. It times AES-256-GCM (the cipher the
+brokers negotiate) on 16 KiB records, as TLS seals them, and prints the ceiling
+of ``x plain`` on this machine: when the three parties already keep every core
+busy without TLS, TLS costs at least four AES-GCM passes per byte (the sender
+seals, the broker opens and seals again, the receiver opens), so the ratio
+cannot exceed ``plain CPU / (plain CPU + 4 passes)``.
+
 Sender and receiver run in two processes, as on two devices: the receiver in a
 child process the bench starts once, the sender in the bench's own. The MQTT
 ways use two clients and the same window: at most ``--window-mib`` (and 64
@@ -57,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
+import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
@@ -75,8 +85,8 @@ MICROBATCHES = 8  # frames per step
 
 
 @contextlib.contextmanager
-def mosquitto() -> Iterator[int]:
-    """A Mosquitto on a free loopback port for the block; yields the port."""
+def mosquitto() -> Iterator[tuple[int, int]]:
+    """A Mosquitto on a free loopback port for the block; yields its port and pid."""
     binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
     if not os.path.exists(binary):
         sys.exit("mosquitto is not installed (looked on PATH and in /usr/sbin)")
@@ -101,7 +111,7 @@ def mosquitto() -> Iterator[int]:
                     sys.exit(f"mosquitto did not start on port {port}")
                 with contextlib.suppress(subprocess.TimeoutExpired):  # the pause checks it lives
                     proc.wait(timeout=0.05)
-            yield port
+            yield port, proc.pid
         finally:
             proc.terminate()  # this pid only
             try:
@@ -140,10 +150,10 @@ def _edgetrain_settings(port: int, tls: str | None = None) -> MqttSettings:
 
 
 @contextlib.contextmanager
-def secure_broker() -> Iterator[int]:
+def secure_broker() -> Iterator[tuple[int, int]]:
     """The coordinator's default broker for the block (TLS, accounts, ACLs), with a sender
     and a receiver device enrolled and granted stages 0 and 1 of job ``bench``; their
-    credentials go to the environment (:data:`TLS_LOGINS`). Yields the port."""
+    credentials go to the environment (:data:`TLS_LOGINS`). Yields its port and pid."""
     with tempfile.TemporaryDirectory(prefix="edgetrain-bench-tls-") as tmp:
         owned = start_owned_broker(Path(tmp) / "broker", prefer="mosquitto")
         try:
@@ -172,7 +182,7 @@ def secure_broker() -> Iterator[int]:
             os.environ[TLS_LOGINS] = json.dumps(
                 {k: json.loads(c.to_json()) for k, c in logins.items()}
             )
-            yield owned.broker.port
+            yield owned.broker.port, owned.broker.pid
         finally:
             owned.stop()
 
@@ -368,15 +378,29 @@ class Bench:
             self.proc.kill()  # the child we started
 
     def measure(
-        self, method: str, port: int, n: int, size: int, max_s: float, window: int
+        self,
+        method: str,
+        port: int,
+        n: int,
+        size: int,
+        max_s: float,
+        window: int,
+        broker_pid: int | None = None,
     ) -> dict[str, float]:
-        """Send ``n`` messages of ``size`` bytes, at most ``window`` not yet received."""
+        """Send ``n`` messages of ``size`` bytes, at most ``window`` not yet received; with
+        ``broker_pid``, also the CPU milliseconds per MiB of each party (``cpu_sender``,
+        ``cpu_receiver``, ``cpu_broker``)."""
         sender = SENDERS[method](port, size)
+        parties = {"sender": os.getpid(), "receiver": self.proc.pid}
+        if broker_pid is not None:
+            parties["broker"] = broker_pid
+        cpu = {name: psutil.Process(pid) for name, pid in parties.items()}
         try:
             self.conn.send((method, sender.port or port, n, size, max_s, window))
             if not self.conn.poll(30) or self.conn.recv() != "ready":
                 raise RuntimeError(f"{method}: the receiver did not get ready in 30 s")
             sender.ready()
+            cpu_start = {name: _cpu_s(proc) for name, proc in cpu.items()}
             start = time.perf_counter()
             deadline = start + max_s
             for i in range(n):
@@ -390,17 +414,48 @@ class Bench:
             if not self.conn.poll(max_s + 30):
                 raise RuntimeError(f"{method}: the receiver did not answer")
             result = self.conn.recv()
+            cpu_used = {name: _cpu_s(proc) - cpu_start[name] for name, proc in cpu.items()}
         finally:
             sender.close()
         while self.slots.acquire(block=False):  # the window left open, for the next measurement
             pass
         got, elapsed = result["messages"], max(1e-9, result["end"] - start)
-        return {
+        out = {
             "messages": got,
             "seconds": elapsed,
             "mb_s": got * size / elapsed / 1e6,
             "frames_s": got / elapsed,
         }
+        if broker_pid is not None:
+            mib = max(1, got) * size / (1 << 20)
+            out |= {f"cpu_{name}": used * 1e3 / mib for name, used in cpu_used.items()}
+        return out
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    """CPU seconds (user + system) ``proc`` has used, its threads included."""
+    times = proc.cpu_times()
+    return times.user + times.system
+
+
+def aes_gcm_ms_per_mib(mib: int = 64) -> float:
+    """Milliseconds of one core to seal 1 MiB with AES-256-GCM in 16 KiB records (TLS's
+    largest), through OpenSSL as ``cryptography`` links it: one TLS pass over the bytes."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    aead, record, nonce = AESGCM(os.urandom(32)), os.urandom(16 << 10), os.urandom(12)
+    records = mib * 64
+    best = float("inf")
+    for _ in range(3):  # the best of three: the least disturbed by other processes
+        start = time.process_time()
+        for _ in range(records):
+            aead.encrypt(nonce, record, None)
+        best = min(best, time.process_time() - start)
+    return best * 1e3 / mib
+
+
+CPU_WAYS = ("edgetrain", "edgetrain+tls")  # the ways whose CPU per party is counted
+PARTIES = ("sender", "receiver", "broker")
 
 
 METHODS = list(RECEIVERS)
@@ -418,8 +473,9 @@ def main() -> int:
     sizes = {name: SIZES[name.strip()] for name in args.sizes.split(",")}
     results: dict[str, dict[str, Any]] = {}
     with contextlib.ExitStack() as stack:
-        ports = {"plain": stack.enter_context(mosquitto())}
-        ports["tls"] = stack.enter_context(secure_broker())  # before the receiver's spawn
+        brokers = {"plain": stack.enter_context(mosquitto())}
+        brokers["tls"] = stack.enter_context(secure_broker())  # before the receiver's spawn
+        aes_ms = aes_gcm_ms_per_mib()
         bench = Bench()
         stack.callback(bench.close)
         for name, size in sizes.items():
@@ -427,13 +483,16 @@ def main() -> int:
             window = max(2, min(64, int(args.window_mib * (1 << 20)) // size))
             runs: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
             for method in METHODS:  # warm-up: first connections, allocations, caches
-                port = ports["tls" if method.endswith("+tls") else "plain"]
+                port, _pid = brokers["tls" if method.endswith("+tls") else "plain"]
                 bench.measure(method, port, max(8, n // 8), size, args.max_s, window)
             order = list(METHODS)
             for i in range(args.rounds):
                 for method in order[i % len(order) :] + order[: i % len(order)]:
-                    port = ports["tls" if method.endswith("+tls") else "plain"]
-                    runs[method].append(bench.measure(method, port, n, size, args.max_s, window))
+                    port, pid = brokers["tls" if method.endswith("+tls") else "plain"]
+                    watch = pid if method in CPU_WAYS else None
+                    runs[method].append(
+                        bench.measure(method, port, n, size, args.max_s, window, watch)
+                    )
             row: dict[str, Any] = {"bytes": size, "messages": n, "window": window}
             for method, got in runs.items():
                 row[method] = {
@@ -442,6 +501,15 @@ def main() -> int:
                     "all_mb_s": [round(r["mb_s"], 1) for r in got],
                     "complete": all(r["messages"] == n for r in got),
                 }
+            for way in CPU_WAYS:
+                ms = {p: statistics.median(r[f"cpu_{p}"] for r in runs[way]) for p in PARTIES}
+                total = sum(ms.values())
+                cores = statistics.median(
+                    sum(r[f"cpu_{p}"] for p in PARTIES) * r["mb_s"] * 1.048576e-3 for r in runs[way]
+                )
+                row[way]["cpu_ms_per_mib"] = {**ms, "total": total, "cores_busy": cores}
+            plain_cpu = row["edgetrain"]["cpu_ms_per_mib"]["total"]
+            row["tls_ceiling"] = plain_cpu / (plain_cpu + 4 * aes_ms)
             for key, way, other in (
                 ("ratio", "edgetrain", "paho"),
                 ("ratio_frame", "edgetrain", "paho+frame"),
@@ -451,7 +519,12 @@ def main() -> int:
                 row[key] = statistics.median(a["mb_s"] / b["mb_s"] for a, b in pairs)
             results[name] = row
     if args.json:
-        out = {"rounds": args.rounds, "cpus": os.cpu_count(), "sizes": results}
+        out = {
+            "rounds": args.rounds,
+            "cpus": os.cpu_count(),
+            "aes_256_gcm_ms_per_mib": aes_ms,
+            "sizes": results,
+        }
         print(json.dumps(out, indent=2))
         return 0
     head = f"{'size':>7} {'method':>13} {'MB/s':>8} {'frames/s':>9} {'x paho':>6} {'x +frame':>8}"
@@ -468,6 +541,21 @@ def main() -> int:
                 f"{name:>7} {method:>13} {r['mb_s']:>8.1f} {r['frames_s']:>9.1f} {ratios}  "
                 f"{r['all_mb_s']}{done}"
             )
+    print(f"\nCPU ms per MiB (user + system); AES-256-GCM: {aes_ms:.2f} ms per MiB per pass")
+    print(
+        f"{'size':>7} {'method':>13} {'sender':>7} {'receiver':>8} {'broker':>7} {'total':>6} cores"
+    )
+    for name, row in results.items():
+        for method in CPU_WAYS:
+            c = row[method]["cpu_ms_per_mib"]
+            print(
+                f"{name:>7} {method:>13} {c['sender']:>7.2f} {c['receiver']:>8.2f} "
+                f"{c['broker']:>7.2f} {c['total']:>6.2f} {c['cores_busy']:>5.2f}"
+            )
+        print(
+            f"{'':>7} {'x plain':>13} at most {row['tls_ceiling']:.2f} with {os.cpu_count()} cores "
+            f"busy: plain's CPU over plain's + 4 AES passes (measured {row['ratio_tls']:.2f})"
+        )
     return 0
 
 
