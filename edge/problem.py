@@ -1,7 +1,9 @@
-"""The planning problem, version 1: the contract between profilers and the planner.
+"""The planning problem, versions 1 and 2: the contract between profilers and the planner.
 
-This module owns the data types of ``shared/spec/planning.md`` (layers, devices,
-the problem) and their validation, so that the device side (which produces
+This module owns the data types of ``shared/spec/planning.md`` and
+``shared/spec/planning-v2.md`` (layers, devices, the problem, version 2's
+``groups`` switch, objective and power figures) and their validation, so that
+the device side (which produces
 ``layers`` from a model profile and a ``device`` from self-profiling) and the
 coordinator (which plans) share one definition. Scoring and search live in
 ``coordinator.planner``; only the types live here, below both.
@@ -25,7 +27,14 @@ from pydantic import (
 
 from edge.errors import UserError, describe_validation_error
 
-__all__ = ["DeviceSpec", "PlanningProblem", "UnitSpec", "load_problem", "parse_problem"]
+__all__ = [
+    "DeviceSpec",
+    "Objective",
+    "PlanningProblem",
+    "UnitSpec",
+    "load_problem",
+    "parse_problem",
+]
 
 
 def _finite(value: float) -> float:
@@ -81,23 +90,51 @@ class DeviceSpec(_Strict):
     """Link to the network, megabits per second, each way."""
     latency_ms: NonNegative
     """One-way latency of that link, milliseconds."""
+    watts_busy: NonNegative | None = None
+    """Version 2: power while computing, watts (``None``: 0 in the score)."""
+    watts_idle: NonNegative | None = None
+    """Version 2: power while on and not computing, watts (``None``: 0 in the score)."""
     details: dict[str, Any] | None = None
     """Free-form measurement detail (e.g. from ``edgetrain profile``); ignored by the score."""
 
 
-class PlanningProblem(_Strict):
-    """A whole planning problem (``shared/spec/planning.md``, version 1)."""
+class Objective(_Strict):
+    """Version 2's objective: what to minimise, and an optional step-time deadline."""
 
-    version: Literal[1]
+    minimize: Literal["time", "energy"] = "time"
+    max_step_time_s: Positive | None = None
+    """Only plans whose step time is at most this are feasible."""
+
+
+_V2_ONLY = ("groups", "objective")
+
+
+class PlanningProblem(_Strict):
+    """A whole planning problem (``shared/spec/planning.md``, version 1, or
+    ``planning-v2.md``, version 2: stages on device groups, energy, deadlines)."""
+
+    version: Literal[1, 2]
     batch_size: Positive
     microbatches: Annotated[int, Field(ge=1)]
     optimizer_state_factor: Positive = 4.0
     pin_first: str | None = None
+    groups: bool | None = None
+    """Version 2: whether a stage may run on a group of devices (``None``: yes)."""
+    objective: Objective | None = None
+    """Version 2: the objective (``None``: minimise step time, no deadline)."""
     layers: list[UnitSpec] = Field(min_length=1)
     devices: list[DeviceSpec] = Field(min_length=1)
 
     @model_validator(mode="after")
     def _check_references(self) -> PlanningProblem:
+        if self.version == 1:
+            for name in _V2_ONLY:
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: only in version 2 problems")
+            for i, d in enumerate(self.devices):
+                for name in ("watts_busy", "watts_idle"):
+                    if getattr(d, name) is not None:
+                        raise ValueError(f"devices.{i}.{name}: only in version 2 problems")
         ids = [d.id for d in self.devices]
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:
@@ -110,14 +147,38 @@ class PlanningProblem(_Strict):
     def microbatch_size(self) -> float:
         return self.batch_size / self.microbatches
 
+    @property
+    def allows_groups(self) -> bool:
+        """Whether a stage may run on several devices (version 2, unless ``groups`` is false)."""
+        return self.version == 2 and self.groups is not False
+
+    @property
+    def goal(self) -> Objective:
+        """The objective; version 1 and a version 2 file without one minimise step time."""
+        return self.objective or Objective()
+
+    def as_version(self, version: Literal[1, 2]) -> PlanningProblem:
+        """The same devices and model as a problem of ``version``: version 1 drops the
+        groups, objective and power figures; version 2 keeps everything."""
+        if version == self.version:
+            return self
+        if version == 2:
+            return self.model_copy(update={"version": 2})
+        devices = [
+            d.model_copy(update={"watts_busy": None, "watts_idle": None}) for d in self.devices
+        ]
+        return self.model_copy(
+            update={"version": 1, "groups": None, "objective": None, "devices": devices}
+        )
+
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude_none=True)
 
 
 def parse_problem(data: Any, source: str = "problem") -> PlanningProblem:
     """Validate ``data`` as a planning problem, or raise a one-line :class:`UserError`."""
-    if isinstance(data, dict) and "version" in data and data["version"] != 1:
-        raise UserError(f"{source}: version: unknown version {data['version']!r} (expected 1)")
+    if isinstance(data, dict) and "version" in data and data["version"] not in (1, 2):
+        raise UserError(f"{source}: version: unknown version {data['version']!r} (expected 1 or 2)")
     try:
         return PlanningProblem.model_validate(data)
     except ValidationError as exc:

@@ -1,9 +1,14 @@
-"""Plans and their score, exactly as ``shared/spec/planning.md`` defines them.
+"""Plans and their score, exactly as ``shared/spec/planning.md`` and
+``planning-v2.md`` define them.
 
-A :class:`Plan` is a list of stages ``(device, start, end)``; :func:`score_plan`
-computes, with the spec's formulas and nothing else, each stage's compute time
-per microbatch ``T_s``, each link's time ``C_s``, each stage's 1F1B memory, the
-bottleneck ``tau`` and the step time ``(M - 1) * tau + sum(T) + sum(C)``. Every
+A :class:`Plan` is a list of stages ``(devices, start, end)``: one device, or in
+version 2 a group that trains the stage data-parallel, each member on a share of
+every microbatch proportional to its speed. :func:`score_plan` computes, with
+the spec's formulas and nothing else, each stage's compute time per microbatch
+``T_s``, each link's time ``C_s``, each group's all-reduce ``R_s``, each
+member's 1F1B memory, the bottleneck ``tau``, the step time
+``(M - 1) * tau + sum(T) + sum(C) + max(R)`` and the energy per step. A plan of
+one-device stages scores, to the last bit, as version 1 scores it. Every
 planner and baseline is judged by this one function, so any plan can be checked
 by anyone with a calculator.
 
@@ -18,18 +23,31 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge.problem import PlanningProblem
+from edge.problem import DeviceSpec, PlanningProblem
 
-__all__ = ["Plan", "PlanScore", "Stage", "score_plan", "validate_plan"]
+__all__ = ["Plan", "PlanScore", "Stage", "score_plan", "shares_of", "validate_plan"]
 
 
 @dataclass(frozen=True)
 class Stage:
-    """Stage ``s`` runs layers ``start..end-1`` on ``device``."""
+    """Stage ``s`` runs layers ``start..end-1`` on ``device``, and in a version 2 plan
+    also on ``helpers``: the group ``devices`` trains the stage data-parallel."""
 
     device: str
     start: int
     end: int
+    helpers: tuple[str, ...] = ()
+    """The group's other members, after ``device`` (its first); empty for one device."""
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Every member of the stage's group, ``device`` first."""
+        return (self.device, *self.helpers)
+
+    @classmethod
+    def group(cls, devices: tuple[str, ...] | list[str], start: int, end: int) -> Stage:
+        """The stage of ``devices`` (one or more) over layers ``start..end-1``."""
+        return cls(devices[0], start, end, tuple(devices[1:]))
 
 
 @dataclass(frozen=True)
@@ -43,10 +61,29 @@ class Plan:
     def of(cls, *stages: tuple[str, int, int]) -> Plan:
         return cls(tuple(Stage(*s) for s in stages))
 
-    def to_json(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = [
-            {"device": s.device, "layers": [s.start, s.end]} for s in self.stages
-        ]
+    @property
+    def grouped(self) -> bool:
+        """Whether a stage runs on more than one device."""
+        return any(s.helpers for s in self.stages)
+
+    @property
+    def devices(self) -> list[str]:
+        """Every device of the plan, stage by stage."""
+        return [d for s in self.stages for d in s.devices]
+
+    def to_json(self, shares: list[list[float]] | None = None) -> list[dict[str, Any]]:
+        """Version 1's stage objects; a group's stage (or any stage, given ``shares``)
+        also carries ``devices`` and ``shares``."""
+        out: list[dict[str, Any]] = []
+        for s, st in enumerate(self.stages):
+            stage: dict[str, Any] = {"layers": [st.start, st.end]}
+            if st.helpers or shares is not None:
+                stage["devices"] = list(st.devices)
+                if shares is not None:
+                    stage["shares"] = shares[s]
+            if not st.helpers:
+                stage["device"] = st.device
+            out.append(stage)
         for stage, codec in zip(out, self.codecs or (), strict=False):
             stage["codec_out"] = codec  # the link to the next stage
         return out
@@ -62,22 +99,46 @@ class PlanScore:
     link_s: list[float]
     """``C_s``: per microbatch, between stage ``s`` and ``s + 1``."""
     memory_bytes: list[float]
+    """The 1F1B memory of each stage's most loaded member (relative to its limit)."""
     memory_limit_bytes: list[float]
     bottleneck_s: float
     step_time_s: float
     throughput_sps: float
     feasible: bool
     reasons: list[str] = field(default_factory=list)
+    version: int = 1
+    shares: list[list[float]] = field(default_factory=list)
+    """Each stage's members' shares of a microbatch (``[1.0]`` for one device)."""
+    allreduce_s: list[float] = field(default_factory=list)
+    """``R_s``: each stage's gradient all-reduce per step (0 for one device)."""
+    energy_j_per_step: float = 0.0
+    """Version 2's ``E``: joules per step from the devices' power figures."""
+    batch_size: float = 1.0
+
+    @property
+    def energy_j_per_sample(self) -> float:
+        return self.energy_j_per_step / self.batch_size
+
+    def objective(self, minimize: str = "time") -> tuple[float, float]:
+        """The sort key of the objective: ``(step time, 0)`` or ``(energy, step time)``."""
+        if minimize == "energy":
+            return (self.energy_j_per_step, self.step_time_s)
+        return (self.step_time_s, 0.0)
 
     def to_json(self) -> dict[str, Any]:
         """The object ``edgetrain plan --json`` prints for a feasible plan."""
-        return {
-            "stages": self.plan.to_json(),
+        out = {
+            "stages": self.plan.to_json(self.shares if self.version == 2 else None),
             "step_time_s": self.step_time_s,
             "bottleneck_s": self.bottleneck_s,
             "throughput_sps": self.throughput_sps if math.isfinite(self.throughput_sps) else None,
-            "feasible": self.feasible,
         }
+        if self.version == 2:
+            out["allreduce_s"] = max(self.allreduce_s, default=0.0)
+            out["energy_j_per_step"] = self.energy_j_per_step
+            out["energy_j_per_sample"] = self.energy_j_per_sample
+        out["feasible"] = self.feasible
+        return out
 
 
 def _sum(values: Iterable[float]) -> float:
@@ -100,17 +161,21 @@ def validate_plan(problem: PlanningProblem, plan: Plan) -> list[str]:
         return ["plan has no stages"]
     expect = 0
     for s, st in enumerate(plan.stages):
-        if st.device not in ids:
-            errors.append(f"stage {s}: unknown device {st.device!r}")
+        for device in st.devices:
+            if device not in ids:
+                errors.append(f"stage {s}: unknown device {device!r}")
+        if st.helpers and not problem.allows_groups:
+            why = "version 1" if problem.version == 1 else '"groups": false'
+            errors.append(f"stage {s}: a group of {len(st.devices)} devices under {why}")
         if st.start != expect or st.end <= st.start:
             errors.append(f"stage {s}: layers [{st.start}, {st.end}) do not continue at {expect}")
         expect = st.end
     if expect != len(problem.layers):
         errors.append(f"plan covers {expect} of {len(problem.layers)} layers")
-    used = [st.device for st in plan.stages]
+    used = plan.devices
     if len(set(used)) != len(used):
         errors.append("a device appears in two stages")
-    if problem.pin_first is not None and plan.stages[0].device != problem.pin_first:
+    if problem.pin_first is not None and problem.pin_first not in plan.stages[0].devices:
         errors.append(f"stage 0 is on {plan.stages[0].device}, not pin_first {problem.pin_first}")
     return errors
 
@@ -126,30 +191,62 @@ def score_plan(problem: PlanningProblem, plan: Plan) -> PlanScore:
     m = problem.microbatches
     n_stages = len(plan.stages)
     compute, links, memory, limits, reasons = [], [], [], [], []
+    shares: list[list[float]] = []
+    allreduce: list[float] = []
+    busy: list[tuple[DeviceSpec, float]] = []  # each member and its busy seconds per step
     for s, st in enumerate(plan.stages):
-        d = dev[st.device]
+        group = [dev[i] for i in st.devices]
+        speed = _sum(d.gflops for d in group)
+        share = shares_of(group)
+        shares.append(share)
         chunk = layers[st.start : st.end]
-        compute.append(b * _sum(unit.train_flops for unit in chunk) / (d.gflops * 1e9))
+        flops = _sum(unit.train_flops for unit in chunk)
+        compute.append(b * flops / (speed * 1e9))
         params = _sum(unit.param_bytes for unit in chunk)
         acts = _sum(unit.saved_bytes for unit in chunk)
-        mem = problem.optimizer_state_factor * params + min(n_stages - s, m) * b * acts
-        memory.append(mem)
-        limits.append(d.memory_bytes)
-        if mem > d.memory_bytes:
-            reasons.append(
-                f"stage {s} on {d.id} needs {mem / 1e9:.3f} GB of {d.memory_bytes / 1e9:.3f} GB"
-            )
+        depth = min(n_stages - s, m)
+        # The member with the least room decides; one device: version 1's figure exactly.
+        need = [problem.optimizer_state_factor * params + depth * w * b * acts for w in share]
+        tight = max(range(len(group)), key=lambda i: need[i] / group[i].memory_bytes)
+        memory.append(need[tight])
+        limits.append(group[tight].memory_bytes)
+        for d, mem in zip(group, need, strict=True):
+            if mem > d.memory_bytes:
+                reasons.append(
+                    f"stage {s} on {d.id} needs {mem / 1e9:.3f} GB of {d.memory_bytes / 1e9:.3f} GB"
+                )
+        busy.extend(
+            (d, m * w * b * flops / (d.gflops * 1e9)) for d, w in zip(group, share, strict=True)
+        )
+        g = len(group)
+        slowest = min(d.bandwidth_mbps for d in group)
+        allreduce.append(
+            0.0
+            if g == 1
+            else 2 * (g - 1) * max(d.latency_ms for d in group) / 1000
+            + 2 * (g - 1) / g * params * 8 / (slowest * 1e6)
+        )
         if s + 1 < n_stages:
-            e = dev[plan.stages[s + 1].device]
+            nxt = [dev[i] for i in plan.stages[s + 1].devices]
             out = layers[st.end - 1].out_bytes
             links.append(
-                2 * (d.latency_ms + e.latency_ms) / 1000
-                + 2 * b * out * 8 / (min(d.bandwidth_mbps, e.bandwidth_mbps) * 1e6)
+                2 * (_latency(group) + _latency(nxt)) / 1000
+                + 2
+                * b
+                * out
+                * 8
+                / (min(_bandwidth(group, share), _bandwidth(nxt, shares_of(nxt))) * 1e6)
             )
     tau = max(compute + links)
     step = (m - 1) * tau + _sum(compute) + _sum(links)
+    if problem.version == 2:
+        step += max(allreduce)
     # A problem of zero-FLOP layers and free links takes no time at all.
     throughput = problem.batch_size / step if step > 0 else math.inf
+    energy = _sum((d.watts_busy or 0.0) * u + (d.watts_idle or 0.0) * (step - u) for d, u in busy)
+    deadline = problem.goal.max_step_time_s
+    if deadline is not None and step > deadline:
+        reasons.append(f"step time {step:.6g} s exceeds max_step_time_s {deadline:.6g} s")
     return PlanScore(
         plan=plan,
         compute_s=compute,
@@ -161,4 +258,28 @@ def score_plan(problem: PlanningProblem, plan: Plan) -> PlanScore:
         throughput_sps=throughput,
         feasible=not reasons,
         reasons=reasons,
+        version=problem.version,
+        shares=shares,
+        allreduce_s=allreduce,
+        energy_j_per_step=energy,
+        batch_size=problem.batch_size,
     )
+
+
+def shares_of(group: list[DeviceSpec]) -> list[float]:
+    """Each member's share of a microbatch: proportional to its speed (``[1.0]`` alone)."""
+    if len(group) == 1:
+        return [1.0]
+    speed = _sum(d.gflops for d in group)
+    return [d.gflops / speed for d in group]
+
+
+def _latency(group: list[DeviceSpec]) -> float:
+    """A group's link latency: its slowest member's, in milliseconds."""
+    return max(d.latency_ms for d in group)
+
+
+def _bandwidth(group: list[DeviceSpec], share: list[float]) -> float:
+    """A group's link bandwidth for a whole microbatch, Mbit/s: the least ``bw_i / w_i``
+    (the member that takes longest to send its share); one device: its own bandwidth."""
+    return min(d.bandwidth_mbps / w for d, w in zip(group, share, strict=True))
