@@ -1,0 +1,492 @@
+"""The version 2 search: stages on device groups, the time or energy objective, deadlines.
+
+:func:`plan_groups` returns the best plan it can prove or find for a version 2
+problem (``shared/spec/planning-v2.md``):
+
+- **Exact** where the plans are few enough to score them all
+  (:func:`exact_plan_count` at most :data:`EXACT_PLANS`): every sequence of
+  disjoint groups, each with every set of cuts, scored in arrays with the score's
+  own terms. Identical devices (same speed, memory, link and power) are
+  interchangeable, so a group is a count per class of identical devices: that
+  removes the symmetric copies without losing a plan. ``pin_first`` is a class of
+  its own and must be in the first group; ``"groups": false`` keeps groups of one.
+- **Structured search** beyond that, within a time budget: the version 1 plan
+  (pipeline only, :func:`coordinator.planner.solve.plan_problem` on the same
+  devices), every "data parallel only" plan (one group of the ``k`` fastest),
+  then a first-improvement local search over group sequences (add, remove, move
+  or swap a member, merge or split stages, bring in an unused device as a
+  stage), each sequence's cuts chosen by :func:`best_cuts`.
+
+:func:`best_cuts` is version 1's threshold decomposition (see
+:mod:`coordinator.planner.search`) over one sequence of groups: for a threshold
+``t`` a dynamic programme over cuts minimises the sum of stage, link and
+all-reduce times with every ``T`` and ``C`` at most ``t``. It counts the
+all-reduces as a sum where the score takes their largest, an upper bound that is
+exact with at most one group; every plan is then scored exactly. For the energy
+objective the stage terms carry each group's energy, divided by the plan's idle
+watts (the step's multiplier in ``E``), so the same decomposition minimises
+``E`` for a fixed set of devices.
+
+:func:`replan` is the warm start after a device leaves or joins: the current
+plan without the missing devices (a group shrinks; a stage left empty hands its
+units to a neighbour), then the same local search from there, with a short
+budget. Plans are never worse than the version 1 plan for the same devices when
+the search is exact or runs its version 1 step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordinator.planner.group_tables import Group, GroupTables
+from coordinator.planner.score import Plan, PlanScore, score_plan
+from coordinator.planner.search import threshold_search
+from coordinator.planner.solve import SearchResult, plan_problem
+from edge.problem import PlanningProblem
+
+__all__ = ["EXACT_PLANS", "best_cuts", "exact_plan_count", "plan_groups", "replan"]
+
+EXACT_PLANS = 1_500_000
+"""Problems with at most this many distinct plans (after symmetry) are scored whole."""
+
+_V1_SHARE = 0.35
+"""The share of the time budget the version 1 step may use."""
+
+Sequence = tuple[Group, ...]
+
+
+# -- classes of identical devices -----------------------------------------------------
+
+
+def _classes(problem: PlanningProblem) -> list[list[int]]:
+    """Device indices grouped by identical figures, fastest class first; ``pin_first``
+    alone in a class of its own, first."""
+    classes: dict[tuple[float | None, ...], list[int]] = {}
+    pin: list[list[int]] = []
+    for i, d in enumerate(problem.devices):
+        if d.id == problem.pin_first:
+            pin.append([i])
+            continue
+        key = (d.gflops, d.memory_bytes, d.bandwidth_mbps, d.latency_ms, d.watts_busy, d.watts_idle)
+        classes.setdefault(key, []).append(i)
+    rest = sorted(classes.values(), key=lambda c: -problem.devices[c[0]].gflops)
+    return pin + rest
+
+
+def _vectors(avail: tuple[int, ...], max_size: int) -> Iterator[tuple[int, ...]]:
+    """Every non-empty count vector ``c <= avail`` of at most ``max_size`` devices."""
+    for c in itertools.product(*(range(a + 1) for a in avail)):
+        if 0 < sum(c) <= max_size:
+            yield c
+
+
+def _type_sequences(
+    avail: tuple[int, ...], max_stages: int, max_size: int, pinned: bool
+) -> Iterator[tuple[tuple[int, ...], ...]]:
+    """Sequences of group count vectors that the classes can supply; with ``pinned`` the
+    first group holds class 0 (the pin)."""
+
+    def rec(
+        left: tuple[int, ...], prefix: tuple[tuple[int, ...], ...]
+    ) -> Iterator[tuple[tuple[int, ...], ...]]:
+        if prefix:
+            yield prefix
+        if len(prefix) == max_stages:
+            return
+        for c in _vectors(left, max_size):
+            if pinned and not prefix and c[0] == 0:
+                continue
+            yield from rec(tuple(a - x for a, x in zip(left, c, strict=True)), (*prefix, c))
+
+    yield from rec(avail, ())
+
+
+def _realise(classes: list[list[int]], types: tuple[tuple[int, ...], ...]) -> Sequence:
+    """Concrete groups for count vectors: the next unused devices of each class."""
+    taken = [0] * len(classes)
+    groups = []
+    for c in types:
+        members: list[int] = []
+        for j, n in enumerate(c):
+            members += classes[j][taken[j] : taken[j] + n]
+            taken[j] += n
+        groups.append(tuple(members))
+    return tuple(groups)
+
+
+def exact_plan_count(problem: PlanningProblem, limit: float = math.inf) -> float:
+    """How many distinct plans (after symmetry) the exact search scores; stops counting
+    past ``limit``."""
+    classes = _classes(problem)
+    n = len(problem.layers)
+    max_size = len(problem.devices) if problem.allows_groups else 1
+    pinned = problem.pin_first is not None
+    total = 0.0
+    for types in _type_sequences(tuple(map(len, classes)), n, max_size, pinned):
+        total += math.comb(n - 1, len(types) - 1)
+        if total > limit:
+            return total
+    return total
+
+
+# -- exact: every plan, scored in arrays ----------------------------------------------
+
+
+@dataclass
+class _Best:
+    key: tuple[float, float] = (math.inf, math.inf)
+    plan: Plan | None = None
+
+
+def _score_all(gt: GroupTables, seq: Sequence, best: _Best, chunk: int = 200_000) -> None:
+    """Score every set of cuts for ``seq`` and keep the best feasible plan in ``best``."""
+    n, k = gt.num_units, len(seq)
+    goal = gt.problem.goal
+    energy_goal = goal.minimize == "energy"
+    deadline = math.inf if goal.max_step_time_s is None else goal.max_step_time_s
+    costs = [gt.costs(g) for g in seq]
+    fits = [gt.fits(g, k - s) for s, g in enumerate(seq)]
+    links = [gt.link(a, b) for a, b in itertools.pairwise(seq)]
+    idle = sum(c.idle_w for c in costs)
+    grouped = gt.problem.version == 2
+    combos = itertools.combinations(range(1, n), k - 1)
+    while True:
+        block = np.array(list(itertools.islice(combos, chunk)), dtype=np.int64)
+        if block.size == 0 and k > 1:
+            return
+        rows = max(1, len(block))
+        cuts = np.empty((rows, k + 1), dtype=np.int64)
+        cuts[:, 0], cuts[:, k] = 0, n
+        if k > 1:
+            cuts[:, 1:k] = block
+        h, e = cuts[:, :-1], cuts[:, 1:]
+        t = np.stack([costs[s].compute[h[:, s], e[:, s]] for s in range(k)], axis=1)
+        ok = np.all(np.stack([fits[s][h[:, s], e[:, s]] for s in range(k)], axis=1), axis=1)
+        c = (
+            np.stack([links[s][e[:, s]] for s in range(k - 1)], axis=1)
+            if k > 1
+            else np.zeros((rows, 0))
+        )
+        tau = np.maximum(t.max(axis=1), c.max(axis=1) if k > 1 else 0.0)
+        step = (gt.m - 1) * tau + t.sum(axis=1) + c.sum(axis=1)
+        if grouped:
+            r = np.stack([costs[s].allreduce[h[:, s], e[:, s]] for s in range(k)], axis=1)
+            step = step + r.max(axis=1)
+        ok &= step <= deadline
+        if ok.any():
+            if energy_goal:
+                busy = np.stack([costs[s].energy[h[:, s], e[:, s]] for s in range(k)], axis=1)
+                first = busy.sum(axis=1) + idle * step
+                second = step
+            else:
+                first, second = step, np.zeros_like(step)
+            first = np.where(ok, first, np.inf)
+            i = int(np.lexsort((second, first))[0])
+            key = (float(first[i]), float(second[i]))
+            if key < best.key:
+                best.key, best.plan = key, gt.plan(list(seq), [int(x) for x in cuts[i]])
+        if k == 1:
+            return
+
+
+def _exact(gt: GroupTables) -> tuple[Plan | None, int]:
+    problem = gt.problem
+    classes = _classes(problem)
+    max_size = len(problem.devices) if problem.allows_groups else 1
+    best, sequences = _Best(), 0
+    types_iter = _type_sequences(
+        tuple(map(len, classes)), gt.num_units, max_size, problem.pin_first is not None
+    )
+    for types in types_iter:
+        _score_all(gt, _realise(classes, types), best)
+        sequences += 1
+    return best.plan, sequences
+
+
+# -- one sequence: the best cuts ------------------------------------------------------
+
+
+@dataclass
+class _Evaluator:
+    """Scores group sequences by their best cuts; caches by sequence."""
+
+    gt: GroupTables
+    lam: float = -1.0
+    """Energy weight in the cut search: ``-1`` follows the objective, ``0`` is step time."""
+    evaluations: int = 0
+
+    def __post_init__(self) -> None:
+        self.cache: dict[Sequence, PlanScore | None] = {}
+
+    def __call__(self, seq: Sequence) -> PlanScore | None:
+        if seq not in self.cache:
+            plan = best_cuts(self.gt, seq, self.lam)
+            self.evaluations += 1
+            self.cache[seq] = None if plan is None else _checked(self.gt.problem, plan)
+        return self.cache[seq]
+
+
+def _checked(problem: PlanningProblem, plan: Plan) -> PlanScore | None:
+    score = score_plan(problem, plan)
+    return score if score.feasible else None
+
+
+def _key(problem: PlanningProblem, score: PlanScore | None) -> tuple[float, float]:
+    if score is None or not score.feasible:
+        return (math.inf, math.inf)
+    return score.objective(problem.goal.minimize)
+
+
+def best_cuts(gt: GroupTables, seq: Sequence, lam: float = -1.0) -> Plan | None:
+    """The cuts of ``seq`` (every group used, in order) with the least objective under the
+    search's cost model (module docstring); ``None`` if none fits."""
+    n, k = gt.num_units, len(seq)
+    if k > n:
+        return None
+    costs = [gt.costs(g) for g in seq]
+    fits = [gt.fits(g, k - s) for s, g in enumerate(seq)]
+    links = [gt.link(a, b) for a, b in itertools.pairwise(seq)]
+    if lam < 0:
+        idle = sum(c.idle_w for c in costs)
+        lam = (1.0 / idle if idle > 0 else 1e6) if gt.problem.goal.minimize == "energy" else 0.0
+    stage = [
+        c.compute + c.allreduce + (lam * c.energy if lam else 0.0) for c in costs
+    ]  # [h, i] each
+    found: dict[int, list[int]] = {}
+
+    def inner(t: float) -> tuple[float, Plan | None]:
+        ok_last = (costs[-1].compute[:, n] <= t) & fits[-1][:, n]
+        value = np.where(ok_last, stage[-1][:, n], np.inf)
+        args: list[np.ndarray] = []
+        for s in range(k - 2, -1, -1):
+            ok = (costs[s].compute <= t) & fits[s]
+            link = np.where(links[s] <= t, links[s], np.inf)
+            total = np.where(ok, stage[s], np.inf) + (link + value)[None, :]
+            arg = total.argmin(axis=1)
+            value = total[np.arange(n + 1), arg]
+            args.append(arg)
+        if not np.isfinite(value[0]):
+            return math.inf, None
+        cuts, h = [0], 0
+        for s in range(k - 1):
+            h = int(args[k - 2 - s][h])
+            cuts.append(h)
+        cuts.append(n)
+        plan = gt.plan(list(seq), cuts)
+        found[id(plan)] = cuts
+        return float(value[0]), plan
+
+    def bottleneck(plan: Plan) -> float:
+        cuts = found[id(plan)]
+        times = [float(costs[s].compute[cuts[s], cuts[s + 1]]) for s in range(k)]
+        times += [float(links[s][cuts[s + 1]]) for s in range(k - 1)]
+        return max(times)
+
+    values = [c.compute[np.isfinite(c.compute)].ravel() for c in costs]
+    values += [link[1:n] for link in links]
+    candidates = np.unique(np.concatenate(values))
+    if lam and gt.problem.goal.minimize == "energy" and sum(c.idle_w for c in costs) == 0:
+        return inner(math.inf)[1]  # no idle power: the step time does not enter E
+    return threshold_search(inner, candidates, gt.m, bottleneck).plan
+
+
+# -- structured search ----------------------------------------------------------------
+
+
+def _sequence_of(problem: PlanningProblem, plan: Plan) -> Sequence:
+    index = {d.id: i for i, d in enumerate(problem.devices)}
+    return tuple(tuple(index[d] for d in st.devices) for st in plan.stages)
+
+
+def _class_of(problem: PlanningProblem) -> list[int]:
+    out = [0] * len(problem.devices)
+    for j, members in enumerate(_classes(problem)):
+        for i in members:
+            out[i] = j
+    return out
+
+
+def _neighbours(seq: Sequence, problem: PlanningProblem, cls: list[int]) -> Iterator[Sequence]:
+    """Sequences one move away (module docstring); unused devices one per class."""
+    pin = next((i for i, d in enumerate(problem.devices) if d.id == problem.pin_first), None)
+    groups_ok = problem.allows_groups
+    used = {i for g in seq for i in g}
+    spare: dict[int, int] = {}
+    for i in range(len(problem.devices)):
+        if i not in used and cls[i] not in spare:
+            spare[cls[i]] = i
+    unused = list(spare.values())
+    k = len(seq)
+
+    def valid(new: list[Group]) -> bool:
+        return all(new) and (pin is None or pin in new[0])
+
+    def emit(new: list[Group]) -> Iterator[Sequence]:
+        if valid(new):
+            yield tuple(tuple(sorted(g)) for g in new)
+
+    for s in range(k):
+        if groups_ok:
+            for u in unused:  # a spare device joins a group
+                yield from emit([*seq[:s], (*seq[s], u), *seq[s + 1 :]])
+        for m in seq[s]:
+            for u in unused:  # a spare device replaces a member
+                yield from emit(
+                    [*seq[:s], tuple(u if x == m else x for x in seq[s]), *seq[s + 1 :]]
+                )
+        if len(seq[s]) > 1:
+            for m in set(seq[s]):
+                rest = tuple(x for x in seq[s] if x != m)
+                yield from emit([*seq[:s], rest, *seq[s + 1 :]])  # a member leaves
+                for t in (s - 1, s + 1):  # ...or moves to a neighbouring stage
+                    if 0 <= t < k and groups_ok:
+                        moved = list(seq)
+                        moved[s], moved[t] = rest, (*seq[t], m)
+                        yield from emit(moved)
+                yield from emit([*seq[:s], rest, (m,), *seq[s + 1 :]])  # ...or splits off
+                yield from emit([*seq[:s], (m,), rest, *seq[s + 1 :]])
+        if s + 1 < k:
+            if groups_ok:  # two stages become one group
+                yield from emit([*seq[:s], seq[s] + seq[s + 1], *seq[s + 2 :]])
+            yield from emit([*seq[:s], seq[s + 1], seq[s], *seq[s + 2 :]])
+        if k > 1:
+            yield from emit([*seq[:s], *seq[s + 1 :]])  # a stage is dropped
+    for u in unused:  # a spare device becomes a stage
+        for s in range(k + 1):
+            yield from emit([*seq[:s], (u,), *seq[s:]])
+
+
+def _local_search(
+    evaluate: _Evaluator, seq: Sequence, problem: PlanningProblem, deadline: float
+) -> tuple[Sequence, PlanScore | None]:
+    cls = _class_of(problem)
+    current, score = seq, evaluate(seq)
+    best_key = _key(problem, score)
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        for cand in _neighbours(current, problem, cls):
+            if len(cand) > len(problem.layers):
+                continue
+            got = evaluate(cand)
+            key = _key(problem, got)
+            if key[0] < best_key[0] * (1 - 1e-12) or (
+                key[0] == best_key[0] and key[1] < best_key[1] * (1 - 1e-12)
+            ):
+                current, score, best_key, improved = cand, got, key, True
+                break
+            if time.perf_counter() > deadline:
+                break
+    return current, score
+
+
+def _data_parallel(problem: PlanningProblem, gt: GroupTables) -> list[Sequence]:
+    """One-stage sequences: the ``k`` fastest devices (with ``pin_first``) for every ``k``."""
+    if not problem.allows_groups:
+        return []
+    devs = problem.devices
+    order = sorted(range(len(devs)), key=lambda i: (-devs[i].gflops, -devs[i].bandwidth_mbps))
+    pin = [i for i in order if devs[i].id == problem.pin_first]
+    order = pin + [i for i in order if i not in pin]
+    return [(tuple(sorted(order[:k])),) for k in range(1, len(order) + 1)]
+
+
+def _better(problem: PlanningProblem, a: PlanScore | None, b: PlanScore | None) -> bool:
+    return _key(problem, a) < _key(problem, b)
+
+
+def plan_groups(
+    problem: PlanningProblem,
+    *,
+    time_budget_s: float = 8.0,
+    exact_limit: float = EXACT_PLANS,
+) -> SearchResult:
+    """The best plan for a version 2 ``problem`` (module docstring)."""
+    started = time.perf_counter()
+    gt = GroupTables.build(problem)
+    if exact_plan_count(problem, exact_limit) <= exact_limit:
+        plan, sequences = _exact(gt)
+        return _result(problem, plan, True, "exact over every group sequence", sequences, started)
+    deadline = started + time_budget_s
+    evaluate = _Evaluator(gt)
+    best: PlanScore | None = None
+    method = ""
+    v1 = plan_problem(
+        problem.as_version(1).model_copy(update={"pin_first": problem.pin_first}),
+        time_budget_s=time_budget_s * _V1_SHARE,
+    )
+    seeds: list[Sequence] = []
+    if v1.plan is not None:
+        seeds.append(_sequence_of(problem, v1.plan))
+        best, method = _checked(problem, Plan(v1.plan.stages)), "pipeline only (version 1)"
+    for seq in _data_parallel(problem, gt):
+        got = evaluate(seq)
+        if _better(problem, got, best):
+            best, method = got, "data parallel only"
+            seeds.append(seq)
+    for seq in seeds[::-1]:
+        if time.perf_counter() > deadline:
+            break
+        _seq, got = _local_search(evaluate, seq, problem, deadline)
+        if _better(problem, got, best):
+            best, method = got, "group local search"
+    evals = evaluate.evaluations + v1.evaluations
+    return _result(problem, None if best is None else best.plan, False, method, evals, started)
+
+
+def replan(problem: PlanningProblem, current: Plan, *, time_budget_s: float = 0.8) -> SearchResult:
+    """A warm-started plan for ``problem`` (devices gone or new) from ``current``."""
+    started = time.perf_counter()
+    gt = GroupTables.build(problem)
+    evaluate = _Evaluator(gt)
+    ids = {d.id: i for i, d in enumerate(problem.devices)}
+    n = len(problem.layers)
+    kept = [
+        (tuple(ids[d] for d in st.devices if d in ids), st.start, st.end) for st in current.stages
+    ]
+    seq = tuple(g for g, _h, _e in kept if g)
+    if not seq:
+        return plan_groups(problem, time_budget_s=time_budget_s)
+    best = evaluate(seq)
+    pin = ids.get(problem.pin_first) if problem.pin_first else None
+    if pin is not None and pin not in seq[0]:
+        seq = ((pin,), *(tuple(x for x in g if x != pin) for g in seq))
+        seq = tuple(g for g in seq if g)
+    seq, got = _local_search(evaluate, seq, problem, started + time_budget_s)
+    if _better(problem, got, best):
+        best = got
+    del n
+    return _result(
+        problem,
+        None if best is None else best.plan,
+        False,
+        "warm start from the current plan",
+        evaluate.evaluations,
+        started,
+    )
+
+
+def _result(
+    problem: PlanningProblem,
+    plan: Plan | None,
+    exact: bool,
+    method: str,
+    evaluations: int,
+    started: float,
+) -> SearchResult:
+    wall = time.perf_counter() - started
+    if plan is None:
+        reason = "no assignment of layers to device groups fits every member's memory"
+        if problem.goal.max_step_time_s is not None:
+            reason += f" within max_step_time_s {problem.goal.max_step_time_s:g} s"
+        return SearchResult(None, exact, method, evaluations, wall, reason)
+    score = score_plan(problem, plan)
+    if not score.feasible:
+        raise AssertionError(f"planner returned an infeasible plan: {score.reasons}")
+    return SearchResult(score, exact, method, evaluations, wall)

@@ -1,0 +1,157 @@
+"""Version 2's cost terms per device group, as arrays for the group search.
+
+In the version 2 score (``shared/spec/planning-v2.md``) a group of devices acts
+as one device whose speed is its members' sum, whose link latency is its
+slowest member's and whose link bandwidth is the least ``bw_i / w_i``; its
+memory is checked per member, and it adds a ring all-reduce once per step.
+:class:`GroupTables` holds, for every group the search asks about (a tuple of
+device indices, cached), those figures and its ``[L+1, L+1]`` arrays over unit
+ranges ``[h, i)``: compute time per microbatch, all-reduce time, energy
+coefficient and the 1F1B fit at each distance from the end. The operations are
+:func:`coordinator.planner.score.score_plan`'s, in its order, so a one-device
+group reproduces version 1's tables and the search agrees with the score.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from coordinator.planner.score import Plan, Stage, shares_of
+from coordinator.planner.tables import _range_sums
+from edge.problem import PlanningProblem
+
+__all__ = ["Group", "GroupCosts", "GroupTables"]
+
+Group = tuple[int, ...]
+"""A group: device indices into the problem's ``devices``, in the plan's member order."""
+
+
+@dataclass
+class GroupCosts:
+    """One group's figures and arrays (``L`` units, ranges ``[h, i)``)."""
+
+    members: Group
+    speed: float
+    latency_ms: float
+    bandwidth_mbps: float
+    """The least ``bw_i / w_i``: the rate at which the group moves a whole microbatch."""
+    compute: np.ndarray
+    """``[L+1, L+1]``: ``T`` of a range (``inf`` where ``i <= h``)."""
+    allreduce: np.ndarray
+    """``[L+1, L+1]``: ``R`` of a range (0 for one device)."""
+    energy: np.ndarray
+    """``[L+1, L+1]``: ``sum_i (watts_busy_i - watts_idle_i) * u_i`` per step for a range."""
+    idle_w: float
+    """The members' idle watts, summed: each pays it for the whole step."""
+    _fits: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class GroupTables:
+    """Cost arrays of one problem, built per group on demand."""
+
+    problem: PlanningProblem
+    b: float
+    m: int
+    flops: np.ndarray
+    params: np.ndarray
+    acts: np.ndarray
+    out: np.ndarray
+    """``[L+1]``: ``out[i]`` is what crosses a cut before unit ``i``."""
+    _groups: dict[Group, GroupCosts] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, problem: PlanningProblem) -> GroupTables:
+        layers = problem.layers
+        return cls(
+            problem=problem,
+            b=problem.batch_size / problem.microbatches,
+            m=problem.microbatches,
+            flops=_range_sums([unit.train_flops for unit in layers]),
+            params=_range_sums([unit.param_bytes for unit in layers]),
+            acts=_range_sums([unit.saved_bytes for unit in layers]),
+            out=np.array([0.0] + [unit.out_bytes for unit in layers]),
+        )
+
+    @property
+    def num_units(self) -> int:
+        return len(self.problem.layers)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.problem.devices)
+
+    def costs(self, group: Group) -> GroupCosts:
+        """The figures of ``group`` (computed once per group)."""
+        got = self._groups.get(group)
+        if got is not None:
+            return got
+        devs = [self.problem.devices[i] for i in group]
+        shares = shares_of(devs)
+        speed = 0.0
+        for d in devs:  # left to right, as the score sums
+            speed += d.gflops
+        g = len(devs)
+        with np.errstate(invalid="ignore"):
+            compute = self.b * self.flops / (speed * 1e9)
+        if g == 1:
+            allreduce = np.zeros_like(self.params)
+        else:
+            lat = max(d.latency_ms for d in devs)
+            slowest = min(d.bandwidth_mbps for d in devs)
+            allreduce = 2 * (g - 1) * lat / 1000 + 2 * (g - 1) / g * self.params * 8 / (
+                slowest * 1e6
+            )
+        energy = np.zeros_like(self.flops)
+        for d, w in zip(devs, shares, strict=True):
+            watts = (d.watts_busy or 0.0) - (d.watts_idle or 0.0)
+            if watts:
+                with np.errstate(invalid="ignore"):
+                    energy = energy + watts * (self.m * w * self.b * self.flops / (d.gflops * 1e9))
+        got = GroupCosts(
+            members=group,
+            speed=speed,
+            latency_ms=max(d.latency_ms for d in devs),
+            bandwidth_mbps=min(d.bandwidth_mbps / w for d, w in zip(devs, shares, strict=True)),
+            compute=compute,
+            allreduce=np.where(np.isfinite(compute), allreduce, np.inf),
+            energy=energy,
+            idle_w=sum(d.watts_idle or 0.0 for d in devs),
+        )
+        if len(self._groups) > 4096:  # a bounded cache: the search revisits few groups
+            self._groups.clear()
+        self._groups[group] = got
+        return got
+
+    def fits(self, group: Group, position_from_end: int) -> np.ndarray:
+        """``[L+1, L+1]`` booleans: every member of ``group`` holds range ``[h, i)`` as the
+        stage that many stages from the end (the score's per-member 1F1B check)."""
+        c = self.costs(group)
+        depth = min(position_from_end, self.m)
+        got = c._fits.get(depth)
+        if got is None:
+            devs = [self.problem.devices[i] for i in group]
+            k = self.problem.optimizer_state_factor
+            got = np.ones_like(self.params, dtype=bool)
+            for d, w in zip(devs, shares_of(devs), strict=True):
+                got &= k * self.params + depth * w * self.b * self.acts <= d.memory_bytes
+            c._fits[depth] = got
+        return got
+
+    def link(self, a: Group, b: Group) -> np.ndarray:
+        """``[L+1]``: ``C`` of a cut before unit ``i`` from group ``a`` to group ``b``."""
+        ca, cb = self.costs(a), self.costs(b)
+        lat = 2 * (ca.latency_ms + cb.latency_ms) / 1000
+        return lat + 2 * self.b * self.out * 8 / (min(ca.bandwidth_mbps, cb.bandwidth_mbps) * 1e6)
+
+    def plan(self, groups: list[Group], cuts: list[int]) -> Plan:
+        """The plan of ``groups`` over the ranges between ``cuts`` (``0 .. L``)."""
+        ids = [d.id for d in self.problem.devices]
+        return Plan(
+            tuple(
+                Stage.group([ids[i] for i in g], h, e)
+                for g, h, e in zip(groups, cuts, cuts[1:], strict=False)
+            )
+        )

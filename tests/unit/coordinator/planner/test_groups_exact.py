@@ -1,0 +1,216 @@
+"""Planner version 2 (coordinator/planner/group_search.py) against brute force.
+
+The reference enumerates every plan of ``shared/spec/planning-v2.md`` literally:
+each device either left out or put in one of ``k`` stages (members in index
+order), every set of cuts, each plan scored by :func:`score_plan`. Problems are
+seeded random ones with up to 5 devices and 7 units, with identical devices (so
+the planner's symmetry reduction is exercised), ``pin_first``, ``"groups":
+false``, the energy objective and deadlines. Every case asserts that the
+optimum really uses what it is about (a group, a deadline that binds), so none
+passes on a degenerate problem.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from typing import Any
+
+import pytest
+from support.planning import random_problem
+
+from coordinator.planner.group_search import exact_plan_count, plan_groups
+from coordinator.planner.score import Plan, PlanScore, Stage, score_plan
+from coordinator.planner.solve import plan_problem
+from edge.problem import DeviceSpec, Objective, PlanningProblem
+
+
+def _v2(
+    problem: PlanningProblem,
+    seed: int,
+    *,
+    groups: bool | None = None,
+    minimize: str = "time",
+    deadline: float | None = None,
+    twins: bool = True,
+) -> PlanningProblem:
+    """``problem`` as version 2 with power figures, some devices made identical twins."""
+    rng = random.Random(seed)
+    devices: list[DeviceSpec] = []
+    for i, d in enumerate(problem.devices):
+        busy = rng.uniform(2.0, 40.0)
+        d = d.model_copy(update={"watts_busy": busy, "watts_idle": busy * rng.uniform(0.1, 0.5)})
+        if twins and i % 2 == 1:  # the same figures as the device before it
+            d = devices[-1].model_copy(update={"id": d.id})
+        devices.append(d)
+    objective = Objective(minimize=minimize, max_step_time_s=deadline)  # type: ignore[arg-type]
+    return problem.model_copy(
+        update={"version": 2, "groups": groups, "objective": objective, "devices": devices}
+    )
+
+
+def _all_plans(problem: PlanningProblem) -> list[Plan]:
+    ids = [d.id for d in problem.devices]
+    n = len(problem.layers)
+    plans = []
+    for k in range(1, min(len(ids), n) + 1):
+        for where in itertools.product(range(-1, k), repeat=len(ids)):
+            groups = [[d for d, w in zip(ids, where, strict=True) if w == s] for s in range(k)]
+            if not all(groups):
+                continue
+            if not problem.allows_groups and any(len(g) > 1 for g in groups):
+                continue
+            if problem.pin_first is not None and problem.pin_first not in groups[0]:
+                continue
+            for cuts in itertools.combinations(range(1, n), k - 1):
+                bounds = [0, *cuts, n]
+                plans.append(
+                    Plan(
+                        tuple(
+                            Stage.group(g, a, b)
+                            for g, a, b in zip(groups, bounds, bounds[1:], strict=False)
+                        )
+                    )
+                )
+    return plans
+
+
+def _brute(problem: PlanningProblem) -> PlanScore | None:
+    best: PlanScore | None = None
+    for plan in _all_plans(problem):
+        score = score_plan(problem, plan)
+        if not score.feasible:
+            continue
+        if best is None or score.objective(problem.goal.minimize) < best.objective(
+            problem.goal.minimize
+        ):
+            best = score
+    return best
+
+
+def _same(a: PlanScore | None, b: PlanScore | None, minimize: str) -> None:
+    assert (a is None) == (b is None)
+    if a is not None and b is not None:
+        for x, y in zip(a.objective(minimize), b.objective(minimize), strict=True):
+            assert x == pytest.approx(y, rel=1e-9, abs=1e-15)
+
+
+CASES: list[tuple[int, int, int, dict[str, Any]]] = [
+    (seed, devices, units, extra)
+    for seed, (devices, units) in enumerate([(3, 5), (4, 6), (4, 5), (3, 7), (4, 4)])
+    for extra in ({}, {"pinned": True})
+]
+
+
+@pytest.mark.parametrize(("seed", "n_devices", "n_units", "extra"), CASES)
+def test_time_objective_is_exact(
+    seed: int, n_devices: int, n_units: int, extra: dict[str, Any]
+) -> None:
+    problem = _v2(random_problem(seed, n_devices, n_units, **extra), seed)
+    got = plan_groups(problem)
+    assert got.exact
+    _same(got.score, _brute(problem), "time")
+
+
+def test_groups_win_where_data_parallel_pays() -> None:
+    """Four equal devices, compute-heavy units with few parameters: the optimum is a
+    group, and it beats the best plan of one-device stages (version 1)."""
+    base = random_problem(7, 4, 5, memory_fraction=(2.0, 3.0))
+    layers = [u.model_copy(update={"param_bytes": 1e3, "out_bytes": 1e5}) for u in base.layers]
+    devices = [
+        d.model_copy(
+            update={"gflops": 10.0, "bandwidth_mbps": 1000.0, "latency_ms": 0.5, "id": d.id}
+        )
+        for d in base.devices
+    ]
+    problem = _v2(base.model_copy(update={"layers": layers, "devices": devices}), 7)
+    got, brute = plan_groups(problem), _brute(problem)
+    _same(got.score, brute, "time")
+    assert got.score is not None and got.score.plan.grouped
+    v1 = plan_problem(problem.as_version(1))
+    assert v1.score is not None and got.score.step_time_s < v1.score.step_time_s / 1.5
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_groups_false_gives_version_1s_optimum(seed: int) -> None:
+    v1 = random_problem(seed, 4, 6)
+    problem = _v2(v1, seed, groups=False, twins=False)
+    got, want = plan_groups(problem), plan_problem(v1)
+    assert got.score is not None and want.score is not None
+    assert not got.score.plan.grouped
+    assert got.score.step_time_s == pytest.approx(want.score.step_time_s, rel=1e-12)
+    _same(got.score, _brute(problem), "time")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
+def test_never_worse_than_version_1(seed: int) -> None:
+    v1 = random_problem(seed + 20, 4, 6)
+    got, want = plan_groups(_v2(v1, seed, twins=False)), plan_problem(v1)
+    assert got.score is not None and want.score is not None
+    assert got.score.step_time_s <= want.score.step_time_s * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_energy_objective_is_exact(seed: int) -> None:
+    problem = _v2(
+        random_problem(seed + 40, 4, 5, memory_fraction=(0.6, 2.0)), seed, minimize="energy"
+    )
+    got, brute = plan_groups(problem), _brute(problem)
+    _same(got.score, brute, "energy")
+    fastest = _brute(problem.model_copy(update={"objective": Objective()}))
+    assert got.score is not None and fastest is not None
+    assert got.score.energy_j_per_step <= fastest.energy_j_per_step * (1 + 1e-12)
+
+
+@pytest.mark.parametrize(("seed", "minimize"), [(0, "time"), (1, "energy"), (2, "energy")])
+def test_deadlines_are_exact_and_bind(seed: int, minimize: str) -> None:
+    """The deadline sits between the fastest plan's step time and the least-energy
+    plan's, so it removes the unconstrained optimum (for energy) or is just met."""
+    base = _v2(random_problem(seed + 60, 4, 5, memory_fraction=(0.6, 2.0)), seed, minimize="energy")
+    frugal = _brute(base)
+    fastest = _brute(base.model_copy(update={"objective": Objective()}))
+    assert frugal is not None and fastest is not None
+    if minimize == "energy" and frugal.step_time_s <= fastest.step_time_s * (1 + 1e-9):
+        pytest.fail("seed gives no trade-off between time and energy: pick another")
+    deadline = (fastest.step_time_s + frugal.step_time_s) / 2 if minimize == "energy" else None
+    deadline = deadline or fastest.step_time_s * 1.0000001
+    problem = _v2(
+        random_problem(seed + 60, 4, 5, memory_fraction=(0.6, 2.0)),
+        seed,
+        minimize=minimize,
+        deadline=deadline,
+    )
+    got, brute = plan_groups(problem), _brute(problem)
+    _same(got.score, brute, minimize)
+    assert got.score is not None and got.score.step_time_s <= deadline
+    impossible = _v2(
+        random_problem(seed + 60, 4, 5, memory_fraction=(0.6, 2.0)),
+        seed,
+        minimize=minimize,
+        deadline=fastest.step_time_s * 0.999,
+    )
+    assert plan_groups(impossible).score is None
+
+
+def test_five_devices_seven_units() -> None:
+    problem = _v2(random_problem(99, 5, 7, memory_fraction=(0.3, 1.5)), 99, minimize="energy")
+    assert exact_plan_count(problem) > 1000
+    got = plan_groups(problem)
+    assert got.exact
+    _same(got.score, _brute(problem), "energy")
+
+
+def test_one_device_plans_score_as_version_1() -> None:
+    """The same plan scored as version 1 and version 2: the same figures, to the bit."""
+    v1 = random_problem(5, 4, 6)
+    plan = plan_problem(v1).plan
+    assert plan is not None and len(plan.stages) >= 2
+    a, b = score_plan(v1, plan), score_plan(_v2(v1, 5, twins=False), plan)
+    assert (a.step_time_s, a.compute_s, a.link_s, a.memory_bytes) == (
+        b.step_time_s,
+        b.compute_s,
+        b.link_s,
+        b.memory_bytes,
+    )
+    assert math.isfinite(b.energy_j_per_step) and b.energy_j_per_step > 0
