@@ -13,6 +13,11 @@ limit is reported as infeasible, not dropped. "The given order" is the order of
 - ``ftpipehd``: every device in the given order, cuts chosen by dynamic
   programming to minimise the bottleneck with each device's real speed and
   link (FTPipeHD's heterogeneity-aware partitioning), no memory check.
+
+For a version 2 problem two more, from :mod:`coordinator.planner.group_search`:
+
+- ``data-parallel``: one stage on the best group of the fastest devices;
+- ``pipeline-only``: the version 1 planner's plan for the same devices.
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from coordinator.planner.group_search import data_parallel_only
 from coordinator.planner.score import Plan, PlanScore, Stage, score_plan
+from coordinator.planner.solve import plan_problem
 from coordinator.planner.tables import CostTables
 from edge.problem import PlanningProblem
 
@@ -113,6 +120,15 @@ BASELINES: dict[str, Callable[[PlanningProblem], Plan]] = {
 }
 
 
-def run_baselines(problem: PlanningProblem) -> dict[str, PlanScore]:
-    """Every baseline's plan scored with the spec formula (feasible or not)."""
-    return {name: score_plan(problem, fn(problem)) for name, fn in BASELINES.items()}
+def run_baselines(problem: PlanningProblem, time_budget_s: float = 8.0) -> dict[str, PlanScore]:
+    """Every baseline's plan scored with the spec formula (feasible or not); a version 2
+    problem's baselines also "data parallel only" and "pipeline only" where they exist."""
+    out = {name: score_plan(problem, fn(problem)) for name, fn in BASELINES.items()}
+    if problem.version == 2:
+        group = data_parallel_only(problem)
+        if group is not None:
+            out["data-parallel"] = score_plan(problem, group)
+        pipeline = plan_problem(problem.as_version(1), time_budget_s=time_budget_s).plan
+        if pipeline is not None:
+            out["pipeline-only"] = score_plan(problem, pipeline)
+    return out

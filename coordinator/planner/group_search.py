@@ -50,7 +50,15 @@ from coordinator.planner.search import threshold_search
 from coordinator.planner.solve import SearchResult, plan_problem
 from edge.problem import PlanningProblem
 
-__all__ = ["EXACT_PLANS", "best_cuts", "exact_plan_count", "plan_groups", "replan"]
+__all__ = [
+    "EXACT_PLANS",
+    "best_cuts",
+    "data_parallel_only",
+    "exact_plan_count",
+    "plan_any",
+    "plan_groups",
+    "replan",
+]
 
 EXACT_PLANS = 1_500_000
 """Problems with at most this many distinct plans (after symmetry) are scored whole."""
@@ -127,6 +135,8 @@ def exact_plan_count(problem: PlanningProblem, limit: float = math.inf) -> float
     n = len(problem.layers)
     max_size = len(problem.devices) if problem.allows_groups else 1
     pinned = problem.pin_first is not None
+    if math.prod(len(c) + 1 for c in classes) - 1 > limit:
+        return math.inf  # more kinds of group than the limit: each is a plan of one stage
     total = 0.0
     for types in _type_sequences(tuple(map(len, classes)), n, max_size, pinned):
         total += math.comb(n - 1, len(types) - 1)
@@ -231,6 +241,16 @@ class _Evaluator:
             self.cache[seq] = None if plan is None else _checked(self.gt.problem, plan)
         return self.cache[seq]
 
+    def quick(self, seq: Sequence, near: PlanScore | None) -> PlanScore | None:
+        """``seq``'s cuts at the bottleneck of ``near`` (a plan to beat) and without one:
+        two passes of the cut search where a full one takes tens."""
+        if seq in self.cache:
+            return self.cache[seq]
+        hints = () if near is None else (near.bottleneck_s, near.bottleneck_s * 1.25)
+        plan = best_cuts(self.gt, seq, self.lam, hints or (math.inf,))
+        self.evaluations += 1
+        return None if plan is None else _checked(self.gt.problem, plan)
+
 
 def _checked(problem: PlanningProblem, plan: Plan) -> PlanScore | None:
     score = score_plan(problem, plan)
@@ -243,9 +263,12 @@ def _key(problem: PlanningProblem, score: PlanScore | None) -> tuple[float, floa
     return score.objective(problem.goal.minimize)
 
 
-def best_cuts(gt: GroupTables, seq: Sequence, lam: float = -1.0) -> Plan | None:
+def best_cuts(
+    gt: GroupTables, seq: Sequence, lam: float = -1.0, hints: tuple[float, ...] = ()
+) -> Plan | None:
     """The cuts of ``seq`` (every group used, in order) with the least objective under the
-    search's cost model (module docstring); ``None`` if none fits."""
+    search's cost model (module docstring); ``None`` if none fits. With ``hints``, a quick
+    look instead: only those bottleneck thresholds (and none) are tried."""
     n, k = gt.num_units, len(seq)
     if k > n:
         return None
@@ -288,6 +311,13 @@ def best_cuts(gt: GroupTables, seq: Sequence, lam: float = -1.0) -> Plan | None:
         times += [float(links[s][cuts[s + 1]]) for s in range(k - 1)]
         return max(times)
 
+    if hints:
+        best: tuple[float, Plan | None] = (math.inf, None)
+        for t in (*hints, math.inf):
+            value, plan = inner(t)
+            if plan is not None and (gt.m - 1) * bottleneck(plan) + value < best[0]:
+                best = ((gt.m - 1) * bottleneck(plan) + value, plan)
+        return best[1]
     values = [c.compute[np.isfinite(c.compute)].ravel() for c in costs]
     values += [link[1:n] for link in links]
     candidates = np.unique(np.concatenate(values))
@@ -331,15 +361,18 @@ def _neighbours(seq: Sequence, problem: PlanningProblem, cls: list[int]) -> Iter
         if valid(new):
             yield tuple(tuple(sorted(g)) for g in new)
 
+    for u in unused:  # a spare device becomes a stage
+        for s in range(k + 1):
+            yield from emit([*seq[:s], (u,), *seq[s:]])
     for s in range(k):
-        if groups_ok:
-            for u in unused:  # a spare device joins a group
-                yield from emit([*seq[:s], (*seq[s], u), *seq[s + 1 :]])
         for m in seq[s]:
             for u in unused:  # a spare device replaces a member
                 yield from emit(
                     [*seq[:s], tuple(u if x == m else x for x in seq[s]), *seq[s + 1 :]]
                 )
+        if groups_ok:
+            for u in unused:  # a spare device joins a group
+                yield from emit([*seq[:s], (*seq[s], u), *seq[s + 1 :]])
         if len(seq[s]) > 1:
             for m in set(seq[s]):
                 rest = tuple(x for x in seq[s] if x != m)
@@ -357,9 +390,6 @@ def _neighbours(seq: Sequence, problem: PlanningProblem, cls: list[int]) -> Iter
             yield from emit([*seq[:s], seq[s + 1], seq[s], *seq[s + 2 :]])
         if k > 1:
             yield from emit([*seq[:s], *seq[s + 1 :]])  # a stage is dropped
-    for u in unused:  # a spare device becomes a stage
-        for s in range(k + 1):
-            yield from emit([*seq[:s], (u,), *seq[s:]])
 
 
 def _local_search(
@@ -374,7 +404,10 @@ def _local_search(
         for cand in _neighbours(current, problem, cls):
             if len(cand) > len(problem.layers):
                 continue
-            got = evaluate(cand)
+            got = evaluate.quick(cand, score)
+            if _key(problem, got) < best_key:  # promising: the full cut search
+                full = evaluate(cand)
+                got = full if _key(problem, full) < _key(problem, got) else got
             key = _key(problem, got)
             if key[0] < best_key[0] * (1 - 1e-12) or (
                 key[0] == best_key[0] and key[1] < best_key[1] * (1 - 1e-12)
@@ -395,6 +428,26 @@ def _data_parallel(problem: PlanningProblem, gt: GroupTables) -> list[Sequence]:
     pin = [i for i in order if devs[i].id == problem.pin_first]
     order = pin + [i for i in order if i not in pin]
     return [(tuple(sorted(order[:k])),) for k in range(1, len(order) + 1)]
+
+
+def data_parallel_only(problem: PlanningProblem) -> Plan | None:
+    """The "data parallel only" baseline: the best plan of one stage on one group (the
+    ``k`` fastest devices, ``pin_first`` among them, for the best ``k``); ``None`` if no
+    group holds the whole model."""
+    gt = GroupTables.build(problem.as_version(2))
+    best: PlanScore | None = None
+    for (group,) in _data_parallel(gt.problem, gt):
+        got = _checked(gt.problem, gt.plan([group], [0, gt.num_units]))
+        if _better(gt.problem, got, best):
+            best = got
+    return None if best is None else best.plan
+
+
+def plan_any(problem: PlanningProblem, *, time_budget_s: float = 8.0) -> SearchResult:
+    """The planner for a problem of either version: version 2 searches groups."""
+    if problem.version == 2:
+        return plan_groups(problem, time_budget_s=time_budget_s)
+    return plan_problem(problem, time_budget_s=time_budget_s)
 
 
 def _better(problem: PlanningProblem, a: PlanScore | None, b: PlanScore | None) -> bool:
@@ -441,27 +494,39 @@ def plan_groups(
 
 
 def replan(problem: PlanningProblem, current: Plan, *, time_budget_s: float = 0.8) -> SearchResult:
-    """A warm-started plan for ``problem`` (devices gone or new) from ``current``."""
+    """A warm-started plan for ``problem`` (devices gone or new) from ``current``: the
+    current plan without the missing devices and a quick version 1 plan of the same
+    devices are the seeds; the local search goes on from the better one."""
     started = time.perf_counter()
+    deadline = started + time_budget_s
     gt = GroupTables.build(problem)
     evaluate = _Evaluator(gt)
     ids = {d.id: i for i, d in enumerate(problem.devices)}
-    n = len(problem.layers)
-    kept = [
-        (tuple(ids[d] for d in st.devices if d in ids), st.start, st.end) for st in current.stages
-    ]
-    seq = tuple(g for g, _h, _e in kept if g)
-    if not seq:
-        return plan_groups(problem, time_budget_s=time_budget_s)
-    best = evaluate(seq)
+    seq = tuple(
+        g for g in (tuple(ids[d] for d in st.devices if d in ids) for st in current.stages) if g
+    )
     pin = ids.get(problem.pin_first) if problem.pin_first else None
-    if pin is not None and pin not in seq[0]:
-        seq = ((pin,), *(tuple(x for x in g if x != pin) for g in seq))
-        seq = tuple(g for g in seq if g)
-    seq, got = _local_search(evaluate, seq, problem, started + time_budget_s)
+    if pin is not None and seq and pin not in seq[0]:
+        seq = tuple(g for g in ((pin,), *(tuple(x for x in g if x != pin) for g in seq)) if g)
+    seeds = [seq] if seq and len(seq) <= len(problem.layers) else []
+    emptied = [s for s, st in enumerate(current.stages) if not set(st.devices) & set(ids)]
+    used = {i for g in seq for i in g}
+    cls = _class_of(problem)
+    spare = {cls[i]: i for i in range(len(problem.devices)) if i not in used}
+    for u in spare.values():  # a spare device in the place of each stage left empty
+        new = [tuple(ids[d] for d in st.devices if d in ids) for st in current.stages]
+        for s in emptied:
+            new[s] = (u,)
+        if emptied and all(new):
+            seeds.append(tuple(new))
+    scored = [(evaluate(s), s) for s in seeds]
+    scored = [(sc, s) for sc, s in scored if sc is not None]
+    if not scored:
+        return plan_groups(problem, time_budget_s=time_budget_s)
+    best, seq = min(scored, key=lambda x: _key(problem, x[0]))
+    _seq, got = _local_search(evaluate, seq, problem, deadline)
     if _better(problem, got, best):
         best = got
-    del n
     return _result(
         problem,
         None if best is None else best.plan,

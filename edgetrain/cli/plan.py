@@ -11,12 +11,14 @@ from rich.table import Table
 
 from coordinator.planner.baselines import run_baselines
 from coordinator.planner.build import build_problem, parse_fleet
+from coordinator.planner.group_search import plan_any
+from coordinator.planner.score import PlanScore
 from coordinator.planner.simulator import simulate
-from coordinator.planner.solve import SearchResult, plan_problem
+from coordinator.planner.solve import SearchResult
 from edge.errors import UserError
 from edge.files import write_atomic
 from edge.models.zoo import parse_options
-from edge.problem import PlanningProblem, load_problem
+from edge.problem import Objective, PlanningProblem, load_problem
 
 __all__ = ["plan_command"]
 
@@ -25,7 +27,9 @@ INFEASIBLE_EXIT = 3
 
 def plan_command(
     problem_file: Path | None = typer.Option(
-        None, "--problem", help="A planning problem (JSON, shared/spec/planning.md)."
+        None,
+        "--problem",
+        help="A planning problem (JSON, shared/spec/planning.md or planning-v2.md).",
     ),
     model: str | None = typer.Option(None, "--model", help="Zoo model to plan instead."),
     devices: str | None = typer.Option(
@@ -44,6 +48,14 @@ def plan_command(
         4.0, "--optimizer-state-factor", help="Bytes held per parameter byte (k)."
     ),
     time_budget: float = typer.Option(8.0, "--time-budget", help="Search seconds, large fleets."),
+    objective: str | None = typer.Option(
+        None,
+        "--objective",
+        help="time or energy (a version 2 problem; energy from datasheet power figures).",
+    ),
+    deadline: float | None = typer.Option(
+        None, "--deadline", help="Most seconds a step may take (a version 2 problem)."
+    ),
     emit_problem: Path | None = typer.Option(
         None, "--emit-problem", help="Write the planning problem to this file."
     ),
@@ -75,19 +87,40 @@ def plan_command(
             optimizer_state_factor=optimizer_state_factor,
             model_options=parse_options(option),
         )
+    problem = with_objective(problem, objective, deadline)
     if emit_problem is not None:
         _write(emit_problem, json.dumps(problem.to_json(), indent=2) + "\n", "--emit-problem")
-    result = plan_problem(problem, time_budget_s=time_budget)
+    result = plan_any(problem, time_budget_s=time_budget)
     if result.score is None:
         typer.echo(json.dumps({"feasible": False, "reason": result.reason}))
         raise typer.Exit(INFEASIBLE_EXIT)
     if timeline is not None:
+        if result.score.plan.grouped:
+            raise UserError("--timeline: the simulator models stages of one device only")
         trace = simulate(problem, result.score.plan, "1f1b").to_chrome_trace()
         _write(timeline, json.dumps(trace), "--timeline")
     if json_out:
         typer.echo(json.dumps(result.score.to_json()))
         return
     _print_report(problem, result)
+
+
+def with_objective(
+    problem: PlanningProblem, objective: str | None, deadline: float | None
+) -> PlanningProblem:
+    """``problem`` with ``--objective``/``--deadline`` applied (as version 2 when given)."""
+    if objective is None and deadline is None:
+        return problem
+    if objective not in (None, "time", "energy"):
+        raise UserError(f"--objective: {objective!r} is not one of: time, energy")
+    if deadline is not None and not deadline > 0:
+        raise UserError(f"--deadline: {deadline} is not a positive number of seconds")
+    goal = problem.goal
+    new = Objective(
+        minimize=objective or goal.minimize,  # type: ignore[arg-type]
+        max_step_time_s=deadline if deadline is not None else goal.max_step_time_s,
+    )
+    return problem.as_version(2).model_copy(update={"objective": new})
 
 
 def _write(path: Path, text: str, option: str) -> None:
@@ -107,6 +140,7 @@ def _print_report(problem: PlanningProblem, result: SearchResult) -> None:
     for col in ("stage", "device", "units", "compute ms", "link ms", "memory MB"):
         left = col in ("device", "units")
         table.add_column(col, justify="left" if left else "right", no_wrap=col != "units")
+    grouped = score.plan.grouped
     for s, st in enumerate(score.plan.stages):
         mark = " *" if score.compute_s[s] == score.bottleneck_s else ""
         link = "-"
@@ -116,9 +150,14 @@ def _print_report(problem: PlanningProblem, result: SearchResult) -> None:
             )
         units = names[st.start : st.end]
         shown = ",".join(units) if len(units) <= 4 else f"{units[0]}..{units[-1]} ({len(units)})"
+        members = st.device
+        if st.helpers:
+            members = "+".join(
+                f"{d} ({w:.0%})" for d, w in zip(st.devices, score.shares[s], strict=True)
+            )
         table.add_row(
             str(s),
-            st.device,
+            members,
             shown,
             f"{score.compute_s[s] * 1e3:.2f}{mark}",
             link,
@@ -131,6 +170,17 @@ def _print_report(problem: PlanningProblem, result: SearchResult) -> None:
         f"{score.step_time_s * 1e3:.1f} ms; predicted {score.throughput_sps:.1f} samples/s "
         f"(planned in {result.wall_s:.2f} s, {'exact' if result.exact else 'heuristic'})"
     )
+    if problem.version == 2:
+        reduce = max(score.allreduce_s, default=0.0)
+        console.print(
+            f"all-reduce {reduce * 1e3:.2f} ms per step; predicted "
+            f"{score.energy_j_per_sample:.3g} J/sample ({score.energy_j_per_step:.3g} J/step, "
+            "from datasheet power figures: a prediction, nothing measures power)"
+        )
+    if grouped:
+        console.print("simulated step: not shown (the simulator models one-device stages)")
+        _print_baselines(console, problem, score)
+        return
     sims = {name: simulate(problem, score.plan, name) for name in ("1f1b", "gpipe")}
     console.print(
         "simulated step: "
@@ -140,6 +190,10 @@ def _print_report(problem: PlanningProblem, result: SearchResult) -> None:
             for name, sim in sims.items()
         )
     )
+    _print_baselines(console, problem, score)
+
+
+def _print_baselines(console: Console, problem: PlanningProblem, score: PlanScore) -> None:
     base = Table(title="baselines (same score)")
     for col in ("baseline", "samples/s", "step ms", "edgetrain speed-up", "feasible"):
         base.add_column(col, justify="left" if col == "baseline" else "right")

@@ -161,3 +161,91 @@ def test_bad_command_lines_exit_2() -> None:
     assert done.stderr.splitlines() == [
         "error: model mlp: depth must be an integer from 2 to 1024 (got 1000000000)"
     ]
+
+
+V2: dict[str, Any] = {
+    "version": 2,
+    "batch_size": 32,
+    "microbatches": 4,
+    "layers": [
+        {"name": "conv1", "fwd_flops": 5e8, "param_bytes": 4e3, "out_bytes": 1e5},
+        {"name": "conv2", "fwd_flops": 5e8, "param_bytes": 4e4, "out_bytes": 5e4},
+        {"name": "fc", "fwd_flops": 1e6, "param_bytes": 4e6, "out_bytes": 40},
+    ],
+    "devices": [
+        {
+            "id": f"pi-{c}",
+            "gflops": 7,
+            "memory_bytes": 3e9,
+            "bandwidth_mbps": 940,
+            "latency_ms": 0.15,
+            "watts_busy": 6.4,
+            "watts_idle": 2.7,
+        }
+        for c in "abc"
+    ]
+    + [
+        {
+            "id": "nano",
+            "gflops": 20,
+            "memory_bytes": 3e9,
+            "bandwidth_mbps": 940,
+            "latency_ms": 0.15,
+            "watts_busy": 10,
+            "watts_idle": 1.5,
+        }
+    ],
+}
+
+
+def test_version_2_plan_json_carries_groups_shares_and_energy(tmp_path: Path) -> None:
+    """Convolutions with few parameters on four devices: one group of all four, each
+    member's share its speed's; the JSON scores as printed."""
+    done = run_plan("--problem", str(write(tmp_path, V2)), "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    (stage,) = out["stages"]
+    assert sorted(stage["devices"]) == ["nano", "pi-a", "pi-b", "pi-c"]
+    assert "device" not in stage  # a group's stage has no single device
+    assert sum(stage["shares"]) == pytest.approx(1.0)
+    speed = {d["id"]: d["gflops"] for d in V2["devices"]}
+    for d, w in zip(stage["devices"], stage["shares"], strict=True):
+        assert w == pytest.approx(speed[d] / 41)
+    plan = Plan((Stage.group(stage["devices"], *stage["layers"]),))
+    score = score_plan(parse_problem(V2), plan)
+    assert score.step_time_s == pytest.approx(out["step_time_s"], rel=1e-12)
+    assert out["energy_j_per_step"] == pytest.approx(score.energy_j_per_step, rel=1e-12)
+    assert out["energy_j_per_sample"] == pytest.approx(out["energy_j_per_step"] / 32)
+    assert out["allreduce_s"] > 0
+
+
+def test_objective_energy_and_deadline_options(tmp_path: Path) -> None:
+    path = str(write(tmp_path, V2))
+    fast = json.loads(run_plan("--problem", path, "--json").stdout)
+    frugal_run = run_plan("--problem", path, "--json", "--objective", "energy")
+    assert frugal_run.returncode == 0, frugal_run.stderr
+    frugal = json.loads(frugal_run.stdout)
+    assert frugal["energy_j_per_step"] < fast["energy_j_per_step"]
+    assert frugal["step_time_s"] > fast["step_time_s"]
+    # A deadline between the two: the least energy among plans that meet it.
+    middle = (fast["step_time_s"] + frugal["step_time_s"]) / 2
+    bound = json.loads(
+        run_plan(
+            "--problem", path, "--json", "--objective", "energy", "--deadline", str(middle)
+        ).stdout
+    )
+    assert bound["step_time_s"] <= middle
+    assert frugal["energy_j_per_step"] <= bound["energy_j_per_step"] <= fast["energy_j_per_step"]
+    late = run_plan("--problem", path, "--json", "--deadline", str(fast["step_time_s"] * 0.9))
+    assert late.returncode == 3
+    assert json.loads(late.stdout)["feasible"] is False
+    bad = run_plan("--problem", path, "--objective", "speed")
+    assert bad.returncode == 2 and "--objective" in bad.stderr
+
+
+def test_version_2_report_shows_groups_energy_and_both_baselines(tmp_path: Path) -> None:
+    done = run_plan("--problem", str(write(tmp_path, V2)))
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())
+    assert "J/sample" in text and "prediction" in text
+    assert "data-parallel" in text and "pipeline-only" in text
