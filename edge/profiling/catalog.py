@@ -28,6 +28,7 @@ from edge.problem import DeviceSpec
 
 __all__ = [
     "GIB",
+    "POWER_NOTE",
     "DeviceProfile",
     "ResolvedProfile",
     "all_resolved",
@@ -42,6 +43,8 @@ __all__ = [
 SCHEMA_VERSION = 1
 GIB = 2**30
 """Bytes in a GiB: memory figures are binary gigabytes, as the OS reports them."""
+POWER_NOTE = "predicted from datasheet and benchmark figures; nothing here measures power"
+"""How every catalogue power figure (``busy_w``, ``idle_w``) is labelled where it is shown."""
 
 # Numbers must be finite: allow_inf_nan=False refuses YAML's .nan and .inf.
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
