@@ -45,11 +45,13 @@ def _devices_from_file(path: Path) -> list[DeviceSpec]:
     return out
 
 
-def parse_fleet(text: str, *, files: bool = True) -> list[DeviceSpec]:
+def parse_fleet(text: str, *, files: bool = True, power: bool = False) -> list[DeviceSpec]:
     """Devices from ``name[:count],...`` (catalogue names or JSON files of devices).
 
     With ``files=False`` (a fleet a remote client named) no item is read as a file:
-    each must be a catalogue name.
+    each must be a catalogue name. With ``power`` each catalogue device carries its
+    predicted ``watts_busy`` and ``watts_idle`` (version 2 problems only); a device
+    from a file keeps what the file gives.
     """
     items = [part.strip() for part in text.split(",") if part.strip()]
     if not items:
@@ -68,7 +70,7 @@ def parse_fleet(text: str, *, files: bool = True) -> list[DeviceSpec]:
         if count < 1:
             raise UserError(f"--devices: {item!r}: count must be at least 1")
         profile = resolve(name)
-        devices += [profile.to_device_spec() for _ in range(count)]
+        devices += [profile.to_device_spec(power=power) for _ in range(count)]
     # Give repeated ids a suffix so every device is distinct.
     totals = Counter(d.id for d in devices)
     seen: Counter[str] = Counter()

@@ -139,7 +139,9 @@ def _announced(e: EmulatedDevice) -> str:
             "cpus": round(e.cpus, CPUS_DECIMALS),
         },
     )
-    return json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return json.dumps(
+        spec.model_dump(mode="json", exclude_none=True), sort_keys=True, separators=(",", ":")
+    )
 
 
 def _number(value: float) -> str:

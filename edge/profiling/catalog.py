@@ -28,6 +28,7 @@ from edge.problem import DeviceSpec
 
 __all__ = [
     "GIB",
+    "POWER_NOTE",
     "DeviceProfile",
     "ResolvedProfile",
     "all_resolved",
@@ -42,6 +43,8 @@ __all__ = [
 SCHEMA_VERSION = 1
 GIB = 2**30
 """Bytes in a GiB: memory figures are binary gigabytes, as the OS reports them."""
+POWER_NOTE = "predicted from datasheet and benchmark figures; nothing here measures power"
+"""How every catalogue power figure (``busy_w``, ``idle_w``) is labelled where it is shown."""
 
 # Numbers must be finite: allow_inf_nan=False refuses YAML's .nan and .inf.
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -150,18 +153,30 @@ class Link(_Strict):
 
 
 class Power(_Strict):
-    """Power draw: typical under training load and the maximum (TDP); one at least."""
+    """Power draw, predicted from datasheet and benchmark figures: nothing here measures it.
 
+    ``busy_w`` and ``idle_w`` are what a planning problem's ``watts_busy`` and
+    ``watts_idle`` take (``shared/spec/planning-v2.md``); ``basis`` says where each comes
+    from and which are estimates.
+    """
+
+    busy_w: Positive
+    """Sustained training load: all cores, or the accelerator, busy."""
+    idle_w: Positive
+    """Powered on and idling with its OS and driver, computing nothing."""
     typical_w: Positive | None = None
     max_w: Positive | None = None
+    """The most the device may draw (TDP, power mode or supply), when published."""
     basis: Text
 
     @model_validator(mode="after")
     def _order(self) -> Power:
-        if self.typical_w is None and self.max_w is None:
-            raise ValueError("typical_w or max_w: give at least one")
-        if self.typical_w is not None and self.max_w is not None and self.typical_w > self.max_w:
-            raise ValueError(f"typical_w ({self.typical_w}) exceeds max_w ({self.max_w})")
+        if self.idle_w > self.busy_w:
+            raise ValueError(f"idle_w ({self.idle_w}) exceeds busy_w ({self.busy_w})")
+        for name in ("busy_w", "typical_w"):
+            value = getattr(self, name)
+            if value is not None and self.max_w is not None and value > self.max_w:
+                raise ValueError(f"{name} ({value}) exceeds max_w ({self.max_w})")
         return self
 
 
@@ -244,15 +259,23 @@ class ResolvedProfile:
             return p.variants[self.variant]
         return Variant.model_construct(total_gib=m.total_gib, usable_gib=m.usable_gib)
 
-    def to_device_spec(self, device_id: str | None = None) -> DeviceSpec:
-        """This device as a planning-problem device (``shared/spec/planning.md``)."""
-        data = {
+    def to_device_spec(self, device_id: str | None = None, *, power: bool = False) -> DeviceSpec:
+        """This device as a planning-problem device (``shared/spec/planning.md``).
+
+        With ``power`` it also carries ``watts_busy`` and ``watts_idle``, the catalogue's
+        predicted figures, which only a version 2 problem accepts; off by default so
+        that version 1 problems built from the catalogue stay valid.
+        """
+        p = self.profile
+        data: dict[str, Any] = {
             "id": self.name if device_id is None else device_id,
-            "gflops": self.profile.training.sustained_gflops,
+            "gflops": p.training.sustained_gflops,
             "memory_bytes": float(round(self.sizes.usable_gib * GIB)),
-            "bandwidth_mbps": self.profile.link.bandwidth_mbps,
-            "latency_ms": self.profile.link.latency_ms,
+            "bandwidth_mbps": p.link.bandwidth_mbps,
+            "latency_ms": p.link.latency_ms,
         }
+        if power:
+            data |= {"watts_busy": p.power.busy_w, "watts_idle": p.power.idle_w}
         try:
             return DeviceSpec.model_validate(data)
         except ValidationError as exc:

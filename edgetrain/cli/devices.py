@@ -18,6 +18,7 @@ from rich.table import Table
 
 from edge.errors import UserError
 from edge.profiling.catalog import (
+    POWER_NOTE,
     DeviceProfile,
     ResolvedProfile,
     all_resolved,
@@ -58,6 +59,7 @@ def _row(r: ResolvedProfile) -> dict[str, Any]:
         "usable_memory_gib": r.sizes.usable_gib,
         "total_memory_gib": r.sizes.total_gib,
         "link": p.link.model_dump(mode="json", exclude={"basis"}),
+        "power": {"busy_w": p.power.busy_w, "idle_w": p.power.idle_w, "note": POWER_NOTE},
     }
 
 
@@ -81,7 +83,8 @@ def _sorted(resolved: list[ResolvedProfile]) -> list[ResolvedProfile]:
 def list_command(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON list instead of a table."),
 ) -> None:
-    """List every device and memory variant: kind, sustained GFLOP/s, usable memory, link."""
+    """List every device and memory variant: kind, sustained GFLOP/s, usable memory, link,
+    and power while training and idle (predicted from datasheet figures, not measured)."""
     rows = [_row(r) for r in _sorted(all_resolved(load_catalogue()))]
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
@@ -95,6 +98,7 @@ def list_command(
     table.add_column("kind", no_wrap=True)
     table.add_column("GFLOP/s", justify="right", no_wrap=True)
     table.add_column("usable GiB", justify="right", no_wrap=True)
+    table.add_column("busy/idle W", justify="right", no_wrap=True)
     table.add_column("link", max_width=60)  # the one column that wraps when narrow
     for row in rows:
         link = row["link"]
@@ -103,6 +107,7 @@ def list_command(
             row["kind"],
             f"{row['sustained_gflops']:,.1f}",
             f"{row['usable_memory_gib']:.1f}",
+            f"{row['power']['busy_w']:,.1f}/{row['power']['idle_w']:,.1f}",
             f"{link['bandwidth_mbps']:,.0f} Mbit/s, {link['latency_ms']:g} ms, {link['kind']}",
         ]
         if wide:
@@ -110,6 +115,7 @@ def list_command(
         table.add_row(*cells)
     console.print(table)
     console.print("* the default variant: the profile id alone resolves to it.")
+    console.print(f"busy/idle W: power while training / while idle, {POWER_NOTE}.")
 
 
 def _console() -> Console:
@@ -128,19 +134,28 @@ def show_command(
     device_id: str | None = typer.Option(
         None, "--device-id", help="With --as-device: the device id (default: the profile name)."
     ),
+    power: bool = typer.Option(
+        False,
+        "--power",
+        help=(
+            "The device also carries watts_busy and watts_idle (predicted from datasheet "
+            "figures; version 2 planning problems only)."
+        ),
+    ),
 ) -> None:
     """Show one profile: every figure, how it was estimated, and its sources."""
     resolved = resolve(name)
     if as_device:
-        spec = resolved.to_device_spec(device_id)
+        spec = resolved.to_device_spec(device_id, power=power)
         typer.echo(json.dumps(spec.model_dump(mode="json", exclude_none=True), indent=2))
         return
     if as_json:
+        device = resolved.to_device_spec(power=power)
         out = {
             "id": resolved.name,
             "variant": resolved.variant,
             "memory": resolved.sizes.model_dump(mode="json"),
-            "device": resolved.to_device_spec().model_dump(mode="json", exclude_none=True),
+            "device": device.model_dump(mode="json", exclude_none=True),
             "profile": resolved.profile.model_dump(mode="json", exclude_none=True),
         }
         typer.echo(json.dumps(out, indent=2))
@@ -181,9 +196,11 @@ def _describe(r: ResolvedProfile) -> Table:
         "link",
         f"{link.kind}: {link.bandwidth_mbps:,.0f} Mbit/s, {link.latency_ms:g} ms\n{link.basis}",
     )
-    watts = [f"typical {p.power.typical_w:g} W" if p.power.typical_w else ""]
-    watts.append(f"max {p.power.max_w:g} W" if p.power.max_w else "")
-    grid.add_row("power", f"{', '.join(w for w in watts if w)}\n{p.power.basis}")
+    pw = p.power
+    watts = [f"busy {pw.busy_w:g} W", f"idle {pw.idle_w:g} W"]
+    watts += [f"typical {pw.typical_w:g} W"] if pw.typical_w else []
+    watts += [f"max {pw.max_w:g} W"] if pw.max_w else []
+    grid.add_row("power", f"{', '.join(watts)} ({POWER_NOTE})\n{pw.basis}")
     if p.notes:
         grid.add_row("notes", p.notes)
     for key, refs in p.sources.items():

@@ -19,7 +19,13 @@ from support.catalog import TESTBED_NAMES, rpi4_data, shipped_files
 from support.paths import ROOT
 
 from edge.problem import DeviceSpec
-from edge.profiling.catalog import all_resolved, catalogue_dir, load_catalogue, resolve
+from edge.profiling.catalog import (
+    POWER_NOTE,
+    all_resolved,
+    catalogue_dir,
+    load_catalogue,
+    resolve,
+)
 
 
 def edgetrain(*args: str) -> subprocess.CompletedProcess[str]:
@@ -47,6 +53,28 @@ def test_cli_list_json_has_every_variant() -> None:
     assert row["default"] is True and row["kind"] == "sbc"
     assert row["usable_memory_gib"] == resolve("rpi4-4gb").sizes.usable_gib
     assert row["link"]["bandwidth_mbps"] > 0
+    assert row["power"] == {"busy_w": 6.4, "idle_w": 2.7, "note": POWER_NOTE}
+    assert all(0 < r["power"]["idle_w"] <= r["power"]["busy_w"] for r in rows)
+
+
+def test_cli_list_table_shows_predicted_busy_and_idle_watts() -> None:
+    done = edgetrain("devices", "list")
+    assert done.returncode == 0, done.stderr
+    header = next(line for line in done.stdout.splitlines() if "busy/idle W" in line)
+    pi = next(line for line in done.stdout.splitlines() if "rpi4-4gb *" in line)
+    cells = [c.strip() for c in pi.split("│")]
+    assert cells[[c.strip() for c in header.split("┃")].index("busy/idle W")] == "6.4/2.7"
+    assert f"busy/idle W: power while training / while idle, {POWER_NOTE}." in done.stdout
+
+
+def test_cli_show_as_device_with_power_carries_the_watts() -> None:
+    done = edgetrain("devices", "show", "jetson-nano", "--as-device", "--power")
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)
+    assert shown == resolve("jetson-nano").to_device_spec(power=True).model_dump(
+        mode="json", exclude_none=True
+    )
+    assert (shown["watts_busy"], shown["watts_idle"]) == (10.0, 1.5)
 
 
 @pytest.mark.slow
@@ -101,19 +129,37 @@ def _sustained_above_peak(d: dict[str, Any]) -> None:
     d["training"]["sustained_gflops"] = 100.0
 
 
+def _idle_above_busy(d: dict[str, Any]) -> None:
+    d["power"]["idle_w"] = 9.0
+
+
+def _no_busy_power(d: dict[str, Any]) -> None:
+    del d["power"]["busy_w"]
+
+
 CORRUPTIONS = [
     (_delete_bandwidth, "link.bandwidth_mbps", "Field required"),
     (_negative_bandwidth, "link.bandwidth_mbps", "greater than 0 (got -5)"),
     (_string_number, "training.sustained_gflops", "valid number"),
     (_unknown_field, "power.colour", "Extra inputs are not permitted"),
     (_sustained_above_peak, "training.sustained_gflops", "exceeds the peak cpu.peak_fp32_gflops"),
+    (_idle_above_busy, "power", "idle_w (9.0) exceeds busy_w (6.4)"),
+    (_no_busy_power, "power.busy_w", "Field required"),
 ]
 
 
 @pytest.mark.parametrize(
     ("corrupt", "field", "why"),
     CORRUPTIONS,
-    ids=["missing-field", "negative-bandwidth", "string-number", "unknown-field", "above-peak"],
+    ids=[
+        "missing-field",
+        "negative-bandwidth",
+        "string-number",
+        "unknown-field",
+        "above-peak",
+        "idle-above-busy",
+        "no-busy-power",
+    ],
 )
 def test_cli_validate_refuses_a_corrupted_copy(
     tmp_path: Path, corrupt: Any, field: str, why: str

@@ -28,6 +28,21 @@ def test_fleet_parsing_counts_files_and_errors(tmp_path: Path) -> None:
         parse_fleet(str(bad))
 
 
+def test_fleet_carries_predicted_watts_only_when_asked(tmp_path: Path) -> None:
+    me = {"id": "me", "gflops": 50, "memory_bytes": 1e9, "bandwidth_mbps": 100, "latency_ms": 1}
+    path = tmp_path / "me.json"
+    path.write_text(json.dumps(me))
+    plain = parse_fleet(f"rpi4-4gb:2,{path}")
+    assert [(d.watts_busy, d.watts_idle) for d in plain] == [(None, None)] * 3
+    powered = parse_fleet(f"rpi4-4gb:2,{path}", power=True)
+    # Catalogue devices get their profile's figures; a device file keeps what it gives.
+    assert [(d.id, d.watts_busy, d.watts_idle) for d in powered] == [
+        ("rpi4-4gb-1", 6.4, 2.7),
+        ("rpi4-4gb-2", 6.4, 2.7),
+        ("me", None, None),
+    ]
+
+
 def test_built_problem_pins_and_refuses_an_unknown_pin() -> None:
     fleet = parse_fleet("rpi4-4gb,jetson-nano")
     problem = build_problem("mlp", fleet, batch_size=8, microbatches=2, pin_first="rpi4-4gb")

@@ -1,9 +1,9 @@
 """The device-profile catalogue (edge.profiling.catalog, device_profiles/, `edgetrain devices`).
 
-Every shipped profile loads and converts into a planning-problem device; names
-resolve to profiles and memory variants; corrupted copies of a profile are refused
-with one line naming the file and the field. tests/integration/test_devices_cli.py
-runs `edgetrain devices` itself.
+Every shipped profile loads and converts into a planning-problem device (with its
+predicted power only when asked); names resolve to profiles and memory variants;
+corrupted copies of a profile are refused with one line naming the file and the
+field. tests/integration/test_devices_cli.py runs `edgetrain devices` itself.
 """
 
 from __future__ import annotations
@@ -107,6 +107,50 @@ def test_every_profile_and_variant_converts_to_a_valid_device_spec() -> None:
     assert len(problem.devices) == len(resolved)
 
 
+@pytest.mark.parametrize("path", shipped_files(), ids=lambda p: p.stem)
+def test_every_profile_predicts_busy_and_idle_power_with_a_source(path: Path) -> None:
+    profile = load_profile_file(path)
+    power = profile.power
+    assert 0 < power.idle_w <= power.busy_w
+    assert power.max_w is None or power.busy_w <= power.max_w
+    # The basis says where each figure comes from, and that none is measured here.
+    assert power.basis.startswith("busy: ") and " idle: " in power.basis
+    assert "nothing here measures power" in power.basis.lower()
+    assert profile.sources["power"] and all(s.title for s in profile.sources["power"])
+
+
+def test_device_specs_carry_the_predicted_watts_only_when_asked() -> None:
+    resolved = all_resolved(load_catalogue())
+    plain = [r.to_device_spec() for r in resolved]
+    assert all(d.watts_busy is None and d.watts_idle is None for d in plain)
+    powered = [r.to_device_spec(power=True) for r in resolved]
+    for r, without, spec in zip(resolved, plain, powered, strict=True):
+        assert spec.watts_busy == r.profile.power.busy_w
+        assert spec.watts_idle == r.profile.power.idle_w
+        assert spec.model_copy(update={"watts_busy": None, "watts_idle": None}) == without
+    assert resolve("rpi4-4gb").to_device_spec("pi", power=True).model_dump(
+        mode="json", exclude_none=True
+    ) == {
+        "id": "pi",
+        "gflops": 7.2,
+        "memory_bytes": float(round(3.0 * GIB)),
+        "bandwidth_mbps": 940.0,
+        "latency_ms": 0.15,
+        "watts_busy": 6.4,
+        "watts_idle": 2.7,
+    }
+    problem = {
+        "batch_size": 32,
+        "microbatches": 4,
+        "layers": [{"name": "fc", "fwd_flops": 1e6, "param_bytes": 4e3, "out_bytes": 40.0}],
+    }
+    devices = [d.model_dump(mode="json", exclude_none=True) for d in powered]
+    v2 = PlanningProblem.model_validate({**problem, "version": 2, "devices": devices})
+    assert [d.watts_busy for d in v2.devices] == [r.profile.power.busy_w for r in resolved]
+    with pytest.raises(ValueError, match=r"devices\.0\.watts_busy: only in version 2"):
+        PlanningProblem.model_validate({**problem, "version": 1, "devices": devices})
+
+
 def test_figures_are_in_the_right_order_and_match_vendor_numbers() -> None:
     cat = load_catalogue()
 
@@ -208,6 +252,10 @@ def _refused(path: Path) -> str:
         ),
         ("training", "precision", "fp8", "training.precision: Input should be"),
         ("power", "typical_w", 99.0, "power: typical_w (99.0) exceeds max_w (15.3)"),
+        ("power", "idle_w", 9.0, "power: idle_w (9.0) exceeds busy_w (6.4)"),
+        ("power", "busy_w", 20.0, "power: busy_w (20.0) exceeds max_w (15.3)"),
+        ("power", "idle_w", 0, "power.idle_w: Input should be greater than 0"),
+        ("power", "busy_w", "6.4", "power.busy_w: Input should be a valid number"),
     ],
 )
 def test_bad_numbers_are_refused(
@@ -241,6 +289,10 @@ def test_memory_cross_checks(tmp_path: Path) -> None:
 
 
 def test_structural_errors_are_refused(tmp_path: Path) -> None:
+    for key in ("busy_w", "idle_w"):
+        data = rpi4_data()
+        del data["power"][key]
+        assert f"power.{key}: Field required" in _refused(_write(tmp_path, data))
     data = rpi4_data()
     del data["sources"]["power"]
     assert "sources.power: Field required" in _refused(_write(tmp_path, data))
