@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
@@ -92,15 +92,21 @@ def build_problem(
     pin_first: str | None = None,
     optimizer_state_factor: float = 4.0,
     model_options: dict[str, Any] | None = None,
+    version: Literal[1, 2] = 1,
 ) -> PlanningProblem:
-    """The planning problem of training ``model`` on ``devices``."""
+    """The planning problem of training ``model`` on ``devices`` (``version`` 2: stages
+    may run on device groups; a device's power figures are kept)."""
     if microbatches < 1 or batch_size < 1:
         raise UserError("batch size and microbatches must be at least 1")
     spec = get_model(model, **(model_options or {}))
     prof = profile_model(spec, min(batch_size, PROFILE_BATCH), timing=False)
     try:
+        if version == 1:  # version 1 has no power figures
+            devices = [
+                d.model_copy(update={"watts_busy": None, "watts_idle": None}) for d in devices
+            ]
         return PlanningProblem(
-            version=1,
+            version=version,
             batch_size=batch_size,
             microbatches=microbatches,
             optimizer_state_factor=optimizer_state_factor,

@@ -48,6 +48,11 @@ def plan_command(
         4.0, "--optimizer-state-factor", help="Bytes held per parameter byte (k)."
     ),
     time_budget: float = typer.Option(8.0, "--time-budget", help="Search seconds, large fleets."),
+    groups: bool = typer.Option(
+        True,
+        "--groups/--no-groups",
+        help="With --model: let a stage run on a group of devices (a version 2 problem).",
+    ),
     objective: str | None = typer.Option(
         None,
         "--objective",
@@ -80,12 +85,13 @@ def plan_command(
             raise UserError("--model needs --devices")
         problem = build_problem(
             model,
-            parse_fleet(devices),
+            parse_fleet(devices, power=groups),
             batch_size=batch_size,
             microbatches=microbatches,
             pin_first=pin_first,
             optimizer_state_factor=optimizer_state_factor,
             model_options=parse_options(option),
+            version=2 if groups else 1,
         )
     problem = with_objective(problem, objective, deadline)
     if emit_problem is not None:
