@@ -275,6 +275,23 @@ MUTANTS = [
         ),
         tests=("tests/integration/test_amqtt_security.py::test_the_embedded_broker_is_secure",),
     ),
+    # Issue 16: planner version 2 (device groups, energy, deadlines).
+    Mutant(
+        name="groups-allreduce-summed",
+        what="the exact group search adds all-reduces where the score takes the largest",
+        path="coordinator/planner/group_search.py",
+        old="            step = step + r.max(axis=1)",
+        new="            step = step + r.sum(axis=1)",
+        tests=("tests/unit/coordinator/planner/test_groups_exact.py",),
+    ),
+    Mutant(
+        name="groups-memory-whole-microbatch",
+        what="a group member's memory is checked as if it held the whole microbatch's activations",
+        path="coordinator/planner/group_tables.py",
+        old="got &= k * self.params + depth * w * self.b * self.acts <= d.memory_bytes",
+        new="got &= k * self.params + depth * self.b * self.acts <= d.memory_bytes",
+        tests=("tests/unit/coordinator/planner/test_groups_exact.py",),
+    ),
 ]
 
 

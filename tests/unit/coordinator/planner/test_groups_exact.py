@@ -18,7 +18,7 @@ import random
 from typing import Any
 
 import pytest
-from support.planning import random_problem
+from support.planning import make_problem, random_problem
 
 from coordinator.planner.group_search import exact_plan_count, plan_groups
 from coordinator.planner.score import Plan, PlanScore, Stage, score_plan
@@ -214,3 +214,74 @@ def test_one_device_plans_score_as_version_1() -> None:
         b.memory_bytes,
     )
     assert math.isfinite(b.energy_j_per_step) and b.energy_j_per_step > 0
+
+
+def _group_friendly(seed: int, n_devices: int, n_units: int) -> PlanningProblem:
+    """Compute-heavy units with parameters enough that all-reduces matter, on pairs of
+    identical devices: optima with two groups, each paying an all-reduce."""
+    rng = random.Random(seed)
+    base = random_problem(seed, n_devices, n_units, memory_fraction=(1.5, 3.0))
+    layers = [
+        u.model_copy(
+            update={
+                "fwd_flops": 10 ** rng.uniform(8.5, 9.5),
+                "param_bytes": 10 ** rng.uniform(5, 6.5),
+            }
+        )
+        for u in base.layers
+    ]
+    params = sum(u.param_bytes for u in layers) * base.optimizer_state_factor
+    acts = sum(u.saved_bytes for u in layers) * base.batch_size
+    memory = 0.6 * params + 0.3 * acts  # no device holds every parameter: several stages
+    devices = [
+        d.model_copy(
+            update={
+                "bandwidth_mbps": 10 ** rng.uniform(2, 3),
+                "latency_ms": 0.5,
+                "memory_bytes": memory,
+            }
+        )
+        for d in base.devices
+    ]
+    return _v2(base.model_copy(update={"layers": layers, "devices": devices}), seed)
+
+
+TWO_GROUPS = 12
+"""A seed of :func:`_group_friendly` (4 x 4) whose optimum is two groups of two, and
+where counting every all-reduce instead of the largest would choose 1 + 3 devices."""
+
+
+@pytest.mark.parametrize("seed", [TWO_GROUPS, *range(6)])
+def test_two_groups_pay_the_larger_all_reduce_only(seed: int) -> None:
+    problem = _group_friendly(seed, 4, 4)
+    got, brute = plan_groups(problem), _brute(problem)
+    _same(got.score, brute, "time")
+    if seed == TWO_GROUPS:
+        assert brute is not None
+        assert [len(st.devices) for st in brute.plan.stages] == [2, 2]
+        assert min(brute.allreduce_s) > 0
+
+
+def test_a_group_holds_what_no_member_can_alone() -> None:
+    """One unit whose activations fit a device only when the microbatch is split: the
+    only feasible plan is the group, each member holding its share (per-member memory)."""
+    unit = {"fwd_flops": 1e8, "param_bytes": 1e6, "out_bytes": 1e3, "act_bytes": 1e7}
+    b, k = 8.0, 4.0
+    memory = k * 1e6 + 0.75 * b * 1e7  # a whole microbatch needs k*P + b*A
+    devices = [
+        {
+            "id": f"d{i}",
+            "gflops": 10.0,
+            "memory_bytes": memory,
+            "bandwidth_mbps": 100.0,
+            "latency_ms": 1.0,
+        }
+        for i in range(2)
+    ]
+    problem = make_problem([unit], devices, batch_size=32, microbatches=4, k=k)
+    problem = problem.model_copy(update={"version": 2})
+    got = plan_groups(problem)
+    assert got.score is not None
+    assert sorted(got.score.plan.stages[0].devices) == ["d0", "d1"]
+    assert got.score.memory_bytes[0] == pytest.approx(k * 1e6 + 0.5 * b * 1e7)
+    assert plan_groups(problem.model_copy(update={"groups": False})).score is None
