@@ -125,10 +125,12 @@ def plan_over(
     again: bool = False,
     pin_first: str | None = None,
     where: str = "the devices",
+    previous: Plan | None = None,
 ) -> PlannedJob:
     """Plan ``spec`` over ``devices`` with its ``partition``, ``stages`` and ``codec``; a
     one-line :class:`UserError` when it cannot be. ``again``: a re-plan, which plans one
-    stage per device when fewer are left than the job's ``stages``."""
+    stage per device when fewer are left than the job's ``stages``, warm-started from
+    ``previous`` when given (:func:`~coordinator.planner.partition.plan_job`)."""
     if not devices:
         raise UserError(f"no device of {where} may run this job")
     first = pin_first or spec.pin_first
@@ -144,7 +146,12 @@ def plan_over(
         stages = len(devices)
     problem = job_problem(spec, devices, first)
     found = plan_job(
-        problem, partition=spec.partition, stages=stages, codec=spec.codec, where=where
+        problem,
+        partition=spec.partition,
+        stages=stages,
+        codec=spec.codec,
+        where=where,
+        previous=previous if again else None,
     )
     return PlannedJob(problem=problem, found=found, fewer_stages=fewer)
 
@@ -183,10 +190,13 @@ class JobEngine:
         again: bool = False,
         pin_first: str | None = None,
         where: str = "the online devices",
+        previous: Plan | None = None,
     ) -> PlannedJob:
         """Plan ``spec`` over the fleet's available devices (in ``allowed``): :func:`plan_over`."""
         devices = self.fleet.available(allowed)
-        return plan_over(spec, devices, again=again, pin_first=pin_first, where=where)
+        return plan_over(
+            spec, devices, again=again, pin_first=pin_first, where=where, previous=previous
+        )
 
     # -- running --------------------------------------------------------------------------
 
@@ -275,14 +285,22 @@ class JobEngine:
             """The pinned device while it lives; the first survivor after it died."""
             return pin_first if pin_first is None or pin_first in alive else alive[0]
 
+        current = [planned.plan]  # the plan a re-plan starts from
+
         def replan(alive: list[str]) -> Plan:
             self._wait_available(alive, IDLE_WAIT_S)
             alive = [d for d in alive if members is None or d in members]
             again = self.plan(
-                spec, alive, again=True, pin_first=first_of(alive), where="the survivors"
+                spec,
+                alive,
+                again=True,
+                pin_first=first_of(alive),
+                where="the survivors",
+                previous=current[0],
             )
             if hooks.on_plan is not None:
                 hooks.on_plan(again)
+            current[0] = again.plan
             return again.plan
 
         def problem_for(alive: list[str]) -> PlanningProblem:

@@ -13,6 +13,11 @@ the job's ``codec`` into a scored plan:
   more devices than units, ``N`` = the units), over the ``N`` fastest devices
   (``pin_first`` always among them; ties go to the device given first), kept in
   that order. An even split that breaks a device's memory is refused, not run.
+- A re-plan that passes the ``previous`` plan, on a fleet too large for the exact
+  search, warm-starts from it (:func:`~coordinator.planner.group_search.replan`
+  with one-device stages: under a second at 64 devices x 200 units, where the full
+  search spends its whole budget), unless ``stages`` or ``codec="auto"`` ask for
+  the full search.
 - ``codec="auto"``: each link's codec is chosen as in
   :mod:`coordinator.planner.codecs` (for ``plan``, plans are searched per codec,
   with the same stage count), and kept only when it makes the step faster.
@@ -28,8 +33,9 @@ from typing import Literal, get_args
 
 from coordinator.planner.baselines import even_split
 from coordinator.planner.codecs import choose_codecs, plan_with_codecs, with_codecs
+from coordinator.planner.group_search import replan
 from coordinator.planner.score import Plan, PlanScore, score_plan
-from coordinator.planner.solve import plan_problem
+from coordinator.planner.solve import EXACT_DEVICES, exact_capacity, plan_problem
 from edge.errors import UserError
 from edge.problem import PlanningProblem
 
@@ -69,10 +75,12 @@ def plan_job(
     stages: int | None = None,
     codec: str = "fp32",
     where: str = "the devices",
+    previous: Plan | None = None,
 ) -> JobPlan:
     """The plan for a job with these options over ``problem`` (see the module docstring).
 
-    ``where`` names the devices in error messages ("the online devices").
+    ``where`` names the devices in error messages ("the online devices"); ``previous``
+    is the plan a re-plan replaces.
     """
     if partition not in PARTITIONS:
         raise UserError(f"partition {partition!r} is not one of {', '.join(PARTITIONS)}")
@@ -102,6 +110,12 @@ def plan_job(
             if scored.feasible and scored.step_time_s < score.step_time_s:
                 score = scored
         return JobPlan(score, f"even split over {count} devices", False)
+    exact = n_devices <= max(EXACT_DEVICES, exact_capacity(n_units))
+    if previous is not None and stages is None and not auto and not exact:
+        # One-device stages: the runtime trains a stage on one device.
+        warm = replan(problem.as_version(2).model_copy(update={"groups": False}), previous)
+        if warm.score is not None:
+            return JobPlan(score_plan(problem, warm.score.plan), warm.method, False)
     found = plan_problem(problem, stages=stages)
     if found.score is None:
         raise UserError(f"no plan fits {where}: {found.reason}")

@@ -242,3 +242,25 @@ def test_a_rebalancer_keeps_the_stage_count() -> None:
         better = rebalance(plan, ids, measured, steps_left=10_000)
         assert better is not None and len(better.stages) == stages, rebalance.decisions
         assert slow not in {st.device for st in better.stages}
+
+
+@pytest.mark.slow
+def test_a_replan_on_a_large_fleet_warm_starts_from_the_previous_plan() -> None:
+    """64 devices: beyond the exact search. A re-plan after a device of the plan left
+    starts from the previous plan (one-device stages, as the runtime trains), and is as
+    good as the full search within 5%; without ``previous`` the full search runs."""
+    problem = random_problem(3, 64, 60, memory_fraction=(0.3, 1.5))
+    first = plan_job(problem)
+    assert first.method != "warm start from the current plan"
+    stages = first.plan.stages
+    assert len(stages) >= 2
+    gone = stages[len(stages) // 2].device
+    left = problem.model_copy(update={"devices": [d for d in problem.devices if d.id != gone]})
+    warm = plan_job(left, previous=first.plan)
+    assert warm.method == "warm start from the current plan"
+    assert gone not in warm.plan.devices and not warm.plan.grouped
+    assert warm.score == score_plan(left, warm.plan) and warm.score.version == 1
+    full = plan_job(left)
+    assert warm.score.step_time_s <= full.score.step_time_s * 1.05
+    # Options that need the full search keep it.
+    assert plan_job(left, previous=first.plan, stages=2).method != warm.method
