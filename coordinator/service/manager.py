@@ -231,6 +231,7 @@ class JobManager:
             job,
             {
                 **score.to_json(),
+                "stages": score.plan.to_json(score.shares),  # each with devices and shares
                 "method": planned.found.method,
                 "exact": planned.found.exact,
                 "partition": spec.partition,

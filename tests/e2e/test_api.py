@@ -96,6 +96,7 @@ def test_job_over_http_runs_a_three_stage_pipeline(tmp_path: Path) -> None:
             assert record["plan"]["feasible"] is True
             stages = record["plan"]["stages"]
             assert len(stages) == 3 and {s["device"] for s in stages} == set(fleet.ids)
+            assert all(s["devices"] == [s["device"]] and s["shares"] == [1.0] for s in stages)
             assert record["plan"]["stages_asked"] == 3 and record["plan"]["partition"] == "plan"
             metrics = client.get(f"/api/v1/jobs/{job}/metrics").json()["steps"]
             assert [m["step"] for m in metrics] == list(range(6))

@@ -158,6 +158,7 @@ def create_plan(body: PlanCreate, registry: RegistryDep) -> dict[str, Any]:
     baselines = run_baselines(problem)
     return {
         **found.score.to_json(),
+        "stages": found.score.plan.to_json(found.score.shares),  # with devices and shares
         "method": found.method,
         "exact": found.exact,
         "units": [unit.name for unit in problem.layers],

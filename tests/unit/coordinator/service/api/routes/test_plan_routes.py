@@ -79,6 +79,7 @@ def test_known_catalogue_and_inline_devices_make_the_fleet(client: TestClient) -
     assert plan["feasible"] is True
     assert plan["stages"][0]["device"] == "box"
     used = {stage["device"] for stage in plan["stages"]}
+    assert all(s["devices"] == [s["device"]] and s["shares"] == [1.0] for s in plan["stages"])
     assert used <= {"pi-1", "rpi4-4gb-1", "rpi4-4gb-2", "box"}
 
 
