@@ -171,7 +171,10 @@ def test_every_device_command_runs(device: DeviceInstall) -> None:
     # The catalogue (package data) and the planner.
     done = device.run(device.edgetrain, "plan", "--model", "mlp", "--devices", "laptop", "--json")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout)["stages"] == [{"device": "laptop-32gb", "layers": [0, 3]}]
+    stages = json.loads(done.stdout)["stages"]  # a version 2 plan (groups by default)
+    assert stages == [
+        {"layers": [0, 3], "devices": ["laptop-32gb"], "shares": [1.0], "device": "laptop-32gb"}
+    ]
     # A command that needs the extras says so in one line, with status 2.
     done = device.run(device.edgetrain, "coordinator")
     assert done.returncode == 2
