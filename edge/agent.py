@@ -39,6 +39,7 @@ network thread free).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import queue
 import threading
@@ -285,6 +286,7 @@ class Agent:
                     StageFailed(
                         job=job,
                         stage=stage,
+                        member=getattr(cmd, "member", 0),
                         device=self.device_id,
                         error=f"{type(exc).__name__}: {exc}",
                     )
@@ -316,6 +318,7 @@ class Agent:
                 StageFailed(
                     job=a.job,
                     stage=a.stage,
+                    member=a.member,
                     device=self.device_id,
                     error=f"busy with job {busy.a.job}",
                 )
@@ -349,14 +352,20 @@ class Agent:
                 self._restore(rt)
             self._watch_neighbour(a)
         except BaseException:
-            transport.detach(a.job, a.stage)
+            transport.detach(a.job, a.stage, a.member)
             if a.dist is not None:
                 leave_group()
             raise
         self._runtime = rt
         self._announce()
         self._event(
-            StageReady(job=a.job, stage=a.stage, device=self.device_id, parameters=rt.parameters)
+            StageReady(
+                job=a.job,
+                stage=a.stage,
+                member=a.member,
+                device=self.device_id,
+                parameters=rt.parameters,
+            )
         )
 
     def _retire(self, rt: StageRuntime) -> None:
@@ -364,7 +373,7 @@ class Agent:
         rt.cancel()
         if self._job_thread is not None:  # at most one step's work left
             self._job_thread.join(timeout=10.0)
-        rt.transport.detach(rt.a.job, rt.a.stage)
+        rt.transport.detach(rt.a.job, rt.a.stage, rt.a.member)
         if rt.a.dist is not None:
             leave_group()
         if self._runtime is rt:
@@ -467,8 +476,18 @@ class Agent:
             if not rt.cancelled:
                 weights = rt.weights()
                 write_atomic(self.data_dir / a.job / f"stage{a.stage}.safetensors", weights)
-                self.transport.publish(job_weights(a.job, a.stage), weights, 1)
-                self._event(StageDone(job=a.job, stage=a.stage, device=self.device_id, steps=steps))
+                if a.member == 0:  # a group's members hold the same weights: one copy goes
+                    self.transport.publish(job_weights(a.job, a.stage), weights, 1)
+                self._event(
+                    StageDone(
+                        job=a.job,
+                        stage=a.stage,
+                        member=a.member,
+                        device=self.device_id,
+                        steps=steps,
+                        weights_sha256=hashlib.sha256(weights).hexdigest(),
+                    )
+                )
                 bind(log, job=a.job, stage=a.stage).info(
                     "job done: %d steps in %.1f s", steps, time.perf_counter() - started
                 )
@@ -481,6 +500,7 @@ class Agent:
                     StageFailed(
                         job=a.job,
                         stage=a.stage,
+                        member=a.member,
                         device=self.device_id,
                         error=f"{type(exc).__name__}: {exc}",
                     )
