@@ -25,6 +25,7 @@ from pydantic import Field
 
 from coordinator.planner.score import Plan
 from edge.config import RecvTimeout, ReplicateEvery, TrainConfig
+from edge.runtime.stage import batchnorm_in, group_batchnorm_error
 from edge.wire.groups import split_samples
 from edge.wire.messages import (
     StageAssignment,
@@ -158,6 +159,8 @@ def make_assignments(
     if len(links) != len(stages) - 1:
         raise ValueError(f"the plan has {len(links)} link codecs for {len(stages) - 1} links")
     samples = group_samples(spec, plan, shares)
+    if samples is not None:
+        _refuse_batchnorm(spec, plan)
     if samples is not None and (replicate_every or restore or first_step):
         raise ValueError("stage groups do not support fault tolerance (replicas, restore) yet")
     out = []
@@ -186,6 +189,25 @@ def make_assignments(
                 )
             )
     return out
+
+
+def _refuse_batchnorm(spec: JobSpec, plan: Plan) -> None:
+    """A group's stage must not hold BatchNorm: its statistics would be over a member's
+    share of each microbatch, so the step would differ from single-device training (the
+    stage runtime refuses it too; here it fails before anything is sent)."""
+    from edge.models.zoo import get_model
+
+    try:
+        model = get_model(spec.model, seed=spec.seed, **spec.model_options)
+    except Exception:  # a user model: its stages check when they build it
+        return
+    for s, st in enumerate(plan.stages):
+        if len(st.devices) > 1:
+            with torch.random.fork_rng(devices=[]):
+                segment = model.build_segment(st.start, st.end)
+            norm = batchnorm_in(segment)
+            if norm is not None:
+                raise ValueError(group_batchnorm_error(s, len(st.devices), norm))
 
 
 @dataclass

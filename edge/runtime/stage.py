@@ -77,7 +77,13 @@ from edge.wire.messages import OptimizerSpec, StageAssignment, StepReport
 if TYPE_CHECKING:
     from edge.server.data_parallel import DataParallel
 
-__all__ = ["StageRuntime", "build_optimizer", "loss_fn"]
+__all__ = [
+    "StageRuntime",
+    "batchnorm_in",
+    "build_optimizer",
+    "group_batchnorm_error",
+    "loss_fn",
+]
 
 Reporter = Callable[[Any], None]
 Replicator = Callable[[int, bytes], None]
@@ -87,6 +93,19 @@ Replicator = Callable[[int, bytes], None]
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over the last dimension (classes, or vocabulary for language models)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def batchnorm_in(segment: torch.nn.Module) -> str | None:
+    """The name of the first BatchNorm module in ``segment``, if it has one."""
+    return next((n for n, mod in segment.named_modules() if isinstance(mod, _BatchNorm)), None)
+
+
+def group_batchnorm_error(stage: int, members: int, norm: str) -> str:
+    """Why a group cannot train a stage with BatchNorm ``norm``: one line."""
+    return (
+        f"stage {stage}: a group of {members} devices cannot train BatchNorm ({norm}): "
+        "its statistics would cover a member's share, not the microbatch (use norm=group)"
+    )
 
 
 def build_optimizer(
@@ -146,15 +165,9 @@ class StageRuntime:
         self.segment = spec.build_segment(a.start, a.end).train().to(self.torch_device)
         self.rows = block(a)
         """The rows ``[lo, hi)`` of every microbatch this member computes."""
-        if a.group_size > 1:
-            norm = next(
-                (n for n, mod in self.segment.named_modules() if isinstance(mod, _BatchNorm)), None
-            )
-            if norm is not None:
-                raise ValueError(
-                    f"stage {a.stage}: a group of {a.group_size} devices cannot train BatchNorm "
-                    f"({norm}): its statistics would cover a member's share, not the microbatch"
-                )
+        norm = batchnorm_in(self.segment) if a.group_size > 1 else None
+        if norm is not None:
+            raise ValueError(group_batchnorm_error(a.stage, a.group_size, norm))
         self.optimizer = build_optimizer(a.optimizer, self.segment.parameters())
         self.actions = make_schedule(a.schedule, a.num_stages, a.microbatches)[a.stage]
         self.codec_out = Codec.parse(a.codec_out)
