@@ -36,13 +36,15 @@ _REFERENCE: list[ReferenceRun] = []
 
 
 def _spec(schedule: str) -> JobSpec:
-    return JobSpec(
-        model="mlp",
-        steps=STEPS,
-        batch_size=BATCH,
-        microbatches=MICROBATCHES,
-        schedule=schedule,
-        seed=3,
+    return JobSpec.model_validate(
+        {
+            "model": "mlp",
+            "steps": STEPS,
+            "batch_size": BATCH,
+            "microbatches": MICROBATCHES,
+            "schedule": schedule,
+            "seed": 3,
+        }
     )
 
 
