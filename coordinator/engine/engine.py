@@ -91,6 +91,11 @@ class PlannedJob:
     def plan(self) -> Plan:
         return self.found.plan
 
+    @property
+    def shares(self) -> list[list[float]] | None:
+        """Each group member's share of a microbatch, per stage; ``None`` without groups."""
+        return self.found.score.shares if self.plan.grouped else None
+
 
 @dataclass
 class JobRun:
@@ -144,7 +149,12 @@ def plan_over(
         stages = len(devices)
     problem = job_problem(spec, devices, first)
     found = plan_job(
-        problem, partition=spec.partition, stages=stages, codec=spec.codec, where=where
+        problem,
+        partition=spec.partition,
+        stages=stages,
+        codec=spec.codec,
+        where=where,
+        group_sizes=spec.group_sizes,
     )
     return PlannedJob(problem=problem, found=found, fewer_stages=fewer)
 
@@ -222,6 +232,7 @@ class JobEngine:
                 ready_timeout_s=self.ready_timeout_s,
                 servers=self.servers(),
                 access=self.access,
+                shares=planned.shares,
             )
             return JobRun(result)
         return self._run_resilient(

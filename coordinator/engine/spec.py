@@ -17,14 +17,15 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import safetensors.torch
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from coordinator.planner.score import Plan
 from edge.config import RecvTimeout, ReplicateEvery, TrainConfig
+from edge.errors import UserError
 from edge.runtime.stage import batchnorm_in, group_batchnorm_error
 from edge.wire.groups import split_samples
 from edge.wire.messages import (
@@ -67,9 +68,25 @@ class JobSpec(TrainConfig):
     replicate_every: ReplicateEvery = 0
     """Fault tolerance in the service: replicate every stage's state every R steps
     (0: off). Such a job survives devices dying and the coordinator restarting."""
+    group_sizes: tuple[Annotated[int, Field(ge=1)], ...] | None = Field(default=None, min_length=1)
+    """With ``partition="even"``: how many devices each stage runs on, in stage order (their
+    sum is the number of devices); a stage of several trains data-parallel, each member
+    on a share of every microbatch by its speed ([Note: groups on the wire]). Planning only."""
     faults: tuple[str, ...] = ()
     """Faults the service injects into this job (``kill:STAGE@STEP`` and the other forms
     of :mod:`coordinator.engine.faults`); for testing fault tolerance, so only with it."""
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> JobSpec:
+        sizes = self.group_sizes
+        if sizes is not None:
+            if self.partition != "even":
+                raise ValueError("group_sizes needs partition even")
+            if self.stages is not None and self.stages != len(sizes):
+                raise ValueError(f"stages={self.stages}, but group_sizes has {len(sizes)} stages")
+            if self.replicate_every or self.faults:
+                raise ValueError("group_sizes cannot be combined with fault tolerance yet")
+        return self
 
 
 class JobFailed(RuntimeError):
@@ -114,7 +131,8 @@ def group_samples(
     spec: JobSpec, plan: Plan, shares: Sequence[Sequence[float]] | None = None
 ) -> tuple[tuple[int, ...], ...] | None:
     """Per stage, each member's samples of a microbatch (:func:`edge.wire.groups.split_samples`
-    of its ``shares``, equal ones if ``None``); ``None`` when no stage is a group."""
+    of its ``shares``, equal ones if ``None``); ``None`` when no stage is a group. A share
+    too small for one sample is a :class:`~edge.errors.UserError`."""
     if not plan.grouped:
         return None
     stages = plan.stages
@@ -129,7 +147,7 @@ def group_samples(
         try:
             out.append(tuple(split_samples(n, ours)))
         except ValueError as exc:
-            raise ValueError(f"stage {s}: {exc}") from None
+            raise UserError(f"stage {s}: {exc}") from None
     return tuple(out)
 
 
@@ -207,7 +225,7 @@ def _refuse_batchnorm(spec: JobSpec, plan: Plan) -> None:
                 segment = model.build_segment(st.start, st.end)
             norm = batchnorm_in(segment)
             if norm is not None:
-                raise ValueError(group_batchnorm_error(s, len(st.devices), norm))
+                raise UserError(group_batchnorm_error(s, len(st.devices), norm))
 
 
 @dataclass
