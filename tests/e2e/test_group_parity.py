@@ -25,6 +25,7 @@ from coordinator.engine.spec import JobResult, JobSpec
 from coordinator.local.fleet import LocalFleet
 from coordinator.local.owned import OwnedBroker, start_owned_broker
 from coordinator.planner.score import Plan, Stage
+from edge.errors import UserError
 from edge.transport.mqtt import MqttTransport
 
 STEPS, BATCH, MICROBATCHES = 3, 16, 2
@@ -114,7 +115,7 @@ def test_a_group_refuses_batchnorm() -> None:
         seed=3,
     )
     plan = Plan((Stage.group(["a", "b"], 0, 2), Stage("c", 2, 4)))
-    with pytest.raises(ValueError, match=r"stage 0: a group of 2 devices cannot train BatchNorm"):
+    with pytest.raises(UserError, match=r"stage 0: a group of 2 devices cannot train BatchNorm"):
         run_inprocess(spec, plan, timeout_s=60)
 
 
