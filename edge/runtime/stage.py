@@ -336,7 +336,7 @@ class StageRuntime:
         started = time.perf_counter()
         received_before = self.inbox.bytes_received
         compute = wait = send = reduce = 0.0
-        sent = 0
+        sent = self._reduce_bytes = 0
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         losses: dict[int, torch.Tensor] = {}
@@ -424,7 +424,6 @@ class StageRuntime:
             loss = None if total is None else float(total.item())
             reduce = time.perf_counter() - t0
             sent += self._reduce_bytes
-            self._reduce_bytes = 0
         if self.data_parallel is not None:
             reduce = self.data_parallel.average_gradients(self.segment.parameters())
             if loss is not None:
@@ -453,6 +452,7 @@ class StageRuntime:
             bytes_received=self.inbox.bytes_received - received_before,
             frames_dropped=sum(self.inbox.dropped.values()),
             allreduce_s=reduce,
+            allreduce_bytes=self._reduce_bytes,
         )
 
     def run(self, first_step: int | None = None) -> int:

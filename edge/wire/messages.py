@@ -244,6 +244,8 @@ class StepReport(_Event):
     or summing them over the stage's group."""
     samples: int = 0
     """Samples this device ran forward and backward in the step (its group share)."""
+    allreduce_bytes: int = 0
+    """A group's member: bytes it sent summing the group's gradients (in ``bytes_sent``)."""
 
 
 class StageDone(_Event):

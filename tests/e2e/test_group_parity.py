@@ -26,7 +26,10 @@ from coordinator.local.fleet import LocalFleet
 from coordinator.local.owned import OwnedBroker, start_owned_broker
 from coordinator.planner.score import Plan, Stage
 from edge.errors import UserError
+from edge.models.zoo import get_model
 from edge.transport.mqtt import MqttTransport
+from edge.wire.frames import prefix_size
+from edge.wire.groups import chunk_size
 
 STEPS, BATCH, MICROBATCHES = 3, 16, 2
 N = BATCH // MICROBATCHES  # samples per microbatch
@@ -73,6 +76,14 @@ def _shares(sizes: tuple[int, ...], shares: tuple[float, ...] | None) -> list[li
     return [list(shares) if size == 2 else [1.0] for size in sizes]
 
 
+def _chunk(plan: Plan, s: int) -> int:
+    """Elements of each of the 2 chunks group stage ``s`` sums: its gradients (and loss)."""
+    st = plan.stages[s]
+    segment = get_model("mlp", seed=3).build_segment(st.start, st.end)
+    numel = sum(p.numel() for p in segment.parameters()) + (s == len(plan.stages) - 1)
+    return chunk_size(numel, 2)
+
+
 def _check(result: JobResult, plan: Plan, shares: tuple[float, ...] | None) -> None:
     group = [s for s, st in enumerate(plan.stages) if len(st.devices) == 2]
     assert len(group) == 1 and len(result.plan.stages[group[0]].devices) == 2
@@ -90,8 +101,10 @@ def _check(result: JobResult, plan: Plan, shares: tuple[float, ...] | None) -> N
         share = want[m] if s == group[0] else N
         assert report.samples == share * MICROBATCHES
         assert report.device == plan.stages[s].devices[m]
-        if s == group[0]:
-            assert report.allreduce_s > 0  # the group summed its gradients
+        if s == group[0]:  # the group summed its gradients: 2 (g - 1) chunks sent
+            assert report.allreduce_bytes == 2 * (prefix_size(1) + 4 * _chunk(plan, s))
+        else:
+            assert report.allreduce_bytes == 0
 
 
 @pytest.mark.parametrize("shares", list(SHARES))
