@@ -1,8 +1,10 @@
 """The one interface every tensor transport implements, and the inbox behind it.
 
-A transport moves encoded frames (:mod:`edge.wire.frames`) to a stage of a job.
-A stage :meth:`Transport.attach`\\ es to get its :class:`Inbox`, then takes the
-frames it needs by ``(kind, step, microbatch)`` in whatever order its schedule
+A transport moves encoded frames (:mod:`edge.wire.frames`) to a stage of a job
+(to one member of a stage run by a group, [Note: groups on the wire] in
+:mod:`edge.wire.groups`). A stage :meth:`Transport.attach`\\ es to get its
+:class:`Inbox`, then takes the frames it needs by ``(kind, step, microbatch)``
+(and, in a group, the first row of the piece) in whatever order its schedule
 asks for them; frames may arrive in any order.
 
 [Note: QoS and ordering]
