@@ -27,9 +27,12 @@ from coordinator.local.owned import OwnedBroker, start_owned_broker
 from coordinator.planner.score import Plan, Stage
 from edge.errors import UserError
 from edge.models.zoo import get_model
+from edge.runtime.stage import StageRuntime
+from edge.transport.inprocess import InProcessTransport
 from edge.transport.mqtt import MqttTransport
 from edge.wire.frames import prefix_size
 from edge.wire.groups import chunk_size
+from edge.wire.messages import StageAssignment
 
 STEPS, BATCH, MICROBATCHES = 3, 16, 2
 N = BATCH // MICROBATCHES  # samples per microbatch
@@ -130,6 +133,25 @@ def test_a_group_refuses_batchnorm() -> None:
     plan = Plan((Stage.group(["a", "b"], 0, 2), Stage("c", 2, 4)))
     with pytest.raises(UserError, match=r"stage 0: a group of 2 devices cannot train BatchNorm"):
         run_inprocess(spec, plan, timeout_s=60)
+    # A device refuses it too, whoever sent the assignment.
+    member = StageAssignment.for_stage(
+        spec,
+        job="j1",
+        stage=0,
+        num_stages=2,
+        start=0,
+        end=2,
+        dataset="digits",
+        dataset_options={},
+        member=1,
+        group_samples=((2, 2), (4,)),
+    )
+    transport = InProcessTransport()
+    with pytest.raises(
+        ValueError, match=r"a group of 2 devices cannot train BatchNorm \(conv1.1\)"
+    ):
+        StageRuntime(member, transport)
+    transport.close()
 
 
 @pytest.fixture(scope="module")
