@@ -37,7 +37,7 @@ stage's members send and concatenates them, sends each neighbour member the rows
 of its output (and input gradient) they hold, scales its loss by its share of
 the samples, and before the optimizer steps sums the group's gradients (and
 losses) by a reduce-scatter and an all-gather over the ``reduce`` channel
-(:meth:`StageRuntime._group_sum`). A segment with BatchNorm refuses a group: its
+(:class:`~edge.runtime.group_sum.GroupSum`). A segment with BatchNorm refuses a group: its
 statistics would be over a member's rows, not the microbatch's.
 
 [Note: loss scaling]
@@ -67,11 +67,12 @@ from edge.models.user_code import ANY_CODE, CodeAllowance
 from edge.models.zoo import get_model
 from edge.runtime.checkpoint import load_state, read_state, select, stage_state
 from edge.runtime.data import EpochSampler, load_batch
+from edge.runtime.group_sum import GroupSum
 from edge.runtime.links import block, expected_frames
 from edge.runtime.schedules import make_schedule
-from edge.transport.base import Expected, Transport
+from edge.transport.base import Transport
 from edge.wire.frames import Codec, Kind, encode_frame
-from edge.wire.groups import blocks, chunk_size, overlap, pieces
+from edge.wire.groups import blocks, overlap, pieces
 from edge.wire.messages import OptimizerSpec, StageAssignment, StepReport
 
 if TYPE_CHECKING:
@@ -180,13 +181,11 @@ class StageRuntime:
             self.sampler = EpochSampler(len(self.dataset), a.batch_size, a.seed)  # type: ignore[arg-type]
         self.expected = expected_frames(a, spec, self.dataset if a.is_first else None)
         """What the plan lets this stage receive (see :mod:`edge.runtime.links`)."""
-        self._summed = [p for p in self.segment.parameters() if p.requires_grad]
-        """What a group sums each step: these gradients, then (last stage) the loss."""
+        self.group_sum: GroupSum | None = None
         if a.group_size > 1:
-            numel = sum(p.numel() for p in self._summed) + int(a.is_last)
-            chunk = Expected((chunk_size(numel, a.group_size),), frozenset({torch.float32}))
-            self.expected |= {Kind.REDUCE: chunk, Kind.GATHER: chunk}
-        self._reduce_bytes = 0
+            params = [p for p in self.segment.parameters() if p.requires_grad]
+            self.group_sum = GroupSum(a, transport, params)
+            self.expected |= self.group_sum.expected
         self.inbox = transport.attach(a.job, a.stage, a.member, group=a.group_size > 1)
         self._expect(a.first_step)
 
@@ -279,56 +278,6 @@ class StageRuntime:
         ]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _group_sum(self, step: int, loss: torch.Tensor | None) -> torch.Tensor | None:
-        """Sum the group's gradients (and losses) in place: reduce-scatter then all-gather
-        by chunks ([Note: groups on the wire]); the step's whole loss on the last stage.
-
-        A parameter without a gradient counts as zeros, so every member sums the same
-        vector; the sums are added in member order by the chunk's owner and sent to
-        the others, so every member ends with the very same bits.
-        """
-        a, g, me = self.a, self.a.group_size, self.a.member
-        flat = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._summed]
-        parts = [t.detach().reshape(-1).float().cpu() for t in flat]
-        if loss is not None:
-            parts.append(loss.detach().reshape(1).float().cpu())
-        numel = sum(t.numel() for t in parts)
-        c = chunk_size(numel, g)
-        vector = torch.zeros(c * g, dtype=torch.float32)
-        torch.cat(parts, out=vector[:numel])
-        timeout = a.recv_timeout_s
-        for k in range(g):
-            if k != me:
-                frame = encode_frame(
-                    Kind.REDUCE, a.job, step, me, vector[k * c : (k + 1) * c], Codec.RAW
-                )
-                self.transport.send(a.job, a.stage, "reduce", frame, k)
-                self._reduce_bytes += len(frame)
-        mine = torch.zeros(c, dtype=torch.float32)
-        for i in range(g):
-            got = vector[me * c : (me + 1) * c] if i == me else None
-            if got is None:
-                got = self.inbox.take(Kind.REDUCE, step, i, timeout).tensor
-            mine += got
-        frame = encode_frame(Kind.GATHER, a.job, step, me, mine, Codec.RAW)
-        for k in range(g):
-            if k != me:
-                self.transport.send(a.job, a.stage, "reduce", frame, k)
-                self._reduce_bytes += len(frame)
-        for i in range(g):
-            got = mine if i == me else self.inbox.take(Kind.GATHER, step, i, timeout).tensor
-            vector[i * c : (i + 1) * c] = got
-        at = 0
-        for p, t in zip(self._summed, flat, strict=True):
-            n = t.numel()
-            summed = vector[at : at + n].view_as(t).to(t.dtype)
-            if p.grad is None:
-                p.grad = self._here(summed.clone())
-            else:
-                p.grad.copy_(summed)
-            at += n
-        return vector[at : at + 1] if loss is not None else None
-
     def run_step(self, step: int) -> StepReport:
         """Execute this stage's actions for ``step`` and step the optimizer."""
         a, m = self.a, self.a.microbatches
@@ -336,7 +285,7 @@ class StageRuntime:
         started = time.perf_counter()
         received_before = self.inbox.bytes_received
         compute = wait = send = reduce = 0.0
-        sent = self._reduce_bytes = 0
+        sent = reduce_bytes = 0
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         losses: dict[int, torch.Tensor] = {}
@@ -417,13 +366,12 @@ class StageRuntime:
                     )
                     send += time.perf_counter() - t0
         loss = float(sum(v.item() for v in losses.values())) if a.is_last else None
-        if a.group_size > 1:
+        if self.group_sum is not None:
             t0 = time.perf_counter()
-            ours = None if loss is None else torch.tensor(loss, dtype=torch.float64)
-            total = self._group_sum(step, ours)
-            loss = None if total is None else float(total.item())
+            loss = self.group_sum.sum(self.inbox, step, loss)
             reduce = time.perf_counter() - t0
-            sent += self._reduce_bytes
+            reduce_bytes = self.group_sum.bytes_sent
+            sent += reduce_bytes
         if self.data_parallel is not None:
             reduce = self.data_parallel.average_gradients(self.segment.parameters())
             if loss is not None:
@@ -452,7 +400,7 @@ class StageRuntime:
             bytes_received=self.inbox.bytes_received - received_before,
             frames_dropped=sum(self.inbox.dropped.values()),
             allreduce_s=reduce,
-            allreduce_bytes=self._reduce_bytes,
+            allreduce_bytes=reduce_bytes,
         )
 
     def run(self, first_step: int | None = None) -> int:
