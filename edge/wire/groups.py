@@ -32,9 +32,12 @@ gradients, so a step equals single-device training on the whole batch.
   ``k`` to member ``k`` (a ``REDUCE`` frame), member ``k`` adds the ``g``
   contributions in member order and sends the sum to every other member (a
   ``GATHER`` frame). In both, the frame's ``microbatch`` field names the
-  sending member. Every member then holds the same summed gradients (the
-  whole batch's) and the whole step's loss, steps the same optimizer and keeps
-  the same weights. Each member sends ``2 (g - 1) / g`` of the vector per step.
+  sending member, and a chunk travels in pieces of at most 256 KiB, each frame's
+  rows its element range in the chunk (so a broker forwards one piece while the
+  next is on its way: [Note: pieces of a chunk] in :mod:`edge.runtime.group_sum`).
+  Every member then holds the same summed gradients (the whole batch's) and the
+  whole step's loss, steps the same optimizer and keeps the same weights. Each
+  member sends ``2 (g - 1) / g`` of the vector per step.
 - **Topics and rights.** Member ``m`` of stage ``s`` receives on
   :func:`edge.wire.topics.stage_topic` ``(job, s, channel, m)``; the broker lets
   a member publish only to the members of its neighbour stages (and, as stage
