@@ -129,6 +129,8 @@ class Agent:
         self._cancelled: dict[str, None] = {}  # jobs cancelled lately, newest last
         self._runtime: StageRuntime | None = None
         self._job_thread: threading.Thread | None = None
+        self._finished: StageRuntime | None = None
+        """The runtime whose steps all ran, while its job thread reports and lets it go."""
         self._step: int | None = None
         self.bad_commands = 0
         self._incoming: dict[tuple[str, int], bytes] = {}  # neighbour replicas not yet kept
@@ -310,6 +312,11 @@ class Agent:
 
     def _assign(self, a: StageAssignment) -> None:
         busy = self._runtime
+        if busy is not None and busy is self._finished and self._job_thread is not None:
+            # Its last steps ran and ``done`` may be out already: the next job can come
+            # before the job thread has let the stage go. A bounded wait, not a refusal.
+            self._job_thread.join(timeout=10.0)
+            busy = self._runtime
         if busy is not None and (busy.cancelled or busy.a.job == a.job):
             self._retire(busy)  # a cancelled attempt, or a re-plan of this job
             busy = None
@@ -474,6 +481,7 @@ class Agent:
         try:
             steps = rt.run()
             if not rt.cancelled:
+                self._finished = rt
                 weights = rt.weights()
                 write_atomic(self.data_dir / a.job / f"stage{a.stage}.safetensors", weights)
                 if a.member == 0:  # a group's members hold the same weights: one copy goes
