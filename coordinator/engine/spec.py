@@ -397,6 +397,18 @@ class JobMonitor:
     def wait_done(self, timeout: float) -> None:
         self._wait(lambda: len(self.done) == self.members, timeout, "waiting for the end")
 
+    def check_same_weights(self) -> None:
+        """Raise :class:`JobFailed` unless every member of a group reported the digest of
+        its member 0's final weights (members step identically: they must end alike)."""
+        with self._cond:
+            digests = dict(self.digests)
+        for (stage, member), digest in sorted(digests.items()):
+            if member and digest != digests.get((stage, 0)):
+                raise JobFailed(
+                    f"job {self.job}: member {member} of stage {stage} ended with other "
+                    "weights than member 0"
+                )
+
     @property
     def finished(self) -> bool:
         """Whether every stage's every member reported done."""

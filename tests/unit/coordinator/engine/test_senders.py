@@ -8,10 +8,11 @@ reason (what ``JobResult.rejected`` reports), never folded into the job.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from coordinator.engine.replicas import ReplicaStore
-from coordinator.engine.spec import JobMonitor
+from coordinator.engine.spec import JobFailed, JobMonitor
 from edge.runtime.checkpoint import StageState, encode_state
 from edge.wire.messages import StageDone, StageReady, StepReport
 from edge.wire.topics import job_replica
@@ -48,6 +49,18 @@ def test_a_group_member_counts_only_from_its_own_device() -> None:
     assert m.done == {(0, 0), (1, 0), (1, 1)} and not m.finished
     m.on_event(StageDone(job="j1", stage=2, device="pi-c"), sender="pi-c")
     assert m.finished
+
+
+def test_group_members_must_end_with_the_same_weights() -> None:
+    m = JobMonitor("j1", 1, group_sizes=[3])
+    for member, digest in enumerate(["aa", "aa", "ab"]):
+        m.on_event(StageDone(job="j1", stage=0, member=member, device="d", weights_sha256=digest))
+    with pytest.raises(JobFailed, match="j1: member 2 of stage 0 ended with other weights"):
+        m.check_same_weights()
+    alike = JobMonitor("j1", 1, group_sizes=[2])
+    for member in range(2):
+        alike.on_event(StageDone(job="j1", stage=0, member=member, device="d", weights_sha256="c"))
+    alike.check_same_weights()
 
 
 def test_in_process_events_need_no_sender() -> None:
