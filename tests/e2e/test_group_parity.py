@@ -16,12 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from support.markers import NO_MOSQUITTO
 from support.mosquitto import find_mosquitto
 from support.reference import ReferenceRun, assert_matches, train_reference
 
 from coordinator.engine.runners import run_inprocess, run_on_agents
-from coordinator.engine.spec import JobResult, JobSpec
+from coordinator.engine.spec import JobResult, JobSpec, make_assignments, new_job_id
 from coordinator.local.fleet import LocalFleet
 from coordinator.local.owned import OwnedBroker, start_owned_broker
 from coordinator.planner.score import Plan, Stage
@@ -30,7 +31,7 @@ from edge.models.zoo import get_model
 from edge.runtime.stage import StageRuntime
 from edge.transport.inprocess import InProcessTransport
 from edge.transport.mqtt import MqttTransport
-from edge.wire.frames import prefix_size
+from edge.wire.frames import Codec, Kind, encode_frame, prefix_size
 from edge.wire.groups import chunk_size
 from edge.wire.messages import StageAssignment
 
@@ -204,3 +205,36 @@ def test_groups_over_mqtt_equal_one_device(
     )
     assert result.rejected == {}
     _check(result, plan, SHARES[shares])
+
+
+def test_only_a_groups_members_may_send_on_its_reduce_topics(
+    secure_broker: OwnedBroker,
+) -> None:
+    """The broker grants a group's reduce topics to its members only: a frame that stage 0's
+    device sends on member 0's reduce topic, claiming to be member 1, never arrives (its
+    key would make member 1's real frame a duplicate); member 1's own does."""
+    accounts = secure_broker.accounts
+    assert accounts is not None
+    job = new_job_id()
+    first, m0, m1 = (f"{job}-{name}" for name in ("a", "b", "c"))
+    plan = Plan((Stage(first, 0, 1), Stage.group([m0, m1], 1, 3)))
+    creds = {d: accounts.enroll(d) for d in (first, m0, m1)}
+    assignments = make_assignments(job, _spec("1f1b"), plan)
+    accounts.grant(job, list(zip((first, m0, m1), assignments, strict=True)))
+    transports = {d: MqttTransport(creds[d].settings()) for d in creds}
+    try:
+        for t in transports.values():
+            t.connect(timeout=10)
+        inbox = transports[m0].attach(job, 1, 0, group=True)
+        forged = encode_frame(Kind.REDUCE, job, 0, 1, torch.full((3,), 7.0), Codec.RAW)
+        transports[first].send(job, 1, "reduce", forged, 0)
+        assert transports[first].flush(10)  # the broker has judged it before the real one
+        real = encode_frame(Kind.REDUCE, job, 0, 1, torch.ones(3), Codec.RAW)
+        transports[m1].send(job, 1, "reduce", real, 0)
+        got = inbox.take(Kind.REDUCE, 0, 1, timeout=10)
+        assert torch.equal(got.tensor, torch.ones(3))
+        assert inbox.frames_received == 1 and not inbox.dropped
+    finally:
+        for t in transports.values():
+            t.close()
+        accounts.release(job)
