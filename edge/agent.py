@@ -39,6 +39,7 @@ network thread free).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import queue
 import threading
@@ -128,6 +129,8 @@ class Agent:
         self._cancelled: dict[str, None] = {}  # jobs cancelled lately, newest last
         self._runtime: StageRuntime | None = None
         self._job_thread: threading.Thread | None = None
+        self._finished: StageRuntime | None = None
+        """The runtime whose steps all ran, while its job thread reports and lets it go."""
         self._step: int | None = None
         self.bad_commands = 0
         self._incoming: dict[tuple[str, int], bytes] = {}  # neighbour replicas not yet kept
@@ -285,6 +288,7 @@ class Agent:
                     StageFailed(
                         job=job,
                         stage=stage,
+                        member=getattr(cmd, "member", 0),
                         device=self.device_id,
                         error=f"{type(exc).__name__}: {exc}",
                     )
@@ -308,6 +312,11 @@ class Agent:
 
     def _assign(self, a: StageAssignment) -> None:
         busy = self._runtime
+        if busy is not None and busy is self._finished and self._job_thread is not None:
+            # Its last steps ran and ``done`` may be out already: the next job can come
+            # before the job thread has let the stage go. A bounded wait, not a refusal.
+            self._job_thread.join(timeout=10.0)
+            busy = self._runtime
         if busy is not None and (busy.cancelled or busy.a.job == a.job):
             self._retire(busy)  # a cancelled attempt, or a re-plan of this job
             busy = None
@@ -316,6 +325,7 @@ class Agent:
                 StageFailed(
                     job=a.job,
                     stage=a.stage,
+                    member=a.member,
                     device=self.device_id,
                     error=f"busy with job {busy.a.job}",
                 )
@@ -349,14 +359,20 @@ class Agent:
                 self._restore(rt)
             self._watch_neighbour(a)
         except BaseException:
-            transport.detach(a.job, a.stage)
+            transport.detach(a.job, a.stage, a.member)
             if a.dist is not None:
                 leave_group()
             raise
         self._runtime = rt
         self._announce()
         self._event(
-            StageReady(job=a.job, stage=a.stage, device=self.device_id, parameters=rt.parameters)
+            StageReady(
+                job=a.job,
+                stage=a.stage,
+                member=a.member,
+                device=self.device_id,
+                parameters=rt.parameters,
+            )
         )
 
     def _retire(self, rt: StageRuntime) -> None:
@@ -364,7 +380,7 @@ class Agent:
         rt.cancel()
         if self._job_thread is not None:  # at most one step's work left
             self._job_thread.join(timeout=10.0)
-        rt.transport.detach(rt.a.job, rt.a.stage)
+        rt.transport.detach(rt.a.job, rt.a.stage, rt.a.member)
         if rt.a.dist is not None:
             leave_group()
         if self._runtime is rt:
@@ -465,10 +481,21 @@ class Agent:
         try:
             steps = rt.run()
             if not rt.cancelled:
+                self._finished = rt
                 weights = rt.weights()
                 write_atomic(self.data_dir / a.job / f"stage{a.stage}.safetensors", weights)
-                self.transport.publish(job_weights(a.job, a.stage), weights, 1)
-                self._event(StageDone(job=a.job, stage=a.stage, device=self.device_id, steps=steps))
+                if a.member == 0:  # a group's members hold the same weights: one copy goes
+                    self.transport.publish(job_weights(a.job, a.stage), weights, 1)
+                self._event(
+                    StageDone(
+                        job=a.job,
+                        stage=a.stage,
+                        member=a.member,
+                        device=self.device_id,
+                        steps=steps,
+                        weights_sha256=hashlib.sha256(weights).hexdigest(),
+                    )
+                )
                 bind(log, job=a.job, stage=a.stage).info(
                     "job done: %d steps in %.1f s", steps, time.perf_counter() - started
                 )
@@ -481,6 +508,7 @@ class Agent:
                     StageFailed(
                         job=a.job,
                         stage=a.stage,
+                        member=a.member,
                         device=self.device_id,
                         error=f"{type(exc).__name__}: {exc}",
                     )

@@ -96,7 +96,16 @@ def _own_rules(device: str) -> list[_Rule]:
 
 
 def _stage_rules(device: str, a: StageAssignment) -> list[_Rule]:
-    access = stage_access(a.job, a.stage, a.num_stages, device, replicate=bool(a.replicate_every))
+    sizes = None if a.group_samples is None else [len(g) for g in a.group_samples]
+    access = stage_access(
+        a.job,
+        a.stage,
+        a.num_stages,
+        device,
+        replicate=bool(a.replicate_every),
+        member=a.member,
+        group_sizes=sizes,
+    )
     rules = [("publishClientSend", t) for t in access.publish]
     for topic in access.read:
         rules += [("subscribeLiteral", topic), ("publishClientReceive", topic)]

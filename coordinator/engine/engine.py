@@ -91,6 +91,11 @@ class PlannedJob:
     def plan(self) -> Plan:
         return self.found.plan
 
+    @property
+    def shares(self) -> list[list[float]] | None:
+        """Each group member's share of a microbatch, per stage; ``None`` without groups."""
+        return self.found.score.shares if self.plan.grouped else None
+
 
 @dataclass
 class JobRun:
@@ -152,6 +157,7 @@ def plan_over(
         codec=spec.codec,
         where=where,
         previous=previous if again else None,
+        group_sizes=spec.group_sizes,
     )
     return PlannedJob(problem=problem, found=found, fewer_stages=fewer)
 
@@ -232,6 +238,7 @@ class JobEngine:
                 ready_timeout_s=self.ready_timeout_s,
                 servers=self.servers(),
                 access=self.access,
+                shares=planned.shares,
             )
             return JobRun(result)
         return self._run_resilient(

@@ -12,7 +12,11 @@
   (:mod:`edge.transport.dist`): a hybrid pipeline of edge devices and servers.
 
 Both take a :class:`~coordinator.engine.spec.JobSpec` and a plan and return a
-:class:`~coordinator.engine.spec.JobResult`.
+:class:`~coordinator.engine.spec.JobResult`. A stage of the plan on a group of
+devices runs one assignment per member ([Note: groups on the wire] in
+:mod:`edge.wire.groups`), splitting microbatches by the ``shares`` given (equal
+ones by default); the members must end with the same weights, and the result
+has them once.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -67,16 +71,22 @@ def run_inprocess(
     job: str | None = None,
     on_step: Callable[[StepReport], None] | None = None,
     timeout_s: float = 3600.0,
+    shares: Sequence[Sequence[float]] | None = None,
 ) -> JobResult:
-    """Run every stage of ``plan`` in a thread of this process."""
+    """Run every stage of ``plan`` (every member of a group) in a thread of this process."""
     job = job or new_job_id()
-    assignments = make_assignments(job, spec, plan)
-    monitor = JobMonitor(job, len(assignments), on_step)
+    assignments = make_assignments(job, spec, plan, shares=shares)
+    sizes = [len(st.devices) for st in plan.stages]
+    monitor = JobMonitor(job, len(plan.stages), on_step, group_sizes=sizes)
     transport = InProcessTransport()
-    runtimes = [
-        StageRuntime(a, transport, device=plan.stages[a.stage].device, report=monitor.on_event)
-        for a in assignments
-    ]
+    runtimes = []
+    try:
+        for a in assignments:
+            device = plan.stages[a.stage].devices[a.member]
+            runtimes.append(StageRuntime(a, transport, device=device, report=monitor.on_event))
+    except BaseException:
+        transport.close()
+        raise
 
     def work(rt: StageRuntime) -> None:
         try:
@@ -86,6 +96,7 @@ def run_inprocess(
                 StageFailed(
                     job=job,
                     stage=rt.a.stage,
+                    member=rt.a.member,
                     device=rt.device,
                     error=f"{type(exc).__name__}: {exc}",
                 )
@@ -95,7 +106,13 @@ def run_inprocess(
             return
         if not rt.cancelled:
             monitor.on_event(
-                StageDone(job=job, stage=rt.a.stage, device=rt.device, steps=spec.steps)
+                StageDone(
+                    job=job,
+                    stage=rt.a.stage,
+                    member=rt.a.member,
+                    device=rt.device,
+                    steps=spec.steps,
+                )
             )
 
     # One stage (the single-device reference) runs in the caller's thread: no pipeline,
@@ -111,7 +128,7 @@ def run_inprocess(
         monitor.wait_done(timeout_s)
     finally:
         for rt in runtimes:
-            if rt.a.stage not in monitor.done:
+            if (rt.a.stage, rt.a.member) not in monitor.done:
                 rt.cancel()
         for t in threads:
             t.join(timeout=10)
@@ -119,7 +136,14 @@ def run_inprocess(
     wall = time.perf_counter() - started
     weights: dict[str, torch.Tensor] = {}
     for rt in runtimes:
-        weights.update({k: v.detach().clone() for k, v in rt.segment.state_dict().items()})
+        state = {k: v.detach().clone() for k, v in rt.segment.state_dict().items()}
+        if rt.a.member == 0:
+            weights.update(state)
+        elif any(not torch.equal(v, weights[k]) for k, v in state.items()):
+            raise JobFailed(
+                f"job {job}: member {rt.a.member} of stage {rt.a.stage} ended with other "
+                "weights than member 0"
+            )
     return monitor.result(spec, plan, wall, weights)
 
 
@@ -139,6 +163,7 @@ def run_on_agents(
     servers: Mapping[str, str] | None = None,
     store_host: str = "127.0.0.1",
     access: JobAccess | None = None,
+    shares: Sequence[Sequence[float]] | None = None,
 ) -> JobResult:
     """Run ``plan`` on the agents named by its stages, through the connected ``control``.
 
@@ -167,10 +192,21 @@ def run_on_agents(
         first_step=first_step,
         replicate_every=replicate_every,
         restore=bool(restore),
+        shares=shares,
     )
+    if plan.grouped and servers:
+        raise ValueError("stage groups run over MQTT: a plan with groups takes no servers")
     assignments, store = _server_group(assignments, plan, servers or {}, store_host)
     devices = [st.device for st in plan.stages]
-    monitor = JobMonitor(job, len(assignments), on_step, abort, devices=devices)
+    holders = [plan.stages[a.stage].devices[a.member] for a in assignments]
+    monitor = JobMonitor(
+        job,
+        len(plan.stages),
+        on_step,
+        abort,
+        devices=[st.devices for st in plan.stages],
+        group_sizes=[len(st.devices) for st in plan.stages],
+    )
     weights: dict[int, bytes] = {}
     got_weights = threading.Condition()
 
@@ -201,14 +237,14 @@ def run_on_agents(
     control.subscribe(weights_topic, on_weights)
     try:
         if access is not None:
-            access.grant(job, list(zip(devices, assignments, strict=True)))
+            access.grant(job, list(zip(holders, assignments, strict=True)))
         for stage, blob in (restore or {}).items():
             control.publish(job_restore(job, stage), blob, 1, retain=True)
-        for a in assignments:
-            control.publish(device_cmd(devices[a.stage]), a.model_dump_json(), 1)
+        for device, a in zip(holders, assignments, strict=True):
+            control.publish(device_cmd(device), a.model_dump_json(), 1)
         monitor.wait_ready(ready_timeout_s)
         started = time.perf_counter()
-        for device in devices:
+        for device in holders:
             control.publish(device_cmd(device), StartJob(job=job).model_dump_json(), 1)
         monitor.wait_done(timeout_s)
         wall = time.perf_counter() - started
@@ -220,11 +256,12 @@ def run_on_agents(
         if len(weights) != len(devices):
             missing = sorted(set(range(len(devices))) - set(weights))
             raise JobFailed(f"job {job}: the weights of stages {missing} never arrived")
+        monitor.check_same_weights()
         return monitor.result(spec, plan, wall, merged)
     except BaseException:
-        if len(monitor.done) == len(devices):
+        if monitor.finished:
             raise
-        for device in devices:
+        for device in holders:
             control.publish(
                 device_cmd(device),
                 CancelJob(job=job, reason="coordinator gave up").model_dump_json(),

@@ -17,14 +17,17 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Annotated, Any, Literal, Protocol
 
 import safetensors.torch
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from coordinator.planner.score import Plan
 from edge.config import RecvTimeout, ReplicateEvery, TrainConfig
+from edge.errors import UserError
+from edge.runtime.stage import batchnorm_in, group_batchnorm_error
+from edge.wire.groups import split_samples
 from edge.wire.messages import (
     StageAssignment,
     StageDone,
@@ -42,6 +45,7 @@ __all__ = [
     "JobMonitor",
     "JobResult",
     "JobSpec",
+    "group_samples",
     "largest_message_bytes",
     "make_assignments",
     "new_job_id",
@@ -64,9 +68,25 @@ class JobSpec(TrainConfig):
     replicate_every: ReplicateEvery = 0
     """Fault tolerance in the service: replicate every stage's state every R steps
     (0: off). Such a job survives devices dying and the coordinator restarting."""
+    group_sizes: tuple[Annotated[int, Field(ge=1)], ...] | None = Field(default=None, min_length=1)
+    """With ``partition="even"``: how many devices each stage runs on, in stage order (their
+    sum is the number of devices); a stage of several trains data-parallel, each member
+    on a share of every microbatch by its speed ([Note: groups on the wire]). Planning only."""
     faults: tuple[str, ...] = ()
     """Faults the service injects into this job (``kill:STAGE@STEP`` and the other forms
     of :mod:`coordinator.engine.faults`); for testing fault tolerance, so only with it."""
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> JobSpec:
+        sizes = self.group_sizes
+        if sizes is not None:
+            if self.partition != "even":
+                raise ValueError("group_sizes needs partition even")
+            if self.stages is not None and self.stages != len(sizes):
+                raise ValueError(f"stages={self.stages}, but group_sizes has {len(sizes)} stages")
+            if self.replicate_every or self.faults:
+                raise ValueError("group_sizes cannot be combined with fault tolerance yet")
+        return self
 
 
 class JobFailed(RuntimeError):
@@ -107,6 +127,30 @@ def new_job_id() -> str:
     return "j" + secrets.token_hex(6)
 
 
+def group_samples(
+    spec: JobSpec, plan: Plan, shares: Sequence[Sequence[float]] | None = None
+) -> tuple[tuple[int, ...], ...] | None:
+    """Per stage, each member's samples of a microbatch (:func:`edge.wire.groups.split_samples`
+    of its ``shares``, equal ones if ``None``); ``None`` when no stage is a group. A share
+    too small for one sample is a :class:`~edge.errors.UserError`."""
+    if not plan.grouped:
+        return None
+    stages = plan.stages
+    shares = shares if shares is not None else [[1.0] * len(st.devices) for st in stages]
+    if len(shares) != len(stages):
+        raise ValueError(f"{len(shares)} stages of shares for a plan of {len(stages)}")
+    n = spec.batch_size // spec.microbatches
+    out = []
+    for s, (st, ours) in enumerate(zip(stages, shares, strict=True)):
+        if len(ours) != len(st.devices):
+            raise ValueError(f"stage {s}: {len(ours)} shares for {len(st.devices)} devices")
+        try:
+            out.append(tuple(split_samples(n, ours)))
+        except ValueError as exc:
+            raise UserError(f"stage {s}: {exc}") from None
+    return tuple(out)
+
+
 def make_assignments(
     job: str,
     spec: JobSpec,
@@ -115,9 +159,12 @@ def make_assignments(
     first_step: int = 0,
     replicate_every: int = 0,
     restore: bool = False,
+    shares: Sequence[Sequence[float]] | None = None,
 ) -> list[StageAssignment]:
-    """One assignment per stage of ``plan``; each link uses the plan's codec for it
-    (``plan.codecs``), else ``spec.codec`` (fp32 for ``auto``).
+    """One assignment per device of ``plan``, stage by stage (a group's members in its
+    order); each link uses the plan's codec for it (``plan.codecs``), else ``spec.codec``
+    (fp32 for ``auto``). A group's members split each microbatch by ``shares`` (per
+    stage, per member; equal if ``None``), see :func:`group_samples`.
 
     ``first_step``, ``replicate_every`` and ``restore`` are for fault tolerance
     (:mod:`coordinator.engine.resilient`): start at that step, publish the stage's state
@@ -129,29 +176,56 @@ def make_assignments(
     links = list(plan.codecs) if plan.codecs else [default] * (len(stages) - 1)
     if len(links) != len(stages) - 1:
         raise ValueError(f"the plan has {len(links)} link codecs for {len(stages) - 1} links")
+    samples = group_samples(spec, plan, shares)
+    if samples is not None:
+        _refuse_batchnorm(spec, plan)
+    if samples is not None and (replicate_every or restore or first_step):
+        raise ValueError("stage groups do not support fault tolerance (replicas, restore) yet")
     out = []
     for s, st in enumerate(stages):
-        out.append(
-            StageAssignment.for_stage(
-                spec,
-                job=job,
-                stage=s,
-                num_stages=len(stages),
-                start=st.start,
-                end=st.end,
-                dataset=dataset,
-                dataset_options=options,
-                codec_in=links[s - 1] if s > 0 else default,
-                codec_out=links[s] if s + 1 < len(stages) else default,
-                prev_device=stages[s - 1].device if s > 0 else None,
-                next_device=stages[s + 1].device if s + 1 < len(stages) else None,
-                recv_timeout_s=spec.recv_timeout_s,
-                first_step=first_step,
-                replicate_every=replicate_every,
-                restore=restore,
+        for member in range(len(st.devices)):
+            out.append(
+                StageAssignment.for_stage(
+                    spec,
+                    job=job,
+                    stage=s,
+                    num_stages=len(stages),
+                    start=st.start,
+                    end=st.end,
+                    dataset=dataset,
+                    dataset_options=options,
+                    codec_in=links[s - 1] if s > 0 else default,
+                    codec_out=links[s] if s + 1 < len(stages) else default,
+                    prev_device=stages[s - 1].device if s > 0 else None,
+                    next_device=stages[s + 1].device if s + 1 < len(stages) else None,
+                    recv_timeout_s=spec.recv_timeout_s,
+                    first_step=first_step,
+                    replicate_every=replicate_every,
+                    restore=restore,
+                    member=member,
+                    group_samples=samples,
+                )
             )
-        )
     return out
+
+
+def _refuse_batchnorm(spec: JobSpec, plan: Plan) -> None:
+    """A group's stage must not hold BatchNorm: its statistics would be over a member's
+    share of each microbatch, so the step would differ from single-device training (the
+    stage runtime refuses it too; here it fails before anything is sent)."""
+    from edge.models.zoo import get_model
+
+    try:
+        model = get_model(spec.model, seed=spec.seed, **spec.model_options)
+    except Exception:  # a user model: its stages check when they build it
+        return
+    for s, st in enumerate(plan.stages):
+        if len(st.devices) > 1:
+            with torch.random.fork_rng(devices=[]):
+                segment = model.build_segment(st.start, st.end)
+            norm = batchnorm_in(segment)
+            if norm is not None:
+                raise UserError(group_batchnorm_error(s, len(st.devices), norm))
 
 
 @dataclass
@@ -208,10 +282,13 @@ class JobAccess(Protocol):
 class JobMonitor:
     """Folds one job's events into its state; safe to feed from any thread.
 
-    Given the ``devices`` that hold the stages, an event counts only when it came on
-    the events topic of the device that holds its stage and names that device: the
+    Given the ``devices`` that hold the stages (per stage, its device or its group's,
+    in member order), an event counts only when it came on the events topic of the
+    device that holds its stage (as the member it names) and names that device: the
     sender is who the broker says, not what the payload claims. Anything else is
-    ignored and counted in :attr:`rejected` by reason.
+    ignored and counted in :attr:`rejected` by reason. :attr:`ready` and :attr:`done`
+    hold ``(stage, member)`` pairs; ``group_sizes`` says how many members each stage
+    has (one each by default).
     """
 
     def __init__(
@@ -220,17 +297,27 @@ class JobMonitor:
         num_stages: int,
         on_step: Callable[[StepReport], None] | None = None,
         abort: Callable[[], str | None] | None = None,
-        devices: Sequence[str] | None = None,
+        devices: Sequence[str | Sequence[str]] | None = None,
+        group_sizes: Sequence[int] | None = None,
     ) -> None:
         self.job = job
         self.num_stages = num_stages
-        self.devices = list(devices) if devices is not None else None
+        sizes = list(group_sizes) if group_sizes is not None else [1] * num_stages
+        self.members = sum(sizes)
+        """Stage-member pairs that must be ready, and done."""
+        self.devices = (
+            [(d,) if isinstance(d, str) else tuple(d) for d in devices]
+            if devices is not None
+            else None
+        )
         self.rejected: Counter[str] = Counter()
         self.on_step = on_step
         self.abort = abort
         """Polled while waiting (every 50 ms): a reason to stop waiting, or ``None``."""
-        self.ready: set[int] = set()
-        self.done: set[int] = set()
+        self.ready: set[tuple[int, int]] = set()
+        self.done: set[tuple[int, int]] = set()
+        self.digests: dict[tuple[int, int], str] = {}
+        """SHA-256 of each member's final weights, as its ``done`` event says."""
         self.failures: list[StageFailed] = []
         self.reports: list[StepReport] = []
         self.losses: dict[int, float] = {}
@@ -248,8 +335,9 @@ class JobMonitor:
             self.reject("other-job", f"an event of job {getattr(event, 'job', None)}")
             return
         if self.devices is not None:
-            stage = event.stage
-            holder = self.devices[stage] if stage < len(self.devices) else None
+            stage, member = event.stage, event.member
+            group = self.devices[stage] if stage < len(self.devices) else ()
+            holder = group[member] if member < len(group) else None
             if holder is None:
                 self.reject("no-such-stage", f"a {event.type} event for stage {stage}")
                 return
@@ -262,13 +350,15 @@ class JobMonitor:
                 return
         with self._cond:
             if isinstance(event, StageReady):
-                self.ready.add(event.stage)
+                self.ready.add((event.stage, event.member))
             elif isinstance(event, StepReport):
                 self.reports.append(event)
                 if event.loss is not None:
                     self.losses[event.step] = event.loss
             elif isinstance(event, StageDone):
-                self.done.add(event.stage)
+                self.done.add((event.stage, event.member))
+                if event.weights_sha256:
+                    self.digests[(event.stage, event.member)] = event.weights_sha256
             elif isinstance(event, StageFailed):
                 self.failures.append(event)
             self._cond.notify_all()
@@ -302,10 +392,28 @@ class JobMonitor:
                 self._cond.wait(remaining if self.abort is None else min(remaining, 0.05))
 
     def wait_ready(self, timeout: float) -> None:
-        self._wait(lambda: len(self.ready) == self.num_stages, timeout, "waiting for stages")
+        self._wait(lambda: len(self.ready) == self.members, timeout, "waiting for stages")
 
     def wait_done(self, timeout: float) -> None:
-        self._wait(lambda: len(self.done) == self.num_stages, timeout, "waiting for the end")
+        self._wait(lambda: len(self.done) == self.members, timeout, "waiting for the end")
+
+    def check_same_weights(self) -> None:
+        """Raise :class:`JobFailed` unless every member of a group reported the digest of
+        its member 0's final weights (members step identically: they must end alike)."""
+        with self._cond:
+            digests = dict(self.digests)
+        for (stage, member), digest in sorted(digests.items()):
+            if member and digest != digests.get((stage, 0)):
+                raise JobFailed(
+                    f"job {self.job}: member {member} of stage {stage} ended with other "
+                    "weights than member 0"
+                )
+
+    @property
+    def finished(self) -> bool:
+        """Whether every stage's every member reported done."""
+        with self._cond:
+            return len(self.done) == self.members
 
     def loss_list(self, steps: int) -> list[float]:
         with self._cond:

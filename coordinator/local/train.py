@@ -6,7 +6,11 @@ stage and replica, launched with torchrun semantics, :mod:`edge.server.launch`)
 and :func:`train_on_local_fleet` (a broker and N real agent processes driven
 over MQTT by the :class:`~coordinator.engine.engine.JobEngine`, as the service
 drives a fleet). Each plans over copies of this device's measured profile, or
-the agents' announced ones, with the job's ``partition`` and ``stages``.
+the agents' announced ones, with the job's ``partition``, ``stages`` and
+``group_sizes``. Given catalogue ``profiles`` (one per device), the in-process
+and agent runs plan over those devices instead, and agents emulate them: each
+announces its profile and runs slowed to its speed relative to the fastest, so
+a group's members get unequal shares of each microbatch.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from coordinator.engine.spec import JobResult, JobSpec
 from coordinator.planner.score import PlanScore
 from edge.wire.messages import StepReport
 
-__all__ = ["LocalRun", "train_dist", "train_inprocess", "train_on_local_fleet"]
+__all__ = ["LocalRun", "emulated", "train_dist", "train_inprocess", "train_on_local_fleet"]
 
 
 @dataclass
@@ -52,17 +56,39 @@ def _plan(spec: JobSpec, devices: list[Any]) -> tuple[Any, Any]:
     return found.plan, found.score
 
 
+def emulated(profiles: list[str]) -> tuple[list[Any], list[float]]:
+    """The device specs of catalogue ``profiles`` (ids ``local-<i>``) and how many times
+    slower than the fastest of them each runs."""
+    from edge.profiling.catalog import resolve
+
+    specs = [
+        resolve(name).to_device_spec().model_copy(update={"id": f"local-{i}"})
+        for i, name in enumerate(profiles)
+    ]
+    fastest = max(d.gflops for d in specs)
+    return specs, [fastest / d.gflops for d in specs]
+
+
 def train_inprocess(
-    spec: JobSpec, n: int, on_step: Callable[[StepReport], None] | None = None
+    spec: JobSpec,
+    n: int,
+    on_step: Callable[[StepReport], None] | None = None,
+    profiles: list[str] | None = None,
 ) -> LocalRun:
-    """``n`` stages as threads of this process (``n == 1``: the single-device reference)."""
+    """``n`` stages as threads of this process (``n == 1``: the single-device reference),
+    planned over copies of this device or over catalogue ``profiles`` (not emulated here:
+    they only shape the plan and a group's shares)."""
     from coordinator.engine.runners import run_inprocess
     from edge.profiling.device import profile_device
 
-    me = profile_device("local", seconds=0.3).to_device_spec()
-    fleet = [me.model_copy(update={"id": f"local-{i}"}) for i in range(n)]
+    if profiles:
+        fleet = emulated(profiles)[0]
+    else:
+        me = profile_device("local", seconds=0.3).to_device_spec()
+        fleet = [me.model_copy(update={"id": f"local-{i}"}) for i in range(n)]
     plan, score = _plan(spec, fleet)
-    return LocalRun(run_inprocess(spec, plan, on_step=on_step), score)
+    shares = score.shares if plan.grouped else None
+    return LocalRun(run_inprocess(spec, plan, on_step=on_step, shares=shares), score)
 
 
 def train_dist(
@@ -137,6 +163,7 @@ def train_on_local_fleet(
     rebalance: bool = True,
     on_step: Callable[[StepReport], None] | None = None,
     note: Callable[[str], None] = _quiet,
+    profiles: list[str] | None = None,
 ) -> LocalRun:
     """``n`` agent processes on this machine (a broker started unless ``broker`` is given),
     driven by the job engine exactly as the service drives a fleet. ``replicate_every``
@@ -167,10 +194,19 @@ def train_on_local_fleet(
         control = MqttTransport(settings)
         control.connect(timeout=15)
         stack.callback(control.close)
+        slowdowns = emulated(profiles)[1] if profiles else None
         fleet = stack.enter_context(
-            LocalFleet(n, target, threads=threads, servers=servers, allow_code=own_code)
+            LocalFleet(
+                n,
+                target,
+                threads=threads,
+                servers=servers,
+                allow_code=own_code,
+                profiles=profiles,
+                slowdowns=slowdowns,
+            )
         )
-        profiles = fleet.wait_online(control)
+        announced = fleet.wait_online(control)
         every = replicate_every
         extra: dict[str, Any] = {}
         engine = JobEngine(
@@ -184,7 +220,7 @@ def train_on_local_fleet(
         first = fleet.ids[0]
         planned = engine.plan(spec, pin_first=first, where="these devices")
         check_fault_stages(faults or [], len(planned.plan.stages))
-        tier = server_tier(profiles)
+        tier = server_tier(announced)
         if tier and not every:
             extra["servers"] = sorted(tier)
 

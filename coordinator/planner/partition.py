@@ -13,6 +13,10 @@ the job's ``codec`` into a scored plan:
   more devices than units, ``N`` = the units), over the ``N`` fastest devices
   (``pin_first`` always among them; ties go to the device given first), kept in
   that order. An even split that breaks a device's memory is refused, not run.
+  With ``group_sizes`` (one entry per stage, adding up to the devices) the
+  units are split evenly over ``len(group_sizes)`` stages, and stage ``s`` runs on
+  the next ``group_sizes[s]`` devices in that order, as a group (scored as a
+  version 2 plan, which gives each member its share of a microbatch).
 - A re-plan that passes the ``previous`` plan, on a fleet too large for the exact
   search, warm-starts from it (:func:`~coordinator.planner.group_search.replan`
   with one-device stages: under a second at 64 devices x 200 units, where the full
@@ -28,16 +32,18 @@ reason: more stages than units or devices, or nothing of that shape that fits.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 from coordinator.planner.baselines import even_split
 from coordinator.planner.codecs import choose_codecs, plan_with_codecs, with_codecs
 from coordinator.planner.group_search import replan
-from coordinator.planner.score import Plan, PlanScore, score_plan
+from coordinator.planner.score import Plan, PlanScore, Stage, score_plan
 from coordinator.planner.solve import EXACT_DEVICES, exact_capacity, plan_problem
 from edge.errors import UserError
 from edge.problem import PlanningProblem
+from edge.wire.groups import split_samples
 
 __all__ = ["PARTITIONS", "JobPlan", "Partition", "even_devices", "plan_job"]
 
@@ -76,6 +82,7 @@ def plan_job(
     codec: str = "fp32",
     where: str = "the devices",
     previous: Plan | None = None,
+    group_sizes: Sequence[int] | None = None,
 ) -> JobPlan:
     """The plan for a job with these options over ``problem`` (see the module docstring).
 
@@ -84,6 +91,10 @@ def plan_job(
     """
     if partition not in PARTITIONS:
         raise UserError(f"partition {partition!r} is not one of {', '.join(PARTITIONS)}")
+    if group_sizes is not None:
+        if partition != "even":
+            raise UserError("group sizes need partition even")
+        return _even_groups(problem, list(group_sizes), where)
     n_units, n_devices = len(problem.layers), len(problem.devices)
     if stages is not None:
         if stages < 1:
@@ -125,3 +136,33 @@ def plan_job(
         if choice is not None and choice.score.step_time_s < score.step_time_s:
             score = choice.score  # else fp32 everywhere (make_assignments' default)
     return JobPlan(score, found.method, found.exact)
+
+
+def _even_groups(problem: PlanningProblem, sizes: list[int], where: str) -> JobPlan:
+    """The units split evenly over ``len(sizes)`` stages, stage ``s`` on the next
+    ``sizes[s]`` devices (``pin_first`` first, then the order given)."""
+    n_units, ids = len(problem.layers), [d.id for d in problem.devices]
+    if problem.pin_first is not None:
+        ids.remove(problem.pin_first)
+        ids.insert(0, problem.pin_first)
+    if min(sizes) < 1 or sum(sizes) != len(ids):
+        raise UserError(f"group sizes {sizes} do not add up to the {len(ids)} devices of {where}")
+    if len(sizes) > n_units:
+        raise UserError(f"group sizes give {len(sizes)} stages, more than {n_units} units")
+    bounds = [round(i * n_units / len(sizes)) for i in range(len(sizes) + 1)]
+    stages, at = [], 0
+    for s, size in enumerate(sizes):
+        stages.append(Stage.group(ids[at : at + size], bounds[s], bounds[s + 1]))
+        at += size
+    plan = Plan(tuple(stages))
+    grouped = problem.as_version(2) if plan.grouped else problem
+    score = score_plan(grouped, plan)
+    if not score.feasible:
+        raise UserError(f"the groups {sizes} do not fit {where}: {score.reasons[0]}")
+    n = int(problem.batch_size) // problem.microbatches
+    for s, shares in enumerate(score.shares):
+        try:
+            split_samples(n, shares)
+        except ValueError as exc:
+            raise UserError(f"group sizes {sizes}, stage {s}: {exc}") from None
+    return JobPlan(score, f"even split over groups of {','.join(map(str, sizes))}", False)

@@ -11,6 +11,10 @@ for the units ``[start, end)`` of the model:
 - labels (the last stage, when it is not also the first) are ``b`` targets of
   the dataset's samples.
 
+In a group ([Note: groups on the wire] in :mod:`edge.wire.groups`) ``b`` is the
+member's own block of the microbatch, and each kind arrives as the pieces the
+sending stage's blocks cut it into (:func:`expected_frames` lists their rows).
+
 :func:`expected_frames` works these out once, when the stage is built, by
 running the units before its output (the last stage: before its input) on a
 microbatch of zeros shaped like the dataset's first sample (what stage 0
@@ -42,9 +46,10 @@ from edge.models.zoo import ModelSpec
 from edge.runtime.data import collate
 from edge.transport.base import Expected
 from edge.wire.frames import Kind
+from edge.wire.groups import blocks, pieces
 from edge.wire.messages import StageAssignment
 
-__all__ = ["expected_frames", "microbatch_size"]
+__all__ = ["block", "expected_frames", "microbatch_size"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +57,18 @@ log = logging.getLogger(__name__)
 def microbatch_size(a: StageAssignment) -> int:
     """Samples in one microbatch of one replica (the config checked that they divide)."""
     return a.batch_size // (a.microbatches * a.replicas)
+
+
+def block(a: StageAssignment) -> tuple[int, int]:
+    """The rows ``[lo, hi)`` of every microbatch this member of its stage computes."""
+    return blocks(a.samples_of(a.stage))[a.member]
+
+
+def _pieces(a: StageAssignment, sender: int) -> tuple[tuple[int, int], ...]:
+    """The rows of each frame stage ``sender``'s members send this member (groups only)."""
+    if a.group_samples is None:
+        return ()
+    return tuple(rows for _, rows in pieces(a.samples_of(sender), block(a)))
 
 
 def _dtypes(dtype: torch.dtype, precision: str) -> frozenset[torch.dtype]:
@@ -123,10 +140,11 @@ def expected_frames(
         kinds[Kind.LABELS] = None
     if not kinds:
         return kinds
-    b = microbatch_size(a)
+    lo, hi = block(a)
+    b = hi - lo
     x, y = _sample(a, dataset)
     if y is not None and Kind.LABELS in kinds:
-        kinds[Kind.LABELS] = Expected((b, *y.shape[1:]), frozenset({y.dtype}))
+        kinds[Kind.LABELS] = Expected((b, *y.shape[1:]), frozenset({y.dtype}), _pieces(a, 0))
     shape, dtype = (spec.input_shape, spec.input_dtype) if x is None else (x.shape[1:], x.dtype)
     keep = {a.start - 1} if a.is_last else {a.start - 1, a.end - 1}
     keep.discard(-1)
@@ -143,8 +161,9 @@ def expected_frames(
             extra={"job": a.job, "stage": a.stage},
         )
         return kinds
-    for kind, unit in ((Kind.ACTIVATION, a.start - 1), (Kind.GRADIENT, a.end - 1)):
+    links = ((Kind.ACTIVATION, a.start - 1, a.stage - 1), (Kind.GRADIENT, a.end - 1, a.stage + 1))
+    for kind, unit, sender in links:
         if kind in kinds:
             out_shape, out_dtype = traced[unit]
-            kinds[kind] = Expected(out_shape, _dtypes(out_dtype, a.precision))
+            kinds[kind] = Expected(out_shape, _dtypes(out_dtype, a.precision), _pieces(a, sender))
     return kinds

@@ -30,6 +30,16 @@ and with ``replicate_every = R`` it hands its state for step ``k + 1`` to the
 the last step: the final weights go out anyway). States are
 :mod:`edge.runtime.checkpoint` blobs; see [Note: the step of a state] there.
 
+In a group ([Note: groups on the wire] in :mod:`edge.wire.groups`) each member
+runs the whole segment on its own block of rows of every microbatch: it takes
+the pieces of its input (and of its output's gradient) that the neighbouring
+stage's members send and concatenates them, sends each neighbour member the rows
+of its output (and input gradient) they hold, scales its loss by its share of
+the samples, and before the optimizer steps sums the group's gradients (and
+losses) by a reduce-scatter and an all-gather over the ``reduce`` channel
+(:class:`~edge.runtime.group_sum.GroupSum`). A segment with BatchNorm refuses a group: its
+statistics would be over a member's rows, not the microbatch's.
+
 [Note: loss scaling]
 Each microbatch's loss is the mean over its own samples (or tokens) divided by
 ``M``. With equal microbatches the sum of the ``M`` scaled losses, and of their
@@ -50,22 +60,31 @@ from typing import TYPE_CHECKING, Any
 import safetensors.torch
 import torch
 import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from edge.models.datasets import build_dataset
 from edge.models.user_code import ANY_CODE, CodeAllowance
 from edge.models.zoo import get_model
 from edge.runtime.checkpoint import load_state, read_state, select, stage_state
 from edge.runtime.data import EpochSampler, load_batch
-from edge.runtime.links import expected_frames
+from edge.runtime.group_sum import GroupSum
+from edge.runtime.links import block, expected_frames
 from edge.runtime.schedules import make_schedule
 from edge.transport.base import Transport
 from edge.wire.frames import Codec, Kind, encode_frame
+from edge.wire.groups import blocks, overlap, pieces
 from edge.wire.messages import OptimizerSpec, StageAssignment, StepReport
 
 if TYPE_CHECKING:
     from edge.server.data_parallel import DataParallel
 
-__all__ = ["StageRuntime", "build_optimizer", "loss_fn"]
+__all__ = [
+    "StageRuntime",
+    "batchnorm_in",
+    "build_optimizer",
+    "group_batchnorm_error",
+    "loss_fn",
+]
 
 Reporter = Callable[[Any], None]
 Replicator = Callable[[int, bytes], None]
@@ -75,6 +94,19 @@ Replicator = Callable[[int, bytes], None]
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over the last dimension (classes, or vocabulary for language models)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def batchnorm_in(segment: torch.nn.Module) -> str | None:
+    """The name of the first BatchNorm module in ``segment``, if it has one."""
+    return next((n for n, mod in segment.named_modules() if isinstance(mod, _BatchNorm)), None)
+
+
+def group_batchnorm_error(stage: int, members: int, norm: str) -> str:
+    """Why a group cannot train a stage with BatchNorm ``norm``: one line."""
+    return (
+        f"stage {stage}: a group of {members} devices cannot train BatchNorm ({norm}): "
+        "its statistics would cover a member's share, not the microbatch (use norm=group)"
+    )
 
 
 def build_optimizer(
@@ -132,6 +164,11 @@ class StageRuntime:
             raise ValueError(f"segment [{a.start}, {a.end}) beyond the {spec.num_units} units")
         self.unit_names = spec.unit_names
         self.segment = spec.build_segment(a.start, a.end).train().to(self.torch_device)
+        self.rows = block(a)
+        """The rows ``[lo, hi)`` of every microbatch this member computes."""
+        norm = batchnorm_in(self.segment) if a.group_size > 1 else None
+        if norm is not None:
+            raise ValueError(group_batchnorm_error(a.stage, a.group_size, norm))
         self.optimizer = build_optimizer(a.optimizer, self.segment.parameters())
         self.actions = make_schedule(a.schedule, a.num_stages, a.microbatches)[a.stage]
         self.codec_out = Codec.parse(a.codec_out)
@@ -144,12 +181,20 @@ class StageRuntime:
             self.sampler = EpochSampler(len(self.dataset), a.batch_size, a.seed)  # type: ignore[arg-type]
         self.expected = expected_frames(a, spec, self.dataset if a.is_first else None)
         """What the plan lets this stage receive (see :mod:`edge.runtime.links`)."""
-        self.inbox = transport.attach(a.job, a.stage)
+        self.group_sum: GroupSum | None = None
+        if a.group_size > 1:
+            params = [p for p in self.segment.parameters() if p.requires_grad]
+            self.group_sum = GroupSum(a, transport, params)
+            self.expected |= self.group_sum.expected
+        self.inbox = transport.attach(a.job, a.stage, a.member, group=a.group_size > 1)
         self._expect(a.first_step)
 
     def _expect(self, step: int) -> None:
         """Have the inbox keep only the frames of the plan, for ``step`` and the next."""
-        self.inbox.expect(self.expected, microbatches=self.a.microbatches, step=step)
+        a = self.a
+        self.inbox.expect(
+            self.expected, microbatches=a.microbatches, step=step, members=a.group_size
+        )
 
     def _start(self) -> float:
         """Start timing a compute block: its wall-clock start (and CPU start, kept here)."""
@@ -203,9 +248,35 @@ class StageRuntime:
         tensor: torch.Tensor,
         codec: Codec,
     ) -> int:
-        frame = encode_frame(kind, self.a.job, step, mb, tensor, codec)
-        self.transport.send(self.a.job, stage, channel, frame)  # type: ignore[arg-type]
-        return len(frame)
+        """Send the rows of ``tensor`` (this member's block of microbatch ``mb``) that each
+        member of ``stage`` holds; bytes sent."""
+        a, (lo, hi) = self.a, self.rows
+        if a.group_samples is None:
+            frame = encode_frame(kind, a.job, step, mb, tensor, codec)
+            self.transport.send(a.job, stage, channel, frame)  # type: ignore[arg-type]
+            return len(frame)
+        sent = 0
+        for member, theirs in enumerate(blocks(a.samples_of(stage))):
+            rows = overlap((lo, hi), theirs)
+            if rows is None:
+                continue
+            part = tensor if rows == (lo, hi) else tensor[rows[0] - lo : rows[1] - lo]
+            frame = encode_frame(kind, a.job, step, mb, part, codec, first=rows[0])
+            self.transport.send(a.job, stage, channel, frame, member)  # type: ignore[arg-type]
+            sent += len(frame)
+        return sent
+
+    def _take(self, kind: Kind, sender: int, step: int, mb: int, timeout: float) -> torch.Tensor:
+        """This member's block of microbatch ``mb`` of ``kind``, from stage ``sender``:
+        the pieces its members send, in row order, concatenated."""
+        a = self.a
+        if a.group_samples is None:
+            return self.inbox.take(kind, step, mb, timeout).tensor
+        parts = [
+            self.inbox.take(kind, step, mb, timeout, first=rows[0]).tensor
+            for _, rows in pieces(a.samples_of(sender), self.rows)
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def run_step(self, step: int) -> StepReport:
         """Execute this stage's actions for ``step`` and step the optimizer."""
@@ -214,12 +285,15 @@ class StageRuntime:
         started = time.perf_counter()
         received_before = self.inbox.bytes_received
         compute = wait = send = reduce = 0.0
-        sent = 0
+        sent = reduce_bytes = 0
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         losses: dict[int, torch.Tensor] = {}
         xs: tuple[torch.Tensor, ...] = ()
         ys: tuple[torch.Tensor, ...] = ()
+        # A group's member: its share of each microbatch's loss ([Note: groups on the wire]).
+        lo, hi = self.rows
+        loss_share = None if a.group_size == 1 else (hi - lo) / sum(a.samples_of(a.stage))
         if a.is_first:
             assert self.sampler is not None
             x, y = load_batch(self.dataset, self.sampler, step)
@@ -228,6 +302,8 @@ class StageRuntime:
                 x = x[a.replica * share : (a.replica + 1) * share]
                 y = y[a.replica * share : (a.replica + 1) * share]
             xs, ys = self._here(x).chunk(m), self._here(y).chunk(m)
+            if a.group_samples is not None:  # this member's rows of each microbatch
+                xs, ys = tuple(t[lo:hi] for t in xs), tuple(t[lo:hi] for t in ys)
             if not a.is_last:
                 t0 = time.perf_counter()
                 for mb, labels in enumerate(ys):
@@ -242,7 +318,7 @@ class StageRuntime:
                     inp = xs[mb]
                 else:
                     t0 = time.perf_counter()
-                    inp = self._here(self.inbox.take(Kind.ACTIVATION, step, mb, timeout).tensor)
+                    inp = self._here(self._take(Kind.ACTIVATION, a.stage - 1, step, mb, timeout))
                     wait += time.perf_counter() - t0
                     if inp.is_floating_point():
                         inp = inp.detach().requires_grad_()
@@ -256,11 +332,13 @@ class StageRuntime:
                         target = ys[mb]
                     else:
                         t0 = time.perf_counter()
-                        target = self._here(self.inbox.take(Kind.LABELS, step, mb, timeout).tensor)
+                        target = self._here(self._take(Kind.LABELS, 0, step, mb, timeout))
                         wait += time.perf_counter() - t0
                     t0 = self._start()
                     mb_loss = loss_fn(out.float(), target)
                     losses[mb] = mb_loss / m if m > 1 else mb_loss  # /1 is exact: skip it
+                    if loss_share is not None:
+                        losses[mb] = losses[mb] * loss_share
                     compute += self._throttle(t0)
                 else:
                     t0 = time.perf_counter()
@@ -275,7 +353,7 @@ class StageRuntime:
                     losses[mb].backward()
                 else:
                     t0 = time.perf_counter()
-                    grad = self._here(self.inbox.take(Kind.GRADIENT, step, mb, timeout).tensor)
+                    grad = self._here(self._take(Kind.GRADIENT, a.stage + 1, step, mb, timeout))
                     wait += time.perf_counter() - t0
                     t0 = self._start()
                     outputs.pop(mb).backward(grad)
@@ -288,6 +366,12 @@ class StageRuntime:
                     )
                     send += time.perf_counter() - t0
         loss = float(sum(v.item() for v in losses.values())) if a.is_last else None
+        if self.group_sum is not None:
+            t0 = time.perf_counter()
+            loss = self.group_sum.sum(self.inbox, step, loss)
+            reduce = time.perf_counter() - t0
+            reduce_bytes = self.group_sum.bytes_sent
+            sent += reduce_bytes
         if self.data_parallel is not None:
             reduce = self.data_parallel.average_gradients(self.segment.parameters())
             if loss is not None:
@@ -303,8 +387,10 @@ class StageRuntime:
         return StepReport(
             job=a.job,
             stage=a.stage,
+            member=a.member,
             device=self.device,
             step=step,
+            samples=(self.rows[1] - self.rows[0]) * m,
             loss=loss,
             compute_s=compute,
             wait_s=wait,
@@ -314,6 +400,7 @@ class StageRuntime:
             bytes_received=self.inbox.bytes_received - received_before,
             frames_dropped=sum(self.inbox.dropped.values()),
             allreduce_s=reduce,
+            allreduce_bytes=reduce_bytes,
         )
 
     def run(self, first_step: int | None = None) -> int:
@@ -340,7 +427,7 @@ class StageRuntime:
                 self.report(report)
                 done += 1
         finally:
-            self.transport.detach(self.a.job, self.a.stage)
+            self.transport.detach(self.a.job, self.a.stage, self.a.member)
         return done
 
     @property

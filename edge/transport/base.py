@@ -1,8 +1,10 @@
 """The one interface every tensor transport implements, and the inbox behind it.
 
-A transport moves encoded frames (:mod:`edge.wire.frames`) to a stage of a job.
-A stage :meth:`Transport.attach`\\ es to get its :class:`Inbox`, then takes the
-frames it needs by ``(kind, step, microbatch)`` in whatever order its schedule
+A transport moves encoded frames (:mod:`edge.wire.frames`) to a stage of a job
+(to one member of a stage run by a group, [Note: groups on the wire] in
+:mod:`edge.wire.groups`). A stage :meth:`Transport.attach`\\ es to get its
+:class:`Inbox`, then takes the frames it needs by ``(kind, step, microbatch)``
+(and, in a group, the first row of the piece) in whatever order its schedule
 asks for them; frames may arrive in any order.
 
 [Note: QoS and ordering]
@@ -78,10 +80,15 @@ __all__ = [
     "Transport",
 ]
 
-Channel = Literal["fwd", "bwd"]
+Channel = Literal["fwd", "bwd", "reduce"]
 log = logging.getLogger(__name__)
 
-_EXPECTED = {"fwd": (Kind.ACTIVATION, Kind.LABELS), "bwd": (Kind.GRADIENT,)}
+_EXPECTED = {
+    "fwd": (Kind.ACTIVATION, Kind.LABELS),
+    "bwd": (Kind.GRADIENT,),
+    "reduce": (Kind.REDUCE, Kind.GATHER),
+}
+_BY_MEMBER = (Kind.REDUCE, Kind.GATHER)  # their microbatch field names the sending member
 
 DEFAULT_MAX_FRAMES = 4096
 """Frames an inbox holds at most until its stage says what it expects."""
@@ -89,6 +96,7 @@ DEFAULT_MAX_BYTES = 1 << 30
 """Bytes an inbox holds at most until its stage says what it expects (1 GiB)."""
 _WINDOW = 2  # steps a stage accepts frames for: the one it runs and the next
 _QUIET = ("duplicate", "late")  # what QoS 1 redelivery does on its own: logged at debug level
+_Key = tuple[int, int, int, int]  # kind, step, microbatch, first row
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,10 @@ class Expected:
     shape: tuple[int, ...]
     dtypes: frozenset[torch.dtype]
     """Decoded dtypes allowed (two under bf16 autocast, whose outputs may be either)."""
+    pieces: tuple[tuple[int, int], ...] = ()
+    """The rows ``[lo, hi)`` each frame may hold, in a group ([Note: groups on the wire]
+    in :mod:`edge.wire.groups`): ``shape`` is then the whole block's, a piece's first
+    dimension its own rows. Empty: one frame of ``shape``, rows ``[0, shape[0])``."""
 
     @property
     def max_nbytes(self) -> int:
@@ -109,14 +121,36 @@ class Expected:
         widest = max([4, *(d.itemsize for d in self.dtypes)])
         return prefix_size(len(self.shape)) + math.prod(self.shape) * widest
 
+    @property
+    def frames(self) -> int:
+        """Frames of this kind per microbatch: one, or one per piece."""
+        return max(1, len(self.pieces))
+
+    @property
+    def total_nbytes(self) -> int:
+        """The most all of one microbatch's frames of this kind take."""
+        return self.max_nbytes + (self.frames - 1) * prefix_size(len(self.shape))
+
     def __str__(self) -> str:
         names = "|".join(sorted(str(d).removeprefix("torch.") for d in self.dtypes))
         return f"{names} {list(self.shape)}"
 
-    def mismatch(self, shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
-        """The drop reason for a tensor of ``shape`` and ``dtype``, or ``None`` if it fits."""
-        if tuple(shape) != self.shape:
+    def mismatch(
+        self, shape: tuple[int, ...], dtype: torch.dtype, rows: tuple[int, int] | None = None
+    ) -> str | None:
+        """The drop reason for a tensor of ``shape`` and ``dtype`` holding ``rows`` (``None``:
+        not checked), or ``None`` if it fits."""
+        if self.pieces:
+            if rows is not None and rows not in self.pieces:
+                return "wrong-rows"
+            first = (rows[1] - rows[0],) if rows is not None else tuple(shape[:1])
+            want = (*first, *self.shape[1:])
+        else:
+            want = self.shape
+        if tuple(shape) != want:
             return "wrong-shape"
+        if not self.pieces and rows is not None and rows[0] != 0:
+            return "wrong-rows"
         if dtype not in self.dtypes:
             return "wrong-dtype"
         return None
@@ -128,6 +162,7 @@ class _Plan:
 
     kinds: Mapping[Kind, Expected | None]
     microbatches: int
+    members: int
 
 
 def _what(head: FrameHeader) -> str:
@@ -150,6 +185,7 @@ class Inbox:
         self,
         job: str,
         stage: int,
+        member: int = 0,
         *,
         max_frames: int = DEFAULT_MAX_FRAMES,
         max_bytes: int = DEFAULT_MAX_BYTES,
@@ -159,13 +195,14 @@ class Inbox:
             raise ValueError("an inbox's bounds must be positive")
         self.job = job
         self.stage = stage
+        self.member = member
         self.max_frames = max_frames
         self.max_bytes = max_bytes
         self.max_frame_bytes = max_frame_bytes
-        self._frames: dict[tuple[int, int, int], Frame] = {}
-        self._sizes: dict[tuple[int, int, int], int] = {}
+        self._frames: dict[_Key, Frame] = {}
+        self._sizes: dict[_Key, int] = {}
         self._held_bytes = 0
-        self._seen: set[tuple[int, int, int]] = set()
+        self._seen: set[_Key] = set()
         self._cond = threading.Condition()
         self._closed = False
         self._floor = 0
@@ -179,21 +216,32 @@ class Inbox:
     # -- what the stage expects ---------------------------------------------------
 
     def expect(
-        self, kinds: Mapping[Kind, Expected | None], *, microbatches: int, step: int
+        self,
+        kinds: Mapping[Kind, Expected | None],
+        *,
+        microbatches: int,
+        step: int,
+        members: int = 1,
     ) -> None:
         """From now on keep only ``kinds`` (``None``: that kind, any shape), microbatches
-        below ``microbatches``, and steps ``step`` and ``step + 1``.
+        below ``microbatches`` (the group's gradient kinds: senders below ``members``),
+        and steps ``step`` and ``step + 1``.
 
         The totals become what two steps of that take, and frames already held
         that do not fit are dropped and counted.
         """
-        if microbatches < 1:
-            raise ValueError(f"microbatches must be at least 1, got {microbatches}")
+        if microbatches < 1 or members < 1:
+            raise ValueError(f"microbatches and members must be at least 1, got {microbatches}")
         largest = [MAX_FRAME_BYTES if spec is None else spec.max_nbytes for spec in kinds.values()]
+        frames = nbytes = 0
+        for kind, spec in kinds.items():
+            times = members if kind in _BY_MEMBER else microbatches
+            frames += times * (1 if spec is None else spec.frames)
+            nbytes += times * (MAX_FRAME_BYTES if spec is None else spec.total_nbytes)
         with self._cond:
-            self._plan = _Plan(dict(kinds), microbatches)
-            self.max_frames = max(1, _WINDOW * microbatches * len(kinds))
-            self.max_bytes = max(1, _WINDOW * microbatches * sum(largest))
+            self._plan = _Plan(dict(kinds), microbatches, members)
+            self.max_frames = max(1, _WINDOW * frames)
+            self.max_bytes = max(1, _WINDOW * nbytes)
             self.max_frame_bytes = max(largest, default=1)
             self._floor, self._windowed = step, True
             self._prune_locked(refit=True)
@@ -213,7 +261,8 @@ class Inbox:
                 continue
             why = self._refusal(frame.kind, frame.step, frame.microbatch)
             if why is None and refit:
-                why = self._mismatch(frame.kind, tuple(frame.tensor.shape), frame.tensor.dtype)
+                shape, dtype = tuple(frame.tensor.shape), frame.tensor.dtype
+                why = self._mismatch(frame.kind, shape, dtype, frame.samples)
             if why is None and refit and self._frames_over(0, 0):
                 why = "inbox-full"
             if why is not None:
@@ -237,14 +286,16 @@ class Inbox:
         if plan is not None:
             if kind not in plan.kinds:
                 return "wrong-kind"
-            if microbatch >= plan.microbatches:
+            if microbatch >= (plan.members if kind in _BY_MEMBER else plan.microbatches):
                 return "wrong-microbatch"
         return None
 
-    def _mismatch(self, kind: Kind, shape: tuple[int, ...], dtype: torch.dtype) -> str | None:
+    def _mismatch(
+        self, kind: Kind, shape: tuple[int, ...], dtype: torch.dtype, rows: tuple[int, int]
+    ) -> str | None:
         plan = self._plan
         spec = None if plan is None else plan.kinds.get(kind)
-        return None if spec is None else spec.mismatch(shape, dtype)
+        return None if spec is None else spec.mismatch(shape, dtype, rows)
 
     # -- receiving ----------------------------------------------------------------
 
@@ -299,7 +350,7 @@ class Inbox:
         """
         return (
             self._refusal(head.kind, head.step, head.microbatch)
-            or self._mismatch(head.kind, head.shape, head.dtype)
+            or self._mismatch(head.kind, head.shape, head.dtype, head.samples)
             or ("duplicate" if head.key in self._seen else None)
         )
 
@@ -324,15 +375,24 @@ class Inbox:
             extra={"job": self.job, "stage": self.stage, "reason": reason},
         )
 
-    def _remove_locked(self, key: tuple[int, int, int]) -> Frame:
+    def _remove_locked(self, key: _Key) -> Frame:
         self._held_bytes -= self._sizes.pop(key)
         return self._frames.pop(key)
 
     # -- taking -------------------------------------------------------------------
 
-    def take(self, kind: Kind, step: int, microbatch: int, timeout: float | None = None) -> Frame:
-        """Wait for the frame ``(kind, step, microbatch)`` and remove it from the inbox."""
-        key = (int(kind), step, microbatch)
+    def take(
+        self,
+        kind: Kind,
+        step: int,
+        microbatch: int,
+        timeout: float | None = None,
+        *,
+        first: int = 0,
+    ) -> Frame:
+        """Wait for the frame ``(kind, step, microbatch)`` holding rows from ``first`` on
+        and remove it from the inbox."""
+        key = (int(kind), step, microbatch, first)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while key not in self._frames:
@@ -386,16 +446,18 @@ class Transport(Protocol):
 
     name: str
 
-    def attach(self, job: str, stage: int) -> Inbox:
-        """Start receiving frames for ``stage`` of ``job``; returns its inbox."""
+    def attach(self, job: str, stage: int, member: int = 0, *, group: bool = False) -> Inbox:
+        """Start receiving frames for ``member`` of ``stage`` of ``job``; returns its inbox.
+
+        ``group``: the stage runs on a group, so also its ``reduce`` channel."""
         ...
 
-    def detach(self, job: str, stage: int) -> None:
-        """Stop receiving for ``stage`` of ``job`` and close its inbox."""
+    def detach(self, job: str, stage: int, member: int = 0) -> None:
+        """Stop receiving for ``member`` of ``stage`` of ``job`` and close its inbox."""
         ...
 
-    def send(self, job: str, stage: int, channel: Channel, frame: bytes) -> None:
-        """Deliver an encoded frame to ``stage`` of ``job`` on ``channel``."""
+    def send(self, job: str, stage: int, channel: Channel, frame: bytes, member: int = 0) -> None:
+        """Deliver an encoded frame to ``member`` of ``stage`` of ``job`` on ``channel``."""
         ...
 
     def close(self) -> None:

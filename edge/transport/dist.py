@@ -112,8 +112,20 @@ class DistTransport:
         self.frames_sent = 0
         self.bytes_sent = 0
 
-    def attach(self, job: str, stage: int, inbox: Inbox | None = None) -> Inbox:
-        """Start receiving for ``stage`` of ``job`` (into ``inbox`` if given: hybrid routes)."""
+    def attach(
+        self,
+        job: str,
+        stage: int,
+        member: int = 0,
+        *,
+        group: bool = False,
+        inbox: Inbox | None = None,
+    ) -> Inbox:
+        """Start receiving for ``stage`` of ``job`` (into ``inbox`` if given: hybrid routes).
+
+        A stage here runs on one device: no ``member`` but 0, no ``group``."""
+        if member or group:
+            raise ValueError("a stage in a torch.distributed group runs on one device")
         if self.route.ranks.get(stage) != self.rank:
             raise ValueError(f"stage {stage} does not run on rank {self.rank}")
         with self._lock:
@@ -150,10 +162,10 @@ class DistTransport:
             log.warning("receiving from rank %d (%s) stopped: %s", src, channel, exc)
             inbox.close()
 
-    def send(self, job: str, stage: int, channel: Channel, frame: bytes) -> None:
+    def send(self, job: str, stage: int, channel: Channel, frame: bytes, member: int = 0) -> None:
         """Send ``frame`` to the rank of ``stage`` (blocks until it is on its way)."""
         dst = self.route.ranks.get(stage)
-        if dst is None:
+        if dst is None or member:
             raise ValueError(f"stage {stage} is not in this torch.distributed job")
         tag = _TAGS[channel]
         with warnings.catch_warnings():  # read-only bytes: torch only reads them here
@@ -165,7 +177,7 @@ class DistTransport:
             self.frames_sent += 1
             self.bytes_sent += len(frame)
 
-    def detach(self, job: str, stage: int) -> None:
+    def detach(self, job: str, stage: int, member: int = 0) -> None:
         """End this stage's outgoing streams, wait for its incoming ones to end, close it."""
         with self._lock:
             entry = self._attached.pop((job, stage), None)

@@ -7,7 +7,7 @@ sender's thread, so every frame is decoded and checked exactly as one that came
 over the wire, and codecs behave as they do between devices.
 
 Stages may attach in any order. A frame for a stage nobody has attached yet is
-not an error: it is kept (at most ``buffer_frames`` per ``(job, stage)``, the
+not an error: it is kept (at most ``buffer_frames`` per ``(job, stage, member)``, the
 oldest dropped with a warning) and delivered when that stage attaches. This is
 stronger than MQTT gives (see :mod:`edge.transport.mqtt`); the runtime must not
 rely on it, it only makes local runs forgiving.
@@ -28,7 +28,7 @@ DEFAULT_BUFFER_FRAMES = 1024
 
 log = logging.getLogger(__name__)
 
-_Key = tuple[str, int]
+_Key = tuple[str, int, int]
 
 
 class InProcessTransport:
@@ -49,14 +49,15 @@ class InProcessTransport:
         self.dropped: Counter[str] = Counter()
         """Frames this transport dropped before any inbox saw them (``buffer-full``)."""
 
-    def attach(self, job: str, stage: int) -> Inbox:
-        """The inbox of ``stage`` of ``job``; frames sent to it earlier are delivered now."""
-        key = (job, stage)
+    def attach(self, job: str, stage: int, member: int = 0, *, group: bool = False) -> Inbox:
+        """The inbox of ``member`` of ``stage`` of ``job`` (every channel, whatever
+        ``group`` says); frames sent to it earlier are delivered now."""
+        key = (job, stage, member)
         with self._lock:
             self._check_open()
             if key in self._inboxes:
-                raise ValueError(f"job {job} stage {stage} is already attached")
-            inbox = self._inboxes[key] = Inbox(job, stage)
+                raise ValueError(f"job {job} stage {stage} member {member} is already attached")
+            inbox = self._inboxes[key] = Inbox(job, stage, member)
             early = self._waiting.pop(key, deque())
         # Outside the lock: decoding a large frame must not hold up other stages.
         # Frames sent meanwhile go straight to the inbox; order does not matter.
@@ -64,19 +65,21 @@ class InProcessTransport:
             inbox.deliver(data, channel)
         return inbox
 
-    def detach(self, job: str, stage: int) -> None:
-        """Stop delivering to ``stage`` of ``job`` and close its inbox (a no-op if not attached)."""
+    def detach(self, job: str, stage: int, member: int = 0) -> None:
+        """Stop delivering to ``member`` of ``stage`` of ``job`` and close its inbox (a no-op
+        if not attached)."""
         with self._lock:
-            inbox = self._inboxes.pop((job, stage), None)
+            inbox = self._inboxes.pop((job, stage, member), None)
         if inbox is not None:
             inbox.close()
 
-    def send(self, job: str, stage: int, channel: Channel, frame: bytes) -> None:
-        """Deliver ``frame`` to ``stage`` of ``job`` now, or keep it until that stage attaches."""
+    def send(self, job: str, stage: int, channel: Channel, frame: bytes, member: int = 0) -> None:
+        """Deliver ``frame`` to ``member`` of ``stage`` of ``job`` now, or keep it until that
+        member attaches."""
         # An immutable copy: the inbox decodes without copying (see [Note: zero-copy
         # decoding] in edge.wire.frames), so the sender must not be able to change it later.
         data = frame if isinstance(frame, bytes) else bytes(frame)
-        key = (job, stage)
+        key = (job, stage, member)
         with self._lock:
             self._check_open()
             self.frames_sent += 1
@@ -102,10 +105,10 @@ class InProcessTransport:
             )
         waiting.append((data, channel))
 
-    def waiting(self, job: str, stage: int) -> int:
-        """Frames kept for ``stage`` of ``job`` until it attaches."""
+    def waiting(self, job: str, stage: int, member: int = 0) -> int:
+        """Frames kept for ``member`` of ``stage`` of ``job`` until it attaches."""
         with self._lock:
-            return len(self._waiting.get((job, stage), ()))
+            return len(self._waiting.get((job, stage, member), ()))
 
     def stats(self) -> dict[str, int]:
         """Counters: frames and bytes sent, and drops by reason (``dropped.<reason>``)."""

@@ -120,7 +120,8 @@ class MqttTransport:
         c.on_socket_open = _no_delay
 
         self._cond = threading.Condition()  # guards the subscription state below
-        self._inboxes: dict[tuple[str, int], Inbox] = {}
+        self._inboxes: dict[tuple[str, int, int], Inbox] = {}  # (job, stage, member)
+        self._stage_topics: dict[tuple[str, int, int], list[str]] = {}
         self._retired: deque[str] = deque(maxlen=32)  # filters unsubscribed lately
         self._control: dict[str, int] = {}  # topic filter -> QoS
         self._active: set[str] = set()  # filters the broker acknowledged on this connection
@@ -210,7 +211,7 @@ class MqttTransport:
         return self._connected and self._wanted() <= self._active
 
     def _wanted(self) -> set[str]:
-        stages = {stage_topic(job, stage, ch) for job, stage in self._inboxes for ch in _CHANNELS}
+        stages = {t for topics in self._stage_topics.values() for t in topics}
         return stages | set(self._control)
 
     def _on_connect(self, _c: Any, _u: Any, _f: Any, reason: Any, _p: Any) -> None:
@@ -286,7 +287,7 @@ class MqttTransport:
             # paho skips on_message when a filter matched: a filter that also covers
             # attached stages' topics must not take their frames from them.
             parsed = parse_stage_topic(msg.topic)
-            if parsed is not None and parsed[:2] in self._inboxes:
+            if parsed is not None and (parsed[0], parsed[1], parsed[3]) in self._inboxes:
                 self._on_message(_c, _u, msg)
 
         self._client.message_callback_add(topic, deliver)
@@ -307,40 +308,45 @@ class MqttTransport:
 
     # -- stages --------------------------------------------------------------------
 
-    def attach(self, job: str, stage: int) -> Inbox:
-        """Subscribe to the ``fwd`` and ``bwd`` topics of ``stage`` of ``job``; its inbox.
+    def attach(self, job: str, stage: int, member: int = 0, *, group: bool = False) -> Inbox:
+        """Subscribe to the ``fwd`` and ``bwd`` topics of ``member`` of ``stage`` of ``job``
+        (and its ``reduce`` topic, in a ``group``); its inbox.
 
         When connected, returns after the broker acknowledged the subscription, so
         every frame sent from then on arrives (or raises :class:`TimeoutError`,
         attaching nothing). Called on paho's thread (from a control callback) it
         cannot wait: call :meth:`wait_ready` from another thread before frames flow.
         """
-        inbox, topics = Inbox(job, stage), [stage_topic(job, stage, ch) for ch in _CHANNELS]
+        channels = (*_CHANNELS, "reduce") if group else _CHANNELS
+        key, inbox = (job, stage, member), Inbox(job, stage, member)
+        topics = [stage_topic(job, stage, ch, member) for ch in channels]
         with self._cond:
             if self._closed:
                 raise RuntimeError("the MQTT transport is closed")
-            if (job, stage) in self._inboxes:
-                raise ValueError(f"job {job} stage {stage} is already attached")
-            self._inboxes[(job, stage)] = inbox
+            if key in self._inboxes:
+                raise ValueError(f"job {job} stage {stage} member {member} is already attached")
+            self._inboxes[key] = inbox
+            self._stage_topics[key] = topics
             self._subscribe_locked(topics)
             try:
                 self._await_subscribed_locked(topics)
             except TimeoutError:
-                self._forget_locked(job, stage)
+                self._forget_locked(key)
                 raise
         return inbox
 
-    def detach(self, job: str, stage: int) -> None:
-        """Unsubscribe ``stage`` of ``job`` and close its inbox (a no-op if not attached)."""
+    def detach(self, job: str, stage: int, member: int = 0) -> None:
+        """Unsubscribe ``member`` of ``stage`` of ``job`` and close its inbox (a no-op if
+        not attached)."""
         with self._cond:
-            inbox = self._forget_locked(job, stage)
+            inbox = self._forget_locked((job, stage, member))
         if inbox is not None:
             inbox.close()
 
-    def _forget_locked(self, job: str, stage: int) -> Inbox | None:
-        topics = [stage_topic(job, stage, ch) for ch in _CHANNELS]
+    def _forget_locked(self, key: tuple[str, int, int]) -> Inbox | None:
+        topics = self._stage_topics.pop(key, [])
         self._active.difference_update(topics)
-        inbox = self._inboxes.pop((job, stage), None)
+        inbox = self._inboxes.pop(key, None)
         if inbox is not None and self._connected:
             self._client.unsubscribe(topics)
         return inbox
@@ -354,7 +360,7 @@ class MqttTransport:
         """
         try:  # never raise here: an exception would end paho's network thread
             parsed = parse_stage_topic(msg.topic)
-            inbox = self._inboxes.get(parsed[:2]) if parsed else None
+            inbox = self._inboxes.get((parsed[0], parsed[1], parsed[3])) if parsed else None
             if parsed is None or inbox is None:
                 reason = "other-topic" if parsed is None else "unattached"
                 self._count_drop(reason)
@@ -382,19 +388,21 @@ class MqttTransport:
 
     # -- sending -------------------------------------------------------------------
 
-    def send(self, job: str, stage: int, channel: Channel, frame: bytes) -> None:
-        """Publish ``frame`` to ``stage`` of ``job`` at QoS 1; never waits for the network.
+    def send(self, job: str, stage: int, channel: Channel, frame: bytes, member: int = 0) -> None:
+        """Publish ``frame`` to ``member`` of ``stage`` of ``job`` at QoS 1; never waits for
+        the network.
 
         With link shaping the frame is queued on the emulated link and published
         later; a full link queue raises :class:`ConnectionError` at once.
         """
+        topic = stage_topic(job, stage, channel, member)
         if self.link is None:
-            self._publish(stage_topic(job, stage, channel), frame, 1, False, count=True)
+            self._publish(topic, frame, 1, False, count=True)
             return
         if self._closed:
             raise RuntimeError("the MQTT transport is closed")
         data = _payload(frame)
-        self.link.up.put((stage_topic(job, stage, channel), data), len(data))
+        self.link.up.put((topic, data), len(data))
 
     def _release_up(self, item: _Up) -> None:
         # On the shaper's thread, also while close() drains the link.
@@ -500,6 +508,7 @@ class MqttTransport:
             self._closed = True
             inboxes = list(self._inboxes.values())
             self._inboxes.clear()
+            self._stage_topics.clear()
         self._stop.set()
         for inbox in inboxes:
             inbox.close()

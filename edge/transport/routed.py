@@ -24,7 +24,9 @@ class RoutedTransport:
         self.dist = dist
         self.name = f"{dist.name}+{other.name}"
 
-    def attach(self, job: str, stage: int) -> Inbox:
+    def attach(self, job: str, stage: int, member: int = 0, *, group: bool = False) -> Inbox:
+        if member or group:
+            raise ValueError("a stage in a torch.distributed group runs on one device")
         inbox = self.other.attach(job, stage)
         try:
             self.dist.attach(job, stage, inbox=inbox)
@@ -33,11 +35,13 @@ class RoutedTransport:
             raise
         return inbox
 
-    def send(self, job: str, stage: int, channel: Channel, frame: bytes) -> None:
-        wire = self.dist if stage in self.dist.route.ranks else self.other
-        wire.send(job, stage, channel, frame)
+    def send(self, job: str, stage: int, channel: Channel, frame: bytes, member: int = 0) -> None:
+        if stage in self.dist.route.ranks:
+            self.dist.send(job, stage, channel, frame)
+        else:
+            self.other.send(job, stage, channel, frame, member)
 
-    def detach(self, job: str, stage: int) -> None:
+    def detach(self, job: str, stage: int, member: int = 0) -> None:
         try:
             self.dist.detach(job, stage)
         finally:

@@ -9,7 +9,7 @@ is made.
 Frame layout (``<`` little-endian, :data:`HEADER` then ``ndim`` dimensions)::
 
     magic      4s  b"ETF1"
-    version    B   1
+    version    B   2
     kind       B   Kind (activation, gradient, labels, weights)
     codec      B   Codec (fp32, fp16, bf16, int8, raw)
     dtype      B   the tensor's dtype once decoded (DTYPES)
@@ -17,7 +17,10 @@ Frame layout (``<`` little-endian, :data:`HEADER` then ``ndim`` dimensions)::
     reserved   3x
     job        16s job id, ASCII, NUL-padded
     step       Q
-    microbatch I
+    microbatch I   (REDUCE and GATHER frames: the sending member)
+    lo, hi     II  the rows [lo, hi) of the microbatch the tensor holds, its first
+                   dimension hi - lo ([Note: groups on the wire] in edge.wire.groups);
+                   a whole tensor holds [0, rows), a scalar [0, 0)
     scale      f   int8 codec: the per-tensor scale; 0 otherwise
     length     Q   payload bytes
     checksum   I   CRC-32C (Castagnoli) of the payload: hardware-accelerated on x86
@@ -79,8 +82,8 @@ __all__ = [
 ]
 
 MAGIC = b"ETF1"
-VERSION = 1
-HEADER = struct.Struct("<4sBBBBB3x16sQIfQI")
+VERSION = 2
+HEADER = struct.Struct("<4sBBBBB3x16sQIIIfQI")
 MAX_NDIM = 8
 MAX_ELEMENTS = 1 << 31
 """A frame declaring more elements than this is refused before anything is allocated."""
@@ -93,6 +96,10 @@ class Kind(IntEnum):
     GRADIENT = 2
     LABELS = 3
     WEIGHTS = 4
+    REDUCE = 5
+    """A group member's part of the gradient chunk another member owns (reduce-scatter)."""
+    GATHER = 6
+    """An owner's summed gradient chunk, for the group's other members (all-gather)."""
 
 
 class Codec(IntEnum):
@@ -188,6 +195,8 @@ class FrameHeader:
     job: str
     step: int
     microbatch: int
+    samples: tuple[int, int]
+    """The rows ``[lo, hi)`` of the microbatch the frame holds."""
     codec: Codec
     dtype: torch.dtype
     """The tensor's dtype once decoded (:func:`decoded_dtype`)."""
@@ -200,8 +209,9 @@ class FrameHeader:
     """Size of the whole frame on the wire."""
 
     @property
-    def key(self) -> tuple[int, int, int]:
-        return (int(self.kind), self.step, self.microbatch)
+    def key(self) -> tuple[int, int, int, int]:
+        """``(kind, step, microbatch, lo)``: what an inbox files the frame under."""
+        return (int(self.kind), self.step, self.microbatch, self.samples[0])
 
 
 @dataclass(frozen=True)
@@ -210,21 +220,33 @@ class Frame:
     job: str
     step: int
     microbatch: int
+    samples: tuple[int, int]
+    """The rows ``[lo, hi)`` of the microbatch the tensor holds."""
     codec: Codec
     tensor: torch.Tensor
     nbytes: int
     """Size of the whole frame on the wire."""
 
     @property
-    def key(self) -> tuple[int, int, int]:
-        return (int(self.kind), self.step, self.microbatch)
+    def key(self) -> tuple[int, int, int, int]:
+        """``(kind, step, microbatch, lo)``: what an inbox files the frame under."""
+        return (int(self.kind), self.step, self.microbatch, self.samples[0])
 
 
 def encode_frame(
-    kind: Kind, job: str, step: int, microbatch: int, tensor: torch.Tensor, codec: Codec
+    kind: Kind,
+    job: str,
+    step: int,
+    microbatch: int,
+    tensor: torch.Tensor,
+    codec: Codec,
+    *,
+    first: int = 0,
 ) -> bytes:
     """One frame: header, shape, payload. Integer tensors are always sent raw.
 
+    The tensor holds rows ``[first, first + rows)`` of its microbatch (a piece of
+    a group's block, [Note: groups on the wire]); a whole tensor starts at 0.
     The payload is checksummed once and copied once, straight into the frame.
     """
     if not valid_job_id(job):
@@ -247,6 +269,9 @@ def encode_frame(
     elif codec is not Codec.RAW and t.dtype is not _WIRE_DTYPE[codec]:
         t = t.to(_WIRE_DTYPE[codec])
     payload = _bytes_of(t)
+    rows = t.shape[0] if t.ndim else 0
+    if first < 0 or (not t.ndim and first):
+        raise ValueError(f"rows cannot start at {first} for a tensor of shape {list(t.shape)}")
     prefix = _PREFIXES[t.ndim].pack(
         MAGIC,
         VERSION,
@@ -257,6 +282,8 @@ def encode_frame(
         job.encode(),
         step,
         microbatch,
+        first,
+        first + rows,
         scale,
         payload.nbytes,
         crc32c(payload),
@@ -308,7 +335,7 @@ def read_header(
         raise FrameError("too-large", f"{len(view)} bytes exceed the maximum of {max_bytes}")
     if len(view) < HEADER.size:
         raise FrameError("truncated", f"{len(view)} bytes is shorter than the header")
-    (magic, version, kind, codec, dtype, ndim, job_raw, step, mb, scale, length, checksum) = (
+    (magic, version, kind, codec, dtype, ndim, job_raw, step, mb, lo, hi, scale, length, crc) = (
         HEADER.unpack_from(view)
     )
     if magic != MAGIC:
@@ -341,16 +368,19 @@ def read_header(
     if numel * wire_dtype.itemsize != length:
         need = numel * wire_dtype.itemsize
         raise FrameError("bad-shape", f"shape {shape} needs {need} bytes, payload has {length}")
+    if hi < lo or hi - lo != (shape[0] if ndim else 0):
+        raise FrameError("bad-rows", f"rows [{lo}, {hi}) for shape {list(shape)}")
     return FrameHeader(
         kind=kind_v,
         job=job,
         step=step,
         microbatch=mb,
+        samples=(lo, hi),
         codec=codec_v,
         dtype=decoded_dtype(codec_v, dtype_v),
         shape=shape,
         scale=scale,
-        checksum=checksum,
+        checksum=crc,
         offset=start,
         nbytes=len(view),
     )
@@ -386,6 +416,7 @@ def decode_body(header: FrameHeader, data: bytes | bytearray | memoryview) -> Fr
         job=header.job,
         step=header.step,
         microbatch=header.microbatch,
+        samples=header.samples,
         codec=codec,
         tensor=tensor,
         nbytes=header.nbytes,

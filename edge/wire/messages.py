@@ -115,6 +115,11 @@ class StageAssignment(TrainConfigBase):
     replicas: Replicas = 1
     dist: DistGroup | None = None
     """Set when this stage is in a torch.distributed group with some of its neighbours."""
+    member: int = Field(default=0, ge=0)
+    """Which member of its stage's group this device is (0 alone)."""
+    group_samples: tuple[tuple[int, ...], ...] | None = None
+    """Groups: per stage, the samples of each microbatch each member computes, in member
+    order (:func:`edge.wire.groups.split_samples`); ``None`` for one device per stage."""
 
     @classmethod
     def for_stage(cls, config: TrainConfigBase, **fields: Any) -> StageAssignment:
@@ -135,7 +140,39 @@ class StageAssignment(TrainConfigBase):
             raise ValueError(f"stage {self.stage} has a dist group without a rank in it")
         if self.first_step >= self.steps:
             raise ValueError(f"first_step {self.first_step} is not below steps {self.steps}")
+        self._check_groups()
         return self
+
+    def _check_groups(self) -> None:
+        groups = self.group_samples
+        if groups is None:
+            if self.member:
+                raise ValueError(f"member {self.member} without group_samples")
+            return
+        n = self.batch_size // (self.microbatches * self.replicas)
+        if len(groups) != self.num_stages:
+            raise ValueError(f"group_samples has {len(groups)} stages, not {self.num_stages}")
+        for s, counts in enumerate(groups):
+            if not counts or min(counts) < 1 or sum(counts) != n:
+                raise ValueError(
+                    f"stage {s}: samples {list(counts)} are not positive counts adding up "
+                    f"to the microbatch's {n}"
+                )
+        if self.member >= len(groups[self.stage]):
+            raise ValueError(f"member {self.member} is not in stage {self.stage}'s group")
+        if self.replicas > 1 or self.dist is not None:
+            raise ValueError("a stage group cannot be combined with replicas or a dist group")
+
+    @property
+    def group_size(self) -> int:
+        """Members of this stage's group (1 alone)."""
+        return 1 if self.group_samples is None else len(self.group_samples[self.stage])
+
+    def samples_of(self, stage: int) -> tuple[int, ...]:
+        """Each member's samples of a microbatch on ``stage`` (one member: all of them)."""
+        if self.group_samples is None:
+            return (self.batch_size // (self.microbatches * self.replicas),)
+        return self.group_samples[stage]
 
     @property
     def is_first(self) -> bool:
@@ -173,6 +210,8 @@ class _Event(_Message):
     job: JobId
     stage: int = Field(ge=0)
     device: str
+    member: int = Field(default=0, ge=0)
+    """Which member of the stage's group sent it (0 alone)."""
     ts: float = Field(default_factory=time.time)
 
 
@@ -201,12 +240,20 @@ class StepReport(_Event):
     replica_s: float = 0.0
     """Seconds spent serialising and handing over that state."""
     allreduce_s: float = 0.0
-    """Data parallelism: seconds averaging gradients (and the loss) over the replicas."""
+    """Data parallelism: seconds averaging gradients (and the loss) over the replicas,
+    or summing them over the stage's group."""
+    samples: int = 0
+    """Samples this device ran forward and backward in the step (its group share)."""
+    allreduce_bytes: int = 0
+    """A group's member: bytes it sent summing the group's gradients (in ``bytes_sent``)."""
 
 
 class StageDone(_Event):
     type: Literal["done"] = "done"
     steps: int = 0
+    weights_sha256: str = ""
+    """The SHA-256 of the stage's final weights (safetensors bytes): a group's members
+    must report the same."""
 
 
 class StageFailed(_Event):

@@ -3,7 +3,10 @@
 Device topics: ``devices/{id}/status`` (retained; last-will ``offline``),
 ``devices/{id}/profile`` (retained), ``devices/{id}/heartbeat`` and
 ``devices/{id}/cmd``. Job topics: the stage frames (``jobs/{job}/stage/{s}/fwd|bwd``,
-:mod:`edge.wire.frames`) and ``jobs/{job}/events/{device}``, each device's own
+:mod:`edge.wire.frames`; for member ``m > 0`` of a group
+``jobs/{job}/stage/{s}/member/{m}/fwd|bwd``, and a group's gradient channel
+``.../reduce``, [Note: groups on the wire] in :mod:`edge.wire.groups`) and
+``jobs/{job}/events/{device}``, each device's own
 (so a broker ACL, not a payload, says who sent an event), and besides them, all
 carrying safetensors bytes (:mod:`edge.runtime.checkpoint`), never a pickle:
 
@@ -30,6 +33,7 @@ A state's ``step`` is the number of steps done: the state at the start of step
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -88,9 +92,13 @@ def device_heartbeat(device: str) -> str:
     return f"{TOPIC_ROOT}/devices/{device}/heartbeat"
 
 
-def stage_topic(job: str, stage: int, channel: str) -> str:
-    """Frames *for* stage ``stage``: ``fwd`` (activations, labels) or ``bwd`` (gradients)."""
-    return f"{TOPIC_ROOT}/jobs/{job}/stage/{stage}/{channel}"
+def stage_topic(job: str, stage: int, channel: str, member: int = 0) -> str:
+    """Frames *for* member ``member`` of stage ``stage``: ``fwd`` (activations, labels),
+    ``bwd`` (gradients) or, in a group, ``reduce`` (its fellow members' gradient chunks).
+
+    Member 0 (every one-device stage) has the stage's own topics."""
+    at = f"{stage}" if member == 0 else f"{stage}/member/{member}"
+    return f"{TOPIC_ROOT}/jobs/{job}/stage/{at}/{channel}"
 
 
 def job_events(job: str, device: str) -> str:
@@ -120,13 +128,18 @@ def job_restore(job: str, stage: int) -> str:
 
 
 _EVENTS_TOPIC = re.compile(rf"{TOPIC_ROOT}/jobs/({_JOB_ID.pattern})/events/({_DEVICE_ID.pattern})")
-_STAGE_TOPIC = re.compile(rf"{TOPIC_ROOT}/jobs/({_JOB_ID.pattern})/stage/(0|[1-9][0-9]*)/(fwd|bwd)")
+_NUMBER = "0|[1-9][0-9]*"
+_STAGE_TOPIC = re.compile(
+    rf"{TOPIC_ROOT}/jobs/({_JOB_ID.pattern})/stage/({_NUMBER})(?:/member/([1-9][0-9]*))?"
+    "/(fwd|bwd|reduce)"
+)
 
 
-def parse_stage_topic(topic: str) -> tuple[str, int, str] | None:
-    """``(job, stage, channel)`` of a stage topic, or ``None`` for any other topic."""
+def parse_stage_topic(topic: str) -> tuple[str, int, str, int] | None:
+    """``(job, stage, channel, member)`` of a stage topic (:func:`stage_topic`'s arguments),
+    or ``None`` for any other topic."""
     m = _STAGE_TOPIC.fullmatch(topic)
-    return (m.group(1), int(m.group(2)), m.group(3)) if m else None
+    return (m.group(1), int(m.group(2)), m.group(4), int(m.group(3) or 0)) if m else None
 
 
 def parse_events_topic(topic: str) -> tuple[str, str] | None:
@@ -144,7 +157,14 @@ class StageAccess:
 
 
 def stage_access(
-    job: str, stage: int, num_stages: int, device: str, *, replicate: bool = False
+    job: str,
+    stage: int,
+    num_stages: int,
+    device: str,
+    *,
+    replicate: bool = False,
+    member: int = 0,
+    group_sizes: Sequence[int] | None = None,
 ) -> StageAccess:
     """What the device running ``stage`` of ``num_stages`` needs, and nothing more.
 
@@ -153,16 +173,34 @@ def stage_access(
     publishes its weights (and with ``replicate`` its state) under its stage number.
     It reads its own frames, the state it may be restored from and, with
     ``replicate``, its predecessor's state (stage 0: the last stage's).
+
+    In groups (``group_sizes``: members per stage, ``None`` for one each) the device
+    is ``member`` of its stage: it sends to every member of its neighbour stages,
+    reads its own member topics, and only member 0 publishes the stage's weights.
+    A group's members may publish to each other's ``reduce`` topic, nobody else.
     """
     last = num_stages - 1
-    publish = [job_events(job, device), job_weights(job, stage)]
-    read = [stage_topic(job, stage, "fwd"), stage_topic(job, stage, "bwd"), job_restore(job, stage)]
+    sizes = list(group_sizes) if group_sizes is not None else [1] * num_stages
+    if len(sizes) != num_stages or not 0 <= member < sizes[stage]:
+        raise ValueError(f"member {member} of stage {stage} is not in groups {sizes}")
+
+    def to(s: int, channel: str) -> list[str]:
+        return [stage_topic(job, s, channel, m) for m in range(sizes[s])]
+
+    publish = [job_events(job, device)]
+    if member == 0:
+        publish.append(job_weights(job, stage))
+    read = [stage_topic(job, stage, "fwd", member), stage_topic(job, stage, "bwd", member)]
+    read.append(job_restore(job, stage))
+    if sizes[stage] > 1:
+        read.append(stage_topic(job, stage, "reduce", member))
+        publish += [t for m, t in enumerate(to(stage, "reduce")) if m != member]
     if stage < last:
-        publish.append(stage_topic(job, stage + 1, "fwd"))
+        publish += to(stage + 1, "fwd")
     if stage > 0:
-        publish.append(stage_topic(job, stage - 1, "bwd"))
+        publish += to(stage - 1, "bwd")
     if stage == 0 and last > 1:
-        publish.append(stage_topic(job, last, "fwd"))  # the labels
+        publish += to(last, "fwd")  # the labels
     if replicate:
         publish.append(job_replica(job, stage))
         if num_stages > 1:

@@ -8,8 +8,12 @@ stages as threads of this process; ``--transport dist`` runs the server tier
 torchrun semantics (:mod:`edge.server.launch`), gloo on CPUs and NCCL with
 ``--device cuda``, ``--replicas R`` data-parallel copies of the pipeline.
 ``--devices 1`` is the single-device reference: the same code path, one stage,
-no pipeline. The command parses and checks its options, builds the job's spec,
-prints; the training is :mod:`coordinator.local.train`'s.
+no pipeline. ``--devices`` also takes catalogue profiles (``laptop,rpi4-4gb,...``):
+agents then emulate those devices, and plans (and a group's shares) follow their
+speeds. ``--partition even --group-sizes 2,1,1`` forces stages on device groups
+(data-parallel within a stage, [Note: groups on the wire] in :mod:`edge.wire.groups`).
+The command parses and checks its options, builds the job's spec, prints; the
+training is :mod:`coordinator.local.train`'s.
 """
 
 from __future__ import annotations
@@ -33,7 +37,12 @@ def train_command(
     model: str = typer.Option("cnn-digits", "--model", help="Zoo model or package.module:fn."),
     dataset: str | None = typer.Option(None, "--dataset", help="Dataset (default: the model's)."),
     option: list[str] = typer.Option([], "--option", "-o", help="Model option key=value."),
-    devices: int = typer.Option(3, "--devices", min=1, help="Local devices (agents) to use."),
+    devices_opt: str = typer.Option(
+        "3",
+        "--devices",
+        help="Local devices (agents) to use: a count, or catalogue profiles to emulate "
+        "(laptop,rpi4-4gb,...: each announces its profile and runs slowed to its speed).",
+    ),
     steps: int = typer.Option(50, "--steps", min=1, help="Optimizer steps."),
     batch_size: int = typer.Option(64, "--batch-size", "-b", min=1, help="Samples per step."),
     microbatches: int = typer.Option(4, "--microbatches", "-m", min=1, help="Per step."),
@@ -80,6 +89,13 @@ def train_command(
         min=1,
         help="Exactly N stages: with plan, the planner's best plan of N stages; with even, "
         "the N fastest devices (the first always among them). Default: what --partition gives.",
+    ),
+    group_sizes_opt: str | None = typer.Option(
+        None,
+        "--group-sizes",
+        help="With --partition even: devices per stage, e.g. 2,1,1 (adding up to --devices); "
+        "a stage on several devices trains data-parallel, each on a share of every "
+        "microbatch by its speed.",
     ),
     save_weights: Path | None = typer.Option(
         None, "--save-weights", help="Write the trained model here (safetensors)."
@@ -129,6 +145,15 @@ def train_command(
 
     if transport not in ("mqtt", "inprocess", "dist"):
         raise UserError(f"--transport: {transport!r} is not mqtt, inprocess or dist")
+    devices, profiles = _devices(devices_opt)
+    group_sizes = _group_sizes(group_sizes_opt, devices, partition)
+    if profiles and transport == "dist":
+        raise UserError("--devices with profiles is for --transport mqtt or inprocess")
+    if group_sizes and (transport == "dist" or servers or fault or replicate_every):
+        raise UserError(
+            "--group-sizes runs over mqtt or inprocess, without --servers, --fault or "
+            "--replicate-every"
+        )
     if transport != "dist" and (replicas > 1 or device != "cpu"):
         raise UserError("--replicas and --device are for --transport dist")
     if device not in ("cpu", "cuda"):
@@ -161,6 +186,7 @@ def train_command(
                 "precision": precision,
                 "partition": partition,
                 "stages": stages,
+                "group_sizes": group_sizes,
                 "optimizer": {
                     "name": optimizer,
                     "lr": lr,
@@ -193,7 +219,7 @@ def train_command(
 
     with progress:
         if transport == "inprocess":
-            run = train_inprocess(spec, devices, on_step=progress.update)
+            run = train_inprocess(spec, devices, on_step=progress.update, profiles=profiles)
         elif transport == "dist":
             run = train_dist(
                 spec,
@@ -217,6 +243,7 @@ def train_command(
                 rebalance=rebalance,
                 on_step=progress.update,
                 note=progress.note,
+                profiles=profiles,
             )
     result, score, broker_name = run.result, run.score, run.broker
     if save_weights is not None:
@@ -296,3 +323,35 @@ class _Progress:
         self._bar.update(
             self._task, completed=report.step + 1, loss=f"{report.loss:.4f}", sps=f"{sps:.0f}"
         )
+
+
+def _devices(text: str) -> tuple[int, list[str] | None]:
+    """``--devices``: a count, or catalogue profiles (their count, and their names)."""
+    text = text.strip()
+    if text.isdigit():
+        if int(text) < 1:
+            raise UserError(f"--devices: {text} is not a positive count")
+        return int(text), None
+    names = [n.strip() for n in text.split(",")]
+    if not all(names):
+        raise UserError(f"--devices: {text!r} is not a count or a list of catalogue profiles")
+    from edge.profiling.catalog import resolve
+
+    for name in names:
+        resolve(name)  # an unknown profile fails here, with its own one-line message
+    return len(names), names
+
+
+def _group_sizes(text: str | None, devices: int, partition: str) -> list[int] | None:
+    """``--group-sizes 2,1,1``: devices per stage, adding up to ``--devices``."""
+    if text is None:
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise UserError(f"--group-sizes: {text!r} is not a list of positive counts like 2,1,1")
+    sizes = [int(p) for p in parts]
+    if sum(sizes) != devices:
+        raise UserError(f"--group-sizes {text} adds up to {sum(sizes)}, not --devices {devices}")
+    if partition != "even":
+        raise UserError("--group-sizes needs --partition even")
+    return sizes

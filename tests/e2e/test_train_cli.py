@@ -153,6 +153,18 @@ def test_a_user_model_and_dataset_train_on_agents_that_allow_their_modules(
             marks=pytest.mark.slow,  # profiles four devices first
         ),
         (["--stages", "2", "--transport", "mqtt", "--fault", "kill:2@1"], "below --stages"),
+        (["--partition", "even", "--group-sizes", "2,2"], "adds up to 4, not --devices 3"),
+        (["--group-sizes", "2,1"], "--group-sizes needs --partition even"),
+        (["--partition", "even", "--group-sizes", "2,0,1"], "not a list of positive counts"),
+        (["--devices", "laptop,pi9"], "unknown device profile 'pi9'"),
+        (
+            ["--devices=laptop,rpi4-4gb,rpi4-4gb", "--partition=even", "--group-sizes=2,1"],
+            "stage 0: a microbatch of 4 samples split by shares [0.967, 0.033] leaves a member",
+        ),
+        (
+            ["--model=cnn-digits", "-o", "norm=batch", "--partition=even", "--group-sizes=2,1"],
+            "stage 0: a group of 2 devices cannot train BatchNorm (conv1.1)",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(extra: list[str], names: str) -> None:
@@ -177,3 +189,61 @@ def test_a_fault_on_a_stage_the_plan_lacks_exits_2_naming_the_plans_stages() -> 
     assert done.stdout == ""
     last = done.stderr.strip().splitlines()[-1]
     assert last == "error: --fault kill:2@1: the plan has 2 stages (stages 0-1), no stage 2"
+
+
+def test_group_sizes_in_process_train_as_one_device(tmp_path: Path) -> None:
+    """``--partition even --group-sizes 1,2,1``: the middle stage runs on two devices, each
+    on half of every microbatch; losses and weights equal the plain PyTorch loop's."""
+    out = tmp_path / "groups.safetensors"
+    got = ok_json(
+        train(
+            "--transport",
+            "inprocess",
+            "--devices",
+            "4",
+            "--partition",
+            "even",
+            "--group-sizes",
+            "1,2,1",
+            "--json",
+            "--save-weights",
+            str(out),
+        )
+    )
+    stages = got["plan"]["stages"]
+    assert [s["layers"] for s in stages] == [[0, 1], [1, 2], [2, 3]]
+    assert [len(s["devices"]) for s in stages] == [1, 2, 1]
+    assert stages[1]["shares"] == [0.5, 0.5]  # copies of this machine: equal speeds
+    independent = train_reference("mlp", steps=4, batch_size=16, seed=1)
+    assert_matches(got["losses"], safetensors.torch.load_file(str(out)), independent)
+
+
+@pytest.mark.broker
+@pytest.mark.skipif(find_mosquitto() is None, reason=NO_MOSQUITTO)
+@pytest.mark.slow
+def test_group_sizes_on_agents_of_different_speeds_split_by_speed(tmp_path: Path) -> None:
+    """Three emulated catalogue devices over MQTT, ``--group-sizes 2,1``: the first stage's
+    group is a NUC and a Raspberry Pi 5, whose shares follow their speeds (7 and 1 of a
+    microbatch's 8 samples), and the job still equals the plain PyTorch loop."""
+    out = tmp_path / "groups.safetensors"
+    got = ok_json(
+        train(
+            "--devices",
+            "nuc,rpi5-8gb,laptop",
+            "--partition",
+            "even",
+            "--group-sizes",
+            "2,1",
+            "--microbatches",
+            "2",
+            "--json",
+            "--save-weights",
+            str(out),
+        )
+    )
+    stages = got["plan"]["stages"]
+    assert [len(s["devices"]) for s in stages] == [2, 1]
+    fast, slow = stages[0]["shares"]
+    assert fast > 0.8 and slow < 0.2  # unequal: the NUC is several times the Pi
+    independent = train_reference("mlp", steps=4, batch_size=16, seed=1, microbatches=2)
+    assert_matches(got["losses"], safetensors.torch.load_file(str(out)), independent)

@@ -172,6 +172,26 @@ class TransportConformance:
         assert torch.equal(theirs.take(Kind.ACTIVATION, 0, 0, timeout=WAIT_S).tensor, torch.ones(1))
         assert torch.equal(mine.take(Kind.ACTIVATION, 0, 0, timeout=WAIT_S).tensor, torch.zeros(1))
 
+    def test_members_of_a_group_are_addressed_one_by_one(self, pair: Pair) -> None:
+        """Two members of stage 1: each gets only its own pieces, and its group's chunks
+        on the reduce channel; the same member twice is an error."""
+        first, second = pair.b.attach(JOB, 1, 0, group=True), pair.b.attach(JOB, 1, 1, group=True)
+        with pytest.raises(ValueError, match="member 1 is already attached"):
+            pair.b.attach(JOB, 1, 1, group=True)
+        for lo, hi, member in ((0, 3, 0), (3, 4, 1)):
+            piece = torch.full((hi - lo, 2), float(lo))
+            data = encode_frame(Kind.ACTIVATION, JOB, 0, 0, piece, Codec.FP32, first=lo)
+            pair.a.send(JOB, 1, "fwd", data, member)
+        chunk = encode_frame(Kind.REDUCE, JOB, 0, 0, torch.ones(5), Codec.RAW)
+        pair.b.send(JOB, 1, "reduce", chunk, 1)
+        got = second.take(Kind.ACTIVATION, 0, 0, timeout=WAIT_S, first=3)
+        assert got.samples == (3, 4) and torch.equal(got.tensor, torch.full((1, 2), 3.0))
+        assert first.take(Kind.ACTIVATION, 0, 0, timeout=WAIT_S).samples == (0, 3)
+        assert torch.equal(second.take(Kind.REDUCE, 0, 0, timeout=WAIT_S).tensor, torch.ones(5))
+        assert first.pending == 0 and second.pending == 0
+        pair.b.detach(JOB, 1, 1)
+        assert second.closed and not first.closed
+
     def test_what_the_runtime_needs_attach_everything_then_send(self, pair: Pair) -> None:
         """Once ``attach`` has returned, every frame sent to that stage is delivered."""
         inbox = pair.b.attach(JOB, 1)

@@ -258,3 +258,91 @@ def test_a_closed_inbox_still_refuses_and_counts() -> None:
 def test_expect_refuses_no_microbatches() -> None:
     with pytest.raises(ValueError, match="microbatches"):
         Inbox(JOB, 1).expect(PLAN, microbatches=0, step=0)
+
+
+# -- groups: pieces of a block, and the group's gradient chunks ------------------------
+# Member 1 of a group holds rows [2, 8) of every 8-sample microbatch; the stage before
+# it is a group of blocks [0, 4) and [4, 8): its activations come as rows [2, 4) and [4, 8).
+BLOCK = Expected((6, 8), F32, ((2, 4), (4, 8)))
+CHUNK = Expected((5,), F32)
+
+
+def piece(step: int, rows: tuple[int, int], mb: int = 0, width: int = 8) -> bytes:
+    t = torch.full((rows[1] - rows[0], width), float(rows[0]))
+    return encode_frame(Kind.ACTIVATION, JOB, step, mb, t, Codec.FP32, first=rows[0])
+
+
+def in_group(members: int = 2) -> Inbox:
+    inbox = Inbox(JOB, 1, 1)
+    plan = {Kind.ACTIVATION: BLOCK, Kind.REDUCE: CHUNK, Kind.GATHER: CHUNK}
+    inbox.expect(plan, microbatches=2, step=0, members=members)
+    return inbox
+
+
+def test_a_block_arrives_as_its_pieces_taken_by_their_first_row() -> None:
+    inbox = in_group()
+    assert inbox.deliver(piece(0, (4, 8)), "fwd") and inbox.deliver(piece(0, (2, 4)), "fwd")
+    got = inbox.take(Kind.ACTIVATION, 0, 0, timeout=1, first=2)
+    assert got.samples == (2, 4) and got.tensor.shape == (2, 8) and got.tensor[0, 0] == 2
+    assert inbox.take(Kind.ACTIVATION, 0, 0, timeout=1, first=4).samples == (4, 8)
+    with pytest.raises(TimeoutError):
+        inbox.take(Kind.ACTIVATION, 0, 0, timeout=0.01, first=0)
+
+
+@pytest.mark.parametrize(
+    ("reason", "data"),
+    [
+        ("wrong-rows", piece(0, (0, 4))),  # rows of the sender's block, not of ours
+        ("wrong-rows", piece(0, (2, 5))),
+        ("wrong-rows", piece(0, (2, 8))),  # the whole block, where the plan sends two pieces
+        ("wrong-shape", piece(0, (2, 4), width=7)),
+        ("wrong-microbatch", piece(0, (2, 4), mb=2)),
+    ],
+)
+def test_a_piece_the_plan_does_not_imply_is_dropped(reason: str, data: bytes) -> None:
+    inbox = in_group()
+    assert not inbox.deliver(data, "fwd")
+    assert inbox.dropped == {reason: 1}
+    assert inbox.deliver(piece(0, (2, 4)), "fwd")  # the real one is no duplicate
+
+
+def test_a_one_device_link_wants_the_whole_microbatch_from_row_0() -> None:
+    inbox = planned()
+    moved = encode_frame(Kind.ACTIVATION, JOB, 0, 0, torch.ones(4, 8), Codec.FP32, first=1)
+    assert not inbox.deliver(moved, "fwd")
+    assert inbox.dropped == {"wrong-rows": 1}
+
+
+def test_group_chunks_come_on_the_reduce_channel_one_per_member() -> None:
+    inbox = in_group(members=3)
+    for kind in (Kind.REDUCE, Kind.GATHER):
+        for sender in (0, 2):
+            frame = encode_frame(kind, JOB, 0, sender, torch.ones(5), Codec.RAW)
+            assert inbox.deliver(frame, "reduce")
+        stray = encode_frame(kind, JOB, 0, 3, torch.ones(5), Codec.RAW)  # no member 3
+        assert not inbox.deliver(stray, "reduce")
+    short = encode_frame(Kind.REDUCE, JOB, 0, 0, torch.ones(4), Codec.RAW)
+    assert not inbox.deliver(short, "reduce")
+    misrouted = encode_frame(Kind.REDUCE, JOB, 0, 1, torch.ones(5), Codec.RAW)
+    assert not inbox.deliver(misrouted, "fwd")
+    assert inbox.dropped == {"wrong-microbatch": 2, "wrong-shape": 1, "wrong-kind": 1}
+    assert inbox.take(Kind.GATHER, 0, 2, timeout=1).tensor.tolist() == [1.0] * 5
+
+
+def test_totals_of_a_group_count_every_piece_and_chunk() -> None:
+    inbox = in_group(members=2)
+    pieces_bytes = 2 * prefix_size(2) + 6 * 8 * 4
+    chunk_bytes = prefix_size(1) + 5 * 4
+    assert BLOCK.total_nbytes == pieces_bytes
+    assert inbox.max_frames == 2 * (2 * 2 + 2 * 2)  # two steps: 2 pieces x 2 mbs, 2 chunks x 2
+    assert inbox.max_bytes == 2 * (2 * pieces_bytes + 2 * 2 * chunk_bytes)
+    for step in (0, 1):
+        for mb in range(2):
+            assert inbox.deliver(piece(step, (2, 4), mb), "fwd")
+            assert inbox.deliver(piece(step, (4, 8), mb), "fwd")
+        for kind in (Kind.REDUCE, Kind.GATHER):
+            for sender in range(2):
+                frame = encode_frame(kind, JOB, step, sender, torch.ones(5), Codec.RAW)
+                assert inbox.deliver(frame, "reduce")
+    assert inbox.pending == inbox.max_frames and inbox.held_bytes == inbox.max_bytes
+    assert not inbox.dropped

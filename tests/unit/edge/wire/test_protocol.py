@@ -60,6 +60,8 @@ FIELDS = (
     "job",
     "step",
     "microbatch",
+    "lo",
+    "hi",
     "scale",
     "length",
     "checksum",
@@ -70,6 +72,7 @@ REASONS = {
     "bad-field",
     "bad-shape",
     "bad-job",
+    "bad-rows",
     "truncated",
     "bad-length",
     "too-large",
@@ -179,7 +182,8 @@ def test_every_dtype_and_codec_round_trips(
     got = decode_frame(frame)
 
     assert (got.kind, got.job, got.step, got.microbatch) == (kind, job, step, microbatch)
-    assert got.key == (int(kind), step, microbatch)
+    assert got.samples == ((0, t.shape[0]) if t.ndim else (0, 0))
+    assert got.key == (int(kind), step, microbatch, 0)
     assert got.nbytes == len(frame)
     assert got.codec is (codec if dtype.is_floating_point else Codec.RAW)
     assert got.tensor.dtype == received_dtype(dtype, codec)
@@ -302,10 +306,10 @@ GOOD = good_frame()
 GOOD_LENGTH = 32 * 4
 GARBAGE = {
     "bad-magic": [b"XXXX" + GOOD[4:], patched(GOOD, magic=b"ETF2")],
-    "bad-version": [patched(GOOD, version=0), patched(GOOD, version=2)],
+    "bad-version": [patched(GOOD, version=1), patched(GOOD, version=3)],
     "bad-field": [
         patched(GOOD, kind=0),
-        patched(GOOD, kind=5),
+        patched(GOOD, kind=7),
         patched(GOOD, kind=255),
         patched(GOOD, codec=5),
         patched(GOOD, codec=255),
@@ -320,6 +324,7 @@ GARBAGE = {
         with_shape(GOOD, 4, 0),
         with_shape(GOOD, 1, 1),
     ],
+    "bad-rows": [patched(GOOD, lo=1), patched(GOOD, hi=9), patched(GOOD, lo=3, hi=2)],
     "bad-job": [
         patched(GOOD, job=b""),
         patched(GOOD, job=b"a b"),
@@ -335,7 +340,7 @@ GARBAGE = {
         GOOD[: HEADER.size - 1],
         GOOD[: HEADER.size],
         GOOD[: HEADER.size + 12],
-        GOOD[: HEADER.size + 16],  # shape, padding
+        GOOD[: HEADER.size + 15],  # inside the shape
     ],
     "bad-length": [
         patched(GOOD, length=GOOD_LENGTH + 1),
@@ -501,26 +506,33 @@ def test_encode_refuses_unsupported_dtypes(dtype: torch.dtype) -> None:
 # -- topics, job ids, codec names ------------------------------------------------------------
 
 
-@given(job=JOB_IDS, stage=st.integers(0, 10**9), channel=st.sampled_from(["fwd", "bwd"]))
-def test_stage_topics_round_trip(job: str, stage: int, channel: str) -> None:
-    topic = stage_topic(job, stage, channel)
-    assert topic.startswith(f"{TOPIC_ROOT}/jobs/{job}/")
-    assert parse_stage_topic(topic) == (job, stage, channel)
+@given(
+    job=JOB_IDS,
+    stage=st.integers(0, 10**9),
+    channel=st.sampled_from(["fwd", "bwd", "reduce"]),
+    member=st.integers(0, 99),
+)
+def test_stage_topics_round_trip(job: str, stage: int, channel: str, member: int) -> None:
+    topic = stage_topic(job, stage, channel, member)
+    assert topic.startswith(f"{TOPIC_ROOT}/jobs/{job}/stage/{stage}/")
+    assert ("/member/" in topic) == (member > 0)
+    assert parse_stage_topic(topic) == (job, stage, channel, member)
 
 
 @given(
     job=JOB_IDS,
     stage=st.integers(0, 999),
-    channel=st.sampled_from(["fwd", "bwd"]),
-    where=st.integers(0, 60),
+    channel=st.sampled_from(["fwd", "bwd", "reduce"]),
+    member=st.integers(0, 3),
+    where=st.integers(0, 70),
     edit=st.sampled_from(["insert", "delete", "replace"]),
     char=st.characters(),
 )
 def test_only_canonical_stage_topics_parse(
-    job: str, stage: int, channel: str, where: int, edit: str, char: str
+    job: str, stage: int, channel: str, member: int, where: int, edit: str, char: str
 ) -> None:
     """A topic one edit away from a stage topic parses only if it is one, spelled the same."""
-    topic = stage_topic(job, stage, channel)
+    topic = stage_topic(job, stage, channel, member)
     i = where % (len(topic) + 1)
     cut = 0 if edit == "insert" else 1
     mutated = topic[:i] + ("" if edit == "delete" else char) + topic[i + cut :]
@@ -544,6 +556,9 @@ def test_only_canonical_stage_topics_parse(
         f"{TOPIC_ROOT}/jobs/j/stage/01/fwd",
         f"{TOPIC_ROOT}/jobs/j/stage/x/fwd",
         f"{TOPIC_ROOT}/jobs/j/stage/1/fwd/",
+        f"{TOPIC_ROOT}/jobs/j/stage/1/member/0/fwd",
+        f"{TOPIC_ROOT}/jobs/j/stage/1/member/01/fwd",
+        f"{TOPIC_ROOT}/jobs/j/stage/1/member//bwd",
         f"{TOPIC_ROOT}/jobs/j/stage/1/fwd\n",
         f"{TOPIC_ROOT}/jobs/j/stage/\u0663/fwd",
         f"/{TOPIC_ROOT}/jobs/j/stage/1/fwd",

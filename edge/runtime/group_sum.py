@@ -1,0 +1,121 @@
+"""A stage group's once-a-step sum of its gradients (and loss), through its transport.
+
+The members of a group ([Note: groups on the wire] in :mod:`edge.wire.groups`)
+each hold the gradients of their own share of the step's samples. Before the
+optimizer steps, :class:`GroupSum` flattens them (in parameter order, then the
+member's share of the loss on the last stage), zero-pads the vector to ``g``
+equal chunks and runs a reduce-scatter then an all-gather on the ``reduce``
+channel: member ``i`` sends chunk ``k`` to member ``k``; member ``k`` adds the
+``g`` contributions in member order and sends the sum to every other member.
+Every member then holds the very same bits, the whole batch's gradients, and
+steps the same optimizer; each sends ``2 (g - 1)`` chunks a step.
+
+[Note: pieces of a chunk]
+A broker forwards a message only once it has all of it, so a chunk sent as one
+frame crosses the sender's link and then the receiver's, one after the other:
+twice the time of one link. So a chunk travels as frames of at most
+:data:`PIECE_BYTES`, each carrying its element range ``[lo, hi)`` of the chunk
+as its rows; the receiver's link carries one piece while the sender's carries
+the next, and a chunk of ``k`` pieces takes about ``1 + 1/k`` times one link's
+time (``bench/group_reduce.py`` measures it against the planner's ring model).
+Member ``i`` sends to members ``i + 1, i + 2, ...`` (mod ``g``) in that order, so
+that at any moment each member's link receives from one other, not all from one.
+
+This is the MQTT-side counterpart of :class:`edge.server.data_parallel.DataParallel`
+(which averages copies of a stage over torch.distributed), and runs at the same
+place: once, after the step's last backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edge.transport.base import Expected, Inbox, Transport
+from edge.wire.frames import Codec, Kind, encode_frame
+from edge.wire.groups import chunk_size
+from edge.wire.messages import StageAssignment
+
+__all__ = ["PIECE_BYTES", "GroupSum"]
+
+PIECE_BYTES = 256 << 10
+"""The largest frame a chunk travels in (see [Note: pieces of a chunk])."""
+
+
+class GroupSum:
+    """Sums ``params``' gradients (and the loss) over the group of stage ``a``."""
+
+    def __init__(
+        self,
+        a: StageAssignment,
+        transport: Transport,
+        params: list[torch.nn.Parameter],
+    ) -> None:
+        self.a = a
+        self.transport = transport
+        self.params = params
+        self.members = a.group_size
+        numel = sum(p.numel() for p in params) + int(a.is_last)
+        self.chunk = chunk_size(numel, self.members)
+        """Elements of each member's chunk of the flat vector."""
+        step = PIECE_BYTES // 4
+        self.pieces = [(lo, min(lo + step, self.chunk)) for lo in range(0, self.chunk, step)]
+        """The element ranges of a chunk that travel as one frame each."""
+        self.bytes_sent = 0
+        """Bytes sent by the last :meth:`sum`."""
+
+    @property
+    def expected(self) -> dict[Kind, Expected]:
+        """What the group's members send this one: a chunk per member and kind."""
+        chunk = Expected((self.chunk,), frozenset({torch.float32}), tuple(self.pieces))
+        return {Kind.REDUCE: chunk, Kind.GATHER: chunk}
+
+    def sum(self, inbox: Inbox, step: int, loss: float | None) -> float | None:
+        """Replace every gradient by the group's sum; the group's loss (``None`` off the
+        last stage). A parameter without a gradient counts as zeros, so every member
+        sums the same vector."""
+        a, g, me, c = self.a, self.members, self.a.member, self.chunk
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        parts = [t.detach().reshape(-1).float().cpu() for t in grads]
+        if loss is not None:
+            parts.append(torch.tensor([loss], dtype=torch.float32))
+        numel = sum(t.numel() for t in parts)
+        vector = torch.zeros(c * g, dtype=torch.float32)
+        torch.cat(parts, out=vector[:numel])
+        self.bytes_sent = 0
+        others = [(me + j) % g for j in range(1, g)]  # staggered: see [Note: pieces of a chunk]
+        for k in others:  # reduce-scatter: chunk k to its owner
+            self._send(Kind.REDUCE, step, vector[k * c : (k + 1) * c], k)
+        timeout = a.recv_timeout_s
+        mine = torch.zeros(c, dtype=torch.float32)
+        for i in range(g):  # in member order, on every owner: the same bits everywhere
+            if i == me:
+                mine += vector[me * c : (me + 1) * c]
+                continue
+            for lo, hi in self.pieces:
+                mine[lo:hi] += inbox.take(Kind.REDUCE, step, i, timeout, first=lo).tensor
+        for k in others:  # all-gather: the owner's sum to everyone else
+            self._send(Kind.GATHER, step, mine, k)
+        vector[me * c : (me + 1) * c] = mine
+        for i in range(g):
+            if i != me:
+                for lo, hi in self.pieces:
+                    got = inbox.take(Kind.GATHER, step, i, timeout, first=lo).tensor
+                    vector[i * c + lo : i * c + hi] = got
+        at = 0
+        for p, t in zip(self.params, grads, strict=True):
+            summed = vector[at : at + t.numel()].view_as(t).to(t.dtype)
+            if p.grad is None:
+                p.grad = summed.to(p.device, copy=True)
+            else:
+                p.grad.copy_(summed)
+            at += t.numel()
+        return float(vector[at].item()) if loss is not None else None
+
+    def _send(self, kind: Kind, step: int, chunk: torch.Tensor, member: int) -> None:
+        """One chunk, piece by piece, to ``member`` of the stage; each frame's microbatch
+        names the sender, its rows the piece's elements."""
+        a = self.a
+        for lo, hi in self.pieces:
+            frame = encode_frame(kind, a.job, step, a.member, chunk[lo:hi], Codec.RAW, first=lo)
+            self.transport.send(a.job, a.stage, "reduce", frame, member)
+            self.bytes_sent += len(frame)

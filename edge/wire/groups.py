@@ -1,0 +1,111 @@
+"""The wire contract of a stage trained data-parallel by a group of devices.
+
+A stage may run on a group of ``g`` devices (its *members*, in plan order; a
+one-device stage is a group of one). Each member runs the stage's whole segment
+on its own block of every microbatch, and once per step the group combines its
+gradients, so a step equals single-device training on the whole batch.
+
+[Note: groups on the wire]
+- **Samples.** A microbatch of ``n`` samples is split by the members' shares
+  (their speed, :func:`coordinator.planner.score.shares_of`) into sample counts
+  that add up to ``n``: :func:`split_samples`, largest remainder, the only
+  rounding used anywhere. Member ``i`` of a stage holds the contiguous block
+  ``[lo_i, hi_i)`` (:func:`blocks`), in member order; every member gets at
+  least one sample.
+- **Frames.** Every frame carries the rows ``[lo, hi)`` of its microbatch it
+  holds (the ``samples`` of :func:`edge.wire.frames.encode_frame`); a whole
+  tensor carries ``[0, rows)``. Member ``i`` of stage ``s`` sends member ``j``
+  of stage ``s + 1`` the rows in both their blocks, the intersection
+  (:func:`overlap`), as one activation frame; the gradient of those rows comes
+  back the same way. Stage 0's member ``i`` sends the last stage's member ``j``
+  the labels of the rows in both their blocks. A receiver gathers the pieces
+  covering its block in order (:func:`pieces`) and concatenates them; its inbox
+  keeps only the pieces its plan implies, each of its own range's shape.
+- **Loss.** Member ``i`` of the last stage scales its microbatch loss (the mean
+  over its own samples, divided by the microbatches ``M``) by ``n_i / n``, so
+  the members' losses, and their gradients, add up to the whole microbatch's.
+- **Gradients, once per step.** After its last backward each member flattens
+  its gradients, in parameter order, followed on the last stage by its share
+  of the step's loss, zero-pads the vector to ``g`` equal chunks
+  (:func:`chunk_size`) and runs a reduce-scatter then an all-gather through
+  the transport's ``reduce`` channel of each member: member ``i`` sends chunk
+  ``k`` to member ``k`` (a ``REDUCE`` frame), member ``k`` adds the ``g``
+  contributions in member order and sends the sum to every other member (a
+  ``GATHER`` frame). In both, the frame's ``microbatch`` field names the
+  sending member, and a chunk travels in pieces of at most 256 KiB, each frame's
+  rows its element range in the chunk (so a broker forwards one piece while the
+  next is on its way: [Note: pieces of a chunk] in :mod:`edge.runtime.group_sum`).
+  Every member then holds the same summed gradients (the whole batch's) and the
+  whole step's loss, steps the same optimizer and keeps the same weights. Each
+  member sends ``2 (g - 1) / g`` of the vector per step.
+- **Topics and rights.** Member ``m`` of stage ``s`` receives on
+  :func:`edge.wire.topics.stage_topic` ``(job, s, channel, m)``; the broker lets
+  a member publish only to the members of its neighbour stages (and, as stage
+  0, to the last stage's), and to the ``reduce`` topics of its own stage's
+  other members (:func:`edge.wire.topics.stage_access`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+__all__ = ["blocks", "chunk_size", "overlap", "pieces", "split_samples"]
+
+Block = tuple[int, int]
+"""Rows ``[lo, hi)`` of a microbatch."""
+
+
+def split_samples(n: int, shares: Sequence[float]) -> list[int]:
+    """``n`` samples split by ``shares`` (largest remainder; ties to the earlier member).
+
+    Raises ``ValueError`` if a member would get no sample, or for a bad share.
+    """
+    if not shares or any(not math.isfinite(s) or s <= 0 for s in shares):
+        raise ValueError(f"shares must be positive numbers, got {list(shares)}")
+    total = math.fsum(shares)
+    exact = [n * s / total for s in shares]
+    counts = [math.floor(x) for x in exact]
+    order = sorted(range(len(shares)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[: n - sum(counts)]:
+        counts[i] += 1
+    if min(counts) < 1:
+        raise ValueError(
+            f"a microbatch of {n} samples split by shares "
+            f"{[round(s / total, 3) for s in shares]} leaves a member without samples"
+        )
+    return counts
+
+
+def blocks(counts: Sequence[int]) -> list[Block]:
+    """The contiguous rows of each member, in member order."""
+    out, lo = [], 0
+    for c in counts:
+        out.append((lo, lo + c))
+        lo += c
+    return out
+
+
+def overlap(a: Block, b: Block) -> Block | None:
+    """The rows in both ``a`` and ``b``, or ``None``."""
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return (lo, hi) if lo < hi else None
+
+
+def pieces(senders: Sequence[int], block: Block) -> list[tuple[int, Block]]:
+    """``(member, rows)`` of every sender whose block meets ``block``, in row order.
+
+    ``senders`` are the sending stage's sample counts; the receiver of ``block``
+    takes these pieces and concatenates them.
+    """
+    out = []
+    for member, theirs in enumerate(blocks(senders)):
+        rows = overlap(theirs, block)
+        if rows is not None:
+            out.append((member, rows))
+    return out
+
+
+def chunk_size(numel: int, members: int) -> int:
+    """Elements of each of the ``members`` equal chunks a flat gradient is padded to."""
+    return max(1, -(-numel // members))

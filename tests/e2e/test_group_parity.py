@@ -1,0 +1,240 @@
+"""Stages trained data-parallel by device groups train the same model as one device.
+
+For every combination of equal and unequal shares, 1F1B and GPipe, and the
+groups ``2,1`` and ``1,2,1``, a short mlp job's per-step losses and final
+parameters equal, within 1e-5, those of the plain PyTorch loop
+(:mod:`support.reference`); over MQTT (a real Mosquitto that enforces the
+plan's grants, :func:`edge.wire.topics.stage_access`, and four real agent
+processes) and in-process. Every member reports every step with the samples
+of its share, and members end with the same weights (the runners check that).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from support.markers import NO_MOSQUITTO
+from support.mosquitto import find_mosquitto
+from support.reference import ReferenceRun, assert_matches, train_reference
+
+from coordinator.engine.runners import run_inprocess, run_on_agents
+from coordinator.engine.spec import JobResult, JobSpec, make_assignments, new_job_id
+from coordinator.local.fleet import LocalFleet
+from coordinator.local.owned import OwnedBroker, start_owned_broker
+from coordinator.planner.score import Plan, Stage
+from edge.errors import UserError
+from edge.models.zoo import get_model
+from edge.runtime.stage import StageRuntime
+from edge.transport.inprocess import InProcessTransport
+from edge.transport.mqtt import MqttTransport
+from edge.wire.frames import Codec, Kind, encode_frame, prefix_size
+from edge.wire.groups import chunk_size
+from edge.wire.messages import StageAssignment
+
+STEPS, BATCH, MICROBATCHES = 3, 16, 2
+N = BATCH // MICROBATCHES  # samples per microbatch
+SHARES = {"equal": None, "unequal": (0.75, 0.25)}
+"""The group's shares; 0.75/0.25 of 8 samples is 6 and 2."""
+SIZES = {"2,1": (2, 1), "1,2,1": (1, 2, 1)}
+_REFERENCE: list[ReferenceRun] = []
+
+
+def _spec(schedule: str) -> JobSpec:
+    return JobSpec.model_validate(
+        {
+            "model": "mlp",
+            "steps": STEPS,
+            "batch_size": BATCH,
+            "microbatches": MICROBATCHES,
+            "schedule": schedule,
+            "seed": 3,
+        }
+    )
+
+
+def _reference() -> ReferenceRun:
+    if not _REFERENCE:
+        _REFERENCE.append(
+            train_reference("mlp", steps=STEPS, batch_size=BATCH, seed=3, microbatches=2)
+        )
+    return _REFERENCE[0]
+
+
+def _plan(devices: list[str], sizes: tuple[int, ...]) -> Plan:
+    """The mlp's three units, one a stage (two on the first stage of ``2,1``)."""
+    cuts = [0, 2, 3] if len(sizes) == 2 else [0, 1, 2, 3]
+    stages, at = [], 0
+    for s, size in enumerate(sizes):
+        stages.append(Stage.group(devices[at : at + size], cuts[s], cuts[s + 1]))
+        at += size
+    return Plan(tuple(stages))
+
+
+def _shares(sizes: tuple[int, ...], shares: tuple[float, ...] | None) -> list[list[float]] | None:
+    if shares is None:
+        return None
+    return [list(shares) if size == 2 else [1.0] for size in sizes]
+
+
+def _chunk(plan: Plan, s: int) -> int:
+    """Elements of each of the 2 chunks group stage ``s`` sums: its gradients (and loss)."""
+    st = plan.stages[s]
+    segment = get_model("mlp", seed=3).build_segment(st.start, st.end)
+    numel = sum(p.numel() for p in segment.parameters()) + (s == len(plan.stages) - 1)
+    return chunk_size(numel, 2)
+
+
+def _check(result: JobResult, plan: Plan, shares: tuple[float, ...] | None) -> None:
+    group = [s for s, st in enumerate(plan.stages) if len(st.devices) == 2]
+    assert len(group) == 1 and len(result.plan.stages[group[0]].devices) == 2
+    assert_matches(result.losses, result.weights, _reference())
+    # Every member of every stage reported every step, with the samples of its share.
+    want = (6, 2) if shares else (4, 4)
+    seen = {(r.stage, r.member, r.step): r for r in result.reports}
+    assert set(seen) == {
+        (s, m, t)
+        for s, st in enumerate(plan.stages)
+        for m in range(len(st.devices))
+        for t in range(STEPS)
+    }
+    for (s, m, _), report in seen.items():
+        share = want[m] if s == group[0] else N
+        assert report.samples == share * MICROBATCHES
+        assert report.device == plan.stages[s].devices[m]
+        if s == group[0]:  # the group summed its gradients: 2 (g - 1) chunks sent
+            assert report.allreduce_bytes == 2 * (prefix_size(1) + 4 * _chunk(plan, s))
+        else:
+            assert report.allreduce_bytes == 0
+
+
+@pytest.mark.parametrize("shares", list(SHARES))
+@pytest.mark.parametrize("sizes", list(SIZES))
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_groups_in_process_equal_one_device(schedule: str, sizes: str, shares: str) -> None:
+    plan = _plan(["a", "b", "c", "d"], SIZES[sizes])
+    result = run_inprocess(
+        _spec(schedule), plan, shares=_shares(SIZES[sizes], SHARES[shares]), timeout_s=120
+    )
+    _check(result, plan, SHARES[shares])
+
+
+def test_a_group_refuses_batchnorm() -> None:
+    spec = JobSpec(
+        model="cnn-digits",
+        model_options={"norm": "batch"},
+        steps=1,
+        batch_size=8,
+        microbatches=2,
+        seed=3,
+    )
+    plan = Plan((Stage.group(["a", "b"], 0, 2), Stage("c", 2, 4)))
+    with pytest.raises(UserError, match=r"stage 0: a group of 2 devices cannot train BatchNorm"):
+        run_inprocess(spec, plan, timeout_s=60)
+    # A device refuses it too, whoever sent the assignment.
+    member = StageAssignment.for_stage(
+        spec,
+        job="j1",
+        stage=0,
+        num_stages=2,
+        start=0,
+        end=2,
+        dataset="digits",
+        dataset_options={},
+        member=1,
+        group_samples=((2, 2), (4,)),
+    )
+    transport = InProcessTransport()
+    with pytest.raises(
+        ValueError, match=r"a group of 2 devices cannot train BatchNorm \(conv1.1\)"
+    ):
+        StageRuntime(member, transport)
+    transport.close()
+
+
+@pytest.fixture(scope="module")
+def secure_broker() -> Iterator[OwnedBroker]:
+    """A Mosquitto with TLS and accounts: each device may use only what its grant says."""
+    if find_mosquitto() is None:
+        pytest.skip(NO_MOSQUITTO)
+    with tempfile.TemporaryDirectory() as tmp:
+        broker = start_owned_broker(Path(tmp) / "broker", prefer="mosquitto")
+        try:
+            yield broker
+        finally:
+            broker.stop()
+
+
+@pytest.fixture(scope="module")
+def control(secure_broker: OwnedBroker) -> Iterator[MqttTransport]:
+    transport = MqttTransport(secure_broker.settings())
+    transport.connect(timeout=10)
+    yield transport
+    transport.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(secure_broker: OwnedBroker, control: MqttTransport) -> Iterator[LocalFleet]:
+    with LocalFleet(4, secure_broker, threads=1) as local:
+        local.wait_online(control, timeout=90)
+        yield local
+
+
+@pytest.mark.parametrize("shares", list(SHARES))
+@pytest.mark.parametrize("sizes", list(SIZES))
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_groups_over_mqtt_equal_one_device(
+    fleet: LocalFleet,
+    control: MqttTransport,
+    secure_broker: OwnedBroker,
+    schedule: str,
+    sizes: str,
+    shares: str,
+) -> None:
+    plan = _plan(list(fleet.ids), SIZES[sizes])
+    result = run_on_agents(
+        _spec(schedule),
+        plan,
+        control,
+        shares=_shares(SIZES[sizes], SHARES[shares]),
+        access=secure_broker.accounts,
+        timeout_s=120,
+    )
+    assert result.rejected == {}
+    _check(result, plan, SHARES[shares])
+
+
+def test_only_a_groups_members_may_send_on_its_reduce_topics(
+    secure_broker: OwnedBroker,
+) -> None:
+    """The broker grants a group's reduce topics to its members only: a frame that stage 0's
+    device sends on member 0's reduce topic, claiming to be member 1, never arrives (its
+    key would make member 1's real frame a duplicate); member 1's own does."""
+    accounts = secure_broker.accounts
+    assert accounts is not None
+    job = new_job_id()
+    first, m0, m1 = (f"{job}-{name}" for name in ("a", "b", "c"))
+    plan = Plan((Stage(first, 0, 1), Stage.group([m0, m1], 1, 3)))
+    creds = {d: accounts.enroll(d) for d in (first, m0, m1)}
+    assignments = make_assignments(job, _spec("1f1b"), plan)
+    accounts.grant(job, list(zip((first, m0, m1), assignments, strict=True)))
+    transports = {d: MqttTransport(creds[d].settings()) for d in creds}
+    try:
+        for t in transports.values():
+            t.connect(timeout=10)
+        inbox = transports[m0].attach(job, 1, 0, group=True)
+        forged = encode_frame(Kind.REDUCE, job, 0, 1, torch.full((3,), 7.0), Codec.RAW)
+        transports[first].send(job, 1, "reduce", forged, 0)
+        assert transports[first].flush(10)  # the broker has judged it before the real one
+        real = encode_frame(Kind.REDUCE, job, 0, 1, torch.ones(3), Codec.RAW)
+        transports[m1].send(job, 1, "reduce", real, 0)
+        got = inbox.take(Kind.REDUCE, 0, 1, timeout=10)
+        assert torch.equal(got.tensor, torch.ones(3))
+        assert inbox.frames_received == 1 and not inbox.dropped
+    finally:
+        for t in transports.values():
+            t.close()
+        accounts.release(job)

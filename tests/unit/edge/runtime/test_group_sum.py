@@ -1,0 +1,88 @@
+"""A group's gradient sum: the same bits on every member, chunks in pieces, exact bytes."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from coordinator.engine.spec import JobSpec
+from edge.runtime.group_sum import PIECE_BYTES, GroupSum
+from edge.transport.base import Inbox
+from edge.transport.inprocess import InProcessTransport
+from edge.wire.frames import prefix_size
+from edge.wire.groups import split_samples
+from edge.wire.messages import StageAssignment
+
+SPEC = JobSpec(model="mlp", steps=4, batch_size=6, microbatches=1, seed=0)
+
+
+def _member(g: int, m: int, last: bool) -> StageAssignment:
+    split = tuple(split_samples(6, [1.0] * g))
+    return StageAssignment.for_stage(
+        SPEC,
+        job="j1",
+        stage=1 if last else 0,
+        num_stages=2,
+        start=0 if not last else 1,
+        end=1 if not last else 2,
+        dataset="digits",
+        dataset_options={},
+        member=m,
+        group_samples=((6,), split) if last else (split, (6,)),
+        recv_timeout_s=10.0,
+    )
+
+
+def _sum_over(g: int, numel: int, last: bool) -> list[tuple[GroupSum, torch.Tensor, float | None]]:
+    """Run one sum of ``g`` members on their own threads; each member's result."""
+    transport = InProcessTransport()
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(g)]
+    for p in params:
+        p.grad = torch.randn(numel, generator=gen)
+    out: list[tuple[GroupSum, torch.Tensor, float | None]] = []
+    members: list[tuple[GroupSum, Inbox]] = []
+    for m in range(g):
+        a = _member(g, m, last)
+        summer = GroupSum(a, transport, [params[m]])
+        inbox = transport.attach(a.job, a.stage, m, group=True)
+        inbox.expect(summer.expected, microbatches=1, step=0, members=g)
+        members.append((summer, inbox))
+    losses: list[float | None] = [None] * g
+
+    def run(m: int) -> None:
+        losses[m] = members[m][0].sum(members[m][1], 0, float(m + 1) if last else None)
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in range(g)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    transport.close()
+    for m in range(g):
+        grad = params[m].grad
+        assert grad is not None
+        out.append((members[m][0], grad, losses[m]))
+    return out
+
+
+def test_every_member_ends_with_the_same_bits_of_the_sum() -> None:
+    numel = 3 * PIECE_BYTES // 4 + 5  # chunks of two pieces each for 2 members
+    gen = torch.Generator().manual_seed(0)
+    want = sum(torch.randn(numel, generator=gen) for _ in range(3))
+    got = _sum_over(3, numel, last=True)
+    assert all(torch.equal(grad, got[0][1]) for _, grad, _ in got)
+    torch.testing.assert_close(got[0][1], want, rtol=1e-6, atol=1e-6)
+    assert [loss for _, _, loss in got] == [6.0, 6.0, 6.0]  # 1 + 2 + 3: the group's loss
+
+
+def test_a_chunk_travels_in_pieces_and_each_member_sends_two_g_minus_one_chunks() -> None:
+    numel = PIECE_BYTES // 4 + 2  # 2 members: chunks of PIECE_BYTES / 8 + 1 elements
+    for size, pieces in ((numel, 1), (5 * numel, 3)):
+        got = _sum_over(2, size, last=False)
+        summer = got[0][0]
+        assert len(summer.pieces) == pieces
+        assert summer.pieces[0][0] == 0 and summer.pieces[-1][1] == summer.chunk
+        frames = 2 * pieces * prefix_size(1)
+        assert summer.bytes_sent == frames + 2 * 4 * summer.chunk
