@@ -83,7 +83,7 @@ def measure(
             param = torch.nn.Parameter(torch.zeros(numel))
             param.grad = torch.full((numel,), float(m + 1))
             summer = GroupSum(a, t, [param])
-            inbox = t.attach(JOB, 0, m, group=True)
+            inbox = t.attach(JOB, 0, m, members=g)
             inbox.expect(summer.expected, microbatches=1, step=0, members=g)
             members.append((summer, inbox, param))
         times: list[float] = []

@@ -112,10 +112,10 @@ class GroupSum:
         return float(vector[at].item()) if loss is not None else None
 
     def _send(self, kind: Kind, step: int, chunk: torch.Tensor, member: int) -> None:
-        """One chunk, piece by piece, to ``member`` of the stage; each frame's microbatch
-        names the sender, its rows the piece's elements."""
+        """One chunk, piece by piece, to ``member`` of the stage, on this member's own topic;
+        each frame's microbatch names the sender too, its rows the piece's elements."""
         a = self.a
         for lo, hi in self.pieces:
             frame = encode_frame(kind, a.job, step, a.member, chunk[lo:hi], Codec.RAW, first=lo)
-            self.transport.send(a.job, a.stage, "reduce", frame, member)
+            self.transport.send(a.job, a.stage, "reduce", frame, member, sender=a.member)
             self.bytes_sent += len(frame)

@@ -186,7 +186,7 @@ class StageRuntime:
             params = [p for p in self.segment.parameters() if p.requires_grad]
             self.group_sum = GroupSum(a, transport, params)
             self.expected |= self.group_sum.expected
-        self.inbox = transport.attach(a.job, a.stage, a.member, group=a.group_size > 1)
+        self.inbox = transport.attach(a.job, a.stage, a.member, members=a.group_size)
         self._expect(a.first_step)
 
     def _expect(self, step: int) -> None:

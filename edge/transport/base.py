@@ -40,6 +40,12 @@ Before the stage says what it expects (a transport alone, or the moment between
 attach and the stage's first call), any step and shape is kept, within the
 default totals.
 
+A group's gradient chunks (``REDUCE``, ``GATHER``) name their sending member in
+the ``microbatch`` field; the transport also says who sent one, from the topic it
+came on (which only that member may publish on: :func:`edge.wire.topics.stage_access`),
+and a chunk whose claim differs from its topic's is dropped (``wrong-sender``), so
+one member cannot pass its chunk off as another's.
+
 Every frame that cannot be used (malformed, for another job or stage,
 duplicated, outside the window, not what the plan implies, over a bound) is
 dropped with a warning and counted in :attr:`Inbox.dropped` by reason; nothing
@@ -299,11 +305,15 @@ class Inbox:
 
     # -- receiving ----------------------------------------------------------------
 
-    def deliver(self, data: bytes | bytearray | memoryview, channel: Channel) -> bool:
+    def deliver(
+        self, data: bytes | bytearray | memoryview, channel: Channel, sender: int | None = None
+    ) -> bool:
         """Check and file one frame; returns whether it was kept.
 
-        The header is checked first (job, kind, window, plan, duplicate), then
-        the checksum, then the totals; only a frame that passes all of them has
+        ``sender``: on ``reduce``, the member whose topic the frame came on; a chunk
+        must name that member (``None``, or another member: dropped as ``wrong-sender``).
+        The header is checked first (job, kind, sender, window, plan, duplicate),
+        then the checksum, then the totals; only a frame that passes all of them has
         its key recorded (see [Note: bounded inboxes]).
         """
         try:
@@ -314,6 +324,10 @@ class Inbox:
             return self._drop("wrong-job", f"frame for job {head.job!r}")
         if head.kind not in _EXPECTED[channel]:
             return self._drop("wrong-kind", f"{head.kind.name} on {channel}")
+        if head.kind in _BY_MEMBER and head.microbatch != sender:
+            return self._drop(
+                "wrong-sender", f"{_what(head)} claims member {head.microbatch}, came from {sender}"
+            )
         # Unlocked reads of the window, plan and keys: cheap refusals before the
         # checksum. All of it is checked again under the lock before the frame is kept.
         why = self._unwanted(head)
@@ -446,18 +460,29 @@ class Transport(Protocol):
 
     name: str
 
-    def attach(self, job: str, stage: int, member: int = 0, *, group: bool = False) -> Inbox:
+    def attach(self, job: str, stage: int, member: int = 0, *, members: int = 1) -> Inbox:
         """Start receiving frames for ``member`` of ``stage`` of ``job``; returns its inbox.
 
-        ``group``: the stage runs on a group, so also its ``reduce`` channel."""
+        ``members``: the stage's group size; above 1, also its ``reduce`` channel, from
+        each other member."""
         ...
 
     def detach(self, job: str, stage: int, member: int = 0) -> None:
         """Stop receiving for ``member`` of ``stage`` of ``job`` and close its inbox."""
         ...
 
-    def send(self, job: str, stage: int, channel: Channel, frame: bytes, member: int = 0) -> None:
-        """Deliver an encoded frame to ``member`` of ``stage`` of ``job`` on ``channel``."""
+    def send(
+        self,
+        job: str,
+        stage: int,
+        channel: Channel,
+        frame: bytes,
+        member: int = 0,
+        *,
+        sender: int | None = None,
+    ) -> None:
+        """Deliver an encoded frame to ``member`` of ``stage`` of ``job`` on ``channel``;
+        on ``reduce``, from member ``sender`` of the same stage (its own topic)."""
         ...
 
     def close(self) -> None:

@@ -118,13 +118,13 @@ class DistTransport:
         stage: int,
         member: int = 0,
         *,
-        group: bool = False,
+        members: int = 1,
         inbox: Inbox | None = None,
     ) -> Inbox:
         """Start receiving for ``stage`` of ``job`` (into ``inbox`` if given: hybrid routes).
 
-        A stage here runs on one device: no ``member`` but 0, no ``group``."""
-        if member or group:
+        A stage here runs on one device: no ``member`` but 0, one of ``members``."""
+        if member or members > 1:
             raise ValueError("a stage in a torch.distributed group runs on one device")
         if self.route.ranks.get(stage) != self.rank:
             raise ValueError(f"stage {stage} does not run on rank {self.rank}")
@@ -162,10 +162,20 @@ class DistTransport:
             log.warning("receiving from rank %d (%s) stopped: %s", src, channel, exc)
             inbox.close()
 
-    def send(self, job: str, stage: int, channel: Channel, frame: bytes, member: int = 0) -> None:
-        """Send ``frame`` to the rank of ``stage`` (blocks until it is on its way)."""
+    def send(
+        self,
+        job: str,
+        stage: int,
+        channel: Channel,
+        frame: bytes,
+        member: int = 0,
+        *,
+        sender: int | None = None,
+    ) -> None:
+        """Send ``frame`` to the rank of ``stage`` (blocks until it is on its way); a stage
+        here runs on one device, so no ``member`` but 0 and no ``sender``."""
         dst = self.route.ranks.get(stage)
-        if dst is None or member:
+        if dst is None or member or sender is not None:
             raise ValueError(f"stage {stage} is not in this torch.distributed job")
         tag = _TAGS[channel]
         with warnings.catch_warnings():  # read-only bytes: torch only reads them here

@@ -29,6 +29,7 @@ DEFAULT_BUFFER_FRAMES = 1024
 log = logging.getLogger(__name__)
 
 _Key = tuple[str, int, int]
+_Kept = tuple[bytes, Channel, int | None]  # (frame, channel, sender)
 
 
 class InProcessTransport:
@@ -42,16 +43,16 @@ class InProcessTransport:
         self.buffer_frames = buffer_frames
         self._lock = threading.Lock()
         self._inboxes: dict[_Key, Inbox] = {}
-        self._waiting: dict[_Key, deque[tuple[bytes, Channel]]] = {}
+        self._waiting: dict[_Key, deque[_Kept]] = {}
         self._closed = False
         self.frames_sent = 0
         self.bytes_sent = 0
         self.dropped: Counter[str] = Counter()
         """Frames this transport dropped before any inbox saw them (``buffer-full``)."""
 
-    def attach(self, job: str, stage: int, member: int = 0, *, group: bool = False) -> Inbox:
+    def attach(self, job: str, stage: int, member: int = 0, *, members: int = 1) -> Inbox:
         """The inbox of ``member`` of ``stage`` of ``job`` (every channel, whatever
-        ``group`` says); frames sent to it earlier are delivered now."""
+        ``members`` says); frames sent to it earlier are delivered now."""
         key = (job, stage, member)
         with self._lock:
             self._check_open()
@@ -61,8 +62,8 @@ class InProcessTransport:
             early = self._waiting.pop(key, deque())
         # Outside the lock: decoding a large frame must not hold up other stages.
         # Frames sent meanwhile go straight to the inbox; order does not matter.
-        for data, channel in early:
-            inbox.deliver(data, channel)
+        for data, channel, sender in early:
+            inbox.deliver(data, channel, sender)
         return inbox
 
     def detach(self, job: str, stage: int, member: int = 0) -> None:
@@ -73,9 +74,19 @@ class InProcessTransport:
         if inbox is not None:
             inbox.close()
 
-    def send(self, job: str, stage: int, channel: Channel, frame: bytes, member: int = 0) -> None:
+    def send(
+        self,
+        job: str,
+        stage: int,
+        channel: Channel,
+        frame: bytes,
+        member: int = 0,
+        *,
+        sender: int | None = None,
+    ) -> None:
         """Deliver ``frame`` to ``member`` of ``stage`` of ``job`` now, or keep it until that
-        member attaches."""
+        member attaches; ``sender`` is the sending member on ``reduce`` (as its topic would
+        say over MQTT)."""
         # An immutable copy: the inbox decodes without copying (see [Note: zero-copy
         # decoding] in edge.wire.frames), so the sender must not be able to change it later.
         data = frame if isinstance(frame, bytes) else bytes(frame)
@@ -86,11 +97,11 @@ class InProcessTransport:
             self.bytes_sent += len(data)
             inbox = self._inboxes.get(key)
             if inbox is None:
-                self._keep(key, data, channel)
+                self._keep(key, (data, channel, sender))
                 return
-        inbox.deliver(data, channel)
+        inbox.deliver(data, channel, sender)
 
-    def _keep(self, key: _Key, data: bytes, channel: Channel) -> None:
+    def _keep(self, key: _Key, item: _Kept) -> None:
         waiting = self._waiting.setdefault(key, deque())
         if len(waiting) >= self.buffer_frames:
             waiting.popleft()
@@ -103,7 +114,7 @@ class InProcessTransport:
                 self.buffer_frames,
                 extra={"job": key[0], "stage": key[1], "reason": "buffer-full"},
             )
-        waiting.append((data, channel))
+        waiting.append(item)
 
     def waiting(self, job: str, stage: int, member: int = 0) -> int:
         """Frames kept for ``member`` of ``stage`` of ``job`` until it attaches."""

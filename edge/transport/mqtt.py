@@ -68,7 +68,7 @@ __all__ = ["ControlCallback", "MqttSettings", "MqttTransport", "parse_broker_url
 log = logging.getLogger(__name__)
 
 _Up = tuple[str, bytes | bytearray]  # (topic, frame) waiting on the emulated link
-_Down = tuple[Inbox, bytes | bytearray, Channel]  # (inbox, frame, channel) waiting on it
+_Down = tuple[Inbox, bytes | bytearray, Channel, int | None]  # (inbox, frame, channel, sender)
 
 ControlCallback = Callable[[str, bytes], None]
 """``callback(topic, payload)`` for a control subscription; runs on paho's network thread."""
@@ -308,18 +308,20 @@ class MqttTransport:
 
     # -- stages --------------------------------------------------------------------
 
-    def attach(self, job: str, stage: int, member: int = 0, *, group: bool = False) -> Inbox:
+    def attach(self, job: str, stage: int, member: int = 0, *, members: int = 1) -> Inbox:
         """Subscribe to the ``fwd`` and ``bwd`` topics of ``member`` of ``stage`` of ``job``
-        (and its ``reduce`` topic, in a ``group``); its inbox.
+        (and, in a group of ``members``, its ``reduce`` topic from each other member); its
+        inbox.
 
         When connected, returns after the broker acknowledged the subscription, so
         every frame sent from then on arrives (or raises :class:`TimeoutError`,
         attaching nothing). Called on paho's thread (from a control callback) it
         cannot wait: call :meth:`wait_ready` from another thread before frames flow.
         """
-        channels = (*_CHANNELS, "reduce") if group else _CHANNELS
         key, inbox = (job, stage, member), Inbox(job, stage, member)
-        topics = [stage_topic(job, stage, ch, member) for ch in channels]
+        topics = [stage_topic(job, stage, ch, member) for ch in _CHANNELS]
+        others = [m for m in range(members) if m != member]
+        topics += [stage_topic(job, stage, "reduce", member, m) for m in others]
         with self._cond:
             if self._closed:
                 raise RuntimeError("the MQTT transport is closed")
@@ -371,10 +373,11 @@ class MqttTransport:
                 return
             self.frames_received += 1  # only this thread writes the receive counters
             self.bytes_received += len(msg.payload)
+            channel, sender = cast(Channel, parsed[2]), parsed[4]  # the topic's sender
             if self.link is None:
-                inbox.deliver(msg.payload, cast(Channel, parsed[2]))
+                inbox.deliver(msg.payload, channel, sender)
             else:
-                self.link.down.put((inbox, msg.payload, cast(Channel, parsed[2])), len(msg.payload))
+                self.link.down.put((inbox, msg.payload, channel, sender), len(msg.payload))
         except ConnectionError as exc:  # the emulated link's queue is full
             self._count_drop("link-full")
             log.warning("dropped a frame from broker %s: %s", self.url, exc)
@@ -388,14 +391,24 @@ class MqttTransport:
 
     # -- sending -------------------------------------------------------------------
 
-    def send(self, job: str, stage: int, channel: Channel, frame: bytes, member: int = 0) -> None:
-        """Publish ``frame`` to ``member`` of ``stage`` of ``job`` at QoS 1; never waits for
-        the network.
+    def send(
+        self,
+        job: str,
+        stage: int,
+        channel: Channel,
+        frame: bytes,
+        member: int = 0,
+        *,
+        sender: int | None = None,
+    ) -> None:
+        """Publish ``frame`` to ``member`` of ``stage`` of ``job`` at QoS 1 (on ``reduce``, on
+        the topic of member ``sender``, which the broker lets only that member publish
+        on); never waits for the network.
 
         With link shaping the frame is queued on the emulated link and published
         later; a full link queue raises :class:`ConnectionError` at once.
         """
-        topic = stage_topic(job, stage, channel, member)
+        topic = stage_topic(job, stage, channel, member, sender)
         if self.link is None:
             self._publish(topic, frame, 1, False, count=True)
             return
@@ -413,7 +426,7 @@ class MqttTransport:
 
     @staticmethod
     def _release_down(item: _Down) -> None:
-        item[0].deliver(item[1], item[2])
+        item[0].deliver(item[1], item[2], item[3])
 
     def publish(self, topic: str, payload: bytes | str, qos: int = 1, retain: bool = False) -> None:
         """Publish a control message. QoS 0 messages are lost while disconnected."""

@@ -24,8 +24,8 @@ class RoutedTransport:
         self.dist = dist
         self.name = f"{dist.name}+{other.name}"
 
-    def attach(self, job: str, stage: int, member: int = 0, *, group: bool = False) -> Inbox:
-        if member or group:
+    def attach(self, job: str, stage: int, member: int = 0, *, members: int = 1) -> Inbox:
+        if member or members > 1:
             raise ValueError("a stage in a torch.distributed group runs on one device")
         inbox = self.other.attach(job, stage)
         try:
@@ -35,11 +35,20 @@ class RoutedTransport:
             raise
         return inbox
 
-    def send(self, job: str, stage: int, channel: Channel, frame: bytes, member: int = 0) -> None:
+    def send(
+        self,
+        job: str,
+        stage: int,
+        channel: Channel,
+        frame: bytes,
+        member: int = 0,
+        *,
+        sender: int | None = None,
+    ) -> None:
         if stage in self.dist.route.ranks:
             self.dist.send(job, stage, channel, frame)
         else:
-            self.other.send(job, stage, channel, frame, member)
+            self.other.send(job, stage, channel, frame, member, sender=sender)
 
     def detach(self, job: str, stage: int, member: int = 0) -> None:
         try:

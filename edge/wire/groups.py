@@ -32,7 +32,10 @@ gradients, so a step equals single-device training on the whole batch.
   ``k`` to member ``k`` (a ``REDUCE`` frame), member ``k`` adds the ``g``
   contributions in member order and sends the sum to every other member (a
   ``GATHER`` frame). In both, the frame's ``microbatch`` field names the
-  sending member, and a chunk travels in pieces of at most 256 KiB, each frame's
+  sending member, and so does the topic it travels on (member ``i``'s own,
+  ``.../reduce/{i}``): a receiver drops a chunk whose claim differs from its
+  topic's (``wrong-sender``), so a member cannot pass its chunk off as another's.
+  A chunk travels in pieces of at most 256 KiB, each frame's
   rows its element range in the chunk (so a broker forwards one piece while the
   next is on its way: [Note: pieces of a chunk] in :mod:`edge.runtime.group_sum`).
   Every member then holds the same summed gradients (the whole batch's) and the
@@ -41,8 +44,10 @@ gradients, so a step equals single-device training on the whole batch.
 - **Topics and rights.** Member ``m`` of stage ``s`` receives on
   :func:`edge.wire.topics.stage_topic` ``(job, s, channel, m)``; the broker lets
   a member publish only to the members of its neighbour stages (and, as stage
-  0, to the last stage's), and to the ``reduce`` topics of its own stage's
-  other members (:func:`edge.wire.topics.stage_access`).
+  0, to the last stage's), and, of its own stage's ``reduce`` topics, to those
+  naming it as sender, one to each other member
+  (:func:`edge.wire.topics.stage_access`): only member ``i`` may publish a
+  chunk from ``i``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Device topics: ``devices/{id}/status`` (retained; last-will ``offline``),
 ``devices/{id}/cmd``. Job topics: the stage frames (``jobs/{job}/stage/{s}/fwd|bwd``,
 :mod:`edge.wire.frames`; for member ``m > 0`` of a group
 ``jobs/{job}/stage/{s}/member/{m}/fwd|bwd``, and a group's gradient channel
-``.../reduce``, [Note: groups on the wire] in :mod:`edge.wire.groups`) and
+``.../reduce/{sender}``, one topic per sending member, [Note: groups on the
+wire] in :mod:`edge.wire.groups`) and
 ``jobs/{job}/events/{device}``, each device's own
 (so a broker ACL, not a payload, says who sent an event), and besides them, all
 carrying safetensors bytes (:mod:`edge.runtime.checkpoint`), never a pickle:
@@ -92,13 +93,21 @@ def device_heartbeat(device: str) -> str:
     return f"{TOPIC_ROOT}/devices/{device}/heartbeat"
 
 
-def stage_topic(job: str, stage: int, channel: str, member: int = 0) -> str:
+def stage_topic(
+    job: str, stage: int, channel: str, member: int = 0, sender: int | None = None
+) -> str:
     """Frames *for* member ``member`` of stage ``stage``: ``fwd`` (activations, labels),
-    ``bwd`` (gradients) or, in a group, ``reduce`` (its fellow members' gradient chunks).
+    ``bwd`` (gradients) or, in a group, ``reduce`` (the gradient chunks that member
+    ``sender`` of the stage sends it: one topic per sender, so the broker's grant, not
+    the payload, says who sent a chunk).
 
-    Member 0 (every one-device stage) has the stage's own topics."""
+    Member 0 (every one-device stage) has the stage's own topics. ``sender`` is
+    required on ``reduce`` and refused elsewhere."""
+    if (channel == "reduce") != (sender is not None):
+        raise ValueError(f"a {channel} topic {'needs' if sender is None else 'has no'} sender")
     at = f"{stage}" if member == 0 else f"{stage}/member/{member}"
-    return f"{TOPIC_ROOT}/jobs/{job}/stage/{at}/{channel}"
+    tail = "" if sender is None else f"/{sender}"
+    return f"{TOPIC_ROOT}/jobs/{job}/stage/{at}/{channel}{tail}"
 
 
 def job_events(job: str, device: str) -> str:
@@ -131,15 +140,20 @@ _EVENTS_TOPIC = re.compile(rf"{TOPIC_ROOT}/jobs/({_JOB_ID.pattern})/events/({_DE
 _NUMBER = "0|[1-9][0-9]*"
 _STAGE_TOPIC = re.compile(
     rf"{TOPIC_ROOT}/jobs/({_JOB_ID.pattern})/stage/({_NUMBER})(?:/member/([1-9][0-9]*))?"
-    "/(fwd|bwd|reduce)"
+    rf"/(?:(fwd|bwd)|reduce/({_NUMBER}))"
 )
 
 
-def parse_stage_topic(topic: str) -> tuple[str, int, str, int] | None:
-    """``(job, stage, channel, member)`` of a stage topic (:func:`stage_topic`'s arguments),
-    or ``None`` for any other topic."""
+def parse_stage_topic(topic: str) -> tuple[str, int, str, int, int | None] | None:
+    """``(job, stage, channel, member, sender)`` of a stage topic (:func:`stage_topic`'s
+    arguments; ``sender`` is ``None`` but on ``reduce``), or ``None`` for any other topic."""
     m = _STAGE_TOPIC.fullmatch(topic)
-    return (m.group(1), int(m.group(2)), m.group(4), int(m.group(3) or 0)) if m else None
+    if m is None:
+        return None
+    member = int(m.group(3) or 0)
+    if m.group(5) is None:
+        return (m.group(1), int(m.group(2)), m.group(4), member, None)
+    return (m.group(1), int(m.group(2)), "reduce", member, int(m.group(5)))
 
 
 def parse_events_topic(topic: str) -> tuple[str, str] | None:
@@ -177,7 +191,8 @@ def stage_access(
     In groups (``group_sizes``: members per stage, ``None`` for one each) the device
     is ``member`` of its stage: it sends to every member of its neighbour stages,
     reads its own member topics, and only member 0 publishes the stage's weights.
-    A group's members may publish to each other's ``reduce`` topic, nobody else.
+    A group's member ``m`` alone may publish on the ``reduce`` topics of sender ``m``
+    (one to each other member), and reads those of every other sender to it.
     """
     last = num_stages - 1
     sizes = list(group_sizes) if group_sizes is not None else [1] * num_stages
@@ -193,8 +208,9 @@ def stage_access(
     read = [stage_topic(job, stage, "fwd", member), stage_topic(job, stage, "bwd", member)]
     read.append(job_restore(job, stage))
     if sizes[stage] > 1:
-        read.append(stage_topic(job, stage, "reduce", member))
-        publish += [t for m, t in enumerate(to(stage, "reduce")) if m != member]
+        others = [m for m in range(sizes[stage]) if m != member]
+        read += [stage_topic(job, stage, "reduce", member, m) for m in others]
+        publish += [stage_topic(job, stage, "reduce", m, member) for m in others]
     if stage < last:
         publish += to(stage + 1, "fwd")
     if stage > 0:

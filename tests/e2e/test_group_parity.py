@@ -211,8 +211,8 @@ def test_only_a_groups_members_may_send_on_its_reduce_topics(
     secure_broker: OwnedBroker,
 ) -> None:
     """The broker grants a group's reduce topics to its members only: a frame that stage 0's
-    device sends on member 0's reduce topic, claiming to be member 1, never arrives (its
-    key would make member 1's real frame a duplicate); member 1's own does."""
+    device sends on member 1's reduce topic to member 0, claiming to be member 1, never
+    arrives (its key would make member 1's real frame a duplicate); member 1's own does."""
     accounts = secure_broker.accounts
     assert accounts is not None
     job = new_job_id()
@@ -225,15 +225,50 @@ def test_only_a_groups_members_may_send_on_its_reduce_topics(
     try:
         for t in transports.values():
             t.connect(timeout=10)
-        inbox = transports[m0].attach(job, 1, 0, group=True)
+        inbox = transports[m0].attach(job, 1, 0, members=2)
         forged = encode_frame(Kind.REDUCE, job, 0, 1, torch.full((3,), 7.0), Codec.RAW)
-        transports[first].send(job, 1, "reduce", forged, 0)
+        transports[first].send(job, 1, "reduce", forged, 0, sender=1)
         assert transports[first].flush(10)  # the broker has judged it before the real one
         real = encode_frame(Kind.REDUCE, job, 0, 1, torch.ones(3), Codec.RAW)
-        transports[m1].send(job, 1, "reduce", real, 0)
+        transports[m1].send(job, 1, "reduce", real, 0, sender=1)
         got = inbox.take(Kind.REDUCE, 0, 1, timeout=10)
         assert torch.equal(got.tensor, torch.ones(3))
         assert inbox.frames_received == 1 and not inbox.dropped
+    finally:
+        for t in transports.values():
+            t.close()
+        accounts.release(job)
+
+
+def test_a_member_cannot_pass_its_chunk_off_as_another_members(
+    secure_broker: OwnedBroker,
+) -> None:
+    """In a group of three, member 2 forges member 1's chunk for member 0: on member 1's
+    topic the broker refuses it, and on its own topic member 0 drops it, as its claim is
+    not its topic's (``wrong-sender``). Member 1's real chunk is the one summed."""
+    accounts = secure_broker.accounts
+    assert accounts is not None
+    job = new_job_id()
+    first, m0, m1, m2 = (f"{job}-{name}" for name in ("a", "b", "c", "d"))
+    plan = Plan((Stage(first, 0, 1), Stage.group([m0, m1, m2], 1, 3)))
+    devices = (first, m0, m1, m2)
+    creds = {d: accounts.enroll(d) for d in devices}
+    assignments = make_assignments(job, _spec("1f1b"), plan)
+    accounts.grant(job, list(zip(devices, assignments, strict=True)))
+    transports = {d: MqttTransport(creds[d].settings()) for d in creds}
+    try:
+        for t in transports.values():
+            t.connect(timeout=10)
+        inbox = transports[m0].attach(job, 1, 0, members=3)
+        forged = encode_frame(Kind.REDUCE, job, 0, 1, torch.full((3,), 7.0), Codec.RAW)
+        transports[m2].send(job, 1, "reduce", forged, 0, sender=1)  # not its topic: refused
+        transports[m2].send(job, 1, "reduce", forged, 0, sender=2)  # its own: arrives
+        assert transports[m2].flush(10)  # the broker has passed both on before the real one
+        real = encode_frame(Kind.REDUCE, job, 0, 1, torch.ones(3), Codec.RAW)
+        transports[m1].send(job, 1, "reduce", real, 0, sender=1)
+        got = inbox.take(Kind.REDUCE, 0, 1, timeout=10)
+        assert torch.equal(got.tensor, torch.ones(3))
+        assert inbox.frames_received == 1 and inbox.dropped == {"wrong-sender": 1}
     finally:
         for t in transports.values():
             t.close()

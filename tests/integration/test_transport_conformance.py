@@ -175,15 +175,15 @@ class TransportConformance:
     def test_members_of_a_group_are_addressed_one_by_one(self, pair: Pair) -> None:
         """Two members of stage 1: each gets only its own pieces, and its group's chunks
         on the reduce channel; the same member twice is an error."""
-        first, second = pair.b.attach(JOB, 1, 0, group=True), pair.b.attach(JOB, 1, 1, group=True)
+        first, second = pair.b.attach(JOB, 1, 0, members=2), pair.b.attach(JOB, 1, 1, members=2)
         with pytest.raises(ValueError, match="member 1 is already attached"):
-            pair.b.attach(JOB, 1, 1, group=True)
+            pair.b.attach(JOB, 1, 1, members=2)
         for lo, hi, member in ((0, 3, 0), (3, 4, 1)):
             piece = torch.full((hi - lo, 2), float(lo))
             data = encode_frame(Kind.ACTIVATION, JOB, 0, 0, piece, Codec.FP32, first=lo)
             pair.a.send(JOB, 1, "fwd", data, member)
         chunk = encode_frame(Kind.REDUCE, JOB, 0, 0, torch.ones(5), Codec.RAW)
-        pair.b.send(JOB, 1, "reduce", chunk, 1)
+        pair.b.send(JOB, 1, "reduce", chunk, 1, sender=0)
         got = second.take(Kind.ACTIVATION, 0, 0, timeout=WAIT_S, first=3)
         assert got.samples == (3, 4) and torch.equal(got.tensor, torch.full((1, 2), 3.0))
         assert first.take(Kind.ACTIVATION, 0, 0, timeout=WAIT_S).samples == (0, 3)

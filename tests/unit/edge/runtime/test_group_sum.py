@@ -46,7 +46,7 @@ def _sum_over(g: int, numel: int, last: bool) -> list[tuple[GroupSum, torch.Tens
     for m in range(g):
         a = _member(g, m, last)
         summer = GroupSum(a, transport, [params[m]])
-        inbox = transport.attach(a.job, a.stage, m, group=True)
+        inbox = transport.attach(a.job, a.stage, m, members=a.group_size)
         inbox.expect(summer.expected, microbatches=1, step=0, members=g)
         members.append((summer, inbox))
     losses: list[float | None] = [None] * g

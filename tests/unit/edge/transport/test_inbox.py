@@ -318,15 +318,28 @@ def test_group_chunks_come_on_the_reduce_channel_one_per_member() -> None:
     for kind in (Kind.REDUCE, Kind.GATHER):
         for sender in (0, 2):
             frame = encode_frame(kind, JOB, 0, sender, torch.ones(5), Codec.RAW)
-            assert inbox.deliver(frame, "reduce")
+            assert inbox.deliver(frame, "reduce", sender)
         stray = encode_frame(kind, JOB, 0, 3, torch.ones(5), Codec.RAW)  # no member 3
-        assert not inbox.deliver(stray, "reduce")
+        assert not inbox.deliver(stray, "reduce", 3)
     short = encode_frame(Kind.REDUCE, JOB, 0, 0, torch.ones(4), Codec.RAW)
-    assert not inbox.deliver(short, "reduce")
+    assert not inbox.deliver(short, "reduce", 0)
     misrouted = encode_frame(Kind.REDUCE, JOB, 0, 1, torch.ones(5), Codec.RAW)
     assert not inbox.deliver(misrouted, "fwd")
     assert inbox.dropped == {"wrong-microbatch": 2, "wrong-shape": 1, "wrong-kind": 1}
     assert inbox.take(Kind.GATHER, 0, 2, timeout=1).tensor.tolist() == [1.0] * 5
+
+
+def test_a_chunk_must_name_the_member_whose_topic_it_came_on() -> None:
+    """Member 1 claims member 0's chunk (or a transport cannot say who sent one): dropped
+    before its key is recorded, so member 0's own still arrives."""
+    inbox = in_group(members=3)
+    forged = encode_frame(Kind.REDUCE, JOB, 0, 0, torch.full((5,), 7.0), Codec.RAW)
+    assert not inbox.deliver(forged, "reduce", 1)
+    assert not inbox.deliver(forged, "reduce")
+    assert inbox.dropped == {"wrong-sender": 2}
+    real = encode_frame(Kind.REDUCE, JOB, 0, 0, torch.ones(5), Codec.RAW)
+    assert inbox.deliver(real, "reduce", 0)
+    assert inbox.take(Kind.REDUCE, 0, 0, timeout=1).tensor.tolist() == [1.0] * 5
 
 
 def test_totals_of_a_group_count_every_piece_and_chunk() -> None:
@@ -343,6 +356,6 @@ def test_totals_of_a_group_count_every_piece_and_chunk() -> None:
         for kind in (Kind.REDUCE, Kind.GATHER):
             for sender in range(2):
                 frame = encode_frame(kind, JOB, step, sender, torch.ones(5), Codec.RAW)
-                assert inbox.deliver(frame, "reduce")
+                assert inbox.deliver(frame, "reduce", sender)
     assert inbox.pending == inbox.max_frames and inbox.held_bytes == inbox.max_bytes
     assert not inbox.dropped

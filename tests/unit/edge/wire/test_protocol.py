@@ -511,12 +511,24 @@ def test_encode_refuses_unsupported_dtypes(dtype: torch.dtype) -> None:
     stage=st.integers(0, 10**9),
     channel=st.sampled_from(["fwd", "bwd", "reduce"]),
     member=st.integers(0, 99),
+    sender=st.integers(0, 99),
 )
-def test_stage_topics_round_trip(job: str, stage: int, channel: str, member: int) -> None:
-    topic = stage_topic(job, stage, channel, member)
+def test_stage_topics_round_trip(
+    job: str, stage: int, channel: str, member: int, sender: int
+) -> None:
+    by = sender if channel == "reduce" else None
+    topic = stage_topic(job, stage, channel, member, by)
     assert topic.startswith(f"{TOPIC_ROOT}/jobs/{job}/stage/{stage}/")
     assert ("/member/" in topic) == (member > 0)
-    assert parse_stage_topic(topic) == (job, stage, channel, member)
+    assert topic.endswith(f"/reduce/{sender}" if by is not None else f"/{channel}")
+    assert parse_stage_topic(topic) == (job, stage, channel, member, by)
+
+
+def test_a_reduce_topic_names_its_sender_and_only_it() -> None:
+    with pytest.raises(ValueError, match="a reduce topic needs sender"):
+        stage_topic("j", 1, "reduce", 0)
+    with pytest.raises(ValueError, match="a fwd topic has no sender"):
+        stage_topic("j", 1, "fwd", 0, 1)
 
 
 @given(
@@ -532,7 +544,7 @@ def test_only_canonical_stage_topics_parse(
     job: str, stage: int, channel: str, member: int, where: int, edit: str, char: str
 ) -> None:
     """A topic one edit away from a stage topic parses only if it is one, spelled the same."""
-    topic = stage_topic(job, stage, channel, member)
+    topic = stage_topic(job, stage, channel, member, 1 if channel == "reduce" else None)
     i = where % (len(topic) + 1)
     cut = 0 if edit == "insert" else 1
     mutated = topic[:i] + ("" if edit == "delete" else char) + topic[i + cut :]
@@ -556,6 +568,11 @@ def test_only_canonical_stage_topics_parse(
         f"{TOPIC_ROOT}/jobs/j/stage/01/fwd",
         f"{TOPIC_ROOT}/jobs/j/stage/x/fwd",
         f"{TOPIC_ROOT}/jobs/j/stage/1/fwd/",
+        f"{TOPIC_ROOT}/jobs/j/stage/1/reduce",
+        f"{TOPIC_ROOT}/jobs/j/stage/1/reduce/",
+        f"{TOPIC_ROOT}/jobs/j/stage/1/reduce/01",
+        f"{TOPIC_ROOT}/jobs/j/stage/1/reduce/+",
+        f"{TOPIC_ROOT}/jobs/j/stage/1/fwd/0",
         f"{TOPIC_ROOT}/jobs/j/stage/1/member/0/fwd",
         f"{TOPIC_ROOT}/jobs/j/stage/1/member/01/fwd",
         f"{TOPIC_ROOT}/jobs/j/stage/1/member//bwd",
