@@ -53,6 +53,9 @@ class Mutant:
     """pytest node ids (files, or ``file::test``) that must fail."""
 
 
+_GROUP_PARITY = "tests/e2e/test_group_parity.py::test_groups_in_process_equal_one_device"
+"""Group training equals one device's, in-process, for every shares, sizes and schedule."""
+
 MUTANTS = [
     Mutant(
         name="loss-not-scaled",
@@ -291,6 +294,58 @@ MUTANTS = [
         old="got &= k * self.params + depth * w * self.b * self.acts <= d.memory_bytes",
         new="got &= k * self.params + depth * self.b * self.acts <= d.memory_bytes",
         tests=("tests/unit/coordinator/planner/test_groups_exact.py",),
+    ),
+    # Issue 16: groups in the runtime.
+    Mutant(
+        name="group-loss-not-shared",
+        what="a group member's loss is not scaled by its share of the microbatch's samples",
+        path="edge/runtime/stage.py",
+        old="loss_share = None if a.group_size == 1 else (hi - lo) / sum(a.samples_of(a.stage))",
+        new="loss_share = None",
+        tests=(_GROUP_PARITY,),
+    ),
+    Mutant(
+        name="group-sum-averaged",
+        what="a group averages its members' gradients (and loss) instead of summing them",
+        path="edge/runtime/group_sum.py",
+        old="        for k in others:  # all-gather: the owner's sum to everyone else",
+        new="        mine /= g\n        for k in others:  # all-gather",
+        tests=(_GROUP_PARITY,),
+    ),
+    Mutant(
+        name="group-split-loses-remainder",
+        what="split_samples hands out one sample too few of the remainder (off by one)",
+        path="edge/wire/groups.py",
+        old="for i in order[: n - sum(counts)]:",
+        new="for i in order[: max(0, n - sum(counts) - 1)]:",
+        tests=(_GROUP_PARITY,),
+    ),
+    Mutant(
+        name="group-split-overshoots",
+        what="split_samples hands out one sample more than the remainder: counts exceed n",
+        path="edge/wire/groups.py",
+        old="for i in order[: n - sum(counts)]:",
+        new="for i in order[: n - sum(counts) + 1]:",
+        tests=(_GROUP_PARITY,),
+    ),
+    Mutant(
+        name="group-gather-reversed",
+        what="a receiver concatenates the pieces of its block in reverse member order",
+        path="edge/runtime/stage.py",
+        old="for _, rows in pieces(a.samples_of(sender), self.rows)",
+        new="for _, rows in reversed(pieces(a.samples_of(sender), self.rows))",
+        tests=(_GROUP_PARITY,),
+    ),
+    Mutant(
+        name="group-chunk-trusts-claim",
+        what="a group member takes a gradient chunk as the member it claims, whatever its topic",
+        path="edge/transport/base.py",
+        old="if head.kind in _BY_MEMBER and head.microbatch != sender:",
+        new="if False:",
+        tests=(
+            "tests/e2e/test_group_parity.py::"
+            "test_a_member_cannot_pass_its_chunk_off_as_another_members",
+        ),
     ),
 ]
 

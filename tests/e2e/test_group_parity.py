@@ -1,7 +1,8 @@
 """Stages trained data-parallel by device groups train the same model as one device.
 
-For every combination of equal and unequal shares, 1F1B and GPipe, and the
-groups ``2,1`` and ``1,2,1``, a short mlp job's per-step losses and final
+For every combination of equal shares, unequal ones and unequal ones whose split
+into samples has a remainder, 1F1B and GPipe, and the
+groups ``2,1``, ``1,2,1`` and ``1,2``, a short mlp job's per-step losses and final
 parameters equal, within 1e-5, those of the plain PyTorch loop
 (:mod:`support.reference`); over MQTT (a real Mosquitto that enforces the
 plan's grants, :func:`edge.wire.topics.stage_access`, and four real agent
@@ -37,9 +38,13 @@ from edge.wire.messages import StageAssignment
 
 STEPS, BATCH, MICROBATCHES = 3, 16, 2
 N = BATCH // MICROBATCHES  # samples per microbatch
-SHARES = {"equal": None, "unequal": (0.75, 0.25)}
-"""The group's shares; 0.75/0.25 of 8 samples is 6 and 2."""
-SIZES = {"2,1": (2, 1), "1,2,1": (1, 2, 1)}
+SHARES = {"equal": None, "unequal": (0.75, 0.25), "rounded": (0.6, 0.4)}
+"""The group's shares; 0.75/0.25 of 8 samples is 6 and 2, and 0.6/0.4 (4.8 and 3.2) rounds
+to 5 and 3: the largest remainder gets the sample left over."""
+COUNTS = {"equal": (4, 4), "unequal": (6, 2), "rounded": (5, 3)}
+"""Each member's samples of a microbatch, by :data:`SHARES`."""
+SIZES = {"2,1": (2, 1), "1,2,1": (1, 2, 1), "1,2": (1, 2)}
+"""Groups first, in the middle and last (where each member scales its loss by its share)."""
 _REFERENCE: list[ReferenceRun] = []
 
 
@@ -65,7 +70,7 @@ def _reference() -> ReferenceRun:
 
 
 def _plan(devices: list[str], sizes: tuple[int, ...]) -> Plan:
-    """The mlp's three units, one a stage (two on the first stage of ``2,1``)."""
+    """The mlp's three units, one a stage (two on the first stage of two)."""
     cuts = [0, 2, 3] if len(sizes) == 2 else [0, 1, 2, 3]
     stages, at = [], 0
     for s, size in enumerate(sizes):
@@ -88,12 +93,11 @@ def _chunk(plan: Plan, s: int) -> int:
     return chunk_size(numel, 2)
 
 
-def _check(result: JobResult, plan: Plan, shares: tuple[float, ...] | None) -> None:
+def _check(result: JobResult, plan: Plan, counts: tuple[int, int]) -> None:
     group = [s for s, st in enumerate(plan.stages) if len(st.devices) == 2]
     assert len(group) == 1 and len(result.plan.stages[group[0]].devices) == 2
     assert_matches(result.losses, result.weights, _reference())
     # Every member of every stage reported every step, with the samples of its share.
-    want = (6, 2) if shares else (4, 4)
     seen = {(r.stage, r.member, r.step): r for r in result.reports}
     assert set(seen) == {
         (s, m, t)
@@ -102,7 +106,7 @@ def _check(result: JobResult, plan: Plan, shares: tuple[float, ...] | None) -> N
         for t in range(STEPS)
     }
     for (s, m, _), report in seen.items():
-        share = want[m] if s == group[0] else N
+        share = counts[m] if s == group[0] else N
         assert report.samples == share * MICROBATCHES
         assert report.device == plan.stages[s].devices[m]
         if s == group[0]:  # the group summed its gradients: 2 (g - 1) chunks sent
@@ -119,7 +123,7 @@ def test_groups_in_process_equal_one_device(schedule: str, sizes: str, shares: s
     result = run_inprocess(
         _spec(schedule), plan, shares=_shares(SIZES[sizes], SHARES[shares]), timeout_s=120
     )
-    _check(result, plan, SHARES[shares])
+    _check(result, plan, COUNTS[shares])
 
 
 def test_a_group_refuses_batchnorm() -> None:
@@ -204,7 +208,7 @@ def test_groups_over_mqtt_equal_one_device(
         timeout_s=120,
     )
     assert result.rejected == {}
-    _check(result, plan, SHARES[shares])
+    _check(result, plan, COUNTS[shares])
 
 
 def test_only_a_groups_members_may_send_on_its_reduce_topics(
