@@ -226,7 +226,10 @@ class JobManager:
             }
             self.store.add_job_event(job, "replan", detail)
         problem, score = planned.problem, planned.found.score
-        sim = simulate(problem, score.plan, spec.schedule)
+        # A plan on groups is scored (and so simulated) under version 2, as it was planned.
+        sim = simulate(
+            problem.as_version(2) if score.plan.grouped else problem, score.plan, spec.schedule
+        )
         self.store.set_job_plan(
             job,
             {

@@ -2,6 +2,9 @@
 its polls asking only for new steps (``?since_step=``).
 
 Three agents run a 3-stage job (``stages=3``), so the timeline must show three rows.
+Before it, the same three run a short job on groups ``2,1`` (``group_sizes``): its
+pipeline view draws stage 0 as a group, each member with its share, and stage 1 as
+one device, as every one-device stage looks.
 
 Needs Debian's ``chromium`` at ``/usr/bin/chromium`` and the ``playwright``
 Python package (its own browser download is not used).
@@ -56,6 +59,44 @@ def _call(url: str, method: str = "GET", body: dict[str, Any] | None = None) -> 
         return json.loads(response.read())
 
 
+GROUP_JOB = {
+    "model": "mlp",
+    "steps": 3,
+    "batch_size": 16,
+    "microbatches": 2,
+    "partition": "even",
+    "group_sizes": [2, 1],
+}
+
+
+def _check_group_drawn(page: Any, record: dict[str, Any], tmp_path: Path) -> None:
+    """The job of :data:`GROUP_JOB`'s pipeline view: stage 0's members with their shares
+    (from the plan's ``devices`` and ``shares``), stage 1 a plain one-device row."""
+    first, second = record["plan"]["stages"]
+    assert len(first["devices"]) == 2 and len(first["shares"]) == 2
+    assert "device" not in first and second["devices"] == [second["device"]]
+    page.evaluate(f"location.hash = '#/jobs/{record['id']}'")
+    page.wait_for_selector("#timeline .tl-member", timeout=15_000)
+    page.screenshot(path=str(tmp_path / "dashboard-group.png"), full_page=True)
+    group = page.locator('#timeline .tl-row[data-stage="0"]')
+    assert group.get_attribute("data-members") == "2"
+    assert group.locator("text").first.text_content() == "0 group of 2"
+    members = group.locator(".tl-member")
+    assert members.count() == 2
+    total = sum(first["shares"])
+    for m, (device, share) in enumerate(zip(first["devices"], first["shares"], strict=True)):
+        member = members.nth(m)
+        assert member.get_attribute("data-member") == str(m)
+        assert member.get_attribute("data-device") == device
+        assert member.get_attribute("data-share") == f"{share / total:.4f}"
+        assert member.locator("text").first.text_content() == device[:12]
+    alone = page.locator('#timeline .tl-row[data-stage="1"]')
+    assert alone.get_attribute("data-members") == "1"
+    assert alone.locator(".tl-member").count() == 0
+    assert alone.locator("text").first.text_content() == f"1 {second['device']}"[:14]
+    assert page.locator("#timeline .tl-row").count() == 2
+
+
 @pytest.mark.slow
 def test_dashboard_shows_fleet_timeline_and_a_growing_loss_curve(tmp_path: Path) -> None:
     assert sync_playwright is not None
@@ -69,6 +110,8 @@ def test_dashboard_shows_fleet_timeline_and_a_growing_loss_curve(tmp_path: Path)
                 return sum(d["state"] == "online" for d in devices)
 
             assert until(lambda: online() == 3, 90)
+            grouped = _call(f"{api}/jobs", "POST", GROUP_JOB)["id"]
+            assert until(lambda: _call(f"{api}/jobs/{grouped}")["state"] == "completed", 120)
             body = {
                 "model": "cnn-digits",
                 "steps": 5000,
@@ -123,6 +166,7 @@ def test_dashboard_shows_fleet_timeline_and_a_growing_loss_curve(tmp_path: Path)
                             page.inner_text("#live"),
                         )
                         page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+                        _check_group_drawn(page, _call(f"{api}/jobs/{grouped}"), tmp_path)
                         assert not errors, errors
                         # The whole history once, then only the steps after the ones held.
                         polls = [u for u in requested if f"/jobs/{job}/metrics" in u]

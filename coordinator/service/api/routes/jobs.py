@@ -17,7 +17,12 @@ faults replicates every ``max(1, steps // 10)`` steps.
 ``partition`` and ``stages`` shape the plan (:mod:`coordinator.planner.partition`):
 a ``stages`` above the model's units, or above the devices the job allows, is a
 422 naming ``stages``; one above the devices online when the job is planned
-fails the job with that reason.
+fails the job with that reason. ``group_sizes`` (with ``partition`` ``even``)
+runs stage ``s`` on a group of ``group_sizes[s]`` devices: positive, one per
+stage (no more than the model's units), adding up to the devices the job allows
+when it names them (else to the devices online when it is planned, or the job
+fails), and not with fault tolerance; anything else is a 422 naming
+``group_sizes``.
 """
 
 from __future__ import annotations
@@ -84,6 +89,11 @@ class JobCreate(TrainConfig):
     stages: int | None = Field(default=None, ge=1, le=1024)
     """Exactly this many stages, each on its own device (absent: what the partition gives;
     with ``plan``, the planner's best plan of that many stages)."""
+    group_sizes: list[Annotated[int, Field(ge=1, le=1024)]] | None = Field(
+        default=None, min_length=1, max_length=1024, examples=[[2, 1, 1]]
+    )
+    """With ``partition`` ``even``: how many devices each stage runs on, in stage order
+    (adding up to the devices used); a stage of several trains data-parallel."""
     replicate_every: ReplicateEvery | None = None
     """Replicate every stage's state every R steps (0 or absent: off, but absent with
     faults means every max(1, steps // 10) steps): the job then survives devices
@@ -174,6 +184,7 @@ def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPubl
     replicate_every = body.replicate_every
     if replicate_every is None:
         replicate_every = max(1, steps // 10) if body.faults else 0
+    _check_groups(body, replicate_every, model.num_units)  # before the spec, which checks too
     settings = body.train_settings() | {
         "dataset": dataset,
         "dataset_options": options,
@@ -186,6 +197,7 @@ def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPubl
             pin_first=body.pin_first,
             partition=body.partition,
             stages=body.stages,
+            group_sizes=tuple(body.group_sizes) if body.group_sizes is not None else None,
             replicate_every=replicate_every,
             faults=tuple(body.faults),
         )
@@ -207,6 +219,27 @@ def _check_stages(body: JobCreate, units: int) -> None:
     if body.devices is not None and body.stages > len(set(body.devices)):
         why = f"stages={body.stages} is more than the {len(set(body.devices))} devices allowed"
         raise unprocessable(["body", "stages"], why)
+
+
+def _check_groups(body: JobCreate, replicate_every: int, units: int) -> None:
+    """A 422 naming ``group_sizes`` when the job cannot run on those groups."""
+    sizes = body.group_sizes
+    if sizes is None:
+        return
+    why = None
+    allowed = len(set(body.devices)) if body.devices is not None else None
+    if body.partition != "even":
+        why = "group_sizes needs partition even"
+    elif body.stages is not None and body.stages != len(sizes):
+        why = f"stages={body.stages}, but group_sizes has {len(sizes)} stages"
+    elif len(sizes) > units:
+        why = f"group_sizes has {len(sizes)} stages, more than the {units} units of {body.model}"
+    elif allowed is not None and sum(sizes) != allowed:
+        why = f"group_sizes adds up to {sum(sizes)} devices, but the job allows {allowed}"
+    elif replicate_every or body.faults:
+        why = "group_sizes cannot be combined with fault tolerance (replicate_every, faults) yet"
+    if why is not None:
+        raise unprocessable(["body", "group_sizes"], why)
 
 
 def _check_faults(body: JobCreate, steps: int, actuator: FaultActuator) -> None:

@@ -328,23 +328,58 @@ function lineChart(id, series, opts) {
   return svg;
 }
 
-/** The simulated pipeline: one row per stage, F and B blocks per microbatch. */
+/** A plan stage's members: ``[{device, share}]`` in member order, shares adding up to 1.
+ * A group's stage carries ``devices`` and ``shares``; a one-device stage may carry only
+ * ``device``. */
+function stageMembers(st) {
+  const devices = st.devices && st.devices.length ? st.devices : [st.device];
+  const raw = st.shares && st.shares.length === devices.length ? st.shares : devices.map(() => 1);
+  const total = raw.reduce((a, b) => a + b, 0) || 1;
+  return devices.map((device, m) => ({ device, share: raw[m] / total }));
+}
+
+/** A stage's name in a row label: its device, or its group's size. */
+function stageLabel(i, st) {
+  const members = stageMembers(st);
+  return (members.length > 1 ? `${i} group of ${members.length}` : `${i} ${members[0].device}`).slice(0, 14);
+}
+
+/** The simulated pipeline: one row per stage, F and B blocks per microbatch; a group's
+ * row lists its members under the lane, each with its share of every microbatch. */
 function timelineChart(plan) {
   const sim = plan && plan.simulation;
   const stages = (plan && plan.stages) || [];
   if (!sim || !sim.timeline || !stages.length) {
     return h("div", { class: "chart-empty", id: "timeline" }, "No plan yet.");
   }
-  const W = 600, rowH = 24, gap = 6, L = 88, R = 8, B = 20;
-  const H = stages.length * (rowH + gap) + B;
+  const W = 600, rowH = 24, gap = 6, L = 88, R = 8, B = 20, memberH = 14;
+  const extra = (st) => { const n = stageMembers(st).length; return n > 1 ? n * memberH : 0; };
+  const tops = [];
+  let H = B;
+  for (const st of stages) { tops.push(H - B); H += rowH + extra(st) + gap; }
   const end = sim.step_time_s || Math.max(...sim.timeline.map((e) => e.end_s));
   const px = (t) => L + (t / end) * (W - L - R);
   const svg = s("svg", { id: "timeline", viewBox: `0 0 ${W} ${H}`, role: "img" });
   stages.forEach((st, i) => {
-    const y = i * (rowH + gap);
-    const g = s("g", { class: "tl-row", "data-stage": i });
-    g.append(s("text", { x: 0, y: y + rowH / 2 + 3 }, `${i} ${st.device}`.slice(0, 14)),
+    const y = tops[i];
+    const members = stageMembers(st);
+    const g = s("g", { class: "tl-row", "data-stage": i, "data-members": members.length });
+    g.append(s("text", { x: 0, y: y + rowH / 2 + 3 }, stageLabel(i, st)),
       s("rect", { class: "lane", x: L, y, width: W - L - R, height: rowH, rx: 2 }));
+    if (members.length > 1) {
+      members.forEach((mem, m) => {
+        const my = y + rowH + m * memberH;
+        const pct = `${Math.round(mem.share * 100)}%`;
+        const row = s("g", { class: "tl-member", "data-member": m, "data-device": mem.device,
+          "data-share": mem.share.toFixed(4) });
+        row.append(s("title", {}, `member ${m}: ${mem.device}, ${pct} of each microbatch`),
+          s("text", { x: 8, y: my + memberH / 2 + 3 }, mem.device.slice(0, 12)),
+          s("rect", { class: "share", x: L, y: my + 3, width: Math.max(1, mem.share * (W - L - R - 40)),
+            height: memberH - 6, rx: 1.5 }),
+          s("text", { x: L + mem.share * (W - L - R - 40) + 4, y: my + memberH / 2 + 3 }, pct));
+        g.append(row);
+      });
+    }
     for (const e of sim.timeline) {
       if (e.lane !== "stage" || e.index !== i) continue;
       const x = px(e.start_s), w = Math.max(0.6, px(e.end_s) - x);
@@ -364,7 +399,13 @@ function timelineChart(plan) {
 /** Measured, latest step: per stage, compute then wait, on the same kind of axis. */
 function measuredChart(last, nStages) {
   if (!last || !last.stages.length) return h("div", { class: "chart-empty", id: "measured" }, "Waiting for the first step…");
-  const stages = [...last.stages].sort((a, b) => a.stage - b.stage);
+  // A group's members each report: the stage's row shows the one that took longest.
+  const byStage = new Map();
+  for (const r of last.stages) {
+    const held = byStage.get(r.stage);
+    if (!held || r.compute_s + r.wait_s > held.compute_s + held.wait_s) byStage.set(r.stage, r);
+  }
+  const stages = [...byStage.values()].sort((a, b) => a.stage - b.stage);
   const W = 600, rowH = 24, gap = 6, L = 88, R = 8, B = 20;
   const rows = Math.max(nStages || 0, stages.length);
   const H = rows * (rowH + gap) + B;
@@ -468,7 +509,11 @@ function renderJob(view) {
     h("tbody", {}, (plan.stages || []).map((st, i) => {
       const units = plan.units || [];
       const names = units.length ? `${units[st.layers[0]] || st.layers[0]} … ${units[st.layers[1] - 1] || st.layers[1]}` : "";
-      return h("tr", {}, h("td", { class: "num" }, i), h("td", { class: "mono" }, st.device),
+      const members = stageMembers(st);
+      const who = members.length > 1
+        ? members.map((mem) => `${mem.device} ${Math.round(mem.share * 100)}%`).join(" · ")
+        : members[0].device;
+      return h("tr", {}, h("td", { class: "num" }, i), h("td", { class: "mono" }, who),
         h("td", { class: "mono", title: names }, `${st.layers[0]}–${st.layers[1]}`),
         h("td", { class: "num" }, fmtSeconds((plan.compute_s || [])[i])),
         h("td", { class: "num" }, i < (plan.link_s || []).length ? fmtSeconds(plan.link_s[i]) : "–"));

@@ -152,3 +152,42 @@ def test_model_and_dataset_are_checked_before_a_job_is_queued(
     assert response.status_code == 422, response.text
     (detail,) = response.json()["detail"]
     assert detail["loc"] == ["body", loc] and detail["msg"].startswith(message), detail
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"group_sizes": [2, 1]}, "group_sizes needs partition even"),
+        (
+            {"partition": "even", "group_sizes": [2, 1], "stages": 3},
+            "stages=3, but group_sizes has 2 stages",
+        ),
+        (
+            {"partition": "even", "group_sizes": [1, 1, 1, 1]},
+            "group_sizes has 4 stages, more than the 3 units of mlp",
+        ),
+        (
+            {"partition": "even", "group_sizes": [2, 1], "devices": ["a", "b", "c", "d"]},
+            "group_sizes adds up to 3 devices, but the job allows 4",
+        ),
+        (
+            {"partition": "even", "group_sizes": [2, 1], "replicate_every": 2},
+            "group_sizes cannot be combined with fault tolerance",
+        ),
+    ],
+)
+def test_group_sizes_the_job_cannot_run_on_are_a_422_naming_them(
+    client: TestClient, extra: dict[str, object], message: str
+) -> None:
+    response = client.post("/api/v1/jobs", json={**SPEC, **extra})
+    assert response.status_code == 422, response.text
+    (detail,) = response.json()["detail"]
+    assert detail["loc"] == ["body", "group_sizes"] and detail["msg"].startswith(message), detail
+
+
+@pytest.mark.parametrize("sizes", [[], [2, 0], [-1]])
+def test_group_sizes_must_be_positive_counts(client: TestClient, sizes: list[int]) -> None:
+    body = {**SPEC, "partition": "even", "group_sizes": sizes}
+    response = client.post("/api/v1/jobs", json=body)
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"][:2] == ["body", "group_sizes"]
