@@ -238,7 +238,13 @@ class _Evaluator:
         if seq not in self.cache:
             plan = best_cuts(self.gt, seq, self.lam)
             self.evaluations += 1
-            self.cache[seq] = None if plan is None else _checked(self.gt.problem, plan)
+            got = None if plan is None else _checked(self.gt.problem, plan)
+            goal = self.gt.problem.goal
+            if got is None and goal.minimize == "energy" and goal.max_step_time_s is not None:
+                # The least-energy cuts miss the deadline: the fastest cuts may meet it.
+                plan = best_cuts(self.gt, seq, 0.0)
+                got = None if plan is None else _checked(self.gt.problem, plan)
+            self.cache[seq] = got
         return self.cache[seq]
 
     def quick(self, seq: Sequence, near: PlanScore | None) -> PlanScore | None:
