@@ -62,7 +62,7 @@ def emulated(profiles: list[str]) -> tuple[list[Any], list[float]]:
     from edge.profiling.catalog import resolve
 
     specs = [
-        resolve(name).to_device_spec().model_copy(update={"id": f"local-{i}"})
+        resolve(name).to_device_spec(power=True).model_copy(update={"id": f"local-{i}"})
         for i, name in enumerate(profiles)
     ]
     fastest = max(d.gflops for d in specs)

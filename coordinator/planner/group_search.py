@@ -568,7 +568,10 @@ def _result(
     if plan is None:
         reason = "no assignment of layers to device groups fits every member's memory"
         if problem.goal.max_step_time_s is not None:
-            reason += f" within max_step_time_s {problem.goal.max_step_time_s:g} s"
+            reason = (
+                "no plan fits every member's memory with a step time within "
+                f"max_step_time_s {problem.goal.max_step_time_s:g} s"
+            )
         return SearchResult(None, exact, method, evaluations, wall, reason)
     score = score_plan(problem, plan)
     if not score.feasible:

@@ -90,6 +90,15 @@ def train_command(
         help="Exactly N stages: with plan, the planner's best plan of N stages; with even, "
         "the N fastest devices (the first always among them). Default: what --partition gives.",
     ),
+    objective: str = typer.Option(
+        "time",
+        "--objective",
+        help="What the planner minimises: time (the step) or energy (from the catalogue's "
+        "datasheet power figures, a prediction; needs catalogue --devices).",
+    ),
+    deadline: float | None = typer.Option(
+        None, "--deadline", help="Only plans whose predicted step takes at most S seconds."
+    ),
     group_sizes_opt: str | None = typer.Option(
         None,
         "--group-sizes",
@@ -187,6 +196,8 @@ def train_command(
                 "partition": partition,
                 "stages": stages,
                 "group_sizes": group_sizes,
+                "objective": objective,
+                "max_step_time_s": deadline,
                 "optimizer": {
                     "name": optimizer,
                     "lr": lr,

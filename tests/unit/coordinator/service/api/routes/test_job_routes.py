@@ -152,3 +152,15 @@ def test_model_and_dataset_are_checked_before_a_job_is_queued(
     assert response.status_code == 422, response.text
     (detail,) = response.json()["detail"]
     assert detail["loc"] == ["body", loc] and detail["msg"].startswith(message), detail
+
+
+@pytest.mark.parametrize(
+    ("extra", "loc"),
+    [({"objective": "speed"}, "objective"), ({"max_step_time_s": 0}, "max_step_time_s")],
+)
+def test_a_bad_objective_or_deadline_is_a_422_naming_it(
+    client: TestClient, extra: dict[str, object], loc: str
+) -> None:
+    response = client.post("/api/v1/jobs", json={**SPEC, **extra})
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"] == ["body", loc]
