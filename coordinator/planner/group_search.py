@@ -29,9 +29,11 @@ watts (the step's multiplier in ``E``), so the same decomposition minimises
 
 :func:`replan` is the warm start after a device leaves or joins: the current
 plan without the missing devices (a group shrinks; a stage left empty hands its
-units to a neighbour), then the same local search from there, with a short
-budget. Plans are never worse than the version 1 plan for the same devices when
-the search is exact or runs its version 1 step.
+units to its neighbours, or takes a spare device), then the same local search
+from there, with a short budget.
+
+Plans are never worse than the version 1 plan for the same devices when the
+search is exact or runs its version 1 step.
 """
 
 from __future__ import annotations
@@ -514,8 +516,9 @@ def plan_groups(
 
 def replan(problem: PlanningProblem, current: Plan, *, time_budget_s: float = 0.8) -> SearchResult:
     """A warm-started plan for ``problem`` (devices gone or new) from ``current``: the
-    current plan without the missing devices and a quick version 1 plan of the same
-    devices are the seeds; the local search goes on from the better one."""
+    current plan without the missing devices, and the same with a spare device (one per
+    class of identical devices) in each stage left empty, are the seeds; the local search
+    goes on from the best within ``time_budget_s``."""
     started = time.perf_counter()
     deadline = started + time_budget_s
     gt = GroupTables.build(problem)
