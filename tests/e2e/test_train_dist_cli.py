@@ -222,6 +222,16 @@ def test_group_sizes_over_dist_train_like_one_device(
             ["--transport", "dist", "--devices", "2", "--replicas", "2", "-b", "6"],
             "--batch-size 6 is not a multiple of --microbatches x --replicas",
         ),
+        (
+            [
+                "--transport=dist",
+                "--devices=4",
+                "--replicas=2",
+                "--partition=even",
+                "--group-sizes=2,2",
+            ],
+            "--group-sizes runs without --replicas",
+        ),
     ],
 )
 def test_bad_dist_input_exits_2_with_one_line(extra: list[str], names: str) -> None:
