@@ -158,10 +158,9 @@ def train_command(
     group_sizes = _group_sizes(group_sizes_opt, devices, partition)
     if profiles and transport == "dist":
         raise UserError("--devices with profiles is for --transport mqtt or inprocess")
-    if group_sizes and (transport == "dist" or servers or fault or replicate_every):
+    if group_sizes and (replicas > 1 or servers or fault or replicate_every):
         raise UserError(
-            "--group-sizes runs over mqtt or inprocess, without --servers, --fault or "
-            "--replicate-every"
+            "--group-sizes runs without --replicas, --servers, --fault or --replicate-every"
         )
     if transport != "dist" and (replicas > 1 or device != "cpu"):
         raise UserError("--replicas and --device are for --transport dist")
