@@ -8,6 +8,12 @@ on the step time and the best baseline. Where edgetrain's plan is a baseline's
 (a single device, when no split pays) its cell says so. ``--json`` prints the
 same as one JSON object.
 
+The columns ``groups (v2)`` and ``v2 / v1`` are planner version 2 on the same
+devices (``shared/spec/planning-v2.md``: a stage may run on a group of devices,
+data-parallel, with a ring all-reduce per step), with its plan's group sizes,
+and ``data-parallel`` the best single group; all predictions of the spec score,
+like the rest.
+
 The lower bound on the step time is :func:`coordinator.planner.bounds.lower_bound`
 (its docstring has the derivation).
 
@@ -27,6 +33,8 @@ from typing import Any
 from coordinator.planner.baselines import run_baselines
 from coordinator.planner.bounds import lower_bound
 from coordinator.planner.build import build_problem, parse_fleet
+from coordinator.planner.group_search import data_parallel_only, plan_groups
+from coordinator.planner.score import score_plan
 from coordinator.planner.solve import plan_problem
 from edge.problem import PlanningProblem, UnitSpec
 from edge.profiling.catalog import all_resolved, load_catalogue
@@ -90,6 +98,14 @@ SCENARIOS = [
     Scenario(
         "gpt-mixed", "gpt-mini", "rpi5-8gb:2,jetson-nano,nuc,laptop", 32, 8, options={"n_layer": 8}
     ),
+    Scenario(
+        "pi-4",
+        "vgg11",
+        "rpi4-4gb:4",
+        64,
+        8,
+        note="four equal Pis: where data parallelism pays (issue 16's 1.47x)",
+    ),
 ]
 
 
@@ -119,6 +135,17 @@ def evaluate(problem: PlanningProblem) -> dict[str, Any]:
         }
         if result.score is not None and sc.plan.stages == result.score.plan.stages:
             row["same_plan_as"].append(name)
+    v2 = problem.as_version(2)
+    started = time.perf_counter()
+    grouped = plan_groups(v2)
+    row["v2_wall_s"] = time.perf_counter() - started
+    row["v2_sps"] = grouped.score.throughput_sps if grouped.score else None
+    row["v2_groups"] = (
+        [len(st.devices) for st in grouped.score.plan.stages] if grouped.score else []
+    )
+    row["v2_method"] = grouped.method
+    dp = data_parallel_only(v2)
+    row["data_parallel_sps"] = score_plan(v2, dp).throughput_sps if dp is not None else None
     return row
 
 
@@ -162,6 +189,7 @@ BASELINE_NAMES = ["single", "even", "pipedream", "ftpipehd"]
 def format_tables(out: dict[str, Any]) -> str:
     """The scenarios' table and the large instances' table, as ``main`` prints them."""
     header = ["scenario", "dev", "units", "edgetrain", *BASELINE_NAMES, "plan s", "exact"]
+    header += ["groups (v2)", "v2 / v1", "data-parallel"]
     lines = [
         "predicted samples/s (spec score; higher is better) [stages of the plan]",
         " | ".join(header),
@@ -176,11 +204,13 @@ def format_tables(out: dict[str, Any]) -> str:
             _fmt(base[n]["sps"], base[n]["stages"], base[n]["feasible"]) for n in BASELINE_NAMES
         ]
         cells += [f"{row['plan_wall_s']:.2f}", "yes" if row["exact"] else "no"]
+        cells += _v2_cells(row)
         lines.append(" | ".join(cells))
     lines += [
         "",
         "random 64 devices x 200 units (pin_first set, M=16)",
-        "seed | plan s | method | edgetrain step s | stages | lower bound s | best baseline step s",
+        "seed | plan s | method | edgetrain step s | stages | lower bound s | best baseline step s"
+        " | v2 plan s | v2 / v1",
     ]
     for row in out["large"]:
         feasible = [b for b in row["baselines"].values() if b["feasible"]]
@@ -189,8 +219,22 @@ def format_tables(out: dict[str, Any]) -> str:
             f"{row['seed']} | {row['plan_wall_s']:.2f} | {row['method']} | "
             f"{row['edgetrain_step_s']:.4f} | {row['stages']} | {row['lower_bound_step_s']:.4f} | "
             + (f"{best['step_s']:.4f} [{best['stages']}]" if best else "none feasible")
+            + f" | {row['v2_wall_s']:.2f} | {_ratio(row)}"
         )
     return "\n".join(lines)
+
+
+def _ratio(row: dict[str, Any]) -> str:
+    ours, v2 = row["edgetrain_sps"], row["v2_sps"]
+    return f"{v2 / ours:.2f}x" if ours and v2 else "-"
+
+
+def _v2_cells(row: dict[str, Any]) -> list[str]:
+    """The version 2 plan (its group sizes), its gain over version 1, the best group."""
+    groups = "+".join(map(str, row["v2_groups"]))
+    v2 = f"{row['v2_sps']:,.1f} [{groups}]" if row["v2_sps"] else "-"
+    dp = row["data_parallel_sps"]
+    return [v2, _ratio(row), f"{dp:,.1f}" if dp else "-"]
 
 
 def main() -> int:

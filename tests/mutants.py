@@ -230,7 +230,7 @@ MUTANTS = [
         name="shape-check-skipped",
         what="an inbox keeps a frame whatever shape and dtype its stage's plan implies",
         path="edge/transport/base.py",
-        old="or self._mismatch(head.kind, head.shape, head.dtype)",
+        old="or self._mismatch(head.kind, head.shape, head.dtype, head.samples)",
         new="or None",
         tests=(
             "tests/integration/test_hostile_frames.py",

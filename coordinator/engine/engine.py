@@ -39,7 +39,7 @@ from coordinator.planner.build import build_problem
 from coordinator.planner.partition import JobPlan, plan_job
 from coordinator.planner.score import Plan
 from edge.errors import UserError
-from edge.problem import DeviceSpec, PlanningProblem
+from edge.problem import DeviceSpec, Objective, PlanningProblem
 from edge.transport.mqtt import MqttTransport
 from edge.wire.messages import StepReport
 
@@ -112,15 +112,28 @@ class JobRun:
 def job_problem(
     spec: JobSpec, devices: list[DeviceSpec], pin_first: str | None = None
 ) -> PlanningProblem:
-    """The planning problem of ``spec`` over ``devices`` (``pin_first`` holds the data)."""
-    return build_problem(
+    """The planning problem of ``spec`` over ``devices`` (``pin_first`` holds the data):
+    version 2 with the job's objective when it has one (the energy objective, or a
+    deadline), its stages one device each (the planner does not place groups in jobs yet)."""
+    objective = spec.objective != "time" or spec.max_step_time_s is not None
+    problem = build_problem(
         spec.model,
         devices,
         batch_size=spec.batch_size,
         microbatches=spec.microbatches,
         model_options=spec.model_options,
         pin_first=pin_first or spec.pin_first,
+        version=2 if objective else 1,
     )
+    if not objective:
+        return problem
+    if spec.objective == "energy" and not any(d.watts_busy for d in devices):
+        raise UserError(
+            "objective energy: no device has power figures (watts_busy); "
+            "agents announce them with a catalogue --profile"
+        )
+    goal = Objective(minimize=spec.objective, max_step_time_s=spec.max_step_time_s)
+    return problem.model_copy(update={"groups": False, "objective": goal})
 
 
 def plan_over(

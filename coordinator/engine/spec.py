@@ -72,6 +72,11 @@ class JobSpec(TrainConfig):
     """With ``partition="even"``: how many devices each stage runs on, in stage order (their
     sum is the number of devices); a stage of several trains data-parallel, each member
     on a share of every microbatch by its speed ([Note: groups on the wire]). Planning only."""
+    objective: Literal["time", "energy"] = "time"
+    """What the planner minimises: the step time, or the energy per step (from the
+    devices' power figures: predictions); planning only."""
+    max_step_time_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """Only plans whose predicted step time is at most this; planning only."""
     faults: tuple[str, ...] = ()
     """Faults the service injects into this job (``kill:STAGE@STEP`` and the other forms
     of :mod:`coordinator.engine.faults`); for testing fault tolerance, so only with it."""

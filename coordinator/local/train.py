@@ -62,7 +62,7 @@ def emulated(profiles: list[str]) -> tuple[list[Any], list[float]]:
     from edge.profiling.catalog import resolve
 
     specs = [
-        resolve(name).to_device_spec().model_copy(update={"id": f"local-{i}"})
+        resolve(name).to_device_spec(power=True).model_copy(update={"id": f"local-{i}"})
         for i, name in enumerate(profiles)
     ]
     fastest = max(d.gflops for d in specs)
@@ -101,7 +101,8 @@ def train_dist(
     on_step: Callable[[StepReport], None] | None = None,
     note: Callable[[str], None] = _quiet,
 ) -> LocalRun:
-    """Plan over ``n / replicas`` local devices and run it as a server-tier job."""
+    """Plan over ``n / replicas`` local devices and run it as a server-tier job (a plan's
+    stage groups as groups of ranks, one bucketed all-reduce each per step)."""
     from edge.profiling.device import profile_device
     from edge.server.job_file import DistJob, read_results
     from edge.server.launch import launch
@@ -109,7 +110,6 @@ def train_dist(
     me = profile_device("local", seconds=0.3).to_device_spec()
     fleet = [me.model_copy(update={"id": f"rank-{i}"}) for i in range(n // replicas)]
     plan, score = _plan(spec, fleet)
-    processes = len(plan.stages) * replicas
     with tempfile.TemporaryDirectory(prefix="edgetrain-dist-") as out:
         job = DistJob.model_validate(
             spec.train_settings()
@@ -117,13 +117,14 @@ def train_dist(
                 "codec": spec.codec,
                 "boundaries": [st.start for st in plan.stages[1:]],
                 "replicas": replicas,
+                "groups": score.shares if plan.grouped else None,
                 "device": device,
                 "output": out,
             }
         )
+        processes = job.world_size
         note(
-            f"launching {len(plan.stages)} stages x {replicas} replicas "
-            f"= {processes} processes (torch.distributed, "
+            f"launching {job.layout} = {processes} processes (torch.distributed, "
             f"{'gloo' if device == 'cpu' else 'NCCL'})"
         )
         cores = os.cpu_count() or 1

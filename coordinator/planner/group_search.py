@@ -29,9 +29,11 @@ watts (the step's multiplier in ``E``), so the same decomposition minimises
 
 :func:`replan` is the warm start after a device leaves or joins: the current
 plan without the missing devices (a group shrinks; a stage left empty hands its
-units to a neighbour), then the same local search from there, with a short
-budget. Plans are never worse than the version 1 plan for the same devices when
-the search is exact or runs its version 1 step.
+units to its neighbours, or takes a spare device), then the same local search
+from there, with a short budget.
+
+Plans are never worse than the version 1 plan for the same devices when the
+search is exact or runs its version 1 step.
 """
 
 from __future__ import annotations
@@ -128,9 +130,11 @@ def _realise(classes: list[list[int]], types: tuple[tuple[int, ...], ...]) -> Se
     return tuple(groups)
 
 
-def exact_plan_count(problem: PlanningProblem, limit: float = math.inf) -> float:
-    """How many distinct plans (after symmetry) the exact search scores; stops counting
-    past ``limit``."""
+def exact_plan_count(
+    problem: PlanningProblem, limit: float = math.inf, stages: int | None = None
+) -> float:
+    """How many distinct plans (after symmetry) the exact search scores (of ``stages``
+    stages when given); stops counting past ``limit``."""
     classes = _classes(problem)
     n = len(problem.layers)
     max_size = len(problem.devices) if problem.allows_groups else 1
@@ -138,8 +142,9 @@ def exact_plan_count(problem: PlanningProblem, limit: float = math.inf) -> float
     if math.prod(len(c) + 1 for c in classes) - 1 > limit:
         return math.inf  # more kinds of group than the limit: each is a plan of one stage
     total = 0.0
-    for types in _type_sequences(tuple(map(len, classes)), n, max_size, pinned):
-        total += math.comb(n - 1, len(types) - 1)
+    for types in _type_sequences(tuple(map(len, classes)), stages or n, max_size, pinned):
+        if stages is None or len(types) == stages:
+            total += math.comb(n - 1, len(types) - 1)
         if total > limit:
             return total
     return total
@@ -205,15 +210,17 @@ def _score_all(gt: GroupTables, seq: Sequence, best: _Best, chunk: int = 200_000
             return
 
 
-def _exact(gt: GroupTables) -> tuple[Plan | None, int]:
+def _exact(gt: GroupTables, stages: int | None = None) -> tuple[Plan | None, int]:
     problem = gt.problem
     classes = _classes(problem)
     max_size = len(problem.devices) if problem.allows_groups else 1
     best, sequences = _Best(), 0
     types_iter = _type_sequences(
-        tuple(map(len, classes)), gt.num_units, max_size, problem.pin_first is not None
+        tuple(map(len, classes)), stages or gt.num_units, max_size, problem.pin_first is not None
     )
     for types in types_iter:
+        if stages is not None and len(types) != stages:
+            continue
         _score_all(gt, _realise(classes, types), best)
         sequences += 1
     return best.plan, sequences
@@ -238,7 +245,13 @@ class _Evaluator:
         if seq not in self.cache:
             plan = best_cuts(self.gt, seq, self.lam)
             self.evaluations += 1
-            self.cache[seq] = None if plan is None else _checked(self.gt.problem, plan)
+            got = None if plan is None else _checked(self.gt.problem, plan)
+            goal = self.gt.problem.goal
+            if got is None and goal.minimize == "energy" and goal.max_step_time_s is not None:
+                # The least-energy cuts miss the deadline: the fastest cuts may meet it.
+                plan = best_cuts(self.gt, seq, 0.0)
+                got = None if plan is None else _checked(self.gt.problem, plan)
+            self.cache[seq] = got
         return self.cache[seq]
 
     def quick(self, seq: Sequence, near: PlanScore | None) -> PlanScore | None:
@@ -393,7 +406,11 @@ def _neighbours(seq: Sequence, problem: PlanningProblem, cls: list[int]) -> Iter
 
 
 def _local_search(
-    evaluate: _Evaluator, seq: Sequence, problem: PlanningProblem, deadline: float
+    evaluate: _Evaluator,
+    seq: Sequence,
+    problem: PlanningProblem,
+    deadline: float,
+    stages: int | None = None,
 ) -> tuple[Sequence, PlanScore | None]:
     cls = _class_of(problem)
     current, score = seq, evaluate(seq)
@@ -402,7 +419,7 @@ def _local_search(
     while improved and time.perf_counter() < deadline:
         improved = False
         for cand in _neighbours(current, problem, cls):
-            if len(cand) > len(problem.layers):
+            if len(cand) > len(problem.layers) or stages not in (None, len(cand)):
                 continue
             got = evaluate.quick(cand, score)
             if _key(problem, got) < best_key:  # promising: the full cut search
@@ -443,11 +460,13 @@ def data_parallel_only(problem: PlanningProblem) -> Plan | None:
     return None if best is None else best.plan
 
 
-def plan_any(problem: PlanningProblem, *, time_budget_s: float = 8.0) -> SearchResult:
+def plan_any(
+    problem: PlanningProblem, *, time_budget_s: float = 8.0, stages: int | None = None
+) -> SearchResult:
     """The planner for a problem of either version: version 2 searches groups."""
     if problem.version == 2:
-        return plan_groups(problem, time_budget_s=time_budget_s)
-    return plan_problem(problem, time_budget_s=time_budget_s)
+        return plan_groups(problem, time_budget_s=time_budget_s, stages=stages)
+    return plan_problem(problem, time_budget_s=time_budget_s, stages=stages)
 
 
 def _better(problem: PlanningProblem, a: PlanScore | None, b: PlanScore | None) -> bool:
@@ -459,26 +478,28 @@ def plan_groups(
     *,
     time_budget_s: float = 8.0,
     exact_limit: float = EXACT_PLANS,
+    stages: int | None = None,
 ) -> SearchResult:
-    """The best plan for a version 2 ``problem`` (module docstring)."""
+    """The best plan for a version 2 ``problem``, of exactly ``stages`` stages when given
+    (module docstring)."""
     started = time.perf_counter()
     gt = GroupTables.build(problem)
-    if exact_plan_count(problem, exact_limit) <= exact_limit:
-        plan, sequences = _exact(gt)
+    if stages is not None and not 1 <= stages <= min(gt.num_devices, gt.num_units):
+        why = f"no plan has {stages} stages: {gt.num_devices} devices, {gt.num_units} units"
+        return SearchResult(None, True, "none", 0, time.perf_counter() - started, why)
+    if exact_plan_count(problem, exact_limit, stages) <= exact_limit:
+        plan, sequences = _exact(gt, stages)
         return _result(problem, plan, True, "exact over every group sequence", sequences, started)
     deadline = started + time_budget_s
     evaluate = _Evaluator(gt)
     best: PlanScore | None = None
     method = ""
-    v1 = plan_problem(
-        problem.as_version(1).model_copy(update={"pin_first": problem.pin_first}),
-        time_budget_s=time_budget_s * _V1_SHARE,
-    )
+    v1 = plan_problem(problem.as_version(1), time_budget_s=time_budget_s * _V1_SHARE, stages=stages)
     seeds: list[Sequence] = []
     if v1.plan is not None:
         seeds.append(_sequence_of(problem, v1.plan))
         best, method = _checked(problem, Plan(v1.plan.stages)), "pipeline only (version 1)"
-    for seq in _data_parallel(problem, gt):
+    for seq in _data_parallel(problem, gt) if stages in (None, 1) else []:
         got = evaluate(seq)
         if _better(problem, got, best):
             best, method = got, "data parallel only"
@@ -486,7 +507,7 @@ def plan_groups(
     for seq in seeds[::-1]:
         if time.perf_counter() > deadline:
             break
-        _seq, got = _local_search(evaluate, seq, problem, deadline)
+        _seq, got = _local_search(evaluate, seq, problem, deadline, stages)
         if _better(problem, got, best):
             best, method = got, "group local search"
     evals = evaluate.evaluations + v1.evaluations
@@ -495,8 +516,9 @@ def plan_groups(
 
 def replan(problem: PlanningProblem, current: Plan, *, time_budget_s: float = 0.8) -> SearchResult:
     """A warm-started plan for ``problem`` (devices gone or new) from ``current``: the
-    current plan without the missing devices and a quick version 1 plan of the same
-    devices are the seeds; the local search goes on from the better one."""
+    current plan without the missing devices, and the same with a spare device (one per
+    class of identical devices) in each stage left empty, are the seeds; the local search
+    goes on from the best within ``time_budget_s``."""
     started = time.perf_counter()
     deadline = started + time_budget_s
     gt = GroupTables.build(problem)
@@ -549,7 +571,10 @@ def _result(
     if plan is None:
         reason = "no assignment of layers to device groups fits every member's memory"
         if problem.goal.max_step_time_s is not None:
-            reason += f" within max_step_time_s {problem.goal.max_step_time_s:g} s"
+            reason = (
+                "no plan fits every member's memory with a step time within "
+                f"max_step_time_s {problem.goal.max_step_time_s:g} s"
+            )
         return SearchResult(None, exact, method, evaluations, wall, reason)
     score = score_plan(problem, plan)
     if not score.feasible:

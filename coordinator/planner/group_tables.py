@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordinator.planner.score import Plan, Stage, shares_of
-from coordinator.planner.tables import _range_sums
+from coordinator.planner.tables import range_sums
 from edge.problem import PlanningProblem
 
 __all__ = ["Group", "GroupCosts", "GroupTables"]
@@ -69,9 +69,9 @@ class GroupTables:
             problem=problem,
             b=problem.batch_size / problem.microbatches,
             m=problem.microbatches,
-            flops=_range_sums([unit.train_flops for unit in layers]),
-            params=_range_sums([unit.param_bytes for unit in layers]),
-            acts=_range_sums([unit.saved_bytes for unit in layers]),
+            flops=range_sums([unit.train_flops for unit in layers]),
+            params=range_sums([unit.param_bytes for unit in layers]),
+            acts=range_sums([unit.saved_bytes for unit in layers]),
             out=np.array([0.0] + [unit.out_bytes for unit in layers]),
         )
 

@@ -38,7 +38,7 @@ from typing import Literal, get_args
 
 from coordinator.planner.baselines import even_split
 from coordinator.planner.codecs import choose_codecs, plan_with_codecs, with_codecs
-from coordinator.planner.group_search import replan
+from coordinator.planner.group_search import plan_groups, replan
 from coordinator.planner.score import Plan, PlanScore, Stage, score_plan
 from coordinator.planner.solve import EXACT_DEVICES, exact_capacity, plan_problem
 from edge.errors import UserError
@@ -124,9 +124,19 @@ def plan_job(
     exact = n_devices <= max(EXACT_DEVICES, exact_capacity(n_units))
     if previous is not None and stages is None and not auto and not exact:
         # One-device stages: the runtime trains a stage on one device.
-        warm = replan(problem.as_version(2).model_copy(update={"groups": False}), previous)
+        one = problem.as_version(2).model_copy(update={"groups": False})
+        if problem.version == 2:
+            one = problem.model_copy(update={"groups": False})
+        warm = replan(one, previous)
         if warm.score is not None:
             return JobPlan(score_plan(problem, warm.score.plan), warm.method, False)
+    if problem.version == 2:  # the job's objective: time under a deadline, or energy
+        if auto:
+            raise UserError('codec "auto" cannot be combined with an objective or deadline yet')
+        found = plan_groups(problem, stages=stages)
+        if found.score is None:
+            raise UserError(f"no plan fits {where}: {found.reason}")
+        return JobPlan(found.score, found.method, found.exact)
     found = plan_problem(problem, stages=stages)
     if found.score is None:
         raise UserError(f"no plan fits {where}: {found.reason}")

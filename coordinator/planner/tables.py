@@ -17,10 +17,10 @@ import numpy as np
 from coordinator.planner.score import Plan
 from edge.problem import PlanningProblem
 
-__all__ = ["CostTables"]
+__all__ = ["CostTables", "range_sums"]
 
 
-def _range_sums(values: list[float]) -> np.ndarray:
+def range_sums(values: list[float]) -> np.ndarray:
     """``out[h, i] = sum(values[h:i])`` summed left to right (``inf`` where ``i <= h``)."""
     n = len(values)
     out = np.full((n + 1, n + 1), np.inf)
@@ -55,7 +55,7 @@ class CostTables:
     def build(cls, problem: PlanningProblem) -> CostTables:
         layers, devices = problem.layers, problem.devices
         b = problem.batch_size / problem.microbatches
-        flops = _range_sums([unit.train_flops for unit in layers])
+        flops = range_sums([unit.train_flops for unit in layers])
         gflops = np.array([d.gflops for d in devices])
         with np.errstate(invalid="ignore"):
             compute = b * flops[None, :, :] / (gflops[:, None, None] * 1e9)
@@ -71,8 +71,8 @@ class CostTables:
             b=b,
             m=problem.microbatches,
             compute=compute,
-            params=_range_sums([unit.param_bytes for unit in layers]),
-            acts=_range_sums([unit.saved_bytes for unit in layers]),
+            params=range_sums([unit.param_bytes for unit in layers]),
+            acts=range_sums([unit.saved_bytes for unit in layers]),
             link=link,
             memory=np.array([d.memory_bytes for d in devices]),
         )

@@ -37,7 +37,10 @@ stage's members send and concatenates them, sends each neighbour member the rows
 of its output (and input gradient) they hold, scales its loss by its share of
 the samples, and before the optimizer steps sums the group's gradients (and
 losses) by a reduce-scatter and an all-gather over the ``reduce`` channel
-(:class:`~edge.runtime.group_sum.GroupSum`). A segment with BatchNorm refuses a group: its
+(:class:`~edge.runtime.group_sum.GroupSum`); over torch.distributed the caller passes
+``data_parallel`` over the members' process group instead, and the sum is one
+bucketed all-reduce (:meth:`~edge.server.data_parallel.DataParallel.sum_gradients`).
+A segment with BatchNorm refuses a group: its
 statistics would be over a member's rows, not the microbatch's.
 
 [Note: loss scaling]
@@ -182,7 +185,7 @@ class StageRuntime:
         self.expected = expected_frames(a, spec, self.dataset if a.is_first else None)
         """What the plan lets this stage receive (see :mod:`edge.runtime.links`)."""
         self.group_sum: GroupSum | None = None
-        if a.group_size > 1:
+        if a.group_size > 1 and data_parallel is None:
             params = [p for p in self.segment.parameters() if p.requires_grad]
             self.group_sum = GroupSum(a, transport, params)
             self.expected |= self.group_sum.expected
@@ -372,7 +375,13 @@ class StageRuntime:
             reduce = time.perf_counter() - t0
             reduce_bytes = self.group_sum.bytes_sent
             sent += reduce_bytes
-        if self.data_parallel is not None:
+        if self.data_parallel is not None and a.group_size > 1:
+            t0 = time.perf_counter()
+            before = self.data_parallel.bytes_reduced
+            loss = self.data_parallel.sum_gradients(self.segment.parameters(), loss)
+            reduce = time.perf_counter() - t0
+            reduce_bytes = self.data_parallel.bytes_reduced - before
+        elif self.data_parallel is not None:
             reduce = self.data_parallel.average_gradients(self.segment.parameters())
             if loss is not None:
                 t0 = time.perf_counter()

@@ -18,6 +18,15 @@ would reduce part-accumulated gradients (or, with every forward under
 backward, over gradients bucketed the way DDP buckets them (flat tensors of at
 most ``bucket_mb`` MiB per dtype and device, in parameter order) -- the
 schedule Megatron-LM's pipeline engine uses too.
+
+A stage *group* over torch.distributed ([Note: groups on the wire] in
+:mod:`edge.wire.groups`) uses the same bucketed all-reduce over its members'
+process group, as :meth:`DataParallel.sum_gradients`: its members already
+scaled their losses by their shares of the samples, so the group *sums* (no
+division), and the member's share of the step's loss rides in the last bucket,
+so a step costs one bucketed all-reduce. It replaces
+:class:`edge.runtime.group_sum.GroupSum`, the same sum through the ``reduce``
+channel of an MQTT or in-process transport.
 """
 
 from __future__ import annotations
@@ -62,7 +71,8 @@ def buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.T
 
 
 class DataParallel:
-    """Averages over the ``replicas`` copies of one stage in ``group`` (see the module)."""
+    """Averages over the ``replicas`` copies of one stage in ``group``, or sums over the
+    members of a stage's group (see the module)."""
 
     def __init__(
         self,
@@ -85,24 +95,49 @@ class DataParallel:
         same buckets.
         """
         t0 = time.perf_counter()
-        grads = []
-        for p in params:
-            if not p.requires_grad:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        for bucket in buckets(grads, self.bucket_bytes):
+        self._all_reduce(_grads(params), self.replicas)
+        return time.perf_counter() - t0
+
+    def sum_gradients(
+        self, params: Iterable[torch.nn.Parameter], loss: float | None = None
+    ) -> float | None:
+        """Replace the gradients of ``params`` by their sum over the group, with one
+        bucketed all-reduce that also sums ``loss`` (the member's share of the step's
+        loss, on the last stage); the group's loss, ``None`` without one."""
+        grads = _grads(params)
+        extra = []
+        if loss is not None:
+            where = grads[-1].device if grads else torch.device("cpu")
+            extra.append(torch.tensor([loss], dtype=torch.float32, device=where))
+        self._all_reduce(grads + extra, 1)
+        return float(extra[0].item()) if extra else None
+
+    def _all_reduce(self, tensors: list[torch.Tensor], divide: int) -> None:
+        """Sum ``tensors`` in place over the group, bucket by bucket; divide by ``divide``."""
+        for bucket in buckets(tensors, self.bucket_bytes):
             flat = _flatten_dense_tensors(bucket)
             dist.all_reduce(flat, group=self.group)
-            flat.div_(self.replicas)
+            if divide != 1:
+                flat.div_(divide)
             for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
                 g.copy_(reduced)
             self.bytes_reduced += flat.numel() * flat.element_size()
-        return time.perf_counter() - t0
 
     def average(self, value: float) -> float:
         """The mean of ``value`` over the replicas (float64 on the host)."""
         t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t, group=self.group)
         return float(t.item()) / self.replicas
+
+
+def _grads(params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """The gradients of the trainable ``params``; a missing one becomes zeros first, so
+    every copy reduces the same buckets."""
+    grads = []
+    for p in params:
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad)
+    return grads

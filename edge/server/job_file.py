@@ -4,7 +4,11 @@
 same :class:`DistJob`: ``S`` pipeline stages times ``R`` data-parallel replicas,
 one process each (world size ``S x R``). Rank ``r x S + s`` runs stage ``s`` of
 replica ``r``; the copies of a stage across replicas form its data-parallel
-group.
+group. With ``groups`` (one replica), stage ``s`` runs on a group of
+``len(groups[s])`` ranks ([Note: groups on the wire] in :mod:`edge.wire.groups`),
+member ``m`` the rank ``m`` plus the members of the stages before, each on its
+share of every microbatch (``groups[s][m]``, split by
+:func:`edge.wire.groups.split_samples`); the world is every member of every stage.
 
 A job file is TOML with the fields of :class:`DistJob` (its training settings are
 those of :class:`edge.config.TrainConfig`), for example::
@@ -24,7 +28,9 @@ those of :class:`edge.config.TrainConfig`), for example::
 
 Results go to ``output``: ``losses.json`` (the loss of every step, averaged over
 the replicas), ``reports-rank{k}.jsonl`` (every step report of rank ``k``),
-``weights-stage{s}.safetensors`` and ``state-stage{s}.safetensors`` (the state
+``weights-stage{s}.safetensors`` and ``state-stage{s}.safetensors`` (member 0's
+on a group; every other member ``m`` writes ``weights-stage{s}-member{m}.safetensors``,
+which :func:`read_results` checks equal to member 0's; the state
 blob format of :mod:`edge.runtime.checkpoint`, weights and optimizer state, as
 the edge runtime writes them). ``resume_from`` names a directory of state blobs
 (from either tier: these, or the coordinator's replicas) to start from, at the
@@ -52,6 +58,7 @@ from edge.files import write_atomic
 from edge.models.unit_costs import profile_model
 from edge.models.zoo import get_model
 from edge.runtime.checkpoint import StageState, read_state
+from edge.wire.groups import split_samples
 from edge.wire.messages import JobId, StageAssignment, StepReport
 
 __all__ = [
@@ -75,6 +82,9 @@ class DistJob(TrainConfig):
     stages: int | None = Field(default=None, ge=1)
     """Stages to balance by training FLOPs when ``boundaries`` is not given."""
     replicas: Replicas = 1
+    groups: list[list[float]] | None = None
+    """Stage groups: per stage, each member's share of a microbatch (``[1.0]`` for one
+    device); ``None``: one device per stage."""
     device: Literal["cpu", "cuda"] = "cpu"
     output: str = "edgetrain-dist"
     resume_from: str | None = None
@@ -87,15 +97,47 @@ class DistJob(TrainConfig):
             raise ValueError("give boundaries or stages, not both")
         if self.boundaries is not None and sorted(set(self.boundaries)) != self.boundaries:
             raise ValueError(f"boundaries {self.boundaries} must be ascending, no repeats")
+        if self.groups is not None:
+            if len(self.groups) != self.num_stages:
+                raise ValueError(f"groups has {len(self.groups)} stages, not {self.num_stages}")
+            if self.replicas > 1:
+                raise ValueError("groups cannot be combined with replicas")
+            self.group_samples()  # every member gets at least one sample
         return self
+
+    def group_samples(self) -> tuple[tuple[int, ...], ...] | None:
+        """Per stage, each member's samples of a microbatch; ``None`` without groups."""
+        if self.groups is None:
+            return None
+        n = self.batch_size // (self.microbatches * self.replicas)
+        out = []
+        for s, shares in enumerate(self.groups):
+            try:
+                out.append(tuple(split_samples(n, shares)))
+            except ValueError as exc:
+                raise ValueError(f"groups: stage {s}: {exc}") from None
+        return tuple(out)
+
+    @property
+    def group_sizes(self) -> list[int]:
+        """Members of each stage (ranks per stage per replica)."""
+        return [len(g) for g in self.groups] if self.groups else [1] * self.num_stages
 
     @property
     def num_stages(self) -> int:
         return len(self.boundaries) + 1 if self.boundaries is not None else self.stages or 1
 
     @property
+    def layout(self) -> str:
+        """The processes it needs, in words: ``2 stages x 2 replicas`` or ``stages of 2+1
+        devices``."""
+        if self.groups is not None:
+            return f"stages of {'+'.join(map(str, self.group_sizes))} devices"
+        return f"{self.num_stages} stages x {self.replicas} replicas"
+
+    @property
     def world_size(self) -> int:
-        return self.num_stages * self.replicas
+        return sum(self.group_sizes) * self.replicas
 
     def segments(self) -> list[tuple[int, int]]:
         """``[start, end)`` of every stage's units."""
@@ -108,14 +150,23 @@ class DistJob(TrainConfig):
             raise UserError(f"boundaries {cuts} must lie inside the {spec.num_units} units")
         return list(itertools.pairwise(edges))
 
-    def rank(self, stage: int, replica: int) -> int:
-        return replica * self.num_stages + stage
+    def rank(self, stage: int, replica: int, member: int = 0) -> int:
+        sizes = self.group_sizes
+        return replica * sum(sizes) + sum(sizes[:stage]) + member
 
-    def place(self, rank: int) -> tuple[int, int]:
-        """``(stage, replica)`` of ``rank``."""
-        return rank % self.num_stages, rank // self.num_stages
+    def place(self, rank: int) -> tuple[int, int, int]:
+        """``(stage, replica, member)`` of ``rank``."""
+        sizes = self.group_sizes
+        replica, at = divmod(rank, sum(sizes))
+        for stage, size in enumerate(sizes):
+            if at < size:
+                return stage, replica, at
+            at -= size
+        raise AssertionError("unreachable: at < sum(sizes)")
 
-    def assignment(self, stage: int, replica: int, first_step: int = 0) -> StageAssignment:
+    def assignment(
+        self, stage: int, replica: int, first_step: int = 0, member: int = 0
+    ) -> StageAssignment:
         start, end = self.segments()[stage]
         dataset, options = self.resolve_data()
         return StageAssignment.for_stage(
@@ -133,6 +184,8 @@ class DistJob(TrainConfig):
             first_step=first_step,
             replica=replica,
             replicas=self.replicas,
+            member=member,
+            group_samples=self.group_samples(),
         )
 
 
@@ -213,15 +266,25 @@ class DistResults:
 
 
 def read_results(output: Path, job: DistJob) -> DistResults:
-    """Read the losses, replica 0's step reports and the whole model's weights."""
+    """Read the losses, replica 0's step reports (every member's) and the whole model's
+    weights; a group whose members ended with different weights is a :class:`UserError`."""
     losses = json.loads((output / "losses.json").read_text())["losses"]
     reports: list[StepReport] = []
-    for stage in range(job.num_stages):
-        lines = (output / f"reports-rank{job.rank(stage, 0)}.jsonl").read_text().splitlines()
-        reports.extend(StepReport.model_validate_json(line) for line in lines if line)
+    for stage, size in enumerate(job.group_sizes):
+        for member in range(size):
+            path = output / f"reports-rank{job.rank(stage, 0, member)}.jsonl"
+            lines = path.read_text().splitlines()
+            reports.extend(StepReport.model_validate_json(line) for line in lines if line)
     weights: dict[str, torch.Tensor] = {}
-    for stage in range(job.num_stages):
-        weights.update(safetensors.torch.load_file(output / f"weights-stage{stage}.safetensors"))
+    for stage, size in enumerate(job.group_sizes):
+        first = (output / f"weights-stage{stage}.safetensors").read_bytes()
+        for member in range(1, size):
+            if (output / f"weights-stage{stage}-member{member}.safetensors").read_bytes() != first:
+                raise UserError(
+                    f"job {job.job} stage {stage}: member {member} ended with other weights "
+                    "than member 0"
+                )
+        weights.update(safetensors.torch.load(first))
     return DistResults(losses=losses, reports=reports, weights=weights)
 
 

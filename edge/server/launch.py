@@ -6,7 +6,7 @@ one node by default, on a free local port), torch.distributed's elastic agent
 watching the processes: if one fails, the rest are stopped and :func:`launch`
 raises. Each process is :mod:`edge.server.worker`; the job file is
 :class:`edge.server.job_file.DistJob`, and the node count times processes per
-node must equal its stages times replicas.
+node must equal its world size (stages times replicas, or its groups' members).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def launch(
     if nnodes * nproc != job.world_size:
         raise UserError(
             f"{nnodes} node(s) x {nproc} processes = {nnodes * nproc}, but the job needs "
-            f"{job.num_stages} stages x {job.replicas} replicas = {job.world_size}"
+            f"{job.layout} = {job.world_size}"
         )
     if rdzv_endpoint is None:
         if nnodes > 1:

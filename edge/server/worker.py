@@ -6,8 +6,10 @@ environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
 gloo for host frames and NCCL for CUDA tensors, see [Note: host frames] in
 :mod:`edge.transport.dist`), builds its stage (:mod:`edge.server.job_file`
 says which), runs it over :class:`~edge.transport.dist.DistTransport` with
-gradients averaged across replicas, and writes its results to the job's output
-directory. A rank that fails exits non-zero, and the launcher stops the rest.
+gradients averaged across replicas (or, on a stage group, summed over its
+members: one bucketed all-reduce over their process group), and writes its
+results to the job's output directory. A rank that fails exits non-zero, and
+the launcher stops the rest.
 """
 
 from __future__ import annotations
@@ -52,28 +54,44 @@ def run_rank(job: DistJob, rank: int, local_rank: int = 0) -> list[StepReport]:
     try:
         if dist.get_world_size() != job.world_size:
             raise UserError(
-                f"the job has {job.num_stages} stages x {job.replicas} replicas = "
-                f"{job.world_size} processes, but the world has {dist.get_world_size()}"
+                f"the job has {job.layout} = {job.world_size} processes, "
+                f"but the world has {dist.get_world_size()}"
             )
         return _run(job, rank, device)
     finally:
         dist.destroy_process_group()
 
 
+def _data_parallel(job: DistJob, stage: int) -> DataParallel | None:
+    """The process group ``stage`` reduces its gradients over: its replicas' copies, or
+    its group's members; ``None`` for neither. Every rank creates every process group,
+    in the same order (a collective requirement)."""
+    sizes, replicas = job.group_sizes, job.replicas
+    if job.groups is not None:
+        members = [
+            dist.new_group([job.rank(s, 0, m) for m in range(size)]) if size > 1 else None
+            for s, size in enumerate(sizes)
+        ]
+        return DataParallel(members[stage], sizes[stage]) if sizes[stage] > 1 else None
+    copies = [dist.new_group([job.rank(s, r) for r in range(replicas)]) for s in range(len(sizes))]
+    return DataParallel(copies[stage], replicas) if replicas > 1 else None
+
+
 def _run(job: DistJob, rank: int, device: str) -> list[StepReport]:
-    stages, replicas = job.num_stages, job.replicas
-    stage, replica = job.place(rank)
-    # Every rank creates every group, in the same order (a collective requirement).
-    groups = [dist.new_group([job.rank(s, r) for r in range(replicas)]) for s in range(stages)]
-    dp = DataParallel(groups[stage], replicas) if replicas > 1 else None
+    stages = job.num_stages
+    stage, replica, member = job.place(rank)
+    dp = _data_parallel(job, stage)
     first_step, states = 0, None
     if job.resume_from:
         units = get_model(job.model, seed=job.seed, **job.model_options).num_units
         first_step, states = resume_states(Path(job.resume_from), units)
         if first_step >= job.steps:
             raise UserError(f"resume_from holds step {first_step}; the job has {job.steps} steps")
-    a = job.assignment(stage, replica, first_step)
-    route = Route(stages, {s: job.rank(s, replica) for s in range(stages)})
+    a = job.assignment(stage, replica, first_step, member)
+    sizes = job.group_sizes
+    route = Route(
+        stages, {s: tuple(job.rank(s, replica, m) for m in range(sizes[s])) for s in range(stages)}
+    )
     transport = DistTransport(route)
     reports: list[StepReport] = []
     rt = StageRuntime(
@@ -92,7 +110,9 @@ def _run(job: DistJob, rank: int, device: str) -> list[StepReport]:
     out.mkdir(parents=True, exist_ok=True)
     lines = "".join(r.model_dump_json() + "\n" for r in reports)
     write_atomic(out / f"reports-rank{rank}.jsonl", lines.encode())
-    if replica == 0:
+    if replica == 0 and member > 0:  # read_results checks that they equal member 0's
+        write_atomic(out / f"weights-stage{stage}-member{member}.safetensors", rt.weights())
+    elif replica == 0:
         write_atomic(out / f"weights-stage{stage}.safetensors", rt.weights())
         write_atomic(out / f"state-stage{stage}.safetensors", rt.state(job.steps))
         if a.is_last:

@@ -16,6 +16,13 @@ frames in the stage's inbox; a zero length ends a stream, and
 :meth:`~DistTransport.detach` sends one to every outgoing stream, so every
 receiver stops once both sides are done.
 
+A stage may run on a group ([Note: groups on the wire] in :mod:`edge.wire.groups`):
+each member is a rank, and a stream joins every member of one stage to every
+member of its neighbour (a pair whose rows do not meet carries only its end).
+The group's gradient sum is not a frame here: it is one bucketed all-reduce
+over the members' process group (:class:`edge.server.data_parallel.DataParallel`),
+so the ``reduce`` channel carries nothing on this transport.
+
 [Note: why not torch.distributed.pipelining]
 ``torch.distributed.pipelining`` runs its own schedules over ``PipelineStage``
 objects, with one loss function on the last stage and its own microbatch
@@ -42,7 +49,8 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -58,14 +66,23 @@ _TAGS: dict[Channel, int] = {"fwd": 0, "bwd": 1}
 
 @dataclass(frozen=True)
 class Route:
-    """Where the stages of one pipeline replica run: stage ``s`` is rank ``ranks[s]``.
+    """Where the stages of one pipeline replica run: stage ``s`` is rank ``ranks[s]``, or,
+    on a group, the ranks ``ranks[s]`` of its members in member order.
 
     A stage missing from ``ranks`` is not in this torch.distributed job (in a
     hybrid pipeline it is an edge device reached over MQTT).
     """
 
     num_stages: int
-    ranks: dict[int, int]
+    ranks: Mapping[int, int | tuple[int, ...]]
+    members: dict[int, tuple[int, ...]] = field(init=False, repr=False)
+    """Stage -> its members' ranks (one for a stage on one device)."""
+
+    def __post_init__(self) -> None:
+        members = {s: (r,) if isinstance(r, int) else tuple(r) for s, r in self.ranks.items()}
+        if any(not m for m in members.values()):
+            raise ValueError(f"a stage without ranks in {dict(self.ranks)}")
+        object.__setattr__(self, "members", members)
 
     def incoming(self, stage: int) -> list[tuple[int, Channel]]:
         """The ``(source stage, channel)`` streams ``stage`` receives, within this job."""
@@ -121,25 +138,25 @@ class DistTransport:
         members: int = 1,
         inbox: Inbox | None = None,
     ) -> Inbox:
-        """Start receiving for ``stage`` of ``job`` (into ``inbox`` if given: hybrid routes).
-
-        A stage here runs on one device: no ``member`` but 0, one of ``members``."""
-        if member or members > 1:
-            raise ValueError("a stage in a torch.distributed group runs on one device")
-        if self.route.ranks.get(stage) != self.rank:
-            raise ValueError(f"stage {stage} does not run on rank {self.rank}")
+        """Start receiving for ``member`` of ``stage`` of ``job`` (into ``inbox`` if given:
+        hybrid routes). A group (``members`` above 1) needs no channel here: it sums its
+        gradients with a collective (see the module)."""
+        ranks = self.route.members.get(stage, ())
+        if member >= len(ranks) or ranks[member] != self.rank:
+            raise ValueError(f"stage {stage} member {member} does not run on rank {self.rank}")
         with self._lock:
             if (job, stage) in self._attached:
                 raise ValueError(f"job {job} stage {stage} is already attached")
-            box = inbox or Inbox(job, stage)
+            box = inbox or Inbox(job, stage, member)
             threads = [
                 threading.Thread(
                     target=self._receive,
-                    args=(box, self.route.ranks[src], channel),
-                    name=f"dist-recv-{src}-{channel}",
+                    args=(box, src_rank, channel),
+                    name=f"dist-recv-{src}.{m}-{channel}",
                     daemon=True,
                 )
                 for src, channel in self.route.incoming(stage)
+                for m, src_rank in enumerate(self.route.members[src])
             ]
             self._attached[(job, stage)] = (box, threads)
         for t in threads:
@@ -172,12 +189,16 @@ class DistTransport:
         *,
         sender: int | None = None,
     ) -> None:
-        """Send ``frame`` to the rank of ``stage`` (blocks until it is on its way); a stage
-        here runs on one device, so no ``member`` but 0 and no ``sender``."""
-        dst = self.route.ranks.get(stage)
-        if dst is None or member or sender is not None:
-            raise ValueError(f"stage {stage} is not in this torch.distributed job")
-        tag = _TAGS[channel]
+        """Send ``frame`` to the rank of ``member`` of ``stage`` (blocks until it is on its way).
+        No ``reduce`` channel here, so no ``sender`` either (see the module)."""
+        ranks = self.route.members.get(stage, ())
+        if member >= len(ranks):
+            raise ValueError(f"stage {stage} member {member} is not in this torch.distributed job")
+        if channel not in _TAGS or sender is not None:
+            raise ValueError(
+                f"no {channel!r} channel over torch.distributed (see edge.transport.dist)"
+            )
+        dst, tag = ranks[member], _TAGS[channel]
         with warnings.catch_warnings():  # read-only bytes: torch only reads them here
             warnings.simplefilter("ignore", UserWarning)
             payload = torch.frombuffer(frame, dtype=torch.uint8)
@@ -196,7 +217,8 @@ class DistTransport:
         inbox, threads = entry
         end = torch.zeros(1, dtype=torch.int64)
         for dst, channel in self.route.outgoing(stage):
-            dist.send(end, self.route.ranks[dst], group=self.group, tag=_TAGS[channel])
+            for rank in self.route.members[dst]:
+                dist.send(end, rank, group=self.group, tag=_TAGS[channel])
         for t in threads:
             t.join(self.join_timeout_s)
             if t.is_alive():

@@ -26,7 +26,7 @@ class RoutedTransport:
 
     def attach(self, job: str, stage: int, member: int = 0, *, members: int = 1) -> Inbox:
         if member or members > 1:
-            raise ValueError("a stage in a torch.distributed group runs on one device")
+            raise ValueError("a hybrid stage (MQTT and torch.distributed) runs on one device")
         inbox = self.other.attach(job, stage)
         try:
             self.dist.attach(job, stage, inbox=inbox)

@@ -41,6 +41,9 @@ gradients, so a step equals single-device training on the whole batch.
   Every member then holds the same summed gradients (the whole batch's) and the
   whole step's loss, steps the same optimizer and keeps the same weights. Each
   member sends ``2 (g - 1) / g`` of the vector per step.
+  Over torch.distributed (:mod:`edge.transport.dist`) the same sum is one bucketed
+  all-reduce over the members' process group instead
+  (:meth:`edge.server.data_parallel.DataParallel.sum_gradients`), with no frames.
 - **Topics and rights.** Member ``m`` of stage ``s`` receives on
   :func:`edge.wire.topics.stage_topic` ``(job, s, channel, m)``; the broker lets
   a member publish only to the members of its neighbour stages (and, as stage

@@ -245,7 +245,8 @@ class StepReport(_Event):
     samples: int = 0
     """Samples this device ran forward and backward in the step (its group share)."""
     allreduce_bytes: int = 0
-    """A group's member: bytes it sent summing the group's gradients (in ``bytes_sent``)."""
+    """A group's member: bytes it sent summing the group's gradients (in ``bytes_sent``);
+    over torch.distributed, the bytes of the vector it all-reduced (c10d's own traffic)."""
 
 
 class StageDone(_Event):

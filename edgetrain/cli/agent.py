@@ -284,7 +284,7 @@ def agent_command(
     elif profile is not None:
         from edge.profiling.catalog import resolve
 
-        announced = resolve(profile).to_device_spec(device_id)
+        announced = resolve(profile).to_device_spec(device_id, power=True)
     allowed = allow_prefixes(allow_code or [])
     setup_logging(log_level, device=device_id)
     tune_malloc()

@@ -90,6 +90,15 @@ def train_command(
         help="Exactly N stages: with plan, the planner's best plan of N stages; with even, "
         "the N fastest devices (the first always among them). Default: what --partition gives.",
     ),
+    objective: str = typer.Option(
+        "time",
+        "--objective",
+        help="What the planner minimises: time (the step) or energy (from the catalogue's "
+        "datasheet power figures, a prediction; needs catalogue --devices).",
+    ),
+    deadline: float | None = typer.Option(
+        None, "--deadline", help="Only plans whose predicted step takes at most S seconds."
+    ),
     group_sizes_opt: str | None = typer.Option(
         None,
         "--group-sizes",
@@ -149,10 +158,9 @@ def train_command(
     group_sizes = _group_sizes(group_sizes_opt, devices, partition)
     if profiles and transport == "dist":
         raise UserError("--devices with profiles is for --transport mqtt or inprocess")
-    if group_sizes and (transport == "dist" or servers or fault or replicate_every):
+    if group_sizes and (replicas > 1 or servers or fault or replicate_every):
         raise UserError(
-            "--group-sizes runs over mqtt or inprocess, without --servers, --fault or "
-            "--replicate-every"
+            "--group-sizes runs without --replicas, --servers, --fault or --replicate-every"
         )
     if transport != "dist" and (replicas > 1 or device != "cpu"):
         raise UserError("--replicas and --device are for --transport dist")
@@ -187,6 +195,8 @@ def train_command(
                 "partition": partition,
                 "stages": stages,
                 "group_sizes": group_sizes,
+                "objective": objective,
+                "max_step_time_s": deadline,
                 "optimizer": {
                     "name": optimizer,
                     "lr": lr,

@@ -171,6 +171,42 @@ def test_two_replicas_of_one_stage_train_like_one_device(
     assert_close_losses(out["losses"], reference[0]["losses"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes", ["2,1", "1,2,1"])
+def test_group_sizes_over_dist_train_like_one_device(
+    tmp_path: Path, sizes: str, independent: ReferenceRun
+) -> None:
+    """``--transport dist --partition even --group-sizes``: a stage on a group of two ranks,
+    each on half of every microbatch, its gradients summed by one all-reduce; the run
+    equals the plain PyTorch loop."""
+    weights = tmp_path / "groups.safetensors"
+    devices = sum(int(n) for n in sizes.split(","))
+    out = ok_json(
+        edgetrain(
+            "train",
+            *ARGS,
+            "--transport",
+            "dist",
+            "--devices",
+            str(devices),
+            "--partition",
+            "even",
+            "--group-sizes",
+            sizes,
+            "--json",
+            "--save-weights",
+            str(weights),
+        )
+    )
+    stages = out["plan"]["stages"]
+    want = [int(n) for n in sizes.split(",")]
+    assert [len(s["devices"]) for s in stages] == want
+    assert stages[want.index(2)]["shares"] == [0.5, 0.5]  # copies of this machine
+    assert (out["replicas"], out["processes"]) == (1, devices)
+    assert all(s["bytes_sent"] > 0 and s["bytes_received"] > 0 for s in out["stages"])
+    assert_matches(out["losses"], safetensors.torch.load_file(weights), independent)
+
+
 @pytest.mark.parametrize(
     ("extra", "names"),
     [
@@ -185,6 +221,16 @@ def test_two_replicas_of_one_stage_train_like_one_device(
         (
             ["--transport", "dist", "--devices", "2", "--replicas", "2", "-b", "6"],
             "--batch-size 6 is not a multiple of --microbatches x --replicas",
+        ),
+        (
+            [
+                "--transport=dist",
+                "--devices=4",
+                "--replicas=2",
+                "--partition=even",
+                "--group-sizes=2,2",
+            ],
+            "--group-sizes runs without --replicas",
         ),
     ],
 )

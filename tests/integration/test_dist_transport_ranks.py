@@ -24,10 +24,18 @@ from edge.wire.frames import Codec, Kind, encode_frame
 def test_it_refuses_stages_that_are_not_its_own(world_of_one: None) -> None:
     transport = DistTransport(Route(3, {0: 0, 1: 1}))  # this process is rank 0: stage 0
     assert isinstance(transport, Transport)
-    with pytest.raises(ValueError, match="stage 1 does not run on rank 0"):
+    with pytest.raises(ValueError, match="stage 1 member 0 does not run on rank 0"):
         transport.attach("j", 1)
-    with pytest.raises(ValueError, match=r"stage 2 is not in this torch\.distributed job"):
+    with pytest.raises(ValueError, match="stage 0 member 1 does not run on rank 0"):
+        transport.attach("j", 0, 1)
+    with pytest.raises(ValueError, match=r"stage 2 member 0 is not in this torch\.distributed job"):
         transport.send("j", 2, "fwd", b"x")
+    # A group's members are ranks too; its gradient sum is a collective, not a channel.
+    group = DistTransport(Route(2, {0: 0, 1: (1, 2)}))
+    with pytest.raises(ValueError, match=r"stage 1 member 2 is not in this torch\.distributed"):
+        group.send("j", 1, "fwd", b"x", 2)
+    with pytest.raises(ValueError, match=r"no 'reduce' channel over torch\.distributed"):
+        group.send("j", 1, "reduce", b"x", 1)
     # Stage 0's only peer in this job is stage 1 (rank 1, absent): nothing to start or end.
     transport = DistTransport(Route(3, {0: 0}))
     inbox = transport.attach("j", 0)
@@ -65,7 +73,7 @@ def _exchange_on_rank(rank: int, world: int, store_path: str, out_dir: str) -> N
         stage = rank
         inbox = transport.attach(JOB, stage)
         receivers = _receivers()
-        expected = "dist-recv-1-bwd" if stage == 0 else "dist-recv-0-fwd"
+        expected = "dist-recv-1.0-bwd" if stage == 0 else "dist-recv-0.0-fwd"
         assert [t.name for t in receivers] == [expected]
         dist.barrier()  # both stages receive before any frame is sent
         got: dict[str, torch.Tensor] = {}

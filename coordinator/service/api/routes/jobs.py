@@ -98,6 +98,11 @@ class JobCreate(TrainConfig):
     """Replicate every stage's state every R steps (0 or absent: off, but absent with
     faults means every max(1, steps // 10) steps): the job then survives devices
     dying and a coordinator restart."""
+    objective: Literal["time", "energy"] = "time"
+    """What the planner minimises: the step time, or the energy per step (from the
+    devices' datasheet power figures: a prediction)."""
+    max_step_time_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    """Only plans whose predicted step time is at most this many seconds."""
     faults: list[FaultText] = Field(
         default_factory=list, max_length=32, examples=[["kill:1@8", "slow:0@4:3", "join:laptop@6"]]
     )
@@ -199,6 +204,8 @@ def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPubl
             stages=body.stages,
             group_sizes=tuple(body.group_sizes) if body.group_sizes is not None else None,
             replicate_every=replicate_every,
+            objective=body.objective,
+            max_step_time_s=body.max_step_time_s,
             faults=tuple(body.faults),
         )
     except ValidationError as exc:  # only steps is new here: too many epochs

@@ -97,6 +97,16 @@ def test_balanced_boundaries_refuses_impossible_splits(stages: int) -> None:
         ({"batch_size": 9}, "batch_size 9 is not a multiple of microbatches 2 x replicas 1"),
         ({"replicas": 4}, "batch_size 12 is not a multiple of microbatches 2 x replicas 4"),
         ({"wrong": 1}, "wrong"),
+        ({"boundaries": [3], "groups": [[1, 1]]}, "groups has 1 stages, not 2"),
+        (
+            {"boundaries": [3], "groups": [[1, 1], [1]], "replicas": 2},
+            "groups cannot be combined with replicas",
+        ),
+        (
+            {"boundaries": [3], "groups": [[0.9, 0.01], [1]]},
+            r"groups: stage 0: a microbatch of 6 samples split by shares .* leaves a member",
+        ),
+        ({"boundaries": [3], "groups": [[1, -1], [1]]}, "shares must be positive numbers"),
     ],
 )
 def test_invalid_jobs_are_refused_with_a_clear_message(
@@ -110,11 +120,28 @@ def test_stages_world_size_and_rank_layout() -> None:
     job = _job(boundaries=[2, 4], replicas=2)
     assert (job.num_stages, job.world_size) == (3, 6)
     assert [job.rank(s, r) for r in range(2) for s in range(3)] == list(range(6))
-    assert job.rank(1, 1) == 4 and job.place(4) == (1, 1)
+    assert job.rank(1, 1) == 4 and job.place(4) == (1, 1, 0)
     for rank in range(job.world_size):
         assert job.rank(*job.place(rank)) == rank
-    assert {job.place(r) for r in range(6)} == {(s, r) for s in range(3) for r in range(2)}
+    assert {job.place(r) for r in range(6)} == {(s, r, 0) for s in range(3) for r in range(2)}
     assert _job().num_stages == 1 and _job(stages=4).num_stages == 4
+
+
+def test_a_group_layout_gives_each_member_a_rank_in_stage_order() -> None:
+    job = _job(boundaries=[2, 4], groups=[[1.0], [3.0, 1.0], [1.0]])
+    assert (job.group_sizes, job.world_size, job.layout) == (
+        [1, 2, 1],
+        4,
+        "stages of 1+2+1 devices",
+    )
+    assert [job.place(r) for r in range(4)] == [(0, 0, 0), (1, 0, 0), (1, 0, 1), (2, 0, 0)]
+    for rank in range(job.world_size):
+        assert job.rank(*job.place(rank)) == rank
+    # 6 samples a microbatch, split 3:1 by the one rounding (largest remainder).
+    assert job.group_samples() == ((6,), (5, 1), (6,))
+    a = job.assignment(1, 0, member=1)
+    assert (a.stage, a.member, a.group_size, a.group_samples) == (1, 1, 2, ((6,), (5, 1), (6,)))
+    assert _job(boundaries=[2]).group_samples() is None
 
 
 def test_segments_follow_explicit_boundaries() -> None:

@@ -65,6 +65,14 @@ def test_a_hybrid_route_keeps_only_the_stages_in_the_job() -> None:
     assert _same(route.outgoing(3), [(2, "bwd")])
 
 
+def test_a_group_route_names_every_members_rank() -> None:
+    route = Route(3, {0: 0, 1: (1, 2), 2: 3})
+    assert route.members == {0: (0,), 1: (1, 2), 2: (3,)}
+    assert 1 in route.ranks  # a hybrid route asks whether a stage is in the job
+    with pytest.raises(ValueError, match="a stage without ranks"):
+        Route(2, {0: 0, 1: ()})
+
+
 @pytest.mark.parametrize("stages", range(1, 7))
 def test_every_stream_has_both_ends_in_every_sub_job(stages: int) -> None:
     for size in range(1, stages + 1):

@@ -191,3 +191,15 @@ def test_group_sizes_must_be_positive_counts(client: TestClient, sizes: list[int
     response = client.post("/api/v1/jobs", json=body)
     assert response.status_code == 422, response.text
     assert response.json()["detail"][0]["loc"][:2] == ["body", "group_sizes"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "loc"),
+    [({"objective": "speed"}, "objective"), ({"max_step_time_s": 0}, "max_step_time_s")],
+)
+def test_a_bad_objective_or_deadline_is_a_422_naming_it(
+    client: TestClient, extra: dict[str, object], loc: str
+) -> None:
+    response = client.post("/api/v1/jobs", json={**SPEC, **extra})
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"] == ["body", loc]
