@@ -23,7 +23,11 @@ The model:
   gradient from ``s + 1``.
 - A microbatch's activations are held from the start of its ``F`` to the end of
   its ``B``; memory is ``k * params + held * b * acts``. The optimizer step after
-  the last backward is taken as free, so the step ends with the last ``B``.
+  the last backward is taken as free, so the step ends with the last ``B``, or, in
+  a version 2 plan, when the last group has summed its gradients: stage ``s``'s
+  group takes ``R_s`` after its own last ``B``. A group runs as one stage at the
+  score's ``T_s`` (its members' summed speed); its peak memory is its most
+  loaded member's, whose share of each microbatch it holds.
 
 [Note: closed form versus simulation]
 
@@ -227,19 +231,29 @@ def simulate(
     run = _Run(actions, fwd_s, bwd_s, [c / 2 for c in score.link_s])
     run.run()
     compute = [e for e in run.timeline if e.lane == "stage"]
-    step = max(e.end_s for e in compute if e.kind == "B")
+    # A group sums its gradients once its last backward is done (version 2's ``R_s``,
+    # 0 for one device); the step ends when the last group has.
+    last_b = [
+        max(e.end_s for e in compute if e.kind == "B" and e.index == s) for s in range(n_stages)
+    ]
+    step = max(
+        end + r for end, r in zip(last_b, score.allreduce_s or [0.0] * n_stages, strict=True)
+    )
     busy = [0.0] * n_stages
     for e in compute:
         busy[e.index] += e.end_s - e.start_s
     bubble = 1 - sum(busy) / (n_stages * step) if step > 0 else 0.0
     return SimulationResult(
         schedule=name,
-        devices=[st.device for st in plan.stages],
+        devices=["+".join(st.devices) for st in plan.stages],
         num_microbatches=m,
         step_time_s=step,
         bubble_fraction=bubble,
         busy_s=busy,
-        peak_memory_bytes=[k * params[s] + run.peak[s] * b * acts[s] for s in range(n_stages)],
+        peak_memory_bytes=[
+            k * params[s] + run.peak[s] * max(score.shares[s]) * b * acts[s]
+            for s in range(n_stages)
+        ],
         peak_microbatches_held=run.peak,
         timeline=sorted(run.timeline, key=lambda e: (e.start_s, e.lane != "stage", e.index)),
     )

@@ -101,8 +101,6 @@ def plan_command(
         typer.echo(json.dumps({"feasible": False, "reason": result.reason}))
         raise typer.Exit(INFEASIBLE_EXIT)
     if timeline is not None:
-        if result.score.plan.grouped:
-            raise UserError("--timeline: the simulator models stages of one device only")
         trace = simulate(problem, result.score.plan, "1f1b").to_chrome_trace()
         _write(timeline, json.dumps(trace), "--timeline")
     if json_out:
@@ -146,7 +144,6 @@ def _print_report(problem: PlanningProblem, result: SearchResult) -> None:
     for col in ("stage", "device", "units", "compute ms", "link ms", "memory MB"):
         left = col in ("device", "units")
         table.add_column(col, justify="left" if left else "right", no_wrap=col != "units")
-    grouped = score.plan.grouped
     for s, st in enumerate(score.plan.stages):
         mark = " *" if score.compute_s[s] == score.bottleneck_s else ""
         link = "-"
@@ -183,10 +180,6 @@ def _print_report(problem: PlanningProblem, result: SearchResult) -> None:
             f"{score.energy_j_per_sample:.3g} J/sample ({score.energy_j_per_step:.3g} J/step, "
             "from datasheet power figures: a prediction, nothing measures power)"
         )
-    if grouped:
-        console.print("simulated step: not shown (the simulator models one-device stages)")
-        _print_baselines(console, problem, score)
-        return
     sims = {name: simulate(problem, score.plan, name) for name in ("1f1b", "gpipe")}
     console.print(
         "simulated step: "

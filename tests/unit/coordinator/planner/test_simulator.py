@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from support.planning import make_problem
 
-from coordinator.planner.score import Plan, score_plan
+from coordinator.planner.score import Plan, Stage, score_plan
 from coordinator.planner.simulator import (
     DeadlockError,
     SimulationResult,
@@ -425,3 +426,40 @@ def test_deadlock_is_detected() -> None:
     with pytest.raises(DeadlockError, match="waits at B0 for its own F0"):
         simulate(problem, plan, parse_schedule("B0 F0 F1 B1\nF0 B0 F1 B1"))
     simulate(problem, plan, parse_schedule("F0 F1 B1 B0\nF0 F1 B1 B0"))  # unusual, but fine
+
+
+def test_a_group_sums_its_gradients_after_its_last_backward() -> None:
+    """Version 2: one stage on a group of two is ``M * T + R`` (the closed form); in a
+    two-stage plan the step ends when the group's sum after its last backward is done,
+    and its peak memory is the larger member's share of each microbatch."""
+    unit = {"fwd_flops": 1e9, "param_bytes": 4e6, "out_bytes": 1e5, "act_bytes": 1e6}
+    devices = [
+        {
+            "id": f"d{i}",
+            "gflops": g,
+            "memory_bytes": 1e10,
+            "bandwidth_mbps": 100.0,
+            "latency_ms": 1.0,
+        }
+        for i, g in enumerate((30.0, 10.0, 20.0))
+    ]
+    problem = make_problem([unit, unit], devices, microbatches=4).model_copy(update={"version": 2})
+    one = Plan((Stage.group(["d0", "d1"], 0, 2),))
+    score, sim = score_plan(problem, one), simulate(problem, one)
+    assert score.allreduce_s[0] > 0
+    assert sim.step_time_s == pytest.approx(score.step_time_s, rel=1e-12)
+    assert sim.devices == ["d0+d1"]
+    two = Plan((Stage.group(["d0", "d1"], 0, 1), Stage("d2", 1, 2)))
+    score, sim = score_plan(problem, two), simulate(problem, two)
+    last_b = max(e.end_s for e in sim.timeline if e.kind == "B" and e.index == 0)
+    assert sim.step_time_s == pytest.approx(
+        max(
+            last_b + score.allreduce_s[0],
+            max(e.end_s for e in sim.timeline if e.kind == "B" and e.index == 1),
+        ),
+        rel=1e-12,
+    )
+    assert sim.step_time_s > last_b
+    b, k = problem.batch_size / 4, problem.optimizer_state_factor
+    held = sim.peak_microbatches_held[0]
+    assert sim.peak_memory_bytes[0] == pytest.approx(k * 4e6 + held * 0.75 * b * 1e6)
