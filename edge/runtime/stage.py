@@ -75,7 +75,7 @@ from edge.runtime.links import block, expected_frames
 from edge.runtime.schedules import make_schedule
 from edge.transport.base import Transport
 from edge.wire.frames import Codec, Kind, encode_frame
-from edge.wire.groups import blocks, overlap, pieces
+from edge.wire.groups import pieces
 from edge.wire.messages import OptimizerSpec, StageAssignment, StepReport
 
 if TYPE_CHECKING:
@@ -259,10 +259,7 @@ class StageRuntime:
             self.transport.send(a.job, stage, channel, frame)  # type: ignore[arg-type]
             return len(frame)
         sent = 0
-        for member, theirs in enumerate(blocks(a.samples_of(stage))):
-            rows = overlap((lo, hi), theirs)
-            if rows is None:
-                continue
+        for member, rows in pieces(a.samples_of(stage), (lo, hi)):
             part = tensor if rows == (lo, hi) else tensor[rows[0] - lo : rows[1] - lo]
             frame = encode_frame(kind, a.job, step, mb, part, codec, first=rows[0])
             self.transport.send(a.job, stage, channel, frame, member)  # type: ignore[arg-type]

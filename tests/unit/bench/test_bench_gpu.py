@@ -5,27 +5,19 @@ No timing is asserted; only that every figure is derived as the bench says.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from types import ModuleType
 
 import pytest
-from support.paths import ROOT
+from support.bench import load_bench
 
 from edge.profiling.matmul import tflops_rate
 
-BENCH = ROOT / "bench" / "gpu.py"
 TINY = {"vocab_size": 32, "block_size": 8, "d_model": 16, "n_head": 2, "n_layer": 3}
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("gpu")
 
 
 def test_stages_split_blocks_evenly_with_embed_first_and_head_last(bench: ModuleType) -> None:

@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from types import ModuleType
 
 import pytest
-from support.paths import ROOT
+from support.bench import load_bench
 
 from coordinator.planner.score import Plan, Stage, score_plan
 from edge.problem import DeviceSpec, PlanningProblem, UnitSpec
 
-BENCH = ROOT / "bench" / "group_reduce.py"
-
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_group_reduce", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("group_reduce")
 
 
 def test_the_prediction_is_the_specs_ring_term(bench: ModuleType) -> None:

@@ -3,27 +3,20 @@ and the marks on plans that two strategies share (a single device)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from support.bench import load_bench
 from support.paths import ROOT
 
-BENCH = ROOT / "bench" / "heterogeneity.py"
-RESULTS = BENCH.parent / "results" / "heterogeneity.json"
+RESULTS = ROOT / "bench" / "results" / "heterogeneity.json"
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_heterogeneity", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("heterogeneity")
 
 
 @pytest.mark.parametrize("span", [3.0, 10.0, 30.0])

@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from types import ModuleType
 from typing import Any
 
 import pytest
-from support.paths import ROOT
+from support.bench import load_bench
 
 from coordinator.planner.build import build_problem, parse_fleet
-
-BENCH = ROOT / "bench" / "planner.py"
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_planner", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("planner")
 
 
 def test_a_plan_of_one_device_is_recorded_as_the_single_baseline(bench: ModuleType) -> None:

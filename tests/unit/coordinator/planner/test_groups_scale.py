@@ -8,24 +8,20 @@ and has 0.8 s. These tests assert measured times, so they are ``serial``.
 
 from __future__ import annotations
 
-import sys
 import time
 
 import pytest
-from support.paths import ROOT
+from support.bench import load_bench
 
 from coordinator.planner.group_search import plan_groups, replan
 from coordinator.planner.solve import plan_problem
-
-sys.path.insert(0, str(ROOT / "bench"))
-from planner import random_large
 
 pytestmark = [pytest.mark.serial, pytest.mark.slow]
 
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_full_search_and_warm_replan_at_64_by_200(seed: int) -> None:
-    problem = random_large(seed).as_version(2)
+    problem = load_bench("planner").random_large(seed).as_version(2)
     started = time.perf_counter()
     full = plan_groups(problem)
     assert time.perf_counter() - started < 10.0
