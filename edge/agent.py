@@ -8,16 +8,19 @@ Lifecycle:
    so a coordinator that starts later, or a broker that restarted, still
    learns about the device.
 2. Publish a heartbeat every ``heartbeat_s``.
-3. Obey commands on the device's ``cmd`` topic: ``assign`` builds the stage
-   (only its units) and attaches it to the transport, then reports ``ready``;
-   ``start`` runs it in a thread, reporting every step on the job's ``events``
-   topic and, at the end, the stage's weights (safetensors) and ``done``;
-   ``cancel`` stops it. A command that cannot be parsed is logged and counted,
-   never fatal. One job at a time: an assignment for another job while busy is
-   answered with ``failed`` (reason ``busy``). An assignment naming a user model or
-   dataset (``package.module:function``) outside ``allow_code`` is answered with
-   ``failed`` before anything is imported ([Note: user code on devices] in
-   :mod:`edge.models.user_code`).
+3. Obey commands on the device's ``cmd`` topic: ``assign`` builds the stage (only
+   its units) and attaches it to the transport, then reports ``ready``; ``start``
+   runs it in a thread, reporting every step on the job's ``events`` topic and, at
+   the end, the stage's weights (safetensors) and ``done``; ``cancel`` stops it
+   (with ``hold``, the agent keeps the stopped stage, answers ``held`` with the
+   newest step it finished, and publishes the state of the step a later
+   ``handover`` names on the stage's replica topic: [Note: a group member dies] in
+   :mod:`coordinator.engine.handover`). A command that cannot be parsed is logged
+   and counted, never fatal. One job at a time: an assignment for another job while
+   busy is answered with ``failed`` (reason ``busy``). An assignment naming a user
+   model or dataset (``package.module:function``) outside ``allow_code`` is
+   answered with ``failed`` before anything is imported ([Note: user code on
+   devices] in :mod:`edge.models.user_code`).
 4. SIGTERM (or :meth:`Agent.stop`) cancels the running stage, publishes
    ``offline`` and disconnects.
 
@@ -63,11 +66,13 @@ from edge.transport.settings import MqttSettings, parse_broker_url
 from edge.wire.messages import (
     CancelJob,
     DeviceStatus,
+    HandOver,
     Heartbeat,
     MessageError,
     StageAssignment,
     StageDone,
     StageFailed,
+    StageHeld,
     StageReady,
     StartJob,
     StepReport,
@@ -90,7 +95,7 @@ __all__ = ["Agent"]
 log = logging.getLogger("edgetrain.agent")
 
 _KEEP = "keep-replicas"  # work item: store the neighbour replicas that arrived
-_Work = StageAssignment | StartJob | CancelJob | Throttle | str | None
+_Work = StageAssignment | StartJob | CancelJob | HandOver | Throttle | str | None
 
 
 class _Cancelled(RuntimeError):
@@ -130,6 +135,8 @@ class Agent:
         self._runtime: StageRuntime | None = None
         self._job_thread: threading.Thread | None = None
         self._finished: StageRuntime | None = None
+        self._held: StageRuntime | None = None
+        """A stage stopped with ``hold``, kept for its hand-over (one at most)."""
         """The runtime whose steps all ran, while its job thread reports and lets it go."""
         self._step: int | None = None
         self.bad_commands = 0
@@ -268,11 +275,17 @@ class Agent:
                     self.slowdown = cmd.slowdown
                     if self._runtime is not None:
                         self._runtime.slowdown = cmd.slowdown
+                elif isinstance(cmd, HandOver):
+                    self._hand_over(cmd)
                 elif (
                     isinstance(cmd, CancelJob) and self._runtime and self._runtime.a.job == cmd.job
                 ):
                     log.info("cancelling: %s", cmd.reason, extra={"job": cmd.job})
-                    self._runtime.cancel()
+                    rt = self._runtime
+                    rt.cancel(hold=cmd.hold)
+                    thread = self._job_thread
+                    if cmd.hold and (thread is None or not thread.is_alive()):
+                        self._hold(rt)  # it never started: nothing else will say it
             except _Cancelled as exc:
                 log.info("%s", exc, extra={"job": getattr(cmd, "job", None)})
             except Exception as exc:  # a command must never kill the daemon
@@ -294,7 +307,7 @@ class Agent:
                     )
                 )
 
-    def _event(self, event: StageReady | StepReport | StageDone | StageFailed) -> None:
+    def _event(self, event: StageReady | StepReport | StageDone | StageFailed | StageHeld) -> None:
         if isinstance(event, StepReport):
             self._step = event.step
             bind(log, job=event.job, stage=event.stage, step=event.step).info(
@@ -331,6 +344,7 @@ class Agent:
                 )
             )
             return
+        self._held = None  # a hand-over not asked for by now never will be
         bind(log, job=a.job, stage=a.stage).info(
             "assigned units [%d, %d) of %s", a.start, a.end, a.model
         )
@@ -428,6 +442,50 @@ class Agent:
 
         return replicate
 
+    # -- hand-over ([Note: a group member dies]) -------------------------------------
+
+    def _hold(self, rt: StageRuntime) -> None:
+        """Keep the stopped ``rt`` and say which step it finished."""
+        a = rt.a
+        self._held = rt
+        self._event(
+            StageHeld(
+                job=a.job,
+                stage=a.stage,
+                member=a.member,
+                device=self.device_id,
+                finished=rt.finished,
+            )
+        )
+        bind(log, job=a.job, stage=a.stage).info(
+            "holding the state (finished step %d)", rt.finished
+        )
+
+    def _hand_over(self, cmd: HandOver) -> None:
+        """Publish the held stage's state for ``cmd.step`` on its replica topic."""
+        rt, self._held = self._held, None
+        if rt is None or rt.a.job != cmd.job:
+            log.warning("hand-over for job %s, which is not held here", cmd.job)
+            return
+        a = rt.a
+        try:
+            state = rt.state_at(cmd.step)
+        except ValueError as exc:
+            self._event(
+                StageFailed(
+                    job=a.job,
+                    stage=a.stage,
+                    member=a.member,
+                    device=self.device_id,
+                    error=f"hand-over: {exc}",
+                )
+            )
+            return
+        self.transport.publish(job_replica(a.job, a.stage), state, 1)
+        bind(log, job=a.job, stage=a.stage, step=cmd.step).info(
+            "handed over the state for step %d (%d bytes)", cmd.step, len(state)
+        )
+
     # -- neighbour replicas ----------------------------------------------------------
 
     def _watch_neighbour(self, a: StageAssignment) -> None:
@@ -516,6 +574,8 @@ class Agent:
         finally:
             if a.dist is not None:
                 leave_group()
+            if rt.cancelled and rt.hold:
+                self._hold(rt)
             if self._runtime is rt:  # not replaced by a newer assignment meanwhile
                 self._runtime = None
                 self._step = None

@@ -102,7 +102,7 @@ def _stage_rules(device: str, a: StageAssignment) -> list[_Rule]:
         a.stage,
         a.num_stages,
         device,
-        replicate=bool(a.replicate_every),
+        replicate=bool(a.replicate_every or a.handover),
         member=a.member,
         group_sizes=sizes,
     )

@@ -148,7 +148,9 @@ def plan_over(
     """Plan ``spec`` over ``devices`` with its ``partition``, ``stages`` and ``codec``; a
     one-line :class:`UserError` when it cannot be. ``again``: a re-plan, which plans one
     stage per device when fewer are left than the job's ``stages``, warm-started from
-    ``previous`` when given (:func:`~coordinator.planner.partition.plan_job`)."""
+    ``previous`` when given (:func:`~coordinator.planner.partition.plan_job`). A re-plan
+    of a job with ``group_sizes`` keeps the previous plan's groups, less the devices
+    that are gone (a group left empty is dropped and the units split over the rest)."""
     if not devices:
         raise UserError(f"no device of {where} may run this job")
     first = pin_first or spec.pin_first
@@ -162,6 +164,13 @@ def plan_over(
             raise UserError(f"stages={stages} needs {stages} devices; {have}")
         fewer = f"stages={stages}, but only {have}: planning {len(devices)} stages"
         stages = len(devices)
+    sizes = spec.group_sizes
+    if again and sizes is not None and previous is not None:
+        by_id = {d.id: d for d in devices}
+        groups = [[d for d in st.devices if d in by_id] for st in previous.stages]
+        devices = [by_id[d] for group in groups for d in group]
+        sizes = tuple(len(group) for group in groups if group)
+        stages = len(sizes)
     problem = job_problem(spec, devices, first)
     found = plan_job(
         problem,
@@ -170,7 +179,7 @@ def plan_over(
         codec=spec.codec,
         where=where,
         previous=previous if again else None,
-        group_sizes=spec.group_sizes,
+        group_sizes=sizes,
     )
     return PlannedJob(problem=problem, found=found, fewer_stages=fewer)
 
@@ -306,6 +315,7 @@ class JobEngine:
             return pin_first if pin_first is None or pin_first in alive else alive[0]
 
         current = [planned.plan]  # the plan a re-plan starts from
+        shares = {planned.plan: planned.shares}  # each plan's group shares
 
         def replan(alive: list[str]) -> Plan:
             self._wait_available(alive, IDLE_WAIT_S)
@@ -321,6 +331,7 @@ class JobEngine:
             if hooks.on_plan is not None:
                 hooks.on_plan(again)
             current[0] = again.plan
+            shares[again.plan] = again.shares
             return again.plan
 
         def problem_for(alive: list[str]) -> PlanningProblem:
@@ -352,6 +363,7 @@ class JobEngine:
                 on_attempt=hooks.on_attempt,
                 ready_timeout_s=self.ready_timeout_s,
                 access=self.access,
+                shares=shares.get,
             )
             got = run.run(planned.plan, first_step)
         finally:

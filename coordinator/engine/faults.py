@@ -1,17 +1,17 @@
 """Fault injection for users and tests: ``--fault kill:STAGE@STEP`` and friends.
 
 A :class:`Fault` names what happens (``kill``: SIGKILL the agent; ``slow``: its
-compute becomes FACTOR times slower, through the software throttle; ``join``: a
-new agent with a catalogue profile starts), to which stage of the plan in
-force at the time (so ``kill:1@3`` then ``kill:1@7`` kills whichever device runs
-stage 1 after the first recovery), and when: as soon as any stage reports step
-``STEP`` done, so faults of the same step fire together (``kill:1@5 kill:2@5``
-kills two devices at once). :class:`FaultInjector` watches step reports and fires each fault
-once, through a callback that does the deed (``LocalFleet.kill`` sends SIGKILL
-to the agent's process), and records when it did, for the job's events. A
-``kill`` or ``slow`` fault naming a stage that the job's first plan does not
-have would never fire: :func:`check_fault_stages` refuses it once that plan is
-known, before anything runs.
+compute becomes FACTOR times slower, through the software throttle; ``join``: a new
+agent with a catalogue profile starts), to which stage of the plan in force at the
+time (so ``kill:1@3`` then ``kill:1@7`` kills whichever device runs stage 1 after
+the first recovery; ``kill:1.2@3``, member 2 of stage 1's group), and when: as soon
+as any stage reports step ``STEP`` done, so faults of the same step fire together
+(``kill:1@5 kill:2@5`` kills two devices at once). :class:`FaultInjector` watches
+step reports and fires each fault once, through a callback that does the deed
+(``LocalFleet.kill`` sends SIGKILL to the agent's process), and records when it did,
+for the job's events. A ``kill`` or ``slow`` fault naming a stage that the job's
+first plan does not have would never fire: :func:`check_fault_stages` refuses it
+once that plan is known, before anything runs.
 
 In the coordinator service the deed is done by a :class:`FaultActuator`: a plain
 coordinator has a :class:`ThrottleActuator`, which can slow any device (a
@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -46,11 +46,11 @@ __all__ = [
     "parse_fault",
 ]
 
-_FAULT = re.compile(r"^(kill|slow):(\d+)@(\d+)(?::(\d+(?:\.\d+)?))?$")
+_FAULT = re.compile(r"^(kill|slow):(\d+)(?:\.(\d+))?@(\d+)(?::(\d+(?:\.\d+)?))?$")
 _JOIN = re.compile(r"^join:([A-Za-z0-9][A-Za-z0-9._-]{0,63})@(\d+)$")
 _FORMS = (
-    "kill:STAGE@STEP, slow:STAGE@STEP:FACTOR or join:PROFILE@STEP "
-    "(e.g. kill:1@5, slow:0@4:4, join:laptop@6)"
+    "kill:STAGE[.MEMBER]@STEP, slow:STAGE[.MEMBER]@STEP:FACTOR or join:PROFILE@STEP "
+    "(e.g. kill:1@5, kill:0.1@5, slow:0@4:4, join:laptop@6)"
 )
 
 
@@ -63,12 +63,15 @@ class Fault:
     """``slow``: how many times slower the device computes from then on."""
     profile: str | None = None
     """``join``: the catalogue profile of the device that joins (``stage`` is unused)."""
+    member: int = 0
+    """Which member of the stage's group (0 for a stage of one device)."""
 
     def __str__(self) -> str:
         if self.kind == "join":
             return f"join:{self.profile}@{self.step}"
         tail = f":{self.factor:g}" if self.kind == "slow" else ""
-        return f"{self.kind}:{self.stage}@{self.step}{tail}"
+        where = f"{self.stage}.{self.member}" if self.member else f"{self.stage}"
+        return f"{self.kind}:{where}@{self.step}{tail}"
 
 
 def parse_fault(text: str, label: str = "--fault") -> Fault:
@@ -78,55 +81,77 @@ def parse_fault(text: str, label: str = "--fault") -> Fault:
     if joined is not None:
         return Fault("join", 0, int(joined.group(2)), profile=joined.group(1))
     m = _FAULT.match(text.strip())
-    if m is None or (m.group(1) == "slow") != (m.group(4) is not None):
+    if m is None or (m.group(1) == "slow") != (m.group(5) is not None):
         raise UserError(f"{label} {text!r}: expected {_FORMS}")
-    factor = float(m.group(4) or 1.0)
+    factor = float(m.group(5) or 1.0)
     if m.group(1) == "slow" and not 1.0 <= factor <= 1000.0:
         raise UserError(f"{label} {text!r}: FACTOR must be between 1 and 1000")
-    return Fault(kind=m.group(1), stage=int(m.group(2)), step=int(m.group(3)), factor=factor)  # type: ignore[arg-type]
+    return Fault(
+        kind=m.group(1),  # type: ignore[arg-type]
+        stage=int(m.group(2)),
+        step=int(m.group(4)),
+        factor=factor,
+        member=int(m.group(3) or 0),
+    )
 
 
-def check_fault_stages(faults: Iterable[Fault], stages: int, label: str = "--fault") -> None:
+def check_fault_stages(
+    faults: Iterable[Fault], stages: int | Sequence[int], label: str = "--fault"
+) -> None:
     """A one-line :class:`UserError` (starting with ``label`` and the fault) for the first
-    ``kill`` or ``slow`` fault that names a stage the plan, of ``stages`` stages, does not
-    have: it would never fire. Checked once the job is planned, before it runs."""
+    ``kill`` or ``slow`` fault that names a stage (or a member of its group) the plan does
+    not have: it would never fire. ``stages`` is the plan's stage count, or its group
+    sizes in stage order. Checked once the job is planned, before it runs."""
+    sizes = [1] * stages if isinstance(stages, int) else list(stages)
+    n = len(sizes)
     for fault in faults:
-        if fault.kind != "join" and fault.stage >= stages:
-            have = "stage 0" if stages == 1 else f"stages 0-{stages - 1}"
+        if fault.kind == "join":
+            continue
+        if fault.stage >= n:
+            have = "stage 0" if n == 1 else f"stages 0-{n - 1}"
             raise UserError(
-                f"{label} {fault}: the plan has {stages} stage{'s' if stages > 1 else ''} "
+                f"{label} {fault}: the plan has {n} stage{'s' if n > 1 else ''} "
                 f"({have}), no stage {fault.stage}"
+            )
+        if fault.member >= sizes[fault.stage]:
+            raise UserError(
+                f"{label} {fault}: stage {fault.stage} runs on {sizes[fault.stage]} "
+                f"device{'s' if sizes[fault.stage] > 1 else ''}, no member {fault.member}"
             )
 
 
 @dataclass
 class FaultInjector:
-    """Fires each fault once, at its step, on the device of its stage in the current plan."""
+    """Fires each fault once, at its step, on the device of its stage (and member) in the
+    current plan."""
 
     faults: list[Fault]
     act: Callable[[Fault, str], None]
     """``act(fault, device)``: do it to ``device`` (the one running the stage now)."""
     fired: list[tuple[Fault, str, float]] = field(default_factory=list)
     _pending: list[Fault] = field(default_factory=list)
-    _devices: list[str] = field(default_factory=list)
+    _devices: list[tuple[str, ...]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self._pending = sorted(self.faults, key=lambda f: f.step)
 
-    def use_plan(self, devices: list[str]) -> None:
-        """The device of each stage of the plan now in force."""
+    def use_plan(self, devices: Sequence[str | Sequence[str]]) -> None:
+        """The devices of each stage of the plan now in force (a device, or a group's)."""
         with self._lock:
-            self._devices = list(devices)
+            self._devices = [(d,) if isinstance(d, str) else tuple(d) for d in devices]
 
     def on_step(self, report: StepReport) -> list[tuple[Fault, str]]:
         """Fire the faults due at ``report``'s step; the ``(fault, device)`` pairs fired."""
         due = []
         with self._lock:
             for fault in list(self._pending):
-                if report.step >= fault.step and fault.stage < len(self._devices):
+                if report.step < fault.step or fault.stage >= len(self._devices):
+                    continue
+                group = self._devices[fault.stage]
+                if fault.member < len(group):  # else a group that shrank: not yet
                     self._pending.remove(fault)
-                    due.append((fault, self._devices[fault.stage]))
+                    due.append((fault, group[fault.member]))
         for fault, device in due:
             self.fired.append((fault, device, time.time()))
             self.act(fault, device)

@@ -20,7 +20,7 @@ import math
 import statistics
 from collections.abc import Callable
 
-from coordinator.planner.score import Plan, score_plan
+from coordinator.planner.score import Plan, for_plan, score_plan
 from coordinator.planner.solve import plan_problem
 from edge.problem import PlanningProblem
 
@@ -48,7 +48,7 @@ def replication_interval(
     ``most`` caps R (the CLI passes a tenth of the job: a failure never costs
     more than a tenth of it, whatever the budget says).
     """
-    score = score_plan(problem, plan)
+    score = score_plan(for_plan(problem, plan), plan)
     links = {d.id: d.bandwidth_mbps for d in problem.devices}
     factor = problem.optimizer_state_factor / 2
     worst = 0.0

@@ -16,6 +16,11 @@ state (weights and optimizer state, safetensors) every ``replicate_every`` steps
   their seeded initial weights) with the state of exactly its units, and the
   data order continues from that step (the sampler is seeded by step). So a run
   with failures ends with the weights of a run without, up to rounding.
+- **A group member dies** ([Note: a group member dies] in
+  :mod:`coordinator.engine.handover`): its co-members hold its units, so nothing
+  rolls back. The stages stop holding their state, hand over the state of the
+  step every stage reached, and the re-plan over the survivors resumes from it;
+  only the step in flight then runs again.
 - **Migration**: after every step (once an attempt has run ``settle_steps``)
   the ``rebalance`` callback weighs the measured stage times; a better plan it
   returns is moved to exactly as after a failure, without one.
@@ -30,11 +35,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.engine.faults import FaultInjector
+from coordinator.engine.handover import Handover
 from coordinator.engine.replicas import ReplicaStore
 from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import (
@@ -58,6 +64,8 @@ log = logging.getLogger(__name__)
 
 Rebalance = Callable[[Plan, list[str], dict[str, float], int], Plan | None]
 """``rebalance(plan, alive, compute_s, steps_left)``: a better plan, or ``None``."""
+Shares = Callable[[Plan], Sequence[Sequence[float]] | None]
+"""``shares(plan)``: each group member's share of a microbatch, per stage (``None``: equal)."""
 
 
 @dataclass
@@ -126,6 +134,10 @@ class ResilientRun:
     two): a plan it returns is migrated to at once (the stages roll back to the newest
     replica, as after a failure, and resume).
 
+    A plan with groups splits each microbatch by ``shares(plan)`` (equal without it);
+    when a member of a group dies, the survivors hand over instead of rolling back.
+    Rebalancing weighs plans of one-device stages only.
+
     To resume a job a previous coordinator ran: pass its ``replicas`` (kept on disk) and
     ``first_step``, the newest step they cover; ``on_attempt(job, plan, first_step)``
     hears of every attempt before it starts, so that it can be cancelled later.
@@ -151,8 +163,10 @@ class ResilientRun:
         ready_timeout_s: float = 120.0,
         servers: dict[str, str] | None = None,
         access: JobAccess | None = None,
+        shares: Shares | None = None,
     ) -> None:
         self.spec = spec
+        self.shares = shares
         self.access = access
         """The broker's ACLs, granted per attempt (each attempt's plan, under its job id)."""
         self.control = control
@@ -193,6 +207,8 @@ class ResilientRun:
         """The devices of the attempt's stages."""
         self.attempt_job = ""
         """The attempt's job id (each attempt runs under its own)."""
+        self.handover: Handover | None = None
+        """The attempt's hand-over, for a plan with groups."""
         self.reconnects = control.reconnects
         """The connection's reconnect count when the attempt started."""
 
@@ -229,7 +245,7 @@ class ResilientRun:
 
     def _consider_rebalance(self, report: StepReport) -> None:
         plan = self.plan
-        if self.rebalance is None or plan is None or self.migration is not None:
+        if self.rebalance is None or plan is None or self.migration is not None or plan.grouped:
             return
         if report.step - self.first_step + 1 < self.settle_steps:
             return
@@ -306,9 +322,9 @@ class ResilientRun:
         job, ``None`` if it was stopped by a death, the broker or a migration."""
         job = new_job_id()
         self.replicas.accept(job, [(st.start, st.end) for st in plan.stages])
-        self.current = [st.device for st in plan.stages]
+        self.current = plan.devices
         if self.faults is not None:
-            self.faults.use_plan(self.current)
+            self.faults.use_plan([st.devices for st in plan.stages])
         self._event("attempt", job=job, first_step=self.first_step, plan=plan.to_json())
         if self.on_attempt is not None:
             self.on_attempt(job, plan, self.first_step)
@@ -324,6 +340,11 @@ class ResilientRun:
                 for s, st in enumerate(plan.stages)
             }
         current, reconnects = self.current, self.reconnects
+        self.handover = None
+        if plan.grouped:
+            self.handover = Handover(
+                job, plan, lambda: self.watch.dead_among(current), self.replicas
+            )
         try:
             last = run_on_agents(
                 self.spec,
@@ -339,6 +360,8 @@ class ResilientRun:
                 ready_timeout_s=self.ready_timeout_s,
                 servers=self.servers,
                 access=self.access,
+                shares=self.shares(plan) if self.shares is not None else None,
+                handover=self.handover,
             )
             self._attempt_end(job)
             return last
@@ -367,9 +390,14 @@ class ResilientRun:
         self.watch.settle()
         dead = self.watch.dead_among(self.current)
         done = max(self.losses, default=-1) + 1
-        self.first_step = self.replicas.newest_complete(done, hold=True)
+        handed = self.handover.step if self.handover is not None else None
+        if handed is not None:  # the survivors' states: no finished step is redone
+            self.first_step = self.replicas.newest_complete(handed, hold=True)
+            redo = 0
+        else:
+            self.first_step = self.replicas.newest_complete(done, hold=True)
+            redo = done - self.first_step
         decided = time.time()  # the replicas that had come by now chose the step
-        redo = done - self.first_step
         self.rolled_back += redo
         for step in [s for s in self.losses if s >= self.first_step]:
             del self.losses[step]
@@ -410,6 +438,7 @@ class ResilientRun:
             decided_at=decided,
             survivors=alive,
             plan=plan.to_json(),
+            handed_over=handed is not None,
         )
         return plan
 

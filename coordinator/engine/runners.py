@@ -32,7 +32,9 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from coordinator.engine.handover import Handover
 from coordinator.engine.spec import (
+    JobAborted,
     JobAccess,
     JobFailed,
     JobMonitor,
@@ -53,6 +55,7 @@ from edge.wire.messages import (
     StageAssignment,
     StageDone,
     StageFailed,
+    StageHeld,
     StartJob,
     StepReport,
     parse_event,
@@ -164,6 +167,7 @@ def run_on_agents(
     store_host: str = "127.0.0.1",
     access: JobAccess | None = None,
     shares: Sequence[Sequence[float]] | None = None,
+    handover: Handover | None = None,
 ) -> JobResult:
     """Run ``plan`` on the agents named by its stages, through the connected ``control``.
 
@@ -176,7 +180,10 @@ def run_on_agents(
     restore topic before the assignments), have stages publish their state every
     ``replicate_every`` steps, and stop with :class:`~coordinator.engine.spec.JobAborted`
     as soon as ``abort()`` gives a reason. However it ends, the stages are told to
-    stop unless they finished, and the retained restore blobs are cleared.
+    stop unless they finished, and the retained restore blobs are cleared. With
+    ``handover``, an abort it wants (a group member died) stops the stages holding
+    their state and collects the state of a step every stage reached before the run's
+    grants end ([Note: a group member dies] in :mod:`coordinator.engine.handover`).
 
     ``servers`` maps server-tier devices to their torch device (``cpu``,
     ``cuda:0``); when two or more stages run on them, those stages form a
@@ -193,6 +200,7 @@ def run_on_agents(
         replicate_every=replicate_every,
         restore=bool(restore),
         shares=shares,
+        handover=handover is not None,
     )
     if plan.grouped and servers:
         raise ValueError("stage groups run over MQTT: a plan with groups takes no servers")
@@ -216,6 +224,10 @@ def run_on_agents(
             event = parse_event(payload)
         except MessageError as exc:
             monitor.reject("malformed", f"an event from {sender}: {exc}")
+            return
+        if isinstance(event, StageHeld):  # only a hold asks for it
+            if handover is not None:
+                handover.on_held(event, sender[1] if sender else None)
             return
         monitor.on_event(event, sender[1] if sender else None)
 
@@ -258,15 +270,15 @@ def run_on_agents(
             raise JobFailed(f"job {job}: the weights of stages {missing} never arrived")
         monitor.check_same_weights()
         return monitor.result(spec, plan, wall, merged)
-    except BaseException:
+    except BaseException as exc:
         if monitor.finished:
             raise
+        hold = handover is not None and isinstance(exc, JobAborted) and handover.wanted()
+        cancel = CancelJob(job=job, reason="coordinator gave up", hold=hold).model_dump_json()
         for device in holders:
-            control.publish(
-                device_cmd(device),
-                CancelJob(job=job, reason="coordinator gave up").model_dump_json(),
-                1,
-            )
+            control.publish(device_cmd(device), cancel, 1)
+        if hold and handover is not None:
+            handover.collect(control)
         raise
     finally:
         del store  # the rendezvous store lives as long as the job

@@ -89,8 +89,6 @@ class JobSpec(TrainConfig):
                 raise ValueError("group_sizes needs partition even")
             if self.stages is not None and self.stages != len(sizes):
                 raise ValueError(f"stages={self.stages}, but group_sizes has {len(sizes)} stages")
-            if self.replicate_every or self.faults:
-                raise ValueError("group_sizes cannot be combined with fault tolerance yet")
         return self
 
 
@@ -165,6 +163,7 @@ def make_assignments(
     replicate_every: int = 0,
     restore: bool = False,
     shares: Sequence[Sequence[float]] | None = None,
+    handover: bool = False,
 ) -> list[StageAssignment]:
     """One assignment per device of ``plan``, stage by stage (a group's members in its
     order); each link uses the plan's codec for it (``plan.codecs``), else ``spec.codec``
@@ -174,6 +173,9 @@ def make_assignments(
     ``first_step``, ``replicate_every`` and ``restore`` are for fault tolerance
     (:mod:`coordinator.engine.resilient`): start at that step, publish the stage's state
     every that many steps, load the state published for the stage before starting.
+    ``handover`` (for a plan with groups) has every stage keep its previous step's state,
+    so the survivors of a group can hand over ([Note: a group member dies] in
+    :mod:`coordinator.engine.handover`).
     """
     dataset, options = spec.resolve_data()
     stages = plan.stages
@@ -184,8 +186,6 @@ def make_assignments(
     samples = group_samples(spec, plan, shares)
     if samples is not None:
         _refuse_batchnorm(spec, plan)
-    if samples is not None and (replicate_every or restore or first_step):
-        raise ValueError("stage groups do not support fault tolerance (replicas, restore) yet")
     out = []
     for s, st in enumerate(stages):
         for member in range(len(st.devices)):
@@ -209,6 +209,7 @@ def make_assignments(
                     restore=restore,
                     member=member,
                     group_samples=samples,
+                    handover=handover and samples is not None,
                 )
             )
     return out

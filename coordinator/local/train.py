@@ -220,7 +220,7 @@ def train_on_local_fleet(
         )
         first = fleet.ids[0]
         planned = engine.plan(spec, pin_first=first, where="these devices")
-        check_fault_stages(faults or [], len(planned.plan.stages))
+        check_fault_stages(faults or [], [len(st.devices) for st in planned.plan.stages])
         tier = server_tier(announced)
         if tier and not every:
             extra["servers"] = sorted(tier)

@@ -39,7 +39,7 @@ from typing import Literal, get_args
 from coordinator.planner.baselines import even_split
 from coordinator.planner.codecs import choose_codecs, plan_with_codecs, with_codecs
 from coordinator.planner.group_search import plan_groups, replan
-from coordinator.planner.score import Plan, PlanScore, Stage, score_plan
+from coordinator.planner.score import Plan, PlanScore, Stage, for_plan, score_plan
 from coordinator.planner.solve import EXACT_DEVICES, exact_capacity, plan_problem
 from edge.errors import UserError
 from edge.problem import PlanningProblem
@@ -165,8 +165,7 @@ def _even_groups(problem: PlanningProblem, sizes: list[int], where: str) -> JobP
         stages.append(Stage.group(ids[at : at + size], bounds[s], bounds[s + 1]))
         at += size
     plan = Plan(tuple(stages))
-    grouped = problem.as_version(2) if plan.grouped else problem
-    score = score_plan(grouped, plan)
+    score = score_plan(for_plan(problem, plan), plan)
     if not score.feasible:
         raise UserError(f"the groups {sizes} do not fit {where}: {score.reasons[0]}")
     n = int(problem.batch_size) // problem.microbatches

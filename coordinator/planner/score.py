@@ -25,7 +25,7 @@ from typing import Any
 
 from edge.problem import DeviceSpec, PlanningProblem
 
-__all__ = ["Plan", "PlanScore", "Stage", "score_plan", "shares_of", "validate_plan"]
+__all__ = ["Plan", "PlanScore", "Stage", "for_plan", "score_plan", "shares_of", "validate_plan"]
 
 
 @dataclass(frozen=True)
@@ -178,6 +178,12 @@ def validate_plan(problem: PlanningProblem, plan: Plan) -> list[str]:
     if problem.pin_first is not None and problem.pin_first not in plan.stages[0].devices:
         errors.append(f"stage 0 is on {plan.stages[0].device}, not pin_first {problem.pin_first}")
     return errors
+
+
+def for_plan(problem: PlanningProblem, plan: Plan) -> PlanningProblem:
+    """``problem`` as a plan of the runtime is scored: as version 2 when the plan has
+    groups (a job's problem is version 1 unless it has an objective), else as it is."""
+    return problem.as_version(2) if plan.grouped and problem.version == 1 else problem
 
 
 def score_plan(problem: PlanningProblem, plan: Plan) -> PlanScore:

@@ -53,7 +53,7 @@ from coordinator.engine.replicas import ReplicaStore
 from coordinator.engine.runners import server_tier
 from coordinator.engine.spec import JobAccess, JobFailed, JobResult, JobSpec, new_job_id
 from coordinator.planner.baselines import run_baselines
-from coordinator.planner.score import Plan
+from coordinator.planner.score import Plan, for_plan
 from coordinator.planner.simulator import simulate
 from coordinator.service.events import EventBus
 from coordinator.service.registry import DeviceRegistry
@@ -227,9 +227,7 @@ class JobManager:
             self.store.add_job_event(job, "replan", detail)
         problem, score = planned.problem, planned.found.score
         # A plan on groups is scored (and so simulated) under version 2, as it was planned.
-        sim = simulate(
-            problem.as_version(2) if score.plan.grouped else problem, score.plan, spec.schedule
-        )
+        sim = simulate(for_plan(problem, score.plan), score.plan, spec.schedule)
         self.store.set_job_plan(
             job,
             {
@@ -268,7 +266,9 @@ class JobManager:
         plan = planned.plan
         if not resuming:  # a resumed job's plan may have lost stages to failures
             try:
-                check_fault_stages(map(parse_fault, spec.faults), len(plan.stages), "fault")
+                check_fault_stages(
+                    map(parse_fault, spec.faults), [len(st.devices) for st in plan.stages], "fault"
+                )
             except UserError as exc:
                 self._finish(job, "failed", exc.message)
                 return

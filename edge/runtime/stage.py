@@ -27,8 +27,14 @@ For fault tolerance a stage runs steps ``[first_step, steps)``; it can be
 restored (:meth:`StageRuntime.restore`) from the state of step ``first_step``,
 and with ``replicate_every = R`` it hands its state for step ``k + 1`` to the
 ``replicate`` hook after every step ``k`` with ``(k + 1) % R == 0`` (not after
-the last step: the final weights go out anyway). States are
+the last step: the final weights go out anyway; in a group only member 0 does,
+the members' states being the same). States are
 :mod:`edge.runtime.checkpoint` blobs; see [Note: the step of a state] there.
+With ``handover`` the stage also keeps, in memory, its state at the start of the
+newest step it finished (taken just before the optimizer steps), so that after
+a stop it can give the state of the step it is in or of the one before
+(:meth:`StageRuntime.state_at`; [Note: a group member dies] in
+:mod:`coordinator.engine.handover`).
 
 In a group ([Note: groups on the wire] in :mod:`edge.wire.groups`) each member
 runs the whole segment on its own block of rows of every microbatch: it takes
@@ -158,6 +164,12 @@ class StageRuntime:
         self.torch_device = torch.device(torch_device)
         self.data_parallel = data_parallel
         self._cancelled = threading.Event()
+        self.hold = False
+        """Cancelled with ``hold``: keep the state for a hand-over (see :meth:`state_at`)."""
+        self.finished = assignment.first_step - 1
+        """The newest step this stage finished (its optimizer stepped)."""
+        self._previous: tuple[int, bytes] | None = None
+        """With ``handover``: the state at the start of step :attr:`finished`."""
         a = assignment
         if a.replicas > 1 and data_parallel is None:
             raise ValueError(f"{a.replicas} replicas need a data_parallel group")
@@ -236,8 +248,10 @@ class StageRuntime:
     def parameters(self) -> int:
         return sum(p.numel() for p in self.segment.parameters())
 
-    def cancel(self) -> None:
-        """Stop at the next wait; :meth:`run` returns without finishing."""
+    def cancel(self, hold: bool = False) -> None:
+        """Stop at the next wait; :meth:`run` returns without finishing. With ``hold`` the
+        caller keeps the stage for a hand-over (:meth:`state_at`)."""
+        self.hold = self.hold or hold
         self._cancelled.set()
         self.inbox.close()
 
@@ -384,6 +398,8 @@ class StageRuntime:
                 t0 = time.perf_counter()
                 loss = self.data_parallel.average(loss)
                 reduce += time.perf_counter() - t0
+        if a.handover:  # the state at the start of this step, until the next one ends
+            self._previous = (step, self.state(step))
         t0 = self._start()
         if self.optimizer is not None:
             self.optimizer.step()
@@ -424,7 +440,9 @@ class StageRuntime:
                 if self._cancelled.is_set():
                     break
                 report = self.run_step(step)
-                if replicate and every and (step + 1) % every == 0 and step + 1 < a.steps:
+                self.finished = step
+                due = every and (step + 1) % every == 0 and step + 1 < a.steps
+                if replicate and due and a.member == 0:
                     t0 = time.perf_counter()
                     data = self.state(step + 1)
                     replicate(step + 1, data)
@@ -457,6 +475,17 @@ class StageRuntime:
             start=a.start,
             end=a.end,
         )
+
+    def state_at(self, step: int) -> bytes:
+        """The state blob for ``step`` after a stop: the live state for the step after the
+        newest one finished, or (with ``handover``) the one kept from the start of that
+        step. Any other step is a one-line :class:`ValueError`."""
+        if step == self.finished + 1:
+            return self.state(step)
+        if self._previous is not None and self._previous[0] == step:
+            return self._previous[1]
+        kept = [self.finished + 1] + ([self._previous[0]] if self._previous else [])
+        raise ValueError(f"no state for step {step}: this stage holds steps {kept}")
 
     def restore(self, data: bytes) -> int:
         """Load a state blob of this job covering this segment, for ``first_step``.

@@ -32,12 +32,14 @@ __all__ = [
     "DeviceStatus",
     "DistGroup",
     "Event",
+    "HandOver",
     "Heartbeat",
     "MessageError",
     "OptimizerSpec",
     "StageAssignment",
     "StageDone",
     "StageFailed",
+    "StageHeld",
     "StageReady",
     "StartJob",
     "StepReport",
@@ -120,6 +122,10 @@ class StageAssignment(TrainConfigBase):
     group_samples: tuple[tuple[int, ...], ...] | None = None
     """Groups: per stage, the samples of each microbatch each member computes, in member
     order (:func:`edge.wire.groups.split_samples`); ``None`` for one device per stage."""
+    handover: bool = False
+    """Keep the state of the step before the current one, so that a stage stopped by
+    :class:`CancelJob` with ``hold`` can hand over the state of a step every stage
+    reached ([Note: a group member dies] in :mod:`coordinator.engine.handover`)."""
 
     @classmethod
     def for_stage(cls, config: TrainConfigBase, **fields: Any) -> StageAssignment:
@@ -194,6 +200,16 @@ class CancelJob(_Message):
     type: Literal["cancel"] = "cancel"
     job: JobId
     reason: str = "cancelled"
+    hold: bool = False
+    """Stop, answer :class:`StageHeld` and keep the stage's state for a :class:`HandOver`."""
+
+
+class HandOver(_Message):
+    """Publish the held stage's state for ``step`` on its replica topic, then let it go."""
+
+    type: Literal["handover"] = "handover"
+    job: JobId
+    step: int = Field(ge=0)
 
 
 class Throttle(_Message):
@@ -203,7 +219,9 @@ class Throttle(_Message):
     slowdown: float = Field(ge=1.0, le=1000.0, allow_inf_nan=False)
 
 
-Command = Annotated[StageAssignment | StartJob | CancelJob | Throttle, Field(discriminator="type")]
+Command = Annotated[
+    StageAssignment | StartJob | CancelJob | HandOver | Throttle, Field(discriminator="type")
+]
 
 
 class _Event(_Message):
@@ -262,7 +280,18 @@ class StageFailed(_Event):
     error: str
 
 
-Event = Annotated[StageReady | StepReport | StageDone | StageFailed, Field(discriminator="type")]
+class StageHeld(_Event):
+    """The stage stopped on a :class:`CancelJob` with ``hold``, holding its state: the
+    newest step it finished (``first_step - 1`` if none), so it can hand over the state
+    of step ``finished + 1`` and, with ``handover``, of step ``finished``."""
+
+    type: Literal["held"] = "held"
+    finished: int = Field(ge=-1)
+
+
+Event = Annotated[
+    StageReady | StepReport | StageDone | StageFailed | StageHeld, Field(discriminator="type")
+]
 
 
 class DeviceStatus(_Message):
@@ -284,11 +313,17 @@ class Heartbeat(_Message):
     step: int | None = None
 
 
-_COMMAND: TypeAdapter[StageAssignment | StartJob | CancelJob | Throttle] = TypeAdapter(Command)
-_EVENT: TypeAdapter[StageReady | StepReport | StageDone | StageFailed] = TypeAdapter(Event)
+_COMMAND: TypeAdapter[StageAssignment | StartJob | CancelJob | HandOver | Throttle] = TypeAdapter(
+    Command
+)
+_EVENT: TypeAdapter[StageReady | StepReport | StageDone | StageFailed | StageHeld] = TypeAdapter(
+    Event
+)
 
 
-def parse_command(payload: bytes | str) -> StageAssignment | StartJob | CancelJob | Throttle:
+def parse_command(
+    payload: bytes | str,
+) -> StageAssignment | StartJob | CancelJob | HandOver | Throttle:
     """A command from JSON, or :class:`MessageError` with one line saying what is wrong."""
     try:
         return _COMMAND.validate_json(payload)
@@ -296,7 +331,9 @@ def parse_command(payload: bytes | str) -> StageAssignment | StartJob | CancelJo
         raise MessageError(describe_validation_error(exc, "command")) from None
 
 
-def parse_event(payload: bytes | str) -> StageReady | StepReport | StageDone | StageFailed:
+def parse_event(
+    payload: bytes | str,
+) -> StageReady | StepReport | StageDone | StageFailed | StageHeld:
     """An event from JSON, or :class:`MessageError` with one line saying what is wrong."""
     try:
         return _EVENT.validate_json(payload)

@@ -119,7 +119,8 @@ def train_command(
     fault: list[str] = typer.Option(
         [],
         "--fault",
-        help="Inject a fault: kill:STAGE@STEP (SIGKILL that stage's agent once it "
+        help="Inject a fault: kill:STAGE[.MEMBER]@STEP (SIGKILL that stage's agent, or "
+        "that member of its group, once it "
         "reports STEP). Repeatable; implies fault tolerance.",
     ),
     replicate_every: int | None = typer.Option(
@@ -158,10 +159,8 @@ def train_command(
     group_sizes = _group_sizes(group_sizes_opt, devices, partition)
     if profiles and transport == "dist":
         raise UserError("--devices with profiles is for --transport mqtt or inprocess")
-    if group_sizes and (replicas > 1 or servers or fault or replicate_every):
-        raise UserError(
-            "--group-sizes runs without --replicas, --servers, --fault or --replicate-every"
-        )
+    if group_sizes and (replicas > 1 or servers):
+        raise UserError("--group-sizes runs without --replicas or --servers")
     if transport != "dist" and (replicas > 1 or device != "cpu"):
         raise UserError("--replicas and --device are for --transport dist")
     if device not in ("cpu", "cuda"):

@@ -40,7 +40,10 @@ def test_a_plain_coordinator_refuses_bad_kill_and_join_faults(
     )
     with TestClient(create_app(settings)) as client:
         loc, msg = _refusal(client, faults=["kill:1@4", "kill:x@2"])
-        assert loc == ["body", "faults", 1] and "fault 'kill:x@2': expected kill:STAGE@STEP" in msg
+        assert (
+            loc == ["body", "faults", 1]
+            and "fault 'kill:x@2': expected kill:STAGE[.MEMBER]@STEP" in msg
+        )
         loc, msg = _refusal(client, faults=["slow:0@4:0.5"])
         assert "FACTOR must be between 1 and 1000" in msg
         loc, msg = _refusal(client, faults=["kill:1@20"])

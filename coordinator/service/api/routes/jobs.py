@@ -21,8 +21,8 @@ fails the job with that reason. ``group_sizes`` (with ``partition`` ``even``)
 runs stage ``s`` on a group of ``group_sizes[s]`` devices: positive, one per
 stage (no more than the model's units), adding up to the devices the job allows
 when it names them (else to the devices online when it is planned, or the job
-fails), and not with fault tolerance; anything else is a 422 naming
-``group_sizes``.
+fails); anything else is a 422 naming ``group_sizes``. With fault tolerance, a
+group member that dies is survived by its co-members without a rollback.
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ class JobCreate(TrainConfig):
         default_factory=list, max_length=32, examples=[["kill:1@8", "slow:0@4:3", "join:laptop@6"]]
     )
     """Faults to inject, for testing fault tolerance: kill:STAGE@STEP (SIGKILL the agent
-    of that stage once STEP is reported), slow:STAGE@STEP:FACTOR, join:PROFILE@STEP (a
+    of that stage once STEP is reported; kill:STAGE.MEMBER@STEP, a member of its
+    group), slow:STAGE@STEP:FACTOR, join:PROFILE@STEP (a
     new agent with that catalogue profile). Kill and join need a testbed coordinator."""
 
     @field_validator("model")
@@ -243,8 +244,6 @@ def _check_groups(body: JobCreate, replicate_every: int, units: int) -> None:
         why = f"group_sizes has {len(sizes)} stages, more than the {units} units of {body.model}"
     elif allowed is not None and sum(sizes) != allowed:
         why = f"group_sizes adds up to {sum(sizes)} devices, but the job allows {allowed}"
-    elif replicate_every or body.faults:
-        why = "group_sizes cannot be combined with fault tolerance (replicate_every, faults) yet"
     if why is not None:
         raise unprocessable(["body", "group_sizes"], why)
 

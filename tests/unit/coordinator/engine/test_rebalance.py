@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.engine.faults import Fault, FaultInjector, parse_fault
+from coordinator.engine.faults import Fault, FaultInjector, check_fault_stages, parse_fault
 from coordinator.engine.rebalance import Rebalancer, replication_interval
 from coordinator.planner.build import build_problem
 from coordinator.planner.score import Plan, score_plan
@@ -91,14 +91,19 @@ def test_fault_specs() -> None:
     assert parse_fault("kill:2@7") == Fault("kill", 2, 7)
     assert parse_fault("slow:0@4:2.5") == Fault("slow", 0, 4, 2.5)
     assert str(parse_fault("slow:0@4:4")) == "slow:0@4:4"
-    for bad in ["slow:0@4", "kill:0@4:2", "slow:0@4:0.5", "stop:1@2"]:
+    assert parse_fault("kill:1.2@3") == Fault("kill", 1, 3, member=2)
+    assert (
+        str(parse_fault("kill:1.2@3")) == "kill:1.2@3"
+        and str(parse_fault("kill:1.0@3")) == "kill:1@3"
+    )
+    for bad in ["slow:0@4", "kill:0@4:2", "slow:0@4:0.5", "stop:1@2", "kill:1.@3", "kill:.1@3"]:
         with pytest.raises(UserError):
             parse_fault(bad)
 
 
 def test_bad_fault_specs_are_refused() -> None:
     for text in ["kill:1", "kill:x@2", "melt:1@2", ""]:
-        with pytest.raises(UserError, match="kill:STAGE@STEP, slow"):
+        with pytest.raises(UserError, match=r"kill:STAGE\[\.MEMBER\]@STEP, slow"):
             parse_fault(text)
 
 
@@ -115,6 +120,20 @@ def test_faults_of_one_step_fire_together_on_the_current_plan() -> None:
     assert sorted(fired) == [("kill:1@5", "b"), ("kill:2@5", "c")]
     injector.on_step(report.model_copy(update={"step": 6}))
     assert len(fired) == 2 and injector.pending == []
+
+
+def test_a_fault_names_a_member_of_a_group() -> None:
+    fired: list[tuple[str, str]] = []
+    faults = [parse_fault("kill:0.1@2"), parse_fault("kill:1.1@2")]
+    injector = FaultInjector(faults, lambda f, d: fired.append((str(f), d)))
+    injector.use_plan([("a", "b"), "c"])
+    injector.on_step(StepReport(job="j1", stage=0, device="a", step=2))
+    assert fired == [("kill:0.1@2", "b")]  # stage 1 has no member 1 (yet): it waits
+    assert injector.pending == [faults[1]]
+    check_fault_stages(faults, [2, 2])
+    refusal = r"^--fault kill:1.1@2: stage 1 runs on 1 device, no member 1$"
+    with pytest.raises(UserError, match=refusal):
+        check_fault_stages(faults, [2, 1])
 
 
 def test_replication_interval_can_be_capped() -> None:

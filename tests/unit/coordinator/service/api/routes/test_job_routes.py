@@ -170,10 +170,6 @@ def test_model_and_dataset_are_checked_before_a_job_is_queued(
             {"partition": "even", "group_sizes": [2, 1], "devices": ["a", "b", "c", "d"]},
             "group_sizes adds up to 3 devices, but the job allows 4",
         ),
-        (
-            {"partition": "even", "group_sizes": [2, 1], "replicate_every": 2},
-            "group_sizes cannot be combined with fault tolerance",
-        ),
     ],
 )
 def test_group_sizes_the_job_cannot_run_on_are_a_422_naming_them(
