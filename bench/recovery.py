@@ -183,7 +183,7 @@ def _first_attempt(
         injector.on_step(report)
 
     job = new_job_id()
-    replicas.accept(job)
+    replicas.accept(job, [(st.start, st.end) for st in plan.stages])
     with DeviceWatch(control, fleet.ids, HEARTBEAT_TIMEOUT_S) as watch:
 
         def abort() -> str | None:

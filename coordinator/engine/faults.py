@@ -126,7 +126,7 @@ class FaultInjector:
     current plan."""
 
     faults: list[Fault]
-    act: Callable[[Fault, str], None]
+    act: Callable[[Fault, str], object]
     """``act(fault, device)``: do it to ``device`` (the one running the stage now)."""
     fired: list[tuple[Fault, str, float]] = field(default_factory=list)
     _pending: list[Fault] = field(default_factory=list)
