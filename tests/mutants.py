@@ -347,6 +347,24 @@ MUTANTS = [
             "test_a_member_cannot_pass_its_chunk_off_as_another_members",
         ),
     ),
+    Mutant(
+        name="handover-keeps-no-previous",
+        what="a stage with handover never keeps the state of the step before its last update",
+        path="edge/runtime/stage.py",
+        old="if a.handover:  # the state at the start of this step",
+        new="if False:  # the state at the start of this step",
+        tests=("tests/unit/edge/runtime/test_held_state.py",),
+    ),
+    Mutant(
+        name="handover-ignored",
+        what="after a group member dies the run rolls back to its replicas, not the hand-over",
+        path="coordinator/engine/resilient.py",
+        old="handed = self.handover.step if self.handover is not None else None",
+        new="handed = None",
+        tests=(
+            "tests/e2e/test_group_faults.py::test_a_killed_member_is_survived_without_rollback",
+        ),
+    ),
 ]
 
 
