@@ -12,20 +12,17 @@ of its share, and members end with the same weights (the runners check that).
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-from support.markers import NO_MOSQUITTO
-from support.mosquitto import find_mosquitto
+from support.mosquitto import owned_mosquitto
 from support.reference import ReferenceRun, assert_matches, train_reference
 
 from coordinator.engine.runners import run_inprocess, run_on_agents
 from coordinator.engine.spec import JobResult, JobSpec, make_assignments, new_job_id
 from coordinator.local.fleet import LocalFleet
-from coordinator.local.owned import OwnedBroker, start_owned_broker
+from coordinator.local.owned import OwnedBroker
 from coordinator.planner.score import Plan, Stage
 from edge.errors import UserError
 from edge.models.zoo import get_model
@@ -162,14 +159,8 @@ def test_a_group_refuses_batchnorm() -> None:
 @pytest.fixture(scope="module")
 def secure_broker() -> Iterator[OwnedBroker]:
     """A Mosquitto with TLS and accounts: each device may use only what its grant says."""
-    if find_mosquitto() is None:
-        pytest.skip(NO_MOSQUITTO)
-    with tempfile.TemporaryDirectory() as tmp:
-        broker = start_owned_broker(Path(tmp) / "broker", prefer="mosquitto")
-        try:
-            yield broker
-        finally:
-            broker.stop()
+    with owned_mosquitto() as owned:
+        yield owned
 
 
 @pytest.fixture(scope="module")

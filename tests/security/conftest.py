@@ -7,29 +7,20 @@ agents are real processes, each enrolled and logged in with its own credentials.
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from support.markers import NO_MOSQUITTO
+from support.mosquitto import owned_mosquitto
 
-from coordinator.local.broker import find_mosquitto
 from coordinator.local.fleet import LocalFleet
-from coordinator.local.owned import OwnedBroker, start_owned_broker
+from coordinator.local.owned import OwnedBroker
 from edge.transport.mqtt import MqttTransport
 
 
 @pytest.fixture(scope="module")
 def secure_broker() -> Iterator[OwnedBroker]:
-    if find_mosquitto() is None:
-        pytest.skip(NO_MOSQUITTO)
-    with tempfile.TemporaryDirectory(prefix="edgetrain-security-") as tmp:
-        owned = start_owned_broker(Path(tmp) / "broker", log_dir=Path(tmp))
-        try:
-            yield owned
-        finally:
-            owned.stop()
+    with owned_mosquitto("edgetrain-security-") as owned:
+        yield owned
 
 
 @pytest.fixture(scope="module")

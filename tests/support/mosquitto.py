@@ -12,9 +12,12 @@ file) turns anonymous access off.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 from coordinator.local.broker import (
     BrokerStartError,
@@ -23,8 +26,17 @@ from coordinator.local.broker import (
     free_port,
     running_broker,
 )
+from coordinator.local.owned import OwnedBroker, start_owned_broker
+from support.markers import NO_MOSQUITTO
 
-__all__ = ["Broker", "BrokerStartError", "find_mosquitto", "free_port", "mosquitto_broker"]
+__all__ = [
+    "Broker",
+    "BrokerStartError",
+    "find_mosquitto",
+    "free_port",
+    "mosquitto_broker",
+    "owned_mosquitto",
+]
 
 Broker = MosquittoBroker
 """``host``, ``port``, ``url`` (``mqtt://host:port``), ``proc``, ``log_path``, ``log()``."""
@@ -56,3 +68,18 @@ def mosquitto_broker(
     ) as broker:
         assert isinstance(broker, MosquittoBroker)
         yield broker
+
+
+@contextmanager
+def owned_mosquitto(prefix: str = "edgetrain-") -> Iterator[OwnedBroker]:
+    """The broker ``edgetrain train`` and ``coordinator`` start, on Mosquitto: TLS, and
+    accounts with grants (dynamic security) that the caller owns; the test is skipped
+    where Mosquitto is missing."""
+    if find_mosquitto() is None:
+        pytest.skip(NO_MOSQUITTO)
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        owned = start_owned_broker(Path(tmp) / "broker", prefer="mosquitto", log_dir=Path(tmp))
+        try:
+            yield owned
+        finally:
+            owned.stop()
