@@ -201,12 +201,10 @@ def measure(
     plan: Plan,
     warmup: int,
     access: BrokerAccounts | None = None,
-    shares: list[list[float]] | None = None,
 ) -> tuple[float, list[float]]:
     """Steady-state samples/s of ``plan`` (stage 0's step times after ``warmup`` steps)
-    and each stage's mean compute seconds per steady step (over a group's members,
-    who split each microbatch by ``shares``)."""
-    result = run_on_agents(spec, plan, control, timeout_s=1800, access=access, shares=shares)
+    and each stage's mean compute seconds per steady step."""
+    result = run_on_agents(spec, plan, control, timeout_s=1800, access=access)
     steady = [r for r in result.reports if r.step >= warmup]
     step_s = statistics.mean(r.step_s for r in steady if r.stage == 0)
     compute = [

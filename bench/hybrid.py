@@ -39,8 +39,8 @@ so expect measured / predicted well below 1 where those dominate.
         [--results bench/results/hybrid.json] [--chart bench/results/hybrid.png]
         [--from-json FILE] [--quick]
 
-``--quick`` runs one fleet (``rpi4-4gb:4``), one model (``vgg11``) and few steps,
-in under 2 minutes, and writes its JSON and chart to the temporary directory
+``--quick`` runs one fleet (``rpi4-4gb:4``), one model (``vgg11``, batches of 16)
+and two steps a plan (one of them warm-up), and writes its JSON and chart to the temporary directory
 unless ``--results``/``--chart`` say otherwise. ``--from-json`` runs nothing: it
 renders the table, the chart and the JSON again from a results file.
 """
@@ -51,6 +51,7 @@ import argparse
 import importlib.util
 import json
 import math
+import statistics
 import sys
 import tempfile
 import time
@@ -62,6 +63,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 
 from coordinator.engine.engine import group_limits
+from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobSpec
 from coordinator.planner.baselines import even_split, single_device
 from coordinator.planner.build import parse_fleet
@@ -112,6 +114,14 @@ class Row:
     """The fleet's summed capacity for this model: every device alone, nothing sent."""
     steps: int
     method: str
+    compute_s: list[float]
+    """Per stage, measured compute seconds per steady step (the mean over a group's members)."""
+    predicted_compute_s: list[float]
+    """Per stage, the plan's ``M x T_s``."""
+    allreduce_s: list[float]
+    """Per stage, measured seconds a step summing a group's gradients (0 for one device)."""
+    predicted_allreduce_s: list[float]
+    """Per stage, the plan's ``R_s``."""
 
     @property
     def ratio(self) -> float:
@@ -199,6 +209,37 @@ def plans(problem: PlanningProblem, limits: GroupLimits) -> dict[str, Plan]:
 # -- running --------------------------------------------------------------------------
 
 
+@dataclass
+class Measured:
+    sps: float
+    """Steady-state samples/s: stage 0's step times after the warm-up steps."""
+    compute_s: list[float]
+    allreduce_s: list[float]
+
+
+def measure(
+    control: MqttTransport,
+    spec: JobSpec,
+    plan: Plan,
+    warmup: int,
+    tb: Testbed,
+    shares: list[list[float]] | None,
+) -> Measured:
+    """Run ``plan`` on the testbed's agents; per stage, the means over its members and the
+    steps after ``warmup`` (a group's members split each microbatch by ``shares``)."""
+    result = run_on_agents(spec, plan, control, timeout_s=1800, access=tb.accounts, shares=shares)
+    steady = [r for r in result.reports if r.step >= warmup]
+
+    def per_stage(field: str) -> list[float]:
+        return [
+            statistics.mean(getattr(r, field) for r in steady if r.stage == s)
+            for s in range(len(plan.stages))
+        ]
+
+    step_s = statistics.mean(r.step_s for r in steady if r.stage == 0)
+    return Measured(spec.batch_size / step_s, per_stage("compute_s"), per_stage("allreduce_s"))
+
+
 def run_fleet(key: str, models: list[str], args: argparse.Namespace) -> list[Row]:
     devices = fleet_devices(key)
     scale = catalogue_scale(measure_core_gflops(1.0)) if key == "rpi4" else None
@@ -258,33 +299,38 @@ def _run_model(
         )
         started = time.perf_counter()
         shares = score.shares if plan.grouped else None
-        measured, _compute = hetero.measure(
-            control,
-            spec.model_copy(update={"steps": steps}),
-            plan,
-            args.warmup,
-            tb.accounts,
-            shares=shares,
-        )
+        job = spec.model_copy(update={"steps": steps})
+        got = measure(control, job, plan, args.warmup, tb, shares)
         row = Row(
             model,
             fleet,
             strategy,
             plan.to_json(score.shares),
             score.throughput_sps,
-            measured,
+            got.sps,
             ideal_sps(now),
             steps,
             tb.method,
+            got.compute_s,
+            [t * args.microbatches for t in score.compute_s],
+            got.allreduce_s,
+            list(score.allreduce_s),
         )
         rows.append(row)
         print(
-            f"# {model} {fleet} {strategy} [{row.shape}]: measured {measured:.1f} predicted "
-            f"{score.throughput_sps:.1f} ({row.ratio:.2f}), {row.fraction:.0%} of the ideal "
-            f"{row.ideal_sps:.1f}, in {time.perf_counter() - started:.0f} s",
+            f"# {model} {fleet} {strategy} [{row.shape}]: measured {row.measured_sps:.1f} "
+            f"predicted {row.predicted_sps:.1f} ({row.ratio:.2f}), {row.fraction:.0%} of the "
+            f"ideal {row.ideal_sps:.1f}, in {time.perf_counter() - started:.0f} s; per stage "
+            f"compute {_rounded(row.compute_s)} predicted {_rounded(row.predicted_compute_s)}, "
+            f"all-reduce {_rounded(row.allreduce_s)} predicted "
+            f"{_rounded(row.predicted_allreduce_s)}",
             file=sys.stderr,
         )
     return rows
+
+
+def _rounded(values: list[float]) -> list[float]:
+    return [round(v, 3) for v in values]
 
 
 # -- reporting ------------------------------------------------------------------------
@@ -378,9 +424,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     results = Path(__file__).resolve().parent / "results"
     if args.quick:
-        args.models, args.fleets = "vgg11", "rpi4"
-        args.warmup, args.min_steps, args.max_steps, args.seconds = 1, 2, 2, 0.0
-        args.calibration_steps = 2
+        args.models, args.fleets, args.batch_size = "vgg11", "rpi4", 16
+        args.warmup, args.min_steps, args.max_steps, args.seconds = 1, 1, 1, 0.0
+        args.calibration_steps = 1
         results = Path(tempfile.gettempdir())
     stem = "hybrid-quick" if args.quick else "hybrid"
     args.results = args.results or results / f"{stem}.json"

@@ -57,8 +57,10 @@ def test_every_strategy_on_four_pis(bench: ModuleType) -> None:
 
 def _row(bench: ModuleType, strategy: str, measured: float, predicted: float, shape: str) -> object:
     stages = [{"devices": [f"d{i}"] * int(n), "layers": [0, 9]} for i, n in enumerate(shape)]
+    times = [[0.5] * len(shape), [0.4] * len(shape), [0.0] * len(shape), [0.0] * len(shape)]
+    fleet, ideal = "rpi4-4gb:4", 40.0
     return bench.Row(
-        "vgg11", "rpi4-4gb:4", strategy, stages, predicted, measured, 40.0, 5, "kernel"
+        "vgg11", fleet, strategy, stages, predicted, measured, ideal, 5, "kernel", *times
     )
 
 
@@ -83,7 +85,7 @@ def test_table_json_and_chart(bench: ModuleType, tmp_path: Path) -> None:
 def test_quick_mode_is_one_fleet_one_model_few_steps(bench: ModuleType) -> None:
     args = bench.parse_args(["--quick"])
     assert (args.fleets, args.models) == ("rpi4", "vgg11")
-    assert args.warmup + args.max_steps == 3
+    assert args.warmup + args.max_steps == 2 and args.batch_size == 16
     assert args.results == Path(tempfile.gettempdir()) / "hybrid-quick.json"
     full = bench.parse_args([])
     assert full.results.parent.name == "results" and full.fleets.split(",") == list(bench.FLEETS)
