@@ -469,3 +469,17 @@ def test_data_parallel_only_keeps_to_the_limits() -> None:
     assert free is not None and len(free.stages[0].devices) > 1
     one = data_parallel_only(problem, GroupLimits(solo_units=frozenset({2})))
     assert one is not None and len(one.stages[0].devices) == 1
+
+
+def test_many_group_sequences_go_to_the_structured_search() -> None:
+    """Eight distinct devices and six units: few enough plans for the exact search, but
+    too many sequences of groups to set up, so the structured search plans it."""
+    base = random_problem(3, 8, 6, memory_fraction=(0.6, 2.0), pinned=True)
+    problem = _v2(base, 3, twins=False)
+    assert exact_plan_count(problem, EXACT_PLANS) <= EXACT_PLANS
+    got = plan_groups(problem, time_budget_s=1.0)
+    assert not got.exact and got.score is not None
+    v1 = plan_problem(problem.as_version(1)).score
+    assert v1 is not None and got.score.step_time_s <= v1.step_time_s * (1 + 1e-12)
+    small = _v2(random_problem(3, 5, 6, memory_fraction=(0.6, 2.0)), 3, twins=False)
+    assert plan_groups(small).exact
