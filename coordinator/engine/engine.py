@@ -9,6 +9,8 @@ hears through :class:`JobHooks`.
 - **Plan** (:meth:`JobEngine.plan`): a planning problem over the devices the
   :class:`Fleet` says are online and idle, planned with the job's ``partition``,
   ``stages`` and ``codec`` (:func:`~coordinator.planner.partition.plan_job`).
+  The planner places device groups wherever :func:`plans_groups` says the job's
+  run can train them, within the model's limits (:func:`group_limits`).
   Re-planning after a death with fewer devices than ``stages`` plans one stage
   per device left and says so.
 - **Run**: a job without ``replicate_every`` runs once
@@ -34,8 +36,9 @@ from coordinator.engine.rebalance import Rebalancer, replication_interval
 from coordinator.engine.replicas import ReplicaStore
 from coordinator.engine.resilient import ResilientResult, ResilientRun
 from coordinator.engine.runners import run_on_agents
-from coordinator.engine.spec import JobAccess, JobResult, JobSpec
+from coordinator.engine.spec import JobAccess, JobResult, JobSpec, batchnorm_units
 from coordinator.planner.build import build_problem
+from coordinator.planner.group_tables import GroupLimits
 from coordinator.planner.partition import JobPlan, plan_job
 from coordinator.planner.score import Plan
 from edge.errors import UserError
@@ -43,7 +46,18 @@ from edge.problem import DeviceSpec, Objective, PlanningProblem
 from edge.transport.mqtt import MqttTransport
 from edge.wire.messages import StepReport
 
-__all__ = ["Fleet", "JobEngine", "JobHooks", "JobRun", "PlannedJob", "job_problem", "plan_over"]
+__all__ = [
+    "GROUPS_WITH_FAULT_TOLERANCE",
+    "Fleet",
+    "JobEngine",
+    "JobHooks",
+    "JobRun",
+    "PlannedJob",
+    "group_limits",
+    "job_problem",
+    "plan_over",
+    "plans_groups",
+]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +65,10 @@ IDLE_WAIT_S = 10.0
 """Before re-planning: how long survivors of a cancelled attempt may take to be idle."""
 JOIN_WAIT_S = 120.0
 """How long a device started by a ``join`` fault may take to come online."""
+GROUPS_WITH_FAULT_TOLERANCE = True
+"""Whether the planner may place device groups in a job with fault tolerance (replication,
+faults): resilient runs train groups, and a member that dies costs no rollback
+([Note: a group member dies] in :mod:`coordinator.engine.handover`)."""
 
 
 class Fleet(Protocol):
@@ -109,12 +127,35 @@ class JobRun:
     """Faults whose step came while no stage of theirs ran."""
 
 
+def plans_groups(spec: JobSpec, *, resilient: bool = False, servers: bool = False) -> bool:
+    """Whether the planner may train a stage of ``spec`` on a device group: with
+    ``partition="plan"`` (``even`` takes its groups from ``group_sizes``), unless the
+    run cannot train groups yet: fault tolerance (``resilient``, or the spec's
+    ``replicate_every`` or faults) until :data:`GROUPS_WITH_FAULT_TOLERANCE`, server-tier
+    devices in the fleet (``servers``: groups run over MQTT), or ``codec="auto"`` (the
+    codec search plans one-device stages)."""
+    if spec.partition != "plan" or servers or spec.codec.lower() == "auto":
+        return False
+    if resilient or spec.replicate_every or spec.faults:
+        return GROUPS_WITH_FAULT_TOLERANCE
+    return True
+
+
+def group_limits(spec: JobSpec) -> GroupLimits | None:
+    """What the runtime cannot train on a group of ``spec``'s model: its units with
+    BatchNorm, and a member without a sample of a microbatch; ``None`` for a user model
+    that cannot be built here (the planner then places no groups)."""
+    solo = batchnorm_units(spec)
+    return None if solo is None else GroupLimits(solo_units=solo, whole_samples=True)
+
+
 def job_problem(
-    spec: JobSpec, devices: list[DeviceSpec], pin_first: str | None = None
+    spec: JobSpec, devices: list[DeviceSpec], pin_first: str | None = None, *, groups: bool = False
 ) -> PlanningProblem:
     """The planning problem of ``spec`` over ``devices`` (``pin_first`` holds the data):
-    version 2 with the job's objective when it has one (the energy objective, or a
-    deadline), its stages one device each (the planner does not place groups in jobs yet)."""
+    version 2 when the planner may place device groups (``groups``, see
+    :func:`plans_groups`) or the job has an objective (the energy objective, or a
+    deadline), else version 1; ``"groups"`` is ``groups``."""
     objective = spec.objective != "time" or spec.max_step_time_s is not None
     problem = build_problem(
         spec.model,
@@ -123,9 +164,9 @@ def job_problem(
         microbatches=spec.microbatches,
         model_options=spec.model_options,
         pin_first=pin_first or spec.pin_first,
-        version=2 if objective else 1,
+        version=2 if objective or groups else 1,
     )
-    if not objective:
+    if not (objective or groups):
         return problem
     if spec.objective == "energy" and not any(d.watts_busy for d in devices):
         raise UserError(
@@ -133,7 +174,7 @@ def job_problem(
             "agents announce them with a catalogue --profile"
         )
     goal = Objective(minimize=spec.objective, max_step_time_s=spec.max_step_time_s)
-    return problem.model_copy(update={"groups": False, "objective": goal})
+    return problem.model_copy(update={"groups": groups, "objective": goal})
 
 
 def plan_over(
@@ -144,13 +185,16 @@ def plan_over(
     pin_first: str | None = None,
     where: str = "the devices",
     previous: Plan | None = None,
+    groups: bool | None = None,
 ) -> PlannedJob:
     """Plan ``spec`` over ``devices`` with its ``partition``, ``stages`` and ``codec``; a
     one-line :class:`UserError` when it cannot be. ``again``: a re-plan, which plans one
     stage per device when fewer are left than the job's ``stages``, warm-started from
     ``previous`` when given (:func:`~coordinator.planner.partition.plan_job`). A re-plan
     of a job with ``group_sizes`` keeps the previous plan's groups, less the devices
-    that are gone (a group left empty is dropped and the units split over the rest)."""
+    that are gone (a group left empty is dropped and the units split over the rest).
+    ``groups``: whether the planner may place device groups (``None``:
+    :func:`plans_groups` of the spec alone)."""
     if not devices:
         raise UserError(f"no device of {where} may run this job")
     first = pin_first or spec.pin_first
@@ -167,11 +211,15 @@ def plan_over(
     sizes = spec.group_sizes
     if again and sizes is not None and previous is not None:
         by_id = {d.id: d for d in devices}
-        groups = [[d for d in st.devices if d in by_id] for st in previous.stages]
-        devices = [by_id[d] for group in groups for d in group]
-        sizes = tuple(len(group) for group in groups if group)
+        kept = [[d for d in st.devices if d in by_id] for st in previous.stages]
+        devices = [by_id[d] for group in kept for d in group]
+        sizes = tuple(len(group) for group in kept if group)
         stages = len(sizes)
-    problem = job_problem(spec, devices, first)
+    if groups is None:
+        groups = plans_groups(spec)
+    limits = group_limits(spec) if groups else None
+    groups = limits is not None
+    problem = job_problem(spec, devices, first, groups=groups)
     found = plan_job(
         problem,
         partition=spec.partition,
@@ -180,6 +228,7 @@ def plan_over(
         where=where,
         previous=previous if again else None,
         group_sizes=sizes,
+        limits=limits,
     )
     return PlannedJob(problem=problem, found=found, fewer_stages=fewer)
 
@@ -219,11 +268,21 @@ class JobEngine:
         pin_first: str | None = None,
         where: str = "the online devices",
         previous: Plan | None = None,
+        resilient: bool = False,
     ) -> PlannedJob:
-        """Plan ``spec`` over the fleet's available devices (in ``allowed``): :func:`plan_over`."""
+        """Plan ``spec`` over the fleet's available devices (in ``allowed``): :func:`plan_over`,
+        with device groups where :func:`plans_groups` allows them (``resilient``: the run
+        will have fault tolerance, which the spec may not say)."""
         devices = self.fleet.available(allowed)
+        groups = plans_groups(spec, resilient=resilient, servers=bool(self.servers()))
         return plan_over(
-            spec, devices, again=again, pin_first=pin_first, where=where, previous=previous
+            spec,
+            devices,
+            again=again,
+            pin_first=pin_first,
+            where=where,
+            previous=previous,
+            groups=groups,
         )
 
     # -- running --------------------------------------------------------------------------
@@ -327,6 +386,7 @@ class JobEngine:
                 pin_first=first_of(alive),
                 where="the survivors",
                 previous=current[0],
+                resilient=True,
             )
             if hooks.on_plan is not None:
                 hooks.on_plan(again)
@@ -338,7 +398,8 @@ class JobEngine:
             profiles = {d.id: d for d in self.fleet.available(None)}
             profiles.update({d.id: d for d in planned.problem.devices if d.id not in profiles})
             known = [profiles[d] for d in alive if d in profiles]
-            return job_problem(spec, known, first_of([d.id for d in known]))
+            groups = plans_groups(spec, resilient=True, servers=bool(self.servers()))
+            return job_problem(spec, known, first_of([d.id for d in known]), groups=groups)
 
         # Its own connection: the run's device watch takes this connection's status and
         # heartbeat filters, and the caller's connection keeps its own.

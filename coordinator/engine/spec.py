@@ -45,6 +45,7 @@ __all__ = [
     "JobMonitor",
     "JobResult",
     "JobSpec",
+    "batchnorm_units",
     "group_samples",
     "largest_message_bytes",
     "make_assignments",
@@ -63,8 +64,9 @@ class JobSpec(TrainConfig):
     """How the units are split: ``plan``, the planner's best plan; ``even``, the same number
     of units on each device (:mod:`coordinator.planner.partition`); planning only."""
     stages: int | None = Field(default=None, ge=1)
-    """Exactly this many stages, each on its own device (``None``: what the partition
-    gives); planning only. A re-plan over fewer survivors plans as many as survive."""
+    """Exactly this many stages (``None``: what the partition gives), each on a device or,
+    where the planner places groups, a group of devices; planning only. A re-plan over
+    fewer survivors plans as many as survive."""
     replicate_every: ReplicateEvery = 0
     """Fault tolerance in the service: replicate every stage's state every R steps
     (0: off). Such a job survives devices dying and the coordinator restarting."""
@@ -213,6 +215,22 @@ def make_assignments(
                 )
             )
     return out
+
+
+def batchnorm_units(spec: JobSpec) -> frozenset[int] | None:
+    """The units of ``spec``'s model that hold BatchNorm (which no group may train, see
+    :func:`~edge.runtime.stage.group_batchnorm_error`); ``None`` for a user model that
+    cannot be built here. Built on the meta device: no weights are made."""
+    from edge.models.zoo import get_model
+
+    try:
+        model = get_model(spec.model, seed=spec.seed, **spec.model_options)
+        with torch.device("meta"):
+            return frozenset(
+                i for i in range(model.num_units) if batchnorm_in(model.build_segment(i, i + 1))
+            )
+    except Exception:  # a user model: its stages check when they build it
+        return None
 
 
 def _refuse_batchnorm(spec: JobSpec, plan: Plan) -> None:

@@ -47,12 +47,15 @@ def _quiet(_text: str) -> None:
     pass
 
 
-def _plan(spec: JobSpec, devices: list[Any]) -> tuple[Any, Any]:
+def _plan(spec: JobSpec, devices: list[Any], groups: bool | None = None) -> tuple[Any, Any]:
     """The plan over ``devices`` (the first holds the data) with the spec's ``partition``
-    and ``stages``, and its spec score."""
+    and ``stages``, and its spec score; ``groups``: whether the planner may place device
+    groups (``None``: as :func:`~coordinator.engine.engine.plans_groups` says)."""
     from coordinator.engine.engine import plan_over
 
-    found = plan_over(spec, devices, pin_first=devices[0].id, where="these devices").found
+    found = plan_over(
+        spec, devices, pin_first=devices[0].id, where="these devices", groups=groups
+    ).found
     return found.plan, found.score
 
 
@@ -109,7 +112,7 @@ def train_dist(
 
     me = profile_device("local", seconds=0.3).to_device_spec()
     fleet = [me.model_copy(update={"id": f"rank-{i}"}) for i in range(n // replicas)]
-    plan, score = _plan(spec, fleet)
+    plan, score = _plan(spec, fleet, groups=None if replicas == 1 else False)  # see DistJob
     with tempfile.TemporaryDirectory(prefix="edgetrain-dist-") as out:
         job = DistJob.model_validate(
             spec.train_settings()
@@ -219,7 +222,7 @@ def train_on_local_fleet(
             access=fleet.owned.accounts if fleet.owned is not None else None,
         )
         first = fleet.ids[0]
-        planned = engine.plan(spec, pin_first=first, where="these devices")
+        planned = engine.plan(spec, pin_first=first, where="these devices", resilient=every != 0)
         check_fault_stages(faults or [], [len(st.devices) for st in planned.plan.stages])
         tier = server_tier(announced)
         if tier and not every:

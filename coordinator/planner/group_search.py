@@ -4,7 +4,8 @@
 problem (``shared/spec/planning-v2.md``):
 
 - **Exact** where the plans are few enough to score them all
-  (:func:`exact_plan_count` at most :data:`EXACT_PLANS`): every sequence of
+  (:func:`exact_plan_count` at most :data:`EXACT_PLANS`, in at most
+  :data:`EXACT_SEQUENCES` sequences of groups): every sequence of
   disjoint groups, each with every set of cuts, scored in arrays with the score's
   own terms. Identical devices (same speed, memory, link and power) are
   interchangeable, so a group is a count per class of identical devices: that
@@ -34,6 +35,10 @@ from there, with a short budget.
 
 Plans are never worse than the version 1 plan for the same devices when the
 search is exact or runs its version 1 step.
+
+Each search takes ``limits`` (:class:`~coordinator.planner.group_tables.GroupLimits`):
+what a runtime cannot train on a group (units holding BatchNorm, members left
+without a sample). Groups that break them are never built, in any search.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.planner.group_tables import Group, GroupTables
+from coordinator.planner.group_tables import Group, GroupLimits, GroupTables
 from coordinator.planner.score import Plan, PlanScore, score_plan
 from coordinator.planner.search import threshold_search
 from coordinator.planner.solve import SearchResult, plan_problem
@@ -54,6 +59,7 @@ from edge.problem import PlanningProblem
 
 __all__ = [
     "EXACT_PLANS",
+    "EXACT_SEQUENCES",
     "best_cuts",
     "data_parallel_only",
     "exact_plan_count",
@@ -64,6 +70,10 @@ __all__ = [
 
 EXACT_PLANS = 1_500_000
 """Problems with at most this many distinct plans (after symmetry) are scored whole."""
+EXACT_SEQUENCES = 20_000
+"""...and at most this many group sequences: each costs about 0.3 ms to set up however
+few its cuts (8 distinct devices and gpt-mini's 6 units: 159,000 sequences, 823,000
+plans, 48 s whole; the structured search takes 2 s there)."""
 
 _V1_SHARE = 0.35
 """The share of the time budget the version 1 step may use."""
@@ -148,6 +158,20 @@ def exact_plan_count(
         if total > limit:
             return total
     return total
+
+
+def _few_sequences(problem: PlanningProblem, stages: int | None = None) -> bool:
+    """Whether the exact search walks at most :data:`EXACT_SEQUENCES` group sequences (up
+    to ``stages`` stages when given, each counted: it walks the shorter ones too)."""
+    classes = _classes(problem)
+    max_size = len(problem.devices) if problem.allows_groups else 1
+    every = _type_sequences(
+        tuple(map(len, classes)),
+        stages or len(problem.layers),
+        max_size,
+        problem.pin_first is not None,
+    )
+    return next(itertools.islice(every, EXACT_SEQUENCES, None), None) is None
 
 
 # -- exact: every plan, scored in arrays ----------------------------------------------
@@ -447,13 +471,15 @@ def _data_parallel(problem: PlanningProblem, gt: GroupTables) -> list[Sequence]:
     return [(tuple(sorted(order[:k])),) for k in range(1, len(order) + 1)]
 
 
-def data_parallel_only(problem: PlanningProblem) -> Plan | None:
+def data_parallel_only(problem: PlanningProblem, limits: GroupLimits | None = None) -> Plan | None:
     """The "data parallel only" baseline: the best plan of one stage on one group (the
-    ``k`` fastest devices, ``pin_first`` among them, for the best ``k``); ``None`` if no
-    group holds the whole model."""
-    gt = GroupTables.build(problem.as_version(2))
+    ``k`` fastest devices, ``pin_first`` among them, for the best ``k``, within
+    ``limits``); ``None`` if no group holds the whole model."""
+    gt = GroupTables.build(problem.as_version(2), limits)
     best: PlanScore | None = None
     for (group,) in _data_parallel(gt.problem, gt):
+        if not gt.fits(group, 1)[0, gt.num_units]:
+            continue
         got = _checked(gt.problem, gt.plan([group], [0, gt.num_units]))
         if _better(gt.problem, got, best):
             best = got
@@ -479,17 +505,20 @@ def plan_groups(
     time_budget_s: float = 8.0,
     exact_limit: float = EXACT_PLANS,
     stages: int | None = None,
+    limits: GroupLimits | None = None,
 ) -> SearchResult:
-    """The best plan for a version 2 ``problem``, of exactly ``stages`` stages when given
-    (module docstring)."""
+    """The best plan for a version 2 ``problem``, of exactly ``stages`` stages when given,
+    its groups within ``limits`` (module docstring)."""
     started = time.perf_counter()
-    gt = GroupTables.build(problem)
+    gt = GroupTables.build(problem, limits)
     if stages is not None and not 1 <= stages <= min(gt.num_devices, gt.num_units):
         why = f"no plan has {stages} stages: {gt.num_devices} devices, {gt.num_units} units"
         return SearchResult(None, True, "none", 0, time.perf_counter() - started, why)
-    if exact_plan_count(problem, exact_limit, stages) <= exact_limit:
+    if exact_plan_count(problem, exact_limit, stages) <= exact_limit and _few_sequences(
+        problem, stages
+    ):
         plan, sequences = _exact(gt, stages)
-        return _result(problem, plan, True, "exact over every group sequence", sequences, started)
+        return _result(gt, plan, True, "exact over every group sequence", sequences, started)
     deadline = started + time_budget_s
     evaluate = _Evaluator(gt)
     best: PlanScore | None = None
@@ -511,17 +540,23 @@ def plan_groups(
         if _better(problem, got, best):
             best, method = got, "group local search"
     evals = evaluate.evaluations + v1.evaluations
-    return _result(problem, None if best is None else best.plan, False, method, evals, started)
+    return _result(gt, None if best is None else best.plan, False, method, evals, started)
 
 
-def replan(problem: PlanningProblem, current: Plan, *, time_budget_s: float = 0.8) -> SearchResult:
+def replan(
+    problem: PlanningProblem,
+    current: Plan,
+    *,
+    time_budget_s: float = 0.8,
+    limits: GroupLimits | None = None,
+) -> SearchResult:
     """A warm-started plan for ``problem`` (devices gone or new) from ``current``: the
     current plan without the missing devices, and the same with a spare device (one per
     class of identical devices) in each stage left empty, are the seeds; the local search
-    goes on from the best within ``time_budget_s``."""
+    goes on from the best within ``time_budget_s``, its groups within ``limits``."""
     started = time.perf_counter()
     deadline = started + time_budget_s
-    gt = GroupTables.build(problem)
+    gt = GroupTables.build(problem, limits)
     evaluate = _Evaluator(gt)
     ids = {d.id: i for i, d in enumerate(problem.devices)}
     seq = tuple(
@@ -544,13 +579,13 @@ def replan(problem: PlanningProblem, current: Plan, *, time_budget_s: float = 0.
     scored = [(evaluate(s), s) for s in seeds]
     scored = [(sc, s) for sc, s in scored if sc is not None]
     if not scored:
-        return plan_groups(problem, time_budget_s=time_budget_s)
+        return plan_groups(problem, time_budget_s=time_budget_s, limits=limits)
     best, seq = min(scored, key=lambda x: _key(problem, x[0]))
     _seq, got = _local_search(evaluate, seq, problem, deadline)
     if _better(problem, got, best):
         best = got
     return _result(
-        problem,
+        gt,
         None if best is None else best.plan,
         False,
         "warm start from the current plan",
@@ -560,13 +595,14 @@ def replan(problem: PlanningProblem, current: Plan, *, time_budget_s: float = 0.
 
 
 def _result(
-    problem: PlanningProblem,
+    gt: GroupTables,
     plan: Plan | None,
     exact: bool,
     method: str,
     evaluations: int,
     started: float,
 ) -> SearchResult:
+    problem = gt.problem
     wall = time.perf_counter() - started
     if plan is None:
         reason = "no assignment of layers to device groups fits every member's memory"
@@ -579,4 +615,6 @@ def _result(
     score = score_plan(problem, plan)
     if not score.feasible:
         raise AssertionError(f"planner returned an infeasible plan: {score.reasons}")
+    if not gt.limits.allows(problem, plan):
+        raise AssertionError("planner returned a group its limits refuse")
     return SearchResult(score, exact, method, evaluations, wall)

@@ -10,6 +10,12 @@ ranges ``[h, i)``: compute time per microbatch, all-reduce time, energy
 coefficient and the 1F1B fit at each distance from the end. The operations are
 :func:`coordinator.planner.score.score_plan`'s, in its order, so a one-device
 group reproduces version 1's tables and the search agrees with the score.
+
+:class:`GroupLimits` is what a runtime cannot train on a group and a problem
+file does not say (units holding BatchNorm, members left without a sample): the
+fit arrays of a group of several devices exclude it, so every search that reads
+them (exact, structured, re-plan, data parallel only) honours it. Problem files
+are scored without it, exactly as the spec says.
 """
 
 from __future__ import annotations
@@ -21,11 +27,50 @@ import numpy as np
 from coordinator.planner.score import Plan, Stage, shares_of
 from coordinator.planner.tables import range_sums
 from edge.problem import PlanningProblem
+from edge.wire.groups import split_samples
 
-__all__ = ["Group", "GroupCosts", "GroupTables"]
+__all__ = ["Group", "GroupCosts", "GroupLimits", "GroupTables"]
 
 Group = tuple[int, ...]
 """A group: device indices into the problem's ``devices``, in the plan's member order."""
+
+
+@dataclass(frozen=True)
+class GroupLimits:
+    """What a group of several devices may not train, beyond the problem's own terms
+    (internal to the planner: not a problem-file field)."""
+
+    solo_units: frozenset[int] = frozenset()
+    """Units only a one-device stage may hold (a unit with BatchNorm: a group's statistics
+    would cover a member's share, not the microbatch)."""
+    whole_samples: bool = False
+    """Every member gets at least one sample of each microbatch, split by its share as the
+    runtime splits it (:func:`edge.wire.groups.split_samples`)."""
+
+    def allows(self, problem: PlanningProblem, plan: Plan) -> bool:
+        """Whether every group of ``plan`` keeps within these limits."""
+        ids = {d.id: d for d in problem.devices}
+        for st in plan.stages:
+            if len(st.devices) == 1:
+                continue
+            if self.solo_units & set(range(st.start, st.end)):
+                return False
+            if not _splits(problem, [ids[d].gflops for d in st.devices], self.whole_samples):
+                return False
+        return True
+
+
+def _splits(problem: PlanningProblem, speeds: list[float], whole_samples: bool) -> bool:
+    """Whether a microbatch splits into a sample or more per member (always, unless
+    ``whole_samples``; a fractional microbatch is not checked)."""
+    b = problem.batch_size / problem.microbatches
+    if not whole_samples or b != int(b):
+        return True
+    try:
+        split_samples(int(b), speeds)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass
@@ -60,11 +105,16 @@ class GroupTables:
     acts: np.ndarray
     out: np.ndarray
     """``[L+1]``: ``out[i]`` is what crosses a cut before unit ``i``."""
+    grouped_ok: np.ndarray
+    """``[L+1, L+1]``: range ``[h, i)`` holds no solo unit (``limits.solo_units``)."""
+    limits: GroupLimits = field(default_factory=GroupLimits)
     _groups: dict[Group, GroupCosts] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, problem: PlanningProblem) -> GroupTables:
+    def build(cls, problem: PlanningProblem, limits: GroupLimits | None = None) -> GroupTables:
         layers = problem.layers
+        limits = limits or GroupLimits()
+        solo = range_sums([1.0 if j in limits.solo_units else 0.0 for j in range(len(layers))])
         return cls(
             problem=problem,
             b=problem.batch_size / problem.microbatches,
@@ -73,6 +123,8 @@ class GroupTables:
             params=range_sums([unit.param_bytes for unit in layers]),
             acts=range_sums([unit.saved_bytes for unit in layers]),
             out=np.array([0.0] + [unit.out_bytes for unit in layers]),
+            grouped_ok=solo == 0,
+            limits=limits,
         )
 
     @property
@@ -137,6 +189,10 @@ class GroupTables:
             got = np.ones_like(self.params, dtype=bool)
             for d, w in zip(devs, shares_of(devs), strict=True):
                 got &= k * self.params + depth * w * self.b * self.acts <= d.memory_bytes
+            if len(group) > 1:  # the runtime's limits on groups
+                got &= self.grouped_ok
+                if not _splits(self.problem, [d.gflops for d in devs], self.limits.whole_samples):
+                    got[:] = False
             c._fits[depth] = got
         return got
 

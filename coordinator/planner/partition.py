@@ -5,8 +5,12 @@ many stages (``stages``); :func:`plan_job` turns that, a planning problem and
 the job's ``codec`` into a scored plan:
 
 - ``partition="plan"`` (the default): the planner's best plan
-  (:func:`~coordinator.planner.solve.plan_problem`); with ``stages=N``, its best
-  plan of exactly ``N`` stages, under the same score (provably so on small fleets).
+  (:func:`~coordinator.planner.solve.plan_problem`; for a version 2 problem
+  :func:`~coordinator.planner.group_search.plan_groups`, which places device
+  groups unless the problem says ``"groups": false``, keeps them within the
+  runtime's ``limits`` and is never worse than version 1's plan); with
+  ``stages=N``, its best plan of exactly ``N`` stages, under the same score
+  (provably so on small fleets).
 - ``partition="even"``: the units shared out as evenly as counts allow
   (:func:`~coordinator.planner.baselines.even_split`) over every device, in the
   order given with ``pin_first`` first; with ``stages=N`` (or when there are
@@ -18,10 +22,10 @@ the job's ``codec`` into a scored plan:
   the next ``group_sizes[s]`` devices in that order, as a group (scored as a
   version 2 plan, which gives each member its share of a microbatch).
 - A re-plan that passes the ``previous`` plan, on a fleet too large for the exact
-  search, warm-starts from it (:func:`~coordinator.planner.group_search.replan`
-  with one-device stages: under a second at 64 devices x 200 units, where the full
-  search spends its whole budget), unless ``stages`` or ``codec="auto"`` ask for
-  the full search.
+  search, warm-starts from it (:func:`~coordinator.planner.group_search.replan`,
+  with groups where a version 2 problem allows them, else one-device stages: under
+  a second at 64 devices x 200 units, where the full search spends its whole
+  budget), unless ``stages`` or ``codec="auto"`` ask for the full search.
 - ``codec="auto"``: each link's codec is chosen as in
   :mod:`coordinator.planner.codecs` (for ``plan``, plans are searched per codec,
   with the same stage count), and kept only when it makes the step faster.
@@ -39,6 +43,7 @@ from typing import Literal, get_args
 from coordinator.planner.baselines import even_split
 from coordinator.planner.codecs import choose_codecs, plan_with_codecs, with_codecs
 from coordinator.planner.group_search import plan_groups, replan
+from coordinator.planner.group_tables import GroupLimits
 from coordinator.planner.score import Plan, PlanScore, Stage, for_plan, score_plan
 from coordinator.planner.solve import EXACT_DEVICES, exact_capacity, plan_problem
 from edge.errors import UserError
@@ -83,11 +88,13 @@ def plan_job(
     where: str = "the devices",
     previous: Plan | None = None,
     group_sizes: Sequence[int] | None = None,
+    limits: GroupLimits | None = None,
 ) -> JobPlan:
     """The plan for a job with these options over ``problem`` (see the module docstring).
 
     ``where`` names the devices in error messages ("the online devices"); ``previous``
-    is the plan a re-plan replaces.
+    is the plan a re-plan replaces; ``limits`` what the runtime cannot train on a group
+    (for the planner's groups; ``group_sizes`` are the caller's own).
     """
     if partition not in PARTITIONS:
         raise UserError(f"partition {partition!r} is not one of {', '.join(PARTITIONS)}")
@@ -123,17 +130,17 @@ def plan_job(
         return JobPlan(score, f"even split over {count} devices", False)
     exact = n_devices <= max(EXACT_DEVICES, exact_capacity(n_units))
     if previous is not None and stages is None and not auto and not exact:
-        # One-device stages: the runtime trains a stage on one device.
-        one = problem.as_version(2).model_copy(update={"groups": False})
-        if problem.version == 2:
-            one = problem.model_copy(update={"groups": False})
-        warm = replan(one, previous)
+        # A version 1 problem's stages are one device each: so are its re-plan's.
+        warm_problem = problem
+        if problem.version == 1:
+            warm_problem = problem.as_version(2).model_copy(update={"groups": False})
+        warm = replan(warm_problem, previous, limits=limits)
         if warm.score is not None:
             return JobPlan(score_plan(problem, warm.score.plan), warm.method, False)
-    if problem.version == 2:  # the job's objective: time under a deadline, or energy
+    if problem.version == 2:  # device groups, or the job's objective (a deadline, energy)
         if auto:
             raise UserError('codec "auto" cannot be combined with an objective or deadline yet')
-        found = plan_groups(problem, stages=stages)
+        found = plan_groups(problem, stages=stages, limits=limits)
         if found.score is None:
             raise UserError(f"no plan fits {where}: {found.reason}")
         return JobPlan(found.score, found.method, found.exact)

@@ -275,7 +275,7 @@ class JobManager:
         with self._lock:
             cancelled = job in self._cancelled
             if not cancelled:
-                self._running[job] = [st.device for st in plan.stages]
+                self._running[job] = plan.devices  # a group's every member: cancels reach all
         if cancelled:
             self._finish(job, "cancelled", "cancelled by the user")
             return
@@ -332,7 +332,7 @@ class JobManager:
         first_step = replicas.newest_complete(spec.steps)
 
         def on_attempt(attempt: str, attempt_plan: Plan, first: int) -> None:
-            devices = [st.device for st in attempt_plan.stages]
+            devices = attempt_plan.devices
             with self._lock:
                 self._attempt[job], self._running[job] = attempt, devices
             attempts.append({"job": attempt, "devices": devices})

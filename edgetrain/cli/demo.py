@@ -47,9 +47,10 @@ __all__ = ["MODEL_OPTIONS", "demo_command", "test_accuracy"]
 
 MODEL_OPTIONS: dict[str, Any] = {"width": 32}
 """cnn-digits at twice its default width: enough work per step that the planner's own
-best plan on the default fleet is a pipeline (the Pi, which holds the data, runs the
-first convolution and hands the rest to the Jetson). At the default width the Pi alone
-is quicker than any split, so the demo would show a pipeline of one."""
+best plan on the default fleet uses two devices: the Pi, which holds the data, and the
+Jetson train the whole model as one group, data-parallel (without groups it would be a
+pipeline: the Pi runs the first convolution and hands the rest to the Jetson). At the
+default width the Pi alone is quicker than any plan, so the demo would show one device."""
 
 
 @torch.no_grad()
@@ -205,10 +206,11 @@ def demo_command(
                 for s, st in enumerate(plan["stages"]):
                     a, b = st["layers"]
                     link = f"{plan['link_s'][s] * 1e3:.2f}" if s < len(plan["link_s"]) else "-"
-                    emulates = names[agents.ids.index(st["device"])]
+                    members = st.get("devices") or [st["device"]]  # a group, or one device
+                    emulates = "+".join(names[agents.ids.index(d)] for d in members)
                     compute = f"{plan['compute_s'][s] * 1e3:.3f}"
                     units = ",".join(plan["units"][a:b])
-                    table.add_row(str(s), st["device"], emulates, units, compute, link)
+                    table.add_row(str(s), "+".join(members), emulates, units, compute, link)
                 console.print(table)
                 summary = {
                     "accuracy": accuracy,

@@ -10,7 +10,9 @@ torchrun semantics (:mod:`edge.server.launch`), gloo on CPUs and NCCL with
 ``--devices 1`` is the single-device reference: the same code path, one stage,
 no pipeline. ``--devices`` also takes catalogue profiles (``laptop,rpi4-4gb,...``):
 agents then emulate those devices, and plans (and a group's shares) follow their
-speeds. ``--partition even --group-sizes 2,1,1`` forces stages on device groups
+speeds. The planner (``--partition plan``) puts a stage on a device group where that
+pays (not with ``--fault``, ``--replicate-every``, ``--servers`` or ``--replicas``);
+``--partition even --group-sizes 2,1,1`` forces stages on device groups
 (data-parallel within a stage, [Note: groups on the wire] in :mod:`edge.wire.groups`).
 The command parses and checks its options, builds the job's spec, prints; the
 training is :mod:`coordinator.local.train`'s.
@@ -81,7 +83,8 @@ def train_command(
     partition: str = typer.Option(
         "plan",
         "--partition",
-        help="plan (the planner decides) or even (an even split over all devices, or --stages).",
+        help="plan (the planner decides, device groups included) or even (an even split over "
+        "all devices, or --stages).",
     ),
     stages: int | None = typer.Option(
         None,

@@ -87,8 +87,8 @@ class JobCreate(TrainConfig):
     """``plan``: the planner's best plan; ``even``: the units shared out evenly over the
     devices (over the ``stages`` fastest when ``stages`` is given)."""
     stages: int | None = Field(default=None, ge=1, le=1024)
-    """Exactly this many stages, each on its own device (absent: what the partition gives;
-    with ``plan``, the planner's best plan of that many stages)."""
+    """Exactly this many stages (absent: what the partition gives; with ``plan``, the
+    planner's best plan of that many stages, a stage on a device or a device group)."""
     group_sizes: list[Annotated[int, Field(ge=1, le=1024)]] | None = Field(
         default=None, min_length=1, max_length=1024, examples=[[2, 1, 1]]
     )

@@ -8,6 +8,10 @@ the planner's symmetry reduction is exercised), ``pin_first``, ``"groups":
 false``, the energy objective and deadlines. Every case asserts that the
 optimum really uses what it is about (a group, a deadline that binds), so none
 passes on a degenerate problem.
+
+The planner's internal limits on groups (``GroupLimits``: units only a
+one-device stage may hold, a sample or more per member) are checked the same way:
+brute force over the plans that keep to them, written here from their definition.
 """
 
 from __future__ import annotations
@@ -20,10 +24,18 @@ from typing import Any
 import pytest
 from support.planning import make_problem, random_problem
 
-from coordinator.planner.group_search import EXACT_PLANS, exact_plan_count, plan_groups
+from coordinator.planner.group_search import (
+    EXACT_PLANS,
+    data_parallel_only,
+    exact_plan_count,
+    plan_groups,
+    replan,
+)
+from coordinator.planner.group_tables import GroupLimits
 from coordinator.planner.score import Plan, PlanScore, Stage, score_plan
 from coordinator.planner.solve import plan_problem
 from edge.problem import DeviceSpec, Objective, PlanningProblem
+from edge.wire.groups import split_samples
 
 
 def _v2(
@@ -76,9 +88,31 @@ def _all_plans(problem: PlanningProblem) -> list[Plan]:
     return plans
 
 
-def _brute(problem: PlanningProblem) -> PlanScore | None:
+def _runnable(problem: PlanningProblem, plan: Plan, solo: set[int], whole: bool) -> bool:
+    """No group of several devices holds a unit of ``solo``; with ``whole``, each member of
+    a group gets a sample or more of a microbatch, split by speed as the runtime splits."""
+    speed = {d.id: d.gflops for d in problem.devices}
+    b = int(problem.batch_size) // problem.microbatches
+    for st in plan.stages:
+        if len(st.devices) == 1:
+            continue
+        if any(st.start <= u < st.end for u in solo):
+            return False
+        if whole:
+            try:
+                split_samples(b, [speed[d] for d in st.devices])
+            except ValueError:
+                return False
+    return True
+
+
+def _brute(
+    problem: PlanningProblem, solo: set[int] | None = None, whole: bool = False
+) -> PlanScore | None:
     best: PlanScore | None = None
     for plan in _all_plans(problem):
+        if (solo or whole) and not _runnable(problem, plan, solo or set(), whole):
+            continue
         score = score_plan(problem, plan)
         if not score.feasible:
             continue
@@ -333,3 +367,119 @@ def test_a_fixed_stage_count(seed: int, stages: int, exact_limit: float) -> None
         _same(got.score, best, "time")
     else:
         assert got.score.step_time_s <= best.step_time_s * 1.10
+
+
+# -- the runtime's limits on groups (GroupLimits) ----------------------------------------
+
+
+def _grouped_units(score: PlanScore | None) -> set[int]:
+    """The units the groups of several devices of a plan hold."""
+    assert score is not None
+    return {u for st in score.plan.stages if len(st.devices) > 1 for u in range(st.start, st.end)}
+
+
+@pytest.mark.parametrize("seed", [TWO_GROUPS, 0, 2, 5, 6])
+def test_solo_units_are_exact_and_bind(seed: int) -> None:
+    """A unit the free optimum trains on a group is made solo: the planner's optimum is
+    brute force's over the plans that keep it on one device, and differs from the free one."""
+    problem = _group_friendly(seed, 4, 4)
+    free = _brute(problem)
+    grouped = sorted(_grouped_units(free))
+    assert grouped, "seed gives no group to limit: pick another"
+    solo = {grouped[len(grouped) // 2]}
+    got = plan_groups(problem, limits=GroupLimits(solo_units=frozenset(solo)))
+    want = _brute(problem, solo)
+    _same(got.score, want, "time")
+    assert got.score is not None and free is not None
+    assert not solo & _grouped_units(got.score)
+    assert got.score.step_time_s > free.step_time_s
+    v1 = plan_problem(problem.as_version(1)).score  # None where only a group fits
+    assert v1 is None or got.score.step_time_s <= v1.step_time_s * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_solo_units_on_random_problems(seed: int) -> None:
+    problem = _v2(random_problem(seed + 100, 4, 5, memory_fraction=(0.6, 2.0)), seed)
+    solo = {seed % 5, (seed + 2) % 5}
+    got = plan_groups(problem, limits=GroupLimits(solo_units=frozenset(solo)))
+    assert got.exact
+    _same(got.score, _brute(problem, solo), "time")
+
+
+def test_every_unit_solo_gives_version_1s_optimum() -> None:
+    problem = _group_friendly(TWO_GROUPS, 4, 4)
+    got = plan_groups(problem, limits=GroupLimits(solo_units=frozenset(range(4))))
+    want = plan_problem(problem.as_version(1)).score
+    assert got.score is not None and want is not None and not got.score.plan.grouped
+    assert got.score.step_time_s == pytest.approx(want.step_time_s, rel=1e-12)
+
+
+def test_whole_samples_are_exact_and_bind() -> None:
+    """Microbatches of 2 samples: no group of three or four equal devices can split one,
+    so the optimum (a group of four without the limit) keeps to groups of two."""
+    base = random_problem(7, 4, 5, memory_fraction=(2.0, 3.0))
+    layers = [u.model_copy(update={"param_bytes": 1e3, "out_bytes": 1e5}) for u in base.layers]
+    devices = [
+        d.model_copy(update={"gflops": 10.0, "bandwidth_mbps": 1000.0, "latency_ms": 0.5})
+        for d in base.devices
+    ]
+    problem = _v2(
+        base.model_copy(update={"layers": layers, "devices": devices, "batch_size": 8.0}),
+        7,
+        twins=False,
+    )
+    free = _brute(problem)
+    assert free is not None and max(len(st.devices) for st in free.plan.stages) > 2
+    got = plan_groups(problem, limits=GroupLimits(whole_samples=True))
+    want = _brute(problem, whole=True)
+    _same(got.score, want, "time")
+    assert got.score is not None and got.score.plan.grouped
+    assert max(len(st.devices) for st in got.score.plan.stages) == 2
+
+
+@pytest.mark.parametrize("seed", [TWO_GROUPS, 0, 5, 6])
+def test_the_structured_search_and_replan_keep_to_the_limits(seed: int) -> None:
+    """The search large fleets get (``exact_limit=0``) and the warm-started re-plan never
+    build a group over a solo unit, and are never worse than version 1's plan (a local
+    search: on seed 12 it stops at version 1's plan, 1.3x off the optimum, which needs
+    two moves at once)."""
+    problem = _group_friendly(seed, 4, 4)
+    solo = {sorted(_grouped_units(_brute(problem)))[0]}
+    limits = GroupLimits(solo_units=frozenset(solo))
+    got = plan_groups(problem, exact_limit=0, time_budget_s=2.0, limits=limits)
+    assert got.score is not None and not solo & _grouped_units(got.score)
+    v1 = plan_problem(problem.as_version(1)).score
+    assert v1 is None or got.score.step_time_s <= v1.step_time_s * (1 + 1e-12)
+    left = problem.model_copy(update={"devices": problem.devices[1:]})
+    free = replan(left, got.score.plan)  # without limits: the groups a re-plan would make
+    grouped = _grouped_units(free.score)
+    assert grouped, "the re-plan makes no group to limit: pick another seed"
+    limits = GroupLimits(solo_units=frozenset(grouped))
+    warm = replan(left, got.score.plan, limits=limits)
+    assert warm.score is not None and not grouped & _grouped_units(warm.score)
+
+
+def test_data_parallel_only_keeps_to_the_limits() -> None:
+    """The best single group is one device when a unit is solo: no group holds the model."""
+    problem = _group_friendly(TWO_GROUPS, 4, 4)
+    problem = problem.model_copy(
+        update={"devices": [d.model_copy(update={"memory_bytes": 1e15}) for d in problem.devices]}
+    )
+    free = data_parallel_only(problem)
+    assert free is not None and len(free.stages[0].devices) > 1
+    one = data_parallel_only(problem, GroupLimits(solo_units=frozenset({2})))
+    assert one is not None and len(one.stages[0].devices) == 1
+
+
+def test_many_group_sequences_go_to_the_structured_search() -> None:
+    """Eight distinct devices and six units: few enough plans for the exact search, but
+    too many sequences of groups to set up, so the structured search plans it."""
+    base = random_problem(3, 8, 6, memory_fraction=(0.6, 2.0), pinned=True)
+    problem = _v2(base, 3, twins=False)
+    assert exact_plan_count(problem, EXACT_PLANS) <= EXACT_PLANS
+    got = plan_groups(problem, time_budget_s=1.0)
+    assert not got.exact and got.score is not None
+    v1 = plan_problem(problem.as_version(1)).score
+    assert v1 is not None and got.score.step_time_s <= v1.step_time_s * (1 + 1e-12)
+    small = _v2(random_problem(3, 5, 6, memory_fraction=(0.6, 2.0)), 3, twins=False)
+    assert plan_groups(small).exact

@@ -1,0 +1,458 @@
+"""What device groups are worth: hybrid pipeline + data parallel plans on emulated fleets.
+
+Each fleet runs on the testbed (:mod:`coordinator.testbed`, the kernel method
+where it can) and trains each model for a few steps under five plans, one after
+another on the same fleet:
+
+- ``single``: the best single device alone;
+- ``even``: every device, the same number of units each (one device a stage);
+- ``v1``: the version 1 planner's plan (pipeline only: one device a stage);
+- ``data-parallel``: the best single group (the ``k`` fastest devices training the
+  whole model data-parallel, each on its share of every microbatch);
+- ``v2``: the version 2 planner's plan (``shared/spec/planning-v2.md``: stages on
+  device groups, hybrid), within what the runtime can train (no BatchNorm in a
+  group, a sample or more per member).
+
+For each: measured samples/s (steady state: stage 0's step times after
+``--warmup`` steps), the predicted samples/s (the version 2 score of that plan),
+measured / predicted, and both as a fraction of the **ideal bound**: the fleet's
+summed capacity, every device training the whole model at its own speed with
+nothing to communicate (``sum(gflops) / FLOPs per sample``).
+
+Fleets:
+
+- ``rpi4-4gb:4``: four Raspberry Pi 4 on their catalogue links, each emulated at its
+  catalogue GFLOP/s (the testbed's ``--scale`` computed from this machine's
+  measured single-core GFLOP/s: about a tenth of a core each);
+- ``2 fast + 4 slow``: two devices of ``FASTEST_GFLOPS`` and four a tenth of that,
+  on the links of ``bench/heterogeneity.py``;
+- ``3x``, ``10x``, ``30x``: the fleets of ``bench/heterogeneity.py`` (four devices
+  spanning that much compute geometrically).
+
+The problem is calibrated as in ``bench/heterogeneity.py`` (measured unit times x
+this machine's single-core rate), whose helpers this script uses. Predictions
+use the spec's score: fixed costs per microbatch, step and frame are not in it,
+so expect measured / predicted well below 1 where those dominate.
+
+    .venv/bin/python bench/hybrid.py [--models vgg11,resnet18,gpt-mini]
+        [--fleets rpi4,2fast4slow,3x,10x,30x] [--method auto|kernel|software] [--json]
+        [--results bench/results/hybrid.json] [--chart bench/results/hybrid.png]
+        [--from-json FILE] [--quick]
+
+``--quick`` runs one fleet (``rpi4-4gb:4``), one model (``vgg11``, batches of 16)
+and two steps a plan (one of them warm-up), and writes its JSON and chart to the temporary directory
+unless ``--results``/``--chart`` say otherwise. ``--from-json`` runs nothing: it
+renders the table, the chart and the JSON again from a results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
+
+from coordinator.engine.engine import group_limits
+from coordinator.engine.runners import run_on_agents
+from coordinator.engine.spec import JobSpec
+from coordinator.planner.baselines import even_split, single_device
+from coordinator.planner.build import parse_fleet
+from coordinator.planner.group_search import data_parallel_only, plan_groups
+from coordinator.planner.group_tables import GroupLimits
+from coordinator.planner.score import Plan, score_plan
+from coordinator.planner.solve import plan_problem
+from coordinator.testbed.testbed import Testbed, measure_core_gflops
+from edge.problem import DeviceSpec, PlanningProblem
+from edge.runtime.allocator import tune_malloc
+from edge.transport.mqtt import MqttTransport
+
+
+def _sibling(name: str) -> ModuleType:
+    """``bench/{name}.py`` as the module ``bench_{name}`` (as the bench tests load it)."""
+    module_name = f"bench_{name}"
+    if module_name not in sys.modules:
+        path = Path(__file__).resolve().parent / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
+
+
+hetero = _sibling("heterogeneity")
+
+STRATEGIES = ("single", "even", "v1", "data-parallel", "v2")
+FLEETS = ("rpi4", "2fast4slow", "3x", "10x", "30x")
+"""Fleet keys for ``--fleets``, in the order they run."""
+FLEET_NAMES = {"rpi4": "rpi4-4gb:4", "2fast4slow": "2 fast + 4 slow"}
+SLOW_FACTOR = 10.0
+"""How many times slower than the fast devices the slow ones of ``2fast4slow`` are."""
+CATALOGUE_PI = "rpi4-4gb"
+
+
+@dataclass
+class Row:
+    model: str
+    fleet: str
+    strategy: str
+    stages: list[dict[str, Any]]
+    """The plan's stages (``plan.to_json`` with each stage's devices and shares)."""
+    predicted_sps: float
+    measured_sps: float
+    ideal_sps: float
+    """The fleet's summed capacity for this model: every device alone, nothing sent."""
+    steps: int
+    method: str
+    compute_s: list[float]
+    """Per stage, measured compute seconds per steady step (the mean over a group's members)."""
+    predicted_compute_s: list[float]
+    """Per stage, the plan's ``M x T_s``."""
+    allreduce_s: list[float]
+    """Per stage, measured seconds a step summing a group's gradients (0 for one device)."""
+    predicted_allreduce_s: list[float]
+    """Per stage, the plan's ``R_s``."""
+
+    @property
+    def ratio(self) -> float:
+        """Measured / predicted."""
+        return self.measured_sps / self.predicted_sps if self.predicted_sps > 0 else math.nan
+
+    @property
+    def fraction(self) -> float:
+        """Measured samples/s as a fraction of the ideal bound."""
+        return self.measured_sps / self.ideal_sps
+
+    @property
+    def predicted_fraction(self) -> float:
+        return self.predicted_sps / self.ideal_sps
+
+    @property
+    def shape(self) -> str:
+        """Devices per stage, e.g. ``2+1+1`` (one stage of four: ``4``)."""
+        return "+".join(str(len(st["devices"])) for st in self.stages)
+
+
+DERIVED = ("ratio", "fraction", "predicted_fraction", "shape")
+"""Keys of a JSON row that :func:`to_json` computes from the others."""
+
+
+def to_json(rows: list[Row]) -> list[dict[str, Any]]:
+    """The rows as the results file holds them: every field, then the derived ones."""
+    return [asdict(r) | {k: getattr(r, k) for k in DERIVED} for r in rows]
+
+
+def from_json(items: list[dict[str, Any]]) -> list[Row]:
+    return [Row(**{k: v for k, v in item.items() if k not in DERIVED}) for item in items]
+
+
+# -- fleets and plans -----------------------------------------------------------------
+
+
+def catalogue_scale(core_gflops: float, profile: str = CATALOGUE_PI) -> float:
+    """The testbed ``scale`` (cores for the fastest device) that gives a fleet of
+    ``profile`` devices its catalogue GFLOP/s on a machine of ``core_gflops`` a core."""
+    return parse_fleet(profile)[0].gflops / core_gflops
+
+
+def fleet_devices(key: str) -> list[DeviceSpec]:
+    """The devices of fleet ``key`` (:data:`FLEETS`), fastest first."""
+    if key == "rpi4":
+        return parse_fleet(f"{CATALOGUE_PI}:4")
+    if key == "2fast4slow":
+        fast = hetero.fleet_devices(1.0)[0]
+        slow = fast.model_copy(update={"gflops": fast.gflops / SLOW_FACTOR})
+        return [fast.model_copy(update={"id": f"fast{i}"}) for i in range(2)] + [
+            slow.model_copy(update={"id": f"slow{i}"}) for i in range(4)
+        ]
+    if key.endswith("x"):
+        return list(hetero.fleet_devices(float(key[:-1])))
+    raise SystemExit(f"--fleets: unknown fleet {key!r} (one of {', '.join(FLEETS)})")
+
+
+def fleet_name(key: str) -> str:
+    return FLEET_NAMES.get(key, key)
+
+
+def ideal_sps(problem: PlanningProblem) -> float:
+    """The ideal bound: the devices' summed GFLOP/s over the model's FLOPs per sample."""
+    flops = sum(u.train_flops for u in problem.layers)
+    return sum(d.gflops for d in problem.devices) * 1e9 / flops
+
+
+def plans(problem: PlanningProblem, limits: GroupLimits) -> dict[str, Plan]:
+    """Every strategy's plan for a version 2 ``problem``; data parallel only is missing
+    where no group holds the whole model."""
+    one = problem.as_version(1)
+    v1 = plan_problem(one).plan
+    v2 = plan_groups(problem, limits=limits).plan
+    if v1 is None or v2 is None:
+        raise SystemExit("the planner found no feasible plan for this fleet")
+    out = {"single": single_device(one), "even": even_split(one), "v1": v1}
+    group = data_parallel_only(problem, limits)
+    if group is not None:
+        out["data-parallel"] = group
+    out["v2"] = v2
+    return out
+
+
+# -- running --------------------------------------------------------------------------
+
+
+@dataclass
+class Measured:
+    sps: float
+    """Steady-state samples/s: stage 0's step times after the warm-up steps."""
+    compute_s: list[float]
+    allreduce_s: list[float]
+
+
+def measure(
+    control: MqttTransport,
+    spec: JobSpec,
+    plan: Plan,
+    warmup: int,
+    tb: Testbed,
+    shares: list[list[float]] | None,
+) -> Measured:
+    """Run ``plan`` on the testbed's agents; per stage, the means over its members and the
+    steps after ``warmup`` (a group's members split each microbatch by ``shares``)."""
+    result = run_on_agents(spec, plan, control, timeout_s=1800, access=tb.accounts, shares=shares)
+    steady = [r for r in result.reports if r.step >= warmup]
+
+    def per_stage(field: str) -> list[float]:
+        return [
+            statistics.mean(getattr(r, field) for r in steady if r.stage == s)
+            for s in range(len(plan.stages))
+        ]
+
+    step_s = statistics.mean(r.step_s for r in steady if r.stage == 0)
+    return Measured(spec.batch_size / step_s, per_stage("compute_s"), per_stage("allreduce_s"))
+
+
+def run_fleet(key: str, models: list[str], args: argparse.Namespace) -> list[Row]:
+    devices = fleet_devices(key)
+    scale = catalogue_scale(measure_core_gflops(1.0)) if key == "rpi4" else None
+    name = fleet_name(key)
+    rows: list[Row] = []
+    with (
+        tempfile.TemporaryDirectory(prefix="edgetrain-hybrid-") as state,
+        Testbed.up(
+            devices, scale=scale, state_dir=Path(state), method=args.method, coordinator=False
+        ) as tb,
+    ):
+        print(f"# fleet {name}: limits {tb.method} ({tb.method_reason})", file=sys.stderr)
+        control = MqttTransport(tb.login())
+        control.connect(30)
+        try:
+            for model in models:
+                rows += _run_model(tb, control, devices, name, model, args)
+        finally:
+            control.close()
+    return rows
+
+
+def _run_model(
+    tb: Testbed,
+    control: MqttTransport,
+    devices: list[DeviceSpec],
+    fleet: str,
+    model: str,
+    args: argparse.Namespace,
+) -> list[Row]:
+    def problem(steps: int) -> PlanningProblem:
+        layers = hetero.calibrated_layers(
+            model, args.batch_size, args.microbatches, tb.core_gflops, steps
+        )
+        return PlanningProblem(
+            version=2,
+            batch_size=args.batch_size,
+            microbatches=args.microbatches,
+            layers=layers,
+            devices=[tb.announced[d.id] for d in devices],
+        )
+
+    spec = JobSpec(
+        model=model, steps=1, batch_size=args.batch_size, microbatches=args.microbatches, seed=0
+    )
+    limits = group_limits(spec)
+    assert limits is not None  # a zoo model
+    first = problem(args.calibration_steps)
+    rows = []
+    for strategy, plan in plans(first, limits).items():
+        # This host's speed drifts over minutes: price each plan with unit times measured
+        # just before it runs (not in --quick, which prices every plan at the start).
+        now = first if args.quick else problem(3)
+        score = score_plan(now, plan)
+        steps = args.warmup + max(
+            args.min_steps, min(args.max_steps, math.ceil(args.seconds / score.step_time_s))
+        )
+        started = time.perf_counter()
+        shares = score.shares if plan.grouped else None
+        job = spec.model_copy(update={"steps": steps})
+        got = measure(control, job, plan, args.warmup, tb, shares)
+        row = Row(
+            model,
+            fleet,
+            strategy,
+            plan.to_json(score.shares),
+            score.throughput_sps,
+            got.sps,
+            ideal_sps(now),
+            steps,
+            tb.method,
+            got.compute_s,
+            [t * args.microbatches for t in score.compute_s],
+            got.allreduce_s,
+            list(score.allreduce_s),
+        )
+        rows.append(row)
+        print(
+            f"# {model} {fleet} {strategy} [{row.shape}]: measured {row.measured_sps:.1f} "
+            f"predicted {row.predicted_sps:.1f} ({row.ratio:.2f}), {row.fraction:.0%} of the "
+            f"ideal {row.ideal_sps:.1f}, in {time.perf_counter() - started:.0f} s; per stage "
+            f"compute {_rounded(row.compute_s)} predicted {_rounded(row.predicted_compute_s)}, "
+            f"all-reduce {_rounded(row.allreduce_s)} predicted "
+            f"{_rounded(row.predicted_allreduce_s)}",
+            file=sys.stderr,
+        )
+    return rows
+
+
+def _rounded(values: list[float]) -> list[float]:
+    return [round(v, 3) for v in values]
+
+
+# -- reporting ------------------------------------------------------------------------
+
+
+def table(rows: list[Row]) -> str:
+    """The rows as a Markdown table, then version 2 against version 1 per model and fleet."""
+    lines = [
+        "| model | fleet | plan | devices per stage | measured sps | predicted sps "
+        "| measured/predicted | ideal sps | measured of ideal | predicted of ideal |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.model} | {r.fleet} | {r.strategy} | {r.shape} | {r.measured_sps:.1f} | "
+            f"{r.predicted_sps:.1f} | {r.ratio:.2f} | {r.ideal_sps:.1f} | {r.fraction:.0%} | "
+            f"{r.predicted_fraction:.0%} |"
+        )
+    lines.append("")
+    for model in dict.fromkeys(r.model for r in rows):
+        for fleet in dict.fromkeys(r.fleet for r in rows):
+            got = {r.strategy: r for r in rows if (r.model, r.fleet) == (model, fleet)}
+            if "v2" in got and "v1" in got:
+                v2, v1 = got["v2"], got["v1"]
+                lines.append(
+                    f"- {model}, {fleet}: v2 ({v2.shape}) = "
+                    f"{v2.measured_sps / v1.measured_sps:.2f}x v1 measured, "
+                    f"{v2.predicted_sps / v1.predicted_sps:.2f}x predicted"
+                )
+    return "\n".join(lines)
+
+
+def chart(rows: list[Row], path: Path) -> None:
+    """Grouped bars: measured samples/s per plan, per fleet, one panel per model; a tick
+    for each prediction and a dashed line for each fleet's ideal bound."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r.model for r in rows))
+    fleets = list(dict.fromkeys(r.fleet for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.8), squeeze=False)
+    width = 0.8 / len(STRATEGIES)
+    colours = ["#9e9e9e", "#f4a261", "#e9c46a", "#2a9d8f", "#264653"]
+    for ax, model in zip(axes[0], models, strict=True):
+        for k, strategy in enumerate(STRATEGIES):
+            got = [
+                (i, r)
+                for i, fleet in enumerate(fleets)
+                for r in rows
+                if (r.model, r.fleet, r.strategy) == (model, fleet, strategy)
+            ]
+            xs = [i + (k - (len(STRATEGIES) - 1) / 2) * width for i, _ in got]
+            ax.bar(xs, [r.measured_sps for _, r in got], width, label=strategy, color=colours[k])
+            ax.scatter(
+                xs, [r.predicted_sps for _, r in got], marker="_", s=120, color="black", zorder=3
+            )
+        for i, fleet in enumerate(fleets):
+            ideal = [r.ideal_sps for r in rows if (r.model, r.fleet) == (model, fleet)]
+            if ideal:
+                ax.hlines(ideal[0], i - 0.45, i + 0.45, colors="black", linestyles="dashed")
+        ax.set_xticks(range(len(fleets)), fleets)
+        ax.set_yscale("log")
+        ax.set_ylabel("samples/s, log (bar: measured; tick: predicted; dashes: ideal)")
+        ax.set_title(f"{model}: plans on each fleet")
+        ax.grid(axis="y", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(handles), frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=120)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--models", default="vgg11,resnet18,gpt-mini")
+    parser.add_argument("--fleets", default=",".join(FLEETS), help=", ".join(FLEETS))
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the rate")
+    parser.add_argument("--seconds", type=float, default=6.0, help="steady state per run")
+    parser.add_argument("--min-steps", type=int, default=3)
+    parser.add_argument("--max-steps", type=int, default=30)
+    parser.add_argument("--calibration-steps", type=int, default=5)
+    parser.add_argument("--method", choices=["auto", "kernel", "software"], default="auto")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--quick", action="store_true", help="rpi4-4gb:4, vgg11, few steps")
+    parser.add_argument("--results", type=Path, help="the JSON file written")
+    parser.add_argument("--chart", type=Path, help="the chart written")
+    parser.add_argument("--from-json", type=Path, help="render a results file; run nothing")
+    args = parser.parse_args(argv)
+    results = Path(__file__).resolve().parent / "results"
+    if args.quick:
+        args.models, args.fleets, args.batch_size = "vgg11", "rpi4", 16
+        args.warmup, args.min_steps, args.max_steps, args.seconds = 1, 1, 1, 0.0
+        args.calibration_steps = 1
+        results = Path(tempfile.gettempdir())
+    stem = "hybrid-quick" if args.quick else "hybrid"
+    args.results = args.results or results / f"{stem}.json"
+    args.chart = args.chart or results / f"{stem}.png"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.from_json is not None:
+        rows = from_json(json.loads(args.from_json.read_text()))
+    else:
+        tune_malloc()  # as the agents do: calibration and runs allocate alike
+        models = [m.strip() for m in args.models.split(",") if m.strip()]
+        rows = []
+        for key in (f.strip() for f in args.fleets.split(",") if f.strip()):
+            rows += run_fleet(key, models, args)
+        args.results.write_text(json.dumps(to_json(rows), indent=2) + "\n")
+    chart(rows, args.chart)
+    if args.json:
+        print(json.dumps(to_json(rows), indent=2))
+        return 0
+    print(f"limits: {rows[0].method}; results: {args.results}; chart: {args.chart}")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""bench/hybrid.py's pure parts: its fleets, the catalogue scale, every strategy's plan
+(on vgg11 over four catalogue Pis, where the version 2 plan is the group of four),
+the ideal bound, and its table, JSON and chart."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from support.bench import load_bench
+
+from coordinator.engine.engine import group_limits
+from coordinator.engine.spec import JobSpec
+from coordinator.planner.build import build_problem
+from coordinator.planner.score import score_plan
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    return load_bench("hybrid")
+
+
+def test_fleets(bench: ModuleType) -> None:
+    pis = bench.fleet_devices("rpi4")
+    assert [d.gflops for d in pis] == [7.2] * 4 and len({d.id for d in pis}) == 4
+    mixed = bench.fleet_devices("2fast4slow")
+    fast = bench.hetero.FASTEST_GFLOPS
+    assert [d.gflops for d in mixed] == [fast] * 2 + [fast / 10] * 4
+    assert len({d.id for d in mixed}) == 6
+    for span in (3, 10, 30):
+        assert bench.fleet_devices(f"{span}x") == bench.hetero.fleet_devices(float(span))
+    assert bench.catalogue_scale(72.0) == pytest.approx(0.1)  # 7.2 GFLOP/s of a 72 core
+    with pytest.raises(SystemExit, match="unknown fleet 'nope'"):
+        bench.fleet_devices("nope")
+
+
+def test_every_strategy_on_four_pis(bench: ModuleType) -> None:
+    """vgg11 on four equal slow devices: the version 2 plan is the group of all four
+    (data parallel), which the score puts at 1.3x or more of version 1's pipeline."""
+    devices = bench.fleet_devices("rpi4")
+    problem = build_problem("vgg11", devices, batch_size=32, microbatches=4, version=2)
+    limits = group_limits(JobSpec(model="vgg11", steps=1, batch_size=32, microbatches=4))
+    assert limits is not None
+    got = bench.plans(problem, limits)
+    assert list(got) == list(bench.STRATEGIES)
+    shapes = {k: [len(st.devices) for st in plan.stages] for k, plan in got.items()}
+    assert shapes["single"] == [1] and shapes["data-parallel"] == [4] and shapes["v2"] == [4]
+    assert all(n == 1 for n in shapes["v1"] + shapes["even"])
+    v1, v2 = (score_plan(problem, got[k]).throughput_sps for k in ("v1", "v2"))
+    assert v2 >= 1.3 * v1
+    flops = sum(u.train_flops for u in problem.layers)
+    assert bench.ideal_sps(problem) == pytest.approx(4 * 7.2e9 / flops)
+    assert score_plan(problem, got["v2"]).throughput_sps < bench.ideal_sps(problem)
+
+
+def _row(bench: ModuleType, strategy: str, measured: float, predicted: float, shape: str) -> object:
+    stages = [{"devices": [f"d{i}"] * int(n), "layers": [0, 9]} for i, n in enumerate(shape)]
+    times = [[0.5] * len(shape), [0.4] * len(shape), [0.0] * len(shape), [0.0] * len(shape)]
+    fleet, ideal = "rpi4-4gb:4", 40.0
+    return bench.Row(
+        "vgg11", fleet, strategy, stages, predicted, measured, ideal, 5, "kernel", *times
+    )
+
+
+def test_table_json_and_chart(bench: ModuleType, tmp_path: Path) -> None:
+    rows = [
+        _row(bench, "single", 5.0, 8.0, "1"),
+        _row(bench, "v1", 10.0, 16.0, "1111"),
+        _row(bench, "data-parallel", 20.0, 25.0, "4"),
+        _row(bench, "v2", 20.0, 25.0, "4"),
+    ]
+    text = bench.table(rows)
+    assert "| vgg11 | rpi4-4gb:4 | v1 | 1+1+1+1 | 10.0 | 16.0 | 0.62 | 40.0 | 25% | 40% |" in text
+    assert "| vgg11 | rpi4-4gb:4 | v2 | 4 | 20.0 | 25.0 | 0.80 | 40.0 | 50% | 62% |" in text
+    assert "- vgg11, rpi4-4gb:4: v2 (4) = 2.00x v1 measured, 1.56x predicted" in text
+    out = bench.to_json(rows)
+    assert out[1]["ratio"] == 0.625 and out[1]["fraction"] == 0.25 and out[1]["shape"] == "1+1+1+1"
+    assert bench.to_json(bench.from_json(out)) == out
+    bench.chart(rows, tmp_path / "chart.png")
+    assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quick_mode_is_one_fleet_one_model_few_steps(bench: ModuleType) -> None:
+    args = bench.parse_args(["--quick"])
+    assert (args.fleets, args.models) == ("rpi4", "vgg11")
+    assert args.warmup + args.max_steps == 2 and args.batch_size == 16
+    assert args.results == Path(tempfile.gettempdir()) / "hybrid-quick.json"
+    full = bench.parse_args([])
+    assert full.results.parent.name == "results" and full.fleets.split(",") == list(bench.FLEETS)
