@@ -97,10 +97,10 @@ MUTANTS = [
         name="local-sample-announced",
         what="an agent's profile carries the first sample of each local dataset",
         path="edge/models/local_data.py",
-        old="{**(spec.details or {}), DETAILS_KEY: listed}",
+        old="        details[DETAILS_KEY] = {",
         new=(
-            "{**(spec.details or {}), DETAILS_KEY: listed, "
-            "'peek': [d.dataset[0][0].tolist() for d in local.values()]}"
+            "        details['peek'] = [d.dataset[0][0].tolist() for d in local.values()]\n"
+            "        details[DETAILS_KEY] = {"
         ),
         tests=(
             "tests/integration/test_agent_local_data.py::test_the_profile_lists_the_datasets_and_no_sample_crosses_the_wire",

@@ -23,9 +23,10 @@ An agent registers each dataset it holds under a NAME when it starts; SPEC is on
 A built-in name wins over a path of the same name: write ``./digits`` for a directory.
 
 Bounds: a built-in dataset is as lazy as the zoo makes it; an ``.npz`` directory is
-read lazily, its headers and labels when registered and one file's inputs at a time
-when sampled (each file's ``x`` at most :data:`MAX_NPZ_FILE_BYTES`); a CSV file is
-read whole when registered (at most :data:`MAX_CSV_BYTES`); user code is the user's.
+read lazily, its headers and labels when registered (and the first file's inputs, to
+describe sample 0, then let go) and one file's inputs at a time when sampled (each
+file's ``x`` at most :data:`MAX_NPZ_FILE_BYTES`); a CSV file is read whole when
+registered (at most :data:`MAX_CSV_BYTES`); user code is the user's.
 
 What leaves the device: only a :class:`LocalDatasetInfo` per dataset (sample count,
 sample and label shapes and dtypes, the class count when cheap, and a built-in
@@ -206,6 +207,11 @@ class NpzFiles(Dataset[Sample]):
     def __len__(self) -> int:
         return int(self.starts[-1])
 
+    def release(self) -> None:
+        """Let go of the inputs held (the next sample read loads its file again)."""
+        with self._lock:
+            self._loaded = None
+
     def _inputs(self, file: int) -> torch.Tensor:
         with self._lock:
             if self._loaded is None or self._loaded[0] != file:
@@ -345,8 +351,11 @@ def _csv_file(path: Path, options: dict[str, str]) -> CsvTable:
         raise ValueError(
             f"{path.name} is {size} bytes, more than {MAX_CSV_BYTES}; use a directory of .npz files"
         )
-    with path.open(newline="", encoding="utf-8") as f:
-        rows = list(csv.reader(f))
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as f:
+            rows = list(csv.reader(f))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path.name} is not UTF-8 text") from None
     if not rows:
         raise ValueError(f"{path.name} is empty")
     header = [h.strip() for h in rows[0]]
@@ -475,6 +484,8 @@ def register(items: Sequence[str], allow_code: CodeAllowance) -> LocalData:
         try:
             dataset, kind, source = _load(spec, allow_code)
             info = _describe(dataset, kind, source)
+            if isinstance(dataset, NpzFiles):
+                dataset.release()  # read again when a stage samples it, not held while idle
         except UserError as exc:
             raise UserError(f"{where}: {exc.message}") from None
         except (OSError, ValueError) as exc:
@@ -489,11 +500,14 @@ def register(items: Sequence[str], allow_code: CodeAllowance) -> LocalData:
 
 
 def announce(spec: DeviceSpec, local: LocalData) -> DeviceSpec:
-    """``spec`` with ``details["datasets"]`` listing ``local``'s infos (unchanged if none)."""
-    if not local:
+    """``spec`` with ``details["datasets"]`` listing ``local``'s infos, and only them: a
+    profile file's own list is dropped (``spec`` itself when there is nothing to change)."""
+    details = {k: v for k, v in (spec.details or {}).items() if k != DETAILS_KEY}
+    if local:
+        details[DETAILS_KEY] = {n: i.model_dump(mode="json") for n, i in local.infos().items()}
+    if details == (spec.details or {}):
         return spec
-    listed = {name: info.model_dump(mode="json") for name, info in local.infos().items()}
-    return spec.model_copy(update={"details": {**(spec.details or {}), DETAILS_KEY: listed}})
+    return spec.model_copy(update={"details": details or None})
 
 
 def announced(profile: Mapping[str, Any] | None) -> dict[str, LocalDatasetInfo]:

@@ -132,9 +132,9 @@ def test_an_npz_directory_in_name_order_read_one_file_at_a_time(tmp_path: Path) 
     )
     dataset = held.dataset
     assert isinstance(dataset, local_data.NpzFiles)
-    assert dataset._loaded is not None and dataset._loaded[0] == 0  # sample 0 was described
+    assert dataset._loaded is None  # no inputs held until a sample is read
     x, y = dataset[4]
-    assert dataset._loaded[0] == 1  # only b.npz's inputs are held now
+    assert dataset._loaded is not None and dataset._loaded[0] == 1  # b.npz's inputs only
     assert torch.equal(x, torch.tensor(b[1], dtype=torch.float32)) and int(y) == 4
     assert [int(dataset[i][1]) for i in range(5)] == [0, 1, 2, 3, 4]
     assert torch.equal(dataset[-5][0], torch.tensor(a[0], dtype=torch.float32))
@@ -276,6 +276,7 @@ def test_a_name_given_twice() -> None:
         ("f,label\n1,cat\n", "", "line 2: label 'cat' is not an integer"),
         ("f,label\nx,1\n", "", "line 2: could not convert string to float: 'x'"),
         ("f,label\n", "", "has a header but no rows"),
+        ("f,\udcff\n", "", "is not UTF-8 text"),
         ("", "", "is empty"),
         ("f,g,label\n1,2,0\n", ":shape=3", "shape 3 holds 3 values, but each row has 2 features"),
         ("f,label\n1,0\n", ":labels=f", "unknown option 'labels' (takes: label, shape)"),
@@ -283,7 +284,7 @@ def test_a_name_given_twice() -> None:
 )
 def test_bad_csv_files(tmp_path: Path, text: str, spec: str, message: str) -> None:
     path = tmp_path / "rows.csv"
-    path.write_text(text)
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))  # \udcff: the byte 0xff
     item = f"t={path}{spec}"
     prefix = "" if message.startswith(("shape", "unknown")) else "rows.csv "
     assert _refusal([item]) == f"--data {item}: {prefix}{message}"
@@ -361,6 +362,8 @@ def test_the_announcement_says_sizes_and_shapes_only() -> None:
         id="pi-1", gflops=5, memory_bytes=4e9, bandwidth_mbps=100, latency_ms=2, details={"x": 1}
     )
     assert announce(spec, LocalData()) is spec
+    claimed = spec.model_copy(update={"details": {"x": 1, "datasets": {"fake": {}}}})
+    assert announce(claimed, LocalData()).details == {"x": 1}  # only what it holds
     held = register(["mine=digits:shard=1/3"], ZOO_ONLY)
     out = announce(spec, held)
     assert out.details == {
