@@ -55,7 +55,7 @@ def fleet(tmp_path: Path) -> Iterator[tuple[TestClient, DeviceRegistry]]:
     bus = EventBus()
     control = HandDelivered()
     with Store(tmp_path) as store:
-        registry = DeviceRegistry(store, bus, control)
+        registry = DeviceRegistry(store, bus, control)  # type: ignore[arg-type, unused-ignore]
         registry.start()
         _announce(control, "pi-1", "online", {"digits": SHARD})
         _announce(control, "pi-2", "offline", {"digits": {**SHARD, "source": "digits:shard=2/3"}})
