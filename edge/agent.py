@@ -6,7 +6,9 @@ Lifecycle:
    (retained), then publish ``online`` and the device's profile (both
    retained), and again after every reconnect (noticed at the next heartbeat),
    so a coordinator that starts later, or a broker that restarted, still
-   learns about the device.
+   learns about the device. The profile lists the datasets the device holds
+   (``local_data``), by size and shape only ([Note: local data] in
+   :mod:`edge.models.local_data`).
 2. Publish a heartbeat every ``heartbeat_s``.
 3. Obey commands on the device's ``cmd`` topic: ``assign`` builds the stage (only
    its units) and attaches it to the transport, then reports ``ready``; ``start``
@@ -54,6 +56,7 @@ from typing import Literal
 from edge.errors import UserError
 from edge.files import write_atomic
 from edge.logs import bind
+from edge.models.local_data import LocalData, announce
 from edge.models.user_code import ZOO_ONLY, CodeAllowance
 from edge.problem import DeviceSpec
 from edge.runtime.checkpoint import ReplicaKeeper
@@ -118,8 +121,11 @@ class Agent:
         torch_device: str = "cpu",
         allow_code: CodeAllowance = ZOO_ONLY,
         store_hosts: Sequence[str] = (),
+        local_data: LocalData | None = None,
     ) -> None:
         self.device_id = device_id
+        self.local_data = local_data or LocalData()
+        """The datasets this device holds, by name ([Note: local data])."""
         self.allow_code = allow_code
         """The user code its assignments may name ([Note: user code on devices])."""
         self.torch_device = torch_device
@@ -195,7 +201,15 @@ class Agent:
 
     def run(self) -> int:
         """Serve until :meth:`stop`; returns the process exit status."""
-        self._profile = self._profile_fn()
+        self._profile = announce(self._profile_fn(), self.local_data)
+        for name, held in self.local_data.items():
+            log.info(
+                "holds local dataset %s: %d samples of shape %s (%s)",
+                name,
+                held.info.samples,
+                list(held.info.input_shape),
+                held.info.kind,
+            )
         if not self._connect():
             return 0
         self.transport.subscribe(device_cmd(self.device_id), self._on_command)

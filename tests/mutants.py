@@ -76,6 +76,37 @@ MUTANTS = [
         tests=("tests/integration/test_replica_shares.py",),
     ),
     Mutant(
+        name="local-shards-overlap",
+        what="each shard of a local dataset takes one sample of the next shard too",
+        path="edge/models/datasets.py",
+        old="piece = order[(shard - 1) * size // shards : shard * size // shards]",
+        new="piece = order[(shard - 1) * size // shards : shard * size // shards + 1]",
+        tests=(
+            "tests/unit/edge/models/test_local_data.py::test_shards_are_disjoint_and_cover_the_split",
+        ),
+    ),
+    Mutant(
+        name="local-code-without-allowance",
+        what="an agent's --data imports a user's dataset module that --allow-code does not allow",
+        path="edge/models/local_data.py",
+        old='return build_dataset(spec, "train", allow_code=allow_code), "code", None',
+        new='return build_dataset(spec, "train"), "code", None',
+        tests=("tests/unit/edge/models/test_local_data.py::test_user_code_only_under_allow_code",),
+    ),
+    Mutant(
+        name="local-sample-announced",
+        what="an agent's profile carries the first sample of each local dataset",
+        path="edge/models/local_data.py",
+        old="        details[DETAILS_KEY] = {",
+        new=(
+            "        details['peek'] = [d.dataset[0][0].tolist() for d in local.values()]\n"
+            "        details[DETAILS_KEY] = {"
+        ),
+        tests=(
+            "tests/integration/test_agent_local_data.py::test_the_profile_lists_the_datasets_and_no_sample_crosses_the_wire",
+        ),
+    ),
+    Mutant(
         name="rebalancer-misreads-time",
         what="the rebalancer reads stage 1's measured compute time three times too long",
         path="coordinator/engine/rebalance.py",

@@ -4,7 +4,10 @@ The registry listens to every device's retained ``status`` and ``profile``
 topics and to heartbeats, through a :class:`~coordinator.engine.watch.DeviceFeed`.
 A device is ``online`` (or ``busy``) from its status until its last-will says
 ``offline`` or no heartbeat has come for ``heartbeat_timeout_s``; it is then
-marked ``offline`` with the time it was last seen. Every change is written to
+marked ``offline`` with the time it was last seen. A device's profile may list
+the datasets it holds ([Note: local data] in :mod:`edge.models.local_data`):
+:attr:`DeviceView.datasets` reads them and :meth:`DeviceRegistry.holders` finds
+the online devices that hold a dataset of a name. Every change is written to
 the store (heartbeats at most every few seconds per device) and announced on
 the event bus, and every change of state is one log line (``device pi-1: online
 -> offline``, with ``device`` and, when the registry decided it, ``reason``).
@@ -20,6 +23,7 @@ from typing import Any
 
 from coordinator.engine.watch import DeviceFeed
 from coordinator.service.events import EventBus
+from edge.models.local_data import LocalDatasetInfo, announced
 from edge.problem import DeviceSpec
 from edge.transport.mqtt import MqttTransport
 from edge.wire.messages import DeviceStatus, Heartbeat
@@ -42,8 +46,15 @@ class DeviceView:
     job: str | None = None
     stage: int | None = None
 
+    @property
+    def datasets(self) -> dict[str, LocalDatasetInfo]:
+        """The local datasets its profile announces, by name."""
+        return announced(self.profile)
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """Its fields, and ``datasets`` (each as JSON) read from the profile."""
+        infos = {name: info.model_dump(mode="json") for name, info in self.datasets.items()}
+        return {**asdict(self), "datasets": infos}
 
 
 class DeviceRegistry:
@@ -110,6 +121,15 @@ class DeviceRegistry:
             if allowed is not None and d.id not in allowed:
                 continue
             out.append(DeviceSpec.model_validate({**d.profile, "id": d.id, "details": None}))
+        return out
+
+    def holders(self, dataset: str) -> dict[str, LocalDatasetInfo]:
+        """The online devices (idle or busy) holding a local dataset named ``dataset``, by id."""
+        out = {}
+        for d in self.devices():
+            info = d.datasets.get(dataset)
+            if d.state != "offline" and info is not None:
+                out[d.id] = info
         return out
 
     # -- MQTT callbacks (paho's network thread) ---------------------------------------

@@ -56,6 +56,7 @@ __all__ = [
     "MAX_CLASSES",
     "MAX_IMAGE_ELEMENTS",
     "MAX_SAMPLES",
+    "MAX_SHARDED_SAMPLES",
     "SPLITS",
     "TEXT_MODULES",
     "TEXT_TRAIN_FRACTION",
@@ -71,6 +72,7 @@ __all__ = [
     "digits_split_indices",
     "list_datasets",
     "load_digits",
+    "shard_indices",
     "text_corpus",
 ]
 
@@ -89,6 +91,8 @@ MAX_CLASSES = 1 << 20
 MAX_SAMPLES = 1 << 31
 """Most samples of a synthetic dataset, and the largest ``stride`` of ``text``."""
 MAX_SEED = (1 << 63) - 1
+MAX_SHARDED_SAMPLES = 1 << 24
+"""Most samples of a dataset that :func:`shard_indices` cuts (its permutation is held whole)."""
 # Pure-Python stdlib modules present from Python 3.11 on; read as ``name.py`` or
 # ``name/__init__.py`` under ``sysconfig.get_paths()["stdlib"]``, in this order.
 TEXT_MODULES = (
@@ -183,6 +187,33 @@ def digits_split_indices(split: str) -> np.ndarray:
     order = sorted(range(1797), key=lambda row: _hash64("digits", DIGITS_SPLIT_SEED, row))
     chosen = order[:DIGITS_TRAIN_SIZE] if split == "train" else order[DIGITS_TRAIN_SIZE:]
     return np.asarray(chosen, dtype=np.int64)
+
+
+def shard_indices(dataset: str, size: int, shard: int, shards: int, seed: int = 0) -> np.ndarray:
+    """Sample numbers of shard ``shard`` (1-based) of ``shards`` of a split of ``size`` samples.
+
+    A permutation of ``0..size-1`` is drawn by numpy's legacy ``RandomState`` seeded
+    with ``BLAKE2b("shard/<dataset>/<seed>/<size>")``; shard ``k`` is its piece
+    ``[(k-1)*size//shards, k*size//shards)``, in ascending sample order. So the
+    shards of one ``(dataset, seed, size, shards)`` are disjoint, their union is
+    every sample, their sizes differ by at most one, and shard ``k`` is the same on
+    every device and every run. ``edgetrain agent --data NAME=DATASET:shard=K/N``
+    ([Note: local data] in :mod:`edge.models.local_data`) cuts a train split with it.
+    """
+    _int_option(dataset, "shards", shards, maximum=MAX_SAMPLES)
+    _int_option(dataset, "shard", shard, maximum=shards)
+    _int_option(dataset, "seed", seed, minimum=-MAX_SEED, maximum=MAX_SEED)
+    if size > MAX_SHARDED_SAMPLES:
+        raise UserError(
+            f"dataset {dataset!r}: {size} samples are more than the {MAX_SHARDED_SAMPLES} "
+            "that can be cut into shards"
+        )
+    if shards > size:
+        raise UserError(f"dataset {dataset!r}: {shards} shards of {size} samples leave some empty")
+    rng = np.random.RandomState(_hash64("shard", dataset, seed, size) % 2**32)
+    order = rng.permutation(size)
+    piece = order[(shard - 1) * size // shards : shard * size // shards]
+    return np.sort(piece).astype(np.int64)
 
 
 class DigitsDataset(Dataset[Sample]):

@@ -7,6 +7,9 @@ slice of it (the tail that does not fill a batch is dropped). So any device
 can reproduce any step, a restarted job reads the same data from the step it
 resumes at, and the single-device reference sees the same batches as the
 pipeline.
+
+A dataset that lives on the device ([Note: local data] in :mod:`edge.models.local_data`)
+is read the same way: :func:`open_local` gives it by name with its sampler.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["EpochSampler", "collate", "load_batch"]
+from edge.errors import UserError
+from edge.models.local_data import LocalData
+
+__all__ = ["EpochSampler", "collate", "load_batch", "open_local"]
 
 
 class EpochSampler:
@@ -58,3 +64,20 @@ def load_batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inputs and targets of step ``step``."""
     return collate([dataset[i] for i in sampler.indices(step).tolist()])
+
+
+def open_local(
+    local: LocalData, name: str, batch_size: int, seed: int
+) -> tuple[Dataset[Any], EpochSampler]:
+    """The local dataset ``name`` this device holds, and its sampler: batch ``t`` is
+    ``load_batch(dataset, sampler, t)``, as for a zoo dataset.
+
+    Raises a one-line :class:`UserError` for a name not held here or a batch larger
+    than the dataset.
+    """
+    held = local[name]
+    try:
+        sampler = EpochSampler(len(held.dataset), batch_size, seed)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise UserError(f"local dataset {name!r}: {exc}") from None
+    return held.dataset, sampler

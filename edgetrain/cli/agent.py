@@ -2,7 +2,8 @@
 
 This module owns the command's options and what the agent announces: a measured
 profile, a catalogue profile, or one read from a JSON file
-(:func:`edge.profiling.catalog.load_device_file`).
+(:func:`edge.profiling.catalog.load_device_file`), with the datasets given by
+``--data`` ([Note: local data] in :mod:`edge.models.local_data`).
 """
 
 from __future__ import annotations
@@ -210,6 +211,18 @@ def agent_command(
             "Without it the agent runs zoo models and built-in datasets only."
         ),
     ),
+    data: list[str] | None = typer.Option(
+        None,
+        "--data",
+        envvar="EDGETRAIN_DATA",
+        metavar="NAME=SPEC",
+        help=(
+            "A dataset that lives on this device, announced by size and shape only; "
+            "repeatable. SPEC: a built-in dataset or a shard of it (digits:shard=1/3), a "
+            "directory of .npz files (arrays x and y), a CSV file with a label column "
+            "(data.csv:label=target), or package.module:function under --allow-code."
+        ),
+    ),
     insecure: bool = typer.Option(
         False,
         "--insecure",
@@ -242,6 +255,10 @@ def agent_command(
     --slowdown, --link-mbps and --link-latency-ms emulate a slower device on
     this machine without root; a measured profile then announces the link as
     shaped (its rate capped, the latency added).
+
+    --data registers data that stays on this device: its profile says each
+    dataset's name, sample count and shapes, never a sample. A bad SPEC stops the
+    agent with one line before it connects.
 
     The agent imports no code it is sent: an assignment naming a user model or
     dataset outside the --allow-code prefixes fails before anything is imported.
@@ -286,6 +303,9 @@ def agent_command(
 
         announced = resolve(profile).to_device_spec(device_id, power=True)
     allowed = allow_prefixes(allow_code or [])
+    from edge.models.local_data import register
+
+    local_data = register(data or [], allowed)
     setup_logging(log_level, device=device_id)
     tune_malloc()
     if threads is not None:
@@ -323,6 +343,7 @@ def agent_command(
         torch_device=device,
         allow_code=allowed,
         store_hosts=store_host,
+        local_data=local_data,
     )
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())

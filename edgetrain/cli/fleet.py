@@ -45,7 +45,8 @@ def fleet_command(
     token: str | None = TOKEN_OPTION,
     as_json: bool = JSON_OPTION,
 ) -> None:
-    """The devices the coordinator knows: state, measured speed, memory, link, current job.
+    """The devices the coordinator knows: state, measured speed, memory, link, the local
+    datasets they hold (name and sample count), current job.
 
     (The device-profile catalogue is ``edgetrain devices``.)
     """
@@ -62,8 +63,12 @@ def fleet_command(
         memory = f"{p['memory_bytes'] / 2**30:.1f} GiB" if p.get("memory_bytes") else "-"
         link = f"{p['bandwidth_mbps']:.0f} Mbit/s" if p.get("bandwidth_mbps") else "-"
         job = f"{d['job']} (stage {d['stage']})" if d.get("job") else "-"
-        rows.append([d["id"], d["state"], gflops, memory, link, job, when(d.get("last_seen"))])
-    columns = ["device", "state", "GFLOP/s", "memory", "link", "job", "last seen"]
+        held = d.get("datasets") or {}
+        data = ", ".join(f"{name} ({info['samples']})" for name, info in held.items()) or "-"
+        rows.append(
+            [d["id"], d["state"], gflops, memory, link, data, job, when(d.get("last_seen"))]
+        )
+    columns = ["device", "state", "GFLOP/s", "memory", "link", "data", "job", "last seen"]
     table(f"fleet ({devices['count']})", columns, rows)
 
 

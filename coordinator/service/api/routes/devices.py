@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from coordinator.access.accounts import BrokerAccounts
 from coordinator.service.api.deps import ReadAuth, RegistryDep, ServicesDep, WriteAuth
 from coordinator.service.api.routes.errors import AUTH, CONFLICT, NOT_FOUND
+from edge.models.local_data import LocalDatasetInfo
 
 __all__ = ["router"]
 
@@ -29,6 +30,8 @@ class DevicePublic(BaseModel):
     profile: dict[str, Any] | None
     job: str | None
     stage: int | None
+    datasets: dict[str, LocalDatasetInfo] = {}
+    """The datasets the device holds, by name: sizes and shapes, never samples."""
 
 
 class DevicesPublic(BaseModel):

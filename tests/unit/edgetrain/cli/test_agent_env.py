@@ -41,6 +41,7 @@ ENV = {
     "EDGETRAIN_SERVER": "1",
     "EDGETRAIN_CREDENTIALS": "/etc/edgetrain/creds.json",
     "EDGETRAIN_ALLOW_CODE": "mypkg other.models",
+    "EDGETRAIN_DATA": "mine=digits:shard=1/3 csv=rows.csv:label=target",
     "EDGETRAIN_INSECURE": "1",
     "EDGETRAIN_STORE_HOST": "10.0.0.5 gpu-box.lan",  # repeatable: separated by spaces
 }
@@ -64,6 +65,7 @@ PARSED: dict[str, Any] = {
     "server": True,
     "credentials": Path("/etc/edgetrain/creds.json"),
     "allow_code": ["mypkg", "other.models"],
+    "data": ["mine=digits:shard=1/3", "csv=rows.csv:label=target"],
     "insecure": True,
     "store_host": ["10.0.0.5", "gpu-box.lan"],
 }
