@@ -377,6 +377,7 @@ class Agent:
                 replicate=replicate,
                 torch_device=self.torch_device,
                 allow_code=self.allow_code,
+                local=self.local_data,
             )
         except BaseException:
             if a.dist is not None:

@@ -44,6 +44,7 @@ from coordinator.engine.spec import (
     new_job_id,
 )
 from coordinator.planner.score import Plan
+from edge.models.local_data import LocalData
 from edge.problem import DeviceSpec
 from edge.runtime.stage import StageRuntime
 from edge.transport.inprocess import InProcessTransport
@@ -75,10 +76,14 @@ def run_inprocess(
     on_step: Callable[[StepReport], None] | None = None,
     timeout_s: float = 3600.0,
     shares: Sequence[Sequence[float]] | None = None,
+    local: Mapping[str, LocalData] | None = None,
+    local_data: str | None = None,
 ) -> JobResult:
-    """Run every stage of ``plan`` (every member of a group) in a thread of this process."""
+    """Run every stage of ``plan`` (every member of a group) in a thread of this process;
+    with ``local_data``, stage 0's devices read that dataset from what ``local`` says
+    each holds."""
     job = job or new_job_id()
-    assignments = make_assignments(job, spec, plan, shares=shares)
+    assignments = make_assignments(job, spec, plan, shares=shares, local_data=local_data)
     sizes = [len(st.devices) for st in plan.stages]
     monitor = JobMonitor(job, len(plan.stages), on_step, group_sizes=sizes)
     transport = InProcessTransport()
@@ -86,7 +91,10 @@ def run_inprocess(
     try:
         for a in assignments:
             device = plan.stages[a.stage].devices[a.member]
-            runtimes.append(StageRuntime(a, transport, device=device, report=monitor.on_event))
+            held = (local or {}).get(device)
+            runtimes.append(
+                StageRuntime(a, transport, device=device, report=monitor.on_event, local=held)
+            )
     except BaseException:
         transport.close()
         raise

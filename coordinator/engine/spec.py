@@ -166,6 +166,7 @@ def make_assignments(
     restore: bool = False,
     shares: Sequence[Sequence[float]] | None = None,
     handover: bool = False,
+    local_data: str | None = None,
 ) -> list[StageAssignment]:
     """One assignment per device of ``plan``, stage by stage (a group's members in its
     order); each link uses the plan's codec for it (``plan.codecs``), else ``spec.codec``
@@ -175,6 +176,8 @@ def make_assignments(
     ``first_step``, ``replicate_every`` and ``restore`` are for fault tolerance
     (:mod:`coordinator.engine.resilient`): start at that step, publish the stage's state
     every that many steps, load the state published for the stage before starting.
+    ``local_data`` names the dataset stage 0's devices hold, each reading its own samples
+    (``shares`` for stage 0 then follow the holders' data, not their speed).
     ``handover`` (for a plan with groups) has every stage keep its previous step's state,
     so the survivors of a group can hand over ([Note: a group member dies] in
     :mod:`coordinator.engine.handover`).
@@ -212,6 +215,7 @@ def make_assignments(
                     member=member,
                     group_samples=samples,
                     handover=handover and samples is not None,
+                    local_data=local_data if s == 0 else None,
                 )
             )
     return out

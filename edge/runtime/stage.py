@@ -49,6 +49,13 @@ bucketed all-reduce (:meth:`~edge.server.data_parallel.DataParallel.sum_gradient
 A segment with BatchNorm refuses a group: its
 statistics would be over a member's rows, not the microbatch's.
 
+On data that stays home (``local_data``), stage 0's members are the devices that
+hold it: each reads its own dataset ([Note: local data] in
+:mod:`edge.models.local_data`) with its own sampler, ``n_m`` samples of every
+microbatch (``M n_m`` a step), and its rows of microbatch ``j`` are the ``j``-th
+``n_m`` of its step's samples. Microbatch ``j`` of the job is those rows, member
+after member: the union of the holders' data, in an order any device can rebuild.
+
 [Note: loss scaling]
 Each microbatch's loss is the mean over its own samples (or tokens) divided by
 ``M``. With equal microbatches the sum of the ``M`` scaled losses, and of their
@@ -75,7 +82,7 @@ from edge.models.datasets import build_dataset
 from edge.models.user_code import ANY_CODE, CodeAllowance
 from edge.models.zoo import get_model
 from edge.runtime.checkpoint import load_state, read_state, select, stage_state
-from edge.runtime.data import EpochSampler, load_batch
+from edge.runtime.data import EpochSampler, load_batch, open_local
 from edge.runtime.group_sum import GroupSum
 from edge.runtime.links import block, expected_frames
 from edge.runtime.schedules import make_schedule
@@ -85,6 +92,7 @@ from edge.wire.groups import pieces
 from edge.wire.messages import OptimizerSpec, StageAssignment, StepReport
 
 if TYPE_CHECKING:
+    from edge.models.local_data import LocalData
     from edge.server.data_parallel import DataParallel
 
 __all__ = [
@@ -149,6 +157,7 @@ class StageRuntime:
         torch_device: str | torch.device = "cpu",
         data_parallel: DataParallel | None = None,
         allow_code: CodeAllowance = ANY_CODE,
+        local: LocalData | None = None,
     ) -> None:
         if slowdown < 1:
             raise ValueError(f"slowdown must be at least 1 (got {slowdown})")
@@ -189,7 +198,12 @@ class StageRuntime:
         self.codec_out = Codec.parse(a.codec_out)
         self.codec_in = Codec.parse(a.codec_in)
         self.sampler: EpochSampler | None = None
-        if a.is_first:
+        if a.is_first and a.local_data is not None:
+            if local is None:
+                raise ValueError(f"local dataset {a.local_data!r}: this device holds none")
+            own = a.samples_of(0)[a.member] * a.microbatches  # this holder's samples a step
+            self.dataset, self.sampler = open_local(local, a.local_data, own, a.seed)
+        elif a.is_first:
             self.dataset = build_dataset(
                 a.dataset, "train", allow_code=allow_code, **a.dataset_options
             )
@@ -316,7 +330,7 @@ class StageRuntime:
                 x = x[a.replica * share : (a.replica + 1) * share]
                 y = y[a.replica * share : (a.replica + 1) * share]
             xs, ys = self._here(x).chunk(m), self._here(y).chunk(m)
-            if a.group_samples is not None:  # this member's rows of each microbatch
+            if a.group_samples is not None and a.local_data is None:  # its rows of each
                 xs, ys = tuple(t[lo:hi] for t in xs), tuple(t[lo:hi] for t in ys)
             if not a.is_last:
                 t0 = time.perf_counter()

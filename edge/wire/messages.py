@@ -122,6 +122,11 @@ class StageAssignment(TrainConfigBase):
     group_samples: tuple[tuple[int, ...], ...] | None = None
     """Groups: per stage, the samples of each microbatch each member computes, in member
     order (:func:`edge.wire.groups.split_samples`); ``None`` for one device per stage."""
+    local_data: str | None = Field(default=None, min_length=1, max_length=64)
+    """Stage 0 of a job on data that stays home: read the dataset this device holds under
+    this name ([Note: local data] in :mod:`edge.models.local_data`), its own samples
+    only, ``group_samples[0][member]`` of every microbatch; ``dataset`` then only names
+    what the samples look like."""
     handover: bool = False
     """Keep the state of the step before the current one, so that a stage stopped by
     :class:`CancelJob` with ``hold`` can hand over the state of a step every stage
@@ -146,6 +151,8 @@ class StageAssignment(TrainConfigBase):
             raise ValueError(f"stage {self.stage} has a dist group without a rank in it")
         if self.first_step >= self.steps:
             raise ValueError(f"first_step {self.first_step} is not below steps {self.steps}")
+        if self.local_data is not None and (self.stage != 0 or self.replicas > 1):
+            raise ValueError("only stage 0, without replicas, reads local data")
         self._check_groups()
         return self
 

@@ -42,7 +42,7 @@ rows in another order), which over 60 steps of gpt-mini moved a weight by
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -117,23 +117,56 @@ def train_reference(
     Arguments mirror a job's settings (``optimizer`` as the job's optimizer fields);
     ``microbatches`` accumulates gradients over that many chunks (module docstring).
     """
-    if batch_size % microbatches:
-        raise ValueError(f"batch {batch_size} is not a multiple of {microbatches} microbatches")
+    spec = get_model(model, seed=seed, **dict(model_options or {}))
+    name = dataset or spec.dataset
+    if dataset_options is None:
+        dataset_options = spec.dataset_options if name == spec.dataset else {}
+    data = build_dataset(name, "train", **dict(dataset_options))
+    size = len(data)  # type: ignore[arg-type]
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return stack([data[i] for i in batch_indices(size, batch_size, seed, step).tolist()])
+
+    return train_on_batches(
+        model,
+        batch,
+        steps=steps,
+        seed=seed,
+        optimizer=optimizer,
+        model_options=model_options,
+        microbatches=microbatches,
+    )
+
+
+def stack(samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input, target)`` samples as one batch."""
+    x = torch.stack([torch.as_tensor(s[0]) for s in samples])
+    y = torch.stack([torch.as_tensor(s[1]) for s in samples])
+    return x, y
+
+
+def train_on_batches(
+    model: str,
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    *,
+    steps: int,
+    seed: int = 0,
+    optimizer: Mapping[str, Any] | None = None,
+    model_options: Mapping[str, Any] | None = None,
+    microbatches: int = 1,
+) -> ReferenceRun:
+    """The plain loop of :func:`train_reference` on the batches ``batch(step)`` gives,
+    each cut into ``microbatches`` equal chunks in order."""
     with one_thread():
         spec = get_model(model, seed=seed, **dict(model_options or {}))
-        name = dataset or spec.dataset
-        if dataset_options is None:
-            dataset_options = spec.dataset_options if name == spec.dataset else {}
-        data = build_dataset(name, "train", **dict(dataset_options))
-        size = len(data)  # type: ignore[arg-type]
         net = spec.build().train()
         params = [p for p in net.parameters() if p.requires_grad]
         opt = _optimizer(params, optimizer or {})
         losses = []
         for step in range(steps):
-            samples = [data[i] for i in batch_indices(size, batch_size, seed, step).tolist()]
-            x = torch.stack([torch.as_tensor(s[0]) for s in samples])
-            y = torch.stack([torch.as_tensor(s[1]) for s in samples])
+            x, y = batch(step)
+            if len(x) % microbatches:
+                raise ValueError(f"batch {len(x)} is not a multiple of {microbatches} microbatches")
             opt.zero_grad(set_to_none=True)
             loss = 0.0
             for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):

@@ -1,0 +1,103 @@
+"""Data that stays home: stage 0's group is the devices that hold the data, each on its
+own samples, and the run equals single-device training on the union of their data.
+
+The holders register zoo shards as agents do (``--data digits=digits:shard=K/N``,
+:func:`edge.models.local_data.register`); each reads ``n_m`` samples of every
+microbatch from its own shard with its own sampler, and microbatch ``j`` of the job
+is the holders' rows, holder after holder (the order the module docstring of
+:mod:`edge.runtime.stage` defines). The reference rebuilds those batches from the
+shards with its own sampler and trains a plain PyTorch loop on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from support.reference import assert_matches, batch_indices, one_thread, stack, train_on_batches
+
+from coordinator.engine.runners import run_inprocess
+from coordinator.engine.spec import JobSpec
+from coordinator.planner.score import Plan, Stage
+from edge.models.local_data import LocalData, register
+from edge.models.user_code import ZOO_ONLY
+from edge.models.zoo import get_model
+from edge.wire.groups import split_samples
+
+STEPS = 6
+
+
+def _union(
+    shards: list[LocalData], counts: tuple[int, ...], microbatches: int, seed: int
+) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """Step ``t``'s batch: microbatch ``j`` is every holder's ``j``-th ``n_m`` samples."""
+    datasets = [held["digits"].dataset for held in shards]
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = []
+        for data, n in zip(datasets, counts, strict=True):
+            own = batch_indices(len(data), n * microbatches, seed, step)  # type: ignore[arg-type]
+            x, y = stack([data[i] for i in own.tolist()])
+            parts.append((x.chunk(microbatches), y.chunk(microbatches)))
+        xs = [torch.cat([p[0][j] for p in parts]) for j in range(microbatches)]
+        ys = [torch.cat([p[1][j] for p in parts]) for j in range(microbatches)]
+        return torch.cat(xs), torch.cat(ys)
+
+    return batch
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize(
+    ("shards", "shares"),
+    [
+        (["1/3", "2/3", "3/3"], (1 / 3, 1 / 3, 1 / 3)),
+        (["1/2", "2/2"], (0.75, 0.25)),  # unequal: 3 and 1 samples of each microbatch
+    ],
+)
+def test_holders_as_stage_0_equal_one_device_on_the_union(
+    schedule: str, shards: list[str], shares: tuple[float, ...]
+) -> None:
+    spec = JobSpec(
+        model="cnn-digits",
+        steps=STEPS,
+        batch_size=4 * 4 * len(shards) // (2 if len(shards) == 2 else 1),
+        microbatches=4,
+        seed=3,
+        schedule=schedule,
+    )
+    n = spec.batch_size // spec.microbatches
+    counts = split_samples(n, list(shares))
+    held = [register([f"digits=digits:shard={k}"], ZOO_ONLY) for k in shards]
+    holders = [f"holder{i}" for i in range(len(shards))]
+    units = get_model(spec.model).num_units
+    plan = Plan((Stage.group(holders, 0, 1), Stage.group(["helper"], 1, units)))
+    with one_thread():
+        got = run_inprocess(
+            spec,
+            plan,
+            shares=[list(shares), [1.0]],
+            local=dict(zip(holders, held, strict=True)),
+            local_data="digits",
+        )
+    # Every holder computed its own samples of every microbatch.
+    for holder, count in zip(holders, counts, strict=True):
+        samples = {r.samples for r in got.reports if r.device == holder}
+        assert samples == {count * spec.microbatches}
+    reference = train_on_batches(
+        spec.model,
+        _union(held, counts, spec.microbatches, spec.seed),
+        steps=STEPS,
+        seed=spec.seed,
+        optimizer=spec.optimizer.model_dump(),
+        microbatches=spec.microbatches,
+    )
+    assert_matches(got.losses, got.weights, reference)
+
+
+def test_a_device_without_the_data_refuses_stage_0() -> None:
+    spec = JobSpec(model="cnn-digits", steps=1, batch_size=8, microbatches=2, seed=3)
+    plan = Plan((Stage.group(["a", "b"], 0, 1), Stage.group(["c"], 1, 4)))
+    only_a = {"a": register(["digits=digits:shard=1/2"], ZOO_ONLY)}
+    with pytest.raises(ValueError, match=r"^local dataset 'digits': this device holds none$"):
+        run_inprocess(spec, plan, local=only_a, local_data="digits")
