@@ -39,9 +39,12 @@ from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobAccess, JobResult, JobSpec, batchnorm_units
 from coordinator.planner.build import build_problem
 from coordinator.planner.group_tables import GroupLimits
-from coordinator.planner.partition import JobPlan, plan_job
+from coordinator.planner.holders import HolderPlans
+from coordinator.planner.partition import JobPlan, plan_holders_job, plan_job
 from coordinator.planner.score import Plan
 from edge.errors import UserError
+from edge.models.local_data import announced
+from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, Objective, PlanningProblem
 from edge.transport.mqtt import MqttTransport
 from edge.wire.messages import StepReport
@@ -104,6 +107,8 @@ class PlannedJob:
     found: JobPlan
     fewer_stages: str | None = None
     """Set when a re-plan had fewer devices than the job's ``stages``: what it did."""
+    holders: HolderPlans | None = None
+    """On local data: the alternatives the job allows (the holders alone, each alone)."""
 
     @property
     def plan(self) -> Plan:
@@ -208,6 +213,10 @@ def plan_over(
             raise UserError(f"stages={stages} needs {stages} devices; {have}")
         fewer = f"stages={stages}, but only {have}: planning {len(devices)} stages"
         stages = len(devices)
+    if spec.data is not None:
+        return _plan_on_holders(
+            spec, devices, where, groups=plans_groups(spec) if groups is None else groups
+        )
     sizes = spec.group_sizes
     if again and sizes is not None and previous is not None:
         by_id = {d.id: d for d in devices}
@@ -231,6 +240,35 @@ def plan_over(
         limits=limits,
     )
     return PlannedJob(problem=problem, found=found, fewer_stages=fewer)
+
+
+def _plan_on_holders(
+    spec: JobSpec, devices: list[DeviceSpec], where: str, *, groups: bool
+) -> PlannedJob:
+    """The plan of a job on local data (``spec.data``): the devices that announce the
+    dataset are stage 0, each with a share of every microbatch by how many samples it
+    holds; the planner places the rest (:func:`~coordinator.planner.partition.plan_holders_job`)."""
+    assert spec.data is not None
+    name = spec.data.name
+    held = {d.id: announced(d.model_dump()).get(name) for d in devices}
+    holders = [d.id for d in devices if held[d.id] is not None]
+    if not holders:
+        raise UserError(f"no device of {where} holds local data {name!r}")
+    counts = [held[h].samples for h in holders]  # type: ignore[union-attr]
+    shares = [c / sum(counts) for c in counts]
+    solo = batchnorm_units(spec) or frozenset()
+    if not groups:  # the helpers train one device a stage
+        solo = frozenset(range(get_model(spec.model, **spec.model_options).num_units))
+    problem = job_problem(spec, devices, None, groups=True)
+    found, alternatives = plan_holders_job(
+        problem,
+        holders,
+        shares,
+        min_local_units=spec.data.min_local_units,
+        limits=GroupLimits(solo_units=solo, whole_samples=True),
+        where=where,
+    )
+    return PlannedJob(problem=problem, found=found, holders=alternatives)
 
 
 class JobEngine:

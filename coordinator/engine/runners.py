@@ -77,13 +77,12 @@ def run_inprocess(
     timeout_s: float = 3600.0,
     shares: Sequence[Sequence[float]] | None = None,
     local: Mapping[str, LocalData] | None = None,
-    local_data: str | None = None,
 ) -> JobResult:
     """Run every stage of ``plan`` (every member of a group) in a thread of this process;
-    with ``local_data``, stage 0's devices read that dataset from what ``local`` says
+    on local data (``spec.data``), stage 0's devices read it from what ``local`` says
     each holds."""
     job = job or new_job_id()
-    assignments = make_assignments(job, spec, plan, shares=shares, local_data=local_data)
+    assignments = make_assignments(job, spec, plan, shares=shares)
     sizes = [len(st.devices) for st in plan.stages]
     monitor = JobMonitor(job, len(plan.stages), on_step, group_sizes=sizes)
     transport = InProcessTransport()

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Protocol
 
 import safetensors.torch
 import torch
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from coordinator.planner.score import Plan
 from edge.config import RecvTimeout, ReplicateEvery, TrainConfig
@@ -39,6 +39,7 @@ from edge.wire.messages import (
 log = logging.getLogger("edgetrain.engine")
 
 __all__ = [
+    "DataPlacement",
     "JobAborted",
     "JobAccess",
     "JobFailed",
@@ -51,6 +52,20 @@ __all__ = [
     "make_assignments",
     "new_job_id",
 ]
+
+
+class DataPlacement(BaseModel):
+    """Where a job's data lives: ``local``, on the devices that hold it, which form stage
+    0's group ([Note: local data] in :mod:`edge.models.local_data`;
+    :mod:`coordinator.planner.holders`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """The name the holders registered it under (``edgetrain agent --data NAME=SPEC``)."""
+    placement: Literal["local"] = "local"
+    min_local_units: int = Field(default=1, ge=1)
+    """Units every holder runs on its own samples before anything leaves it."""
 
 
 class JobSpec(TrainConfig):
@@ -83,8 +98,17 @@ class JobSpec(TrainConfig):
     """Faults the service injects into this job (``kill:STAGE@STEP`` and the other forms
     of :mod:`coordinator.engine.faults`); for testing fault tolerance, so only with it."""
 
+    data: DataPlacement | None = None
+    """Data that stays home: the job trains on the union of every online holder's local
+    dataset of that name (its model's dataset then only says what samples look like)."""
+
     @model_validator(mode="after")
     def _check_groups(self) -> JobSpec:
+        if self.data is not None:
+            if self.partition != "plan" or self.group_sizes is not None:
+                raise ValueError("local data needs partition plan: the holders are stage 0")
+            if self.pin_first is not None:
+                raise ValueError("local data places stage 0 on its holders: no pin_first")
         sizes = self.group_sizes
         if sizes is not None:
             if self.partition != "even":
@@ -166,7 +190,6 @@ def make_assignments(
     restore: bool = False,
     shares: Sequence[Sequence[float]] | None = None,
     handover: bool = False,
-    local_data: str | None = None,
 ) -> list[StageAssignment]:
     """One assignment per device of ``plan``, stage by stage (a group's members in its
     order); each link uses the plan's codec for it (``plan.codecs``), else ``spec.codec``
@@ -176,7 +199,7 @@ def make_assignments(
     ``first_step``, ``replicate_every`` and ``restore`` are for fault tolerance
     (:mod:`coordinator.engine.resilient`): start at that step, publish the stage's state
     every that many steps, load the state published for the stage before starting.
-    ``local_data`` names the dataset stage 0's devices hold, each reading its own samples
+    With ``spec.data``, stage 0's devices are the holders, each reading its own samples
     (``shares`` for stage 0 then follow the holders' data, not their speed).
     ``handover`` (for a plan with groups) has every stage keep its previous step's state,
     so the survivors of a group can hand over ([Note: a group member dies] in
@@ -215,7 +238,7 @@ def make_assignments(
                     member=member,
                     group_samples=samples,
                     handover=handover and samples is not None,
-                    local_data=local_data if s == 0 else None,
+                    local_data=spec.data.name if spec.data is not None and s == 0 else None,
                 )
             )
     return out

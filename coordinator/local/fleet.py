@@ -66,6 +66,7 @@ class LocalFleet:
         servers: int = 0,
         programs: list[list[str]] | None = None,
         allow_code: list[str] | None = None,
+        data: list[list[str]] | None = None,
     ) -> None:
         self.n = n
         self.owned = broker if isinstance(broker, OwnedBroker) else None
@@ -98,6 +99,10 @@ class LocalFleet:
         }
         """Per agent, the command that runs ``edgetrain`` (another install's, say); this
         interpreter's ``-m edgetrain.cli`` where it is empty or not given."""
+        self.data = {
+            device: list(items) for device, items in zip(self.ids, data or [], strict=False)
+        }
+        """Per agent, the local datasets it holds (``--data NAME=SPEC`` items)."""
         self.allow_code = list(allow_code or [])
         """Module prefixes of user code the agents may run (``--allow-code``): the job's own."""
         self.measure_seconds = measure_seconds
@@ -159,6 +164,8 @@ class LocalFleet:
         ]
         for prefix in self.allow_code:
             cmd += ["--allow-code", prefix]
+        for item in self.data.get(device, []):
+            cmd += ["--data", item]
         if profile:
             cmd += ["--profile", profile]
         if device in self.servers:

@@ -26,6 +26,7 @@ from typing import Any
 from coordinator.engine.faults import Fault, check_fault_stages
 from coordinator.engine.spec import JobResult, JobSpec
 from coordinator.planner.score import PlanScore
+from edge.errors import UserError
 from edge.wire.messages import StepReport
 
 __all__ = ["LocalRun", "emulated", "train_dist", "train_inprocess", "train_on_local_fleet"]
@@ -168,11 +169,13 @@ def train_on_local_fleet(
     on_step: Callable[[StepReport], None] | None = None,
     note: Callable[[str], None] = _quiet,
     profiles: list[str] | None = None,
+    holders: int = 0,
 ) -> LocalRun:
     """``n`` agent processes on this machine (a broker started unless ``broker`` is given),
     driven by the job engine exactly as the service drives a fleet. ``replicate_every``
     (negative: chosen from the plan) makes the run survive its ``faults`` and migrate to
-    faster plans (``rebalance``)."""
+    faster plans (``rebalance``). With ``holders`` (and ``spec.data``), the first that
+    many agents each hold a shard of the dataset as local data, ``spec.data.name``."""
     from coordinator.engine.engine import JobEngine, JobHooks
     from coordinator.engine.runners import server_tier
     from coordinator.engine.spec import largest_message_bytes, new_job_id
@@ -199,6 +202,12 @@ def train_on_local_fleet(
         control.connect(timeout=15)
         stack.callback(control.close)
         slowdowns = emulated(profiles)[1] if profiles else None
+        data = None
+        if holders:
+            if spec.data is None or holders > n:
+                raise UserError(f"--holders {holders} needs local data and at most {n} devices")
+            held = spec.data.name
+            data = [[f"{held}={held}:shard={i + 1}/{holders}"] for i in range(holders)]
         fleet = stack.enter_context(
             LocalFleet(
                 n,
@@ -208,6 +217,7 @@ def train_on_local_fleet(
                 allow_code=own_code,
                 profiles=profiles,
                 slowdowns=slowdowns,
+                data=data,
             )
         )
         announced = fleet.wait_online(control)

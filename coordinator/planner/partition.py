@@ -44,13 +44,14 @@ from coordinator.planner.baselines import even_split
 from coordinator.planner.codecs import choose_codecs, plan_with_codecs, with_codecs
 from coordinator.planner.group_search import plan_groups, replan
 from coordinator.planner.group_tables import GroupLimits
+from coordinator.planner.holders import HolderPlans, plan_with_holders
 from coordinator.planner.score import Plan, PlanScore, Stage, for_plan, score_plan
 from coordinator.planner.solve import EXACT_DEVICES, exact_capacity, plan_problem
 from edge.errors import UserError
 from edge.problem import PlanningProblem
 from edge.wire.groups import split_samples
 
-__all__ = ["PARTITIONS", "JobPlan", "Partition", "even_devices", "plan_job"]
+__all__ = ["PARTITIONS", "JobPlan", "Partition", "even_devices", "plan_holders_job", "plan_job"]
 
 Partition = Literal["plan", "even"]
 PARTITIONS: tuple[str, ...] = get_args(Partition)
@@ -153,6 +154,49 @@ def plan_job(
         if choice is not None and choice.score.step_time_s < score.step_time_s:
             score = choice.score  # else fp32 everywhere (make_assignments' default)
     return JobPlan(score, found.method, found.exact)
+
+
+def plan_holders_job(
+    problem: PlanningProblem,
+    holders: Sequence[str],
+    shares: Sequence[float],
+    *,
+    min_local_units: int = 1,
+    limits: GroupLimits | None = None,
+    where: str = "the devices",
+) -> tuple[JobPlan, HolderPlans]:
+    """The plan of a job on local data: stage 0 on ``holders`` at ``shares`` (their data),
+    the rest planned by :func:`plan_job` over the other devices
+    (:mod:`coordinator.planner.holders`); also the alternatives, for the report. A
+    one-line :class:`UserError` when nothing fits."""
+    n = int(problem.batch_size) // problem.microbatches
+    try:
+        split_samples(n, list(shares))
+    except ValueError as exc:
+        raise UserError(f"the holders' shares of a microbatch of {n}: {exc}") from None
+
+    def rest(sub: PlanningProblem) -> PlanScore | None:
+        try:
+            return plan_job(sub, where=where, limits=limits).score
+        except UserError:
+            return None
+
+    solo = limits.solo_units if limits is not None else frozenset()
+    if len(holders) > 1 and solo & set(range(min_local_units)):
+        unit = min(solo & set(range(min_local_units)))
+        raise UserError(
+            f"unit {unit} has BatchNorm, which a group of {len(holders)} holders cannot "
+            "train (use norm=group)"
+        )
+    found = plan_with_holders(
+        problem, holders, shares, rest, min_local_units=min_local_units, solo_units=solo
+    )
+    if found.best is None:
+        why = found.holders_alone.reasons[0] if found.holders_alone.reasons else "no helper fits"
+        raise UserError(f"no plan on the holders of the data fits {where}: {why}")
+    k = found.best.plan.stages[0].end
+    method = f"holders keep {k} of {len(problem.layers)} units, helpers plan the rest"
+    return JobPlan(found.best, method, False), found
 
 
 def _even_groups(problem: PlanningProblem, sizes: list[int], where: str) -> JobPlan:

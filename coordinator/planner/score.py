@@ -19,7 +19,7 @@ The search does not call this per candidate (it works on prefix sums, see
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,8 +186,20 @@ def for_plan(problem: PlanningProblem, plan: Plan) -> PlanningProblem:
     return problem.as_version(2) if plan.grouped and problem.version == 1 else problem
 
 
-def score_plan(problem: PlanningProblem, plan: Plan) -> PlanScore:
-    """Score ``plan`` with the spec's formulas; structural errors raise ``ValueError``."""
+def score_plan(
+    problem: PlanningProblem,
+    plan: Plan,
+    *,
+    fixed_shares: Mapping[int, Sequence[float]] | None = None,
+) -> PlanScore:
+    """Score ``plan`` with the spec's formulas; structural errors raise ``ValueError``.
+
+    ``fixed_shares`` fixes the members' shares of the stages it names, where the runtime splits
+    by something else than speed (the data each holder has, for data that stays home):
+    such a stage computes for as long as its slowest member, ``max_i w_i b F / gflops_i``.
+    Without it (as for every problem file) the shares are the spec's, by speed.
+    """
+    fixed = dict(fixed_shares or {})
     errors = validate_plan(problem, plan)
     if errors:
         raise ValueError("; ".join(errors))
@@ -203,11 +215,17 @@ def score_plan(problem: PlanningProblem, plan: Plan) -> PlanScore:
     for s, st in enumerate(plan.stages):
         group = [dev[i] for i in st.devices]
         speed = _sum(d.gflops for d in group)
-        share = shares_of(group)
+        share = list(fixed[s]) if s in fixed else shares_of(group)
+        if len(share) != len(group) or abs(_sum(share) - 1.0) > 1e-9 or min(share) <= 0:
+            raise ValueError(f"stage {s}: shares {share} do not split a microbatch over its group")
         shares.append(share)
         chunk = layers[st.start : st.end]
         flops = _sum(unit.train_flops for unit in chunk)
-        compute.append(b * flops / (speed * 1e9))
+        if s in fixed:
+            slowest = max(w / d.gflops for d, w in zip(group, share, strict=True))
+            compute.append(b * flops * slowest / 1e9)
+        else:
+            compute.append(b * flops / (speed * 1e9))
         params = _sum(unit.param_bytes for unit in chunk)
         acts = _sum(unit.saved_bytes for unit in chunk)
         depth = min(n_stages - s, m)
@@ -234,6 +252,7 @@ def score_plan(problem: PlanningProblem, plan: Plan) -> PlanScore:
         )
         if s + 1 < n_stages:
             nxt = [dev[i] for i in plan.stages[s + 1].devices]
+            nxt_share = list(fixed[s + 1]) if s + 1 in fixed else shares_of(nxt)
             out = layers[st.end - 1].out_bytes
             links.append(
                 2 * (_latency(group) + _latency(nxt)) / 1000
@@ -241,7 +260,7 @@ def score_plan(problem: PlanningProblem, plan: Plan) -> PlanScore:
                 * b
                 * out
                 * 8
-                / (min(_bandwidth(group, share), _bandwidth(nxt, shares_of(nxt))) * 1e6)
+                / (min(_bandwidth(group, share), _bandwidth(nxt, nxt_share)) * 1e6)
             )
     tau = max(compute + links)
     step = (m - 1) * tau + _sum(compute) + _sum(links)

@@ -109,6 +109,14 @@ def train_command(
         "a stage on several devices trains data-parallel, each on a share of every "
         "microbatch by its speed.",
     ),
+    holders: int = typer.Option(
+        0,
+        "--holders",
+        min=0,
+        help="Data that stays home: the first K agents each hold 1/K of the dataset "
+        "(agent --data DATASET=DATASET:shard=i/K) and the job trains on their union; "
+        "they are stage 0, and only activations leave them (--transport mqtt).",
+    ),
     save_weights: Path | None = typer.Option(
         None, "--save-weights", help="Write the trained model here (safetensors)."
     ),
@@ -164,6 +172,10 @@ def train_command(
         raise UserError("--devices with profiles is for --transport mqtt or inprocess")
     if group_sizes and (replicas > 1 or servers):
         raise UserError("--group-sizes runs without --replicas or --servers")
+    if holders and (transport != "mqtt" or holders > devices or group_sizes or servers):
+        raise UserError(
+            "--holders K needs --transport mqtt, K <= --devices, and no --group-sizes or --servers"
+        )
     if transport != "dist" and (replicas > 1 or device != "cpu"):
         raise UserError("--replicas and --device are for --transport dist")
     if device not in ("cpu", "cuda"):
@@ -199,6 +211,9 @@ def train_command(
                 "group_sizes": group_sizes,
                 "objective": objective,
                 "max_step_time_s": deadline,
+                "data": {"name": _holders_data(model, dataset, parse_options(option))}
+                if holders
+                else None,
                 "optimizer": {
                     "name": optimizer,
                     "lr": lr,
@@ -256,6 +271,7 @@ def train_command(
                 on_step=progress.update,
                 note=progress.note,
                 profiles=profiles,
+                holders=holders,
             )
     result, score, broker_name = run.result, run.score, run.broker
     if save_weights is not None:
@@ -285,6 +301,15 @@ def train_command(
             f"{result.samples_per_s:.1f} samples/s over {len(score.plan.stages)} stages "
             f"({transport}{', ' + broker_name if broker_name else ''})"
         )
+
+
+def _holders_data(model: str, dataset: str | None, options: dict[str, Any]) -> str:
+    """The dataset the ``--holders`` shard: ``--dataset``, else the model's own."""
+    if dataset is not None:
+        return dataset
+    from edge.models.zoo import get_model
+
+    return get_model(model, **options).dataset
 
 
 class _Progress:

@@ -11,40 +11,18 @@ shards with its own sampler and trains a plain PyTorch loop on them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
-import torch
-from support.reference import assert_matches, batch_indices, one_thread, stack, train_on_batches
+from support.reference import assert_matches, one_thread, train_on_batches, union_batches
 
 from coordinator.engine.runners import run_inprocess
-from coordinator.engine.spec import JobSpec
+from coordinator.engine.spec import DataPlacement, JobSpec
 from coordinator.planner.score import Plan, Stage
-from edge.models.local_data import LocalData, register
+from edge.models.local_data import register
 from edge.models.user_code import ZOO_ONLY
 from edge.models.zoo import get_model
 from edge.wire.groups import split_samples
 
 STEPS = 6
-
-
-def _union(
-    shards: list[LocalData], counts: tuple[int, ...], microbatches: int, seed: int
-) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
-    """Step ``t``'s batch: microbatch ``j`` is every holder's ``j``-th ``n_m`` samples."""
-    datasets = [held["digits"].dataset for held in shards]
-
-    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        parts = []
-        for data, n in zip(datasets, counts, strict=True):
-            own = batch_indices(len(data), n * microbatches, seed, step)  # type: ignore[arg-type]
-            x, y = stack([data[i] for i in own.tolist()])
-            parts.append((x.chunk(microbatches), y.chunk(microbatches)))
-        xs = [torch.cat([p[0][j] for p in parts]) for j in range(microbatches)]
-        ys = [torch.cat([p[1][j] for p in parts]) for j in range(microbatches)]
-        return torch.cat(xs), torch.cat(ys)
-
-    return batch
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -65,6 +43,7 @@ def test_holders_as_stage_0_equal_one_device_on_the_union(
         microbatches=4,
         seed=3,
         schedule=schedule,
+        data=DataPlacement(name="digits"),
     )
     n = spec.batch_size // spec.microbatches
     counts = split_samples(n, list(shares))
@@ -78,7 +57,6 @@ def test_holders_as_stage_0_equal_one_device_on_the_union(
             plan,
             shares=[list(shares), [1.0]],
             local=dict(zip(holders, held, strict=True)),
-            local_data="digits",
         )
     # Every holder computed its own samples of every microbatch.
     for holder, count in zip(holders, counts, strict=True):
@@ -86,7 +64,7 @@ def test_holders_as_stage_0_equal_one_device_on_the_union(
         assert samples == {count * spec.microbatches}
     reference = train_on_batches(
         spec.model,
-        _union(held, counts, spec.microbatches, spec.seed),
+        union_batches(held, "digits", counts, spec.microbatches, spec.seed),
         steps=STEPS,
         seed=spec.seed,
         optimizer=spec.optimizer.model_dump(),
@@ -96,8 +74,15 @@ def test_holders_as_stage_0_equal_one_device_on_the_union(
 
 
 def test_a_device_without_the_data_refuses_stage_0() -> None:
-    spec = JobSpec(model="cnn-digits", steps=1, batch_size=8, microbatches=2, seed=3)
+    spec = JobSpec(
+        model="cnn-digits",
+        steps=1,
+        batch_size=8,
+        microbatches=2,
+        seed=3,
+        data=DataPlacement(name="digits"),
+    )
     plan = Plan((Stage.group(["a", "b"], 0, 1), Stage.group(["c"], 1, 4)))
     only_a = {"a": register(["digits=digits:shard=1/2"], ZOO_ONLY)}
     with pytest.raises(ValueError, match=r"^local dataset 'digits': this device holds none$"):
-        run_inprocess(spec, plan, local=only_a, local_data="digits")
+        run_inprocess(spec, plan, local=only_a)

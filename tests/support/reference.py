@@ -42,7 +42,7 @@ rows in another order), which over 60 steps of gpt-mini moved a weight by
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -180,6 +180,32 @@ def train_on_batches(
             losses.append(loss)
         weights = {k: v.detach().clone() for k, v in net.state_dict().items()}
         return ReferenceRun(losses, weights)
+
+
+def union_batches(
+    holders: Sequence[Mapping[str, Any]],
+    name: str,
+    counts: Sequence[int],
+    microbatches: int,
+    seed: int,
+) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """Step ``t``'s batch of a job on local data ``name`` (for :func:`train_on_batches`):
+    holder ``m`` reads ``counts[m] x microbatches`` samples of its own data with its own
+    sampler (:func:`batch_indices`), and microbatch ``j`` is every holder's ``j``-th
+    ``counts[m]``, holder after holder (``holders``: each one's registered local data)."""
+    datasets = [held[name].dataset for held in holders]
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = []
+        for data, n in zip(datasets, counts, strict=True):
+            own = batch_indices(len(data), n * microbatches, seed, step)
+            x, y = stack([data[i] for i in own.tolist()])
+            parts.append((x.chunk(microbatches), y.chunk(microbatches)))
+        xs = [torch.cat([p[0][j] for p in parts]) for j in range(microbatches)]
+        ys = [torch.cat([p[1][j] for p in parts]) for j in range(microbatches)]
+        return torch.cat(xs), torch.cat(ys)
+
+    return batch
 
 
 def assert_matches(

@@ -42,14 +42,15 @@ def test_a_job_is_planned_on_groups_where_they_win() -> None:
     assert grouped.found.score.step_time_s < one.found.score.step_time_s / 1.3
 
 
-def test_fault_tolerance_keeps_one_device_stages_until_the_switch(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_fault_tolerance_plans_groups_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A member of a group that dies is handed over ([Note: a group member dies]), so
+    jobs with fault tolerance are planned on groups like any other; the switch still
+    turns that off."""
     spec = _spec(replicate_every=2)
-    assert not plans_groups(spec) and not plans_groups(_spec(), resilient=True)
-    assert not _plan(spec).plan.grouped
-    monkeypatch.setattr(engine, "GROUPS_WITH_FAULT_TOLERANCE", True)
-    assert plans_groups(spec) and _plan(spec).plan.grouped
+    assert plans_groups(spec) and plans_groups(_spec(), resilient=True)
+    assert _plan(spec).plan.grouped
+    monkeypatch.setattr(engine, "GROUPS_WITH_FAULT_TOLERANCE", False)
+    assert not plans_groups(spec) and not _plan(spec).plan.grouped
 
 
 def test_even_splits_auto_codecs_and_servers_plan_no_groups() -> None:

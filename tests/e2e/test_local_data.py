@@ -1,0 +1,131 @@
+"""Data that stays home, over MQTT: the holders' samples never leave them, and the run is
+single-device training on the union of their data.
+
+``edgetrain train --holders 3`` on four agent processes and a real Mosquitto: three
+emulated Raspberry Pi 4s each hold a third of ``digits`` (``agent --data
+digits=digits:shard=i/3``) and a laptop helps. A client subscribed to every topic
+for the whole run decodes every frame it sees: none carries a tensor of the
+dataset's input shape, while activations after the holders' units do cross to the
+helper (so the check is not vacuous). The trained model equals a plain PyTorch loop
+on the union of the shards, in the order the holders read them, within 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+from support.reference import assert_matches, train_on_batches, union_batches
+
+from edge.models.datasets import build_dataset
+from edge.models.local_data import register
+from edge.models.user_code import ZOO_ONLY
+from edge.models.zoo import get_model
+from edge.transport.mqtt import MqttSettings, MqttTransport
+from edge.wire.frames import FrameError, Kind, read_header
+from edge.wire.groups import split_samples
+
+pytestmark = pytest.mark.slow
+
+HOLDERS = 3
+OPTIONS = {"width": 64}
+STEPS, BATCH, MICRO = 4, 96, 4
+
+
+def test_samples_stay_on_their_holders_and_training_is_the_unions(
+    module_broker: str, tmp_path: Path
+) -> None:
+    seen: list[tuple[str, bytes]] = []
+    lock = threading.Lock()
+
+    def sniff(topic: str, payload: bytes) -> None:
+        with lock:
+            seen.append((topic, payload))
+
+    sniffer = MqttTransport(MqttSettings(url=module_broker))
+    sniffer.connect(timeout=10)
+    sniffer.subscribe("#", sniff)
+    weights = tmp_path / "w.safetensors"
+    try:
+        cmd = [
+            sys.executable,
+            "-m",
+            "edgetrain.cli",
+            "train",
+            "--model",
+            "cnn-digits",
+            "--option",
+            "width=64",
+            "--devices",
+            "rpi4-4gb,rpi4-4gb,rpi4-4gb,laptop",
+            "--holders",
+            str(HOLDERS),
+            "--steps",
+            str(STEPS),
+            "--batch-size",
+            str(BATCH),
+            "--microbatches",
+            str(MICRO),
+            "--broker",
+            module_broker,
+            "--threads",
+            "1",
+            "--json",
+            "--save-weights",
+            str(weights),
+        ]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
+    finally:
+        sniffer.close()
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+
+    # The plan: the three holders are stage 0 (a third of every microbatch each), and a
+    # helper runs the rest.
+    stages = got["plan"]["stages"]
+    holders = stages[0]["devices"]
+    assert len(holders) == HOLDERS and len(stages) >= 2
+    assert all(
+        holder not in st.get("devices", [st.get("device")])
+        for st in stages[1:]
+        for holder in holders
+    )
+
+    # On the wire: no frame carries the dataset's inputs; activations after the holders'
+    # units do cross.
+    spec = get_model("cnn-digits", **OPTIONS)
+    sample = tuple(build_dataset(spec.dataset, "train", **spec.dataset_options)[0][0].shape)
+    kinds: Counter[tuple[Kind, tuple[int, ...]]] = Counter()
+    with lock:
+        frames = list(seen)
+    for _topic, payload in frames:
+        try:
+            header = read_header(payload)
+        except FrameError:
+            continue  # JSON events and commands, weights: not frames
+        kinds[(header.kind, header.shape[1:])] += 1
+        assert not (header.kind is not Kind.LABELS and header.shape[1:] == sample), header
+    crossed = [shape for (kind, shape) in kinds if kind is Kind.ACTIVATION]
+    assert crossed and all(shape != sample for shape in crossed)
+
+    # The run is one device's on the union of the shards, holder after holder.
+    shards = [
+        register([f"digits=digits:shard={i + 1}/{HOLDERS}"], ZOO_ONLY) for i in range(HOLDERS)
+    ]
+    counts = split_samples(BATCH // MICRO, stages[0]["shares"])
+    reference = train_on_batches(
+        "cnn-digits",
+        union_batches(shards, "digits", counts, MICRO, 0),
+        steps=STEPS,
+        seed=0,
+        model_options=OPTIONS,
+        microbatches=MICRO,
+    )
+    trained = safetensors.torch.load_file(str(weights))
+    assert_matches(got["losses"], trained, reference)
