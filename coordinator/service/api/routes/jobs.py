@@ -40,7 +40,7 @@ from pydantic import (
 )
 
 from coordinator.engine.faults import FaultActuator, parse_fault
-from coordinator.engine.spec import JobSpec
+from coordinator.engine.spec import DataPlacement, JobSpec
 from coordinator.service.api.deps import ManagerDep, ReadAuth, StoreDep, WriteAuth
 from coordinator.service.api.routes.errors import (
     AUTH,
@@ -103,6 +103,12 @@ class JobCreate(TrainConfig):
     devices' datasheet power figures: a prediction)."""
     max_step_time_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Only plans whose predicted step time is at most this many seconds."""
+    data: DataPlacement | None = Field(
+        default=None, examples=[{"name": "digits", "placement": "local"}]
+    )
+    """Data that stays home: train on the union of every online device's local dataset of
+    this name (``edgetrain agent --data NAME=SPEC``); those devices are stage 0, and only
+    activations after ``min_local_units`` units leave them. Give ``steps``."""
     faults: list[FaultText] = Field(
         default_factory=list, max_length=32, examples=[["kill:1@8", "slow:0@4:3", "join:laptop@6"]]
     )
@@ -191,6 +197,7 @@ def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPubl
     if replicate_every is None:
         replicate_every = max(1, steps // 10) if body.faults else 0
     _check_groups(body, replicate_every, model.num_units)  # before the spec, which checks too
+    _check_data(body, model.num_units)
     settings = body.train_settings() | {
         "dataset": dataset,
         "dataset_options": options,
@@ -208,6 +215,7 @@ def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPubl
             objective=body.objective,
             max_step_time_s=body.max_step_time_s,
             faults=tuple(body.faults),
+            data=body.data,
         )
     except ValidationError as exc:  # only steps is new here: too many epochs
         raise unprocessable(["body", "epochs"], describe_validation_error(exc, "job")) from None
@@ -215,6 +223,26 @@ def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPubl
     _check_faults(body, steps, manager.actuator)
     job = manager.submit(spec, body.devices)
     return _public(_job_or_404(store, job))
+
+
+def _check_data(body: JobCreate, units: int) -> None:
+    """A 422 naming ``data`` when a job on local data asks for what cannot go with it."""
+    data = body.data
+    if data is None:
+        return
+    why = None
+    if body.partition != "plan" or body.group_sizes is not None:
+        why = "local data needs partition plan: the holders are stage 0"
+    elif body.pin_first is not None:
+        why = "local data places stage 0 on its holders: no pin_first"
+    elif body.epochs is not None:
+        why = "local data needs steps, not epochs: its size is the holders' sum"
+    elif data.min_local_units > units:
+        why = (
+            f"min_local_units {data.min_local_units} is more than the {units} units of {body.model}"
+        )
+    if why is not None:
+        raise unprocessable(["body", "data"], why)
 
 
 def _check_stages(body: JobCreate, units: int) -> None:

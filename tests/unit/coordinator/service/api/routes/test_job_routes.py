@@ -199,3 +199,27 @@ def test_a_bad_objective_or_deadline_is_a_422_naming_it(
     response = client.post("/api/v1/jobs", json={**SPEC, **extra})
     assert response.status_code == 422, response.text
     assert response.json()["detail"][0]["loc"] == ["body", loc]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"partition": "even"}, "local data needs partition plan"),
+        ({"pin_first": "a"}, "local data places stage 0 on its holders"),
+        ({"steps": None, "epochs": 1.0}, "local data needs steps, not epochs"),
+        ({"data": {"name": "digits", "min_local_units": 4}}, "min_local_units 4 is more than"),
+    ],
+)
+def test_local_data_the_job_cannot_run_with_is_a_422_naming_it(
+    client: TestClient, extra: dict[str, object], message: str
+) -> None:
+    body = {**SPEC, "data": {"name": "digits", "placement": "local"}, **extra}
+    response = client.post("/api/v1/jobs", json=body)
+    assert response.status_code == 422, response.text
+    (detail,) = response.json()["detail"]
+    assert detail["loc"] == ["body", "data"] and detail["msg"].startswith(message), detail
+
+
+def test_a_local_dataset_name_is_a_plain_name(client: TestClient) -> None:
+    bad = client.post("/api/v1/jobs", json={**SPEC, "data": {"name": "../etc"}})
+    assert bad.status_code == 422 and bad.json()["detail"][0]["loc"][:3] == ["body", "data", "name"]
