@@ -271,6 +271,16 @@ def _plan_on_holders(
     return PlannedJob(problem=problem, found=found, holders=alternatives)
 
 
+def _data_left(old: Plan, new: Plan) -> dict[str, Any]:
+    """On local data, what a re-plan says: the holders whose data left the job with them
+    (the job goes on with the rest's), and the holders it trains on now."""
+    now = new.stages[0].devices
+    return {
+        "data_left_with": [d for d in old.stages[0].devices if d not in now],
+        "holders": list(now),
+    }
+
+
 class JobEngine:
     """Drives jobs over the agents of ``fleet`` through the connected ``control``."""
 
@@ -463,6 +473,7 @@ class JobEngine:
                 ready_timeout_s=self.ready_timeout_s,
                 access=self.access,
                 shares=shares.get,
+                explain=_data_left if spec.data is not None else None,
             )
             got = run.run(planned.plan, first_step)
         finally:

@@ -164,9 +164,12 @@ class ResilientRun:
         servers: dict[str, str] | None = None,
         access: JobAccess | None = None,
         shares: Shares | None = None,
+        explain: Callable[[Plan, Plan], dict[str, Any]] | None = None,
     ) -> None:
         self.spec = spec
         self.shares = shares
+        self.explain = explain
+        """``explain(old, new)``: fields the recovery event adds (e.g. whose data left)."""
         self.access = access
         """The broker's ACLs, granted per attempt (each attempt's plan, under its job id)."""
         self.control = control
@@ -429,8 +432,9 @@ class ResilientRun:
             self._event("failure", device=d, detected_at=when, why=why)
         if not alive:
             raise JobFailed("every device of the job died")
-        plan = self.replan(alive)
+        old, plan = self.plan, self.replan(alive)
         self.interruption = _Interruption(detected, "failure")
+        told = self.explain(old, plan) if self.explain is not None else {}
         self._event(
             "recovery",
             rollback_to=self.first_step,
@@ -439,6 +443,7 @@ class ResilientRun:
             survivors=alive,
             plan=plan.to_json(),
             handed_over=handed is not None,
+            **told,
         )
         return plan
 

@@ -13,11 +13,13 @@ on the union of the shards, in the order the holders read them, within 1e-5.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import threading
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -38,6 +40,40 @@ OPTIONS = {"width": 64}
 STEPS, BATCH, MICRO = 4, 96, 4
 
 
+def _train(broker: str, *extra: str) -> dict[str, Any]:
+    """``edgetrain train --holders 3`` on three emulated Pi 4s and a laptop; its JSON."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "edgetrain.cli",
+        "train",
+        "--model",
+        "cnn-digits",
+        "--option",
+        "width=64",
+        "--devices",
+        "rpi4-4gb,rpi4-4gb,rpi4-4gb,laptop",
+        "--holders",
+        str(HOLDERS),
+        "--steps",
+        str(STEPS),
+        "--batch-size",
+        str(BATCH),
+        "--microbatches",
+        str(MICRO),
+        "--broker",
+        broker,
+        "--threads",
+        "1",
+        "--json",
+        *extra,
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got: dict[str, Any] = json.loads(out.stdout)
+    return got
+
+
 def test_samples_stay_on_their_holders_and_training_is_the_unions(
     module_broker: str, tmp_path: Path
 ) -> None:
@@ -53,38 +89,9 @@ def test_samples_stay_on_their_holders_and_training_is_the_unions(
     sniffer.subscribe("#", sniff)
     weights = tmp_path / "w.safetensors"
     try:
-        cmd = [
-            sys.executable,
-            "-m",
-            "edgetrain.cli",
-            "train",
-            "--model",
-            "cnn-digits",
-            "--option",
-            "width=64",
-            "--devices",
-            "rpi4-4gb,rpi4-4gb,rpi4-4gb,laptop",
-            "--holders",
-            str(HOLDERS),
-            "--steps",
-            str(STEPS),
-            "--batch-size",
-            str(BATCH),
-            "--microbatches",
-            str(MICRO),
-            "--broker",
-            module_broker,
-            "--threads",
-            "1",
-            "--json",
-            "--save-weights",
-            str(weights),
-        ]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
+        got = _train(module_broker, "--save-weights", str(weights))
     finally:
         sniffer.close()
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout)
 
     # The plan: the three holders are stage 0 (a third of every microbatch each), and a
     # helper runs the rest.
@@ -129,3 +136,34 @@ def test_samples_stay_on_their_holders_and_training_is_the_unions(
     )
     trained = safetensors.torch.load_file(str(weights))
     assert_matches(got["losses"], trained, reference)
+
+
+def _events(got: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    return [e for e in got["events"] if e["type"] == kind]
+
+
+def test_a_holder_that_dies_takes_its_data_and_the_others_go_on(module_broker: str) -> None:
+    """``kill:0.1@2``: holder 1 dies; its co-holders hand over (nothing rolls back) and the
+    job trains on the other two holders' data from then on, and says so."""
+    got = _train(module_broker, "--fault", "kill:0.1@2", "--steps", "6")
+    first, second = _events(got, "attempt")
+    killed = first["plan"][0]["devices"][1]
+    (recovery,) = _events(got, "recovery")
+    assert recovery["handed_over"] is True and got["rolled_back_steps"] == 0
+    assert recovery["data_left_with"] == [killed]
+    assert recovery["holders"] == [d for d in first["plan"][0]["devices"] if d != killed]
+    assert second["plan"][0]["devices"] == recovery["holders"]
+    assert got["steps_completed"] == 6 and all(math.isfinite(x) for x in got["losses"])
+
+
+def test_a_helper_that_dies_leaves_the_holders_training(module_broker: str) -> None:
+    """``kill:1@2``: the laptop (the only helper) dies; the re-plan keeps every holder,
+    now training every unit themselves."""
+    got = _train(module_broker, "--fault", "kill:1@2", "--steps", "6")
+    first, second = _events(got, "attempt")
+    helper = first["plan"][1]["device"]
+    (recovery,) = _events(got, "recovery")
+    assert recovery["data_left_with"] == [] and helper not in recovery["holders"]
+    assert second["plan"][0]["devices"] == first["plan"][0]["devices"]
+    assert len(second["plan"]) == 1  # no helper left: the holders alone
+    assert got["steps_completed"] == 6 and all(math.isfinite(x) for x in got["losses"])
