@@ -176,11 +176,13 @@ def train_on_local_fleet(
     (negative: chosen from the plan) makes the run survive its ``faults`` and migrate to
     faster plans (``rebalance``). With ``holders`` (and ``spec.data``), the first that
     many agents each hold a shard of the dataset as local data, ``spec.data.name``."""
+    from coordinator.engine.egress import egress
     from coordinator.engine.engine import JobEngine, JobHooks
     from coordinator.engine.runners import server_tier
     from coordinator.engine.spec import largest_message_bytes, new_job_id
     from coordinator.local.fleet import LocalFleet
     from coordinator.local.owned import OwnedBroker, start_owned_broker
+    from coordinator.planner.baselines import job_baselines
     from edge.models.user_code import user_modules
     from edge.transport.mqtt import MqttSettings, MqttTransport
 
@@ -234,6 +236,9 @@ def train_on_local_fleet(
         first = fleet.ids[0]
         planned = engine.plan(spec, pin_first=first, where="these devices", resilient=every != 0)
         check_fault_stages(faults or [], [len(st.devices) for st in planned.plan.stages])
+        extra["egress"] = egress(spec, planned.plan)
+        if planned.holders is not None:  # what the job's constraints allow, side by side
+            extra["alternatives"] = job_baselines(planned.problem, planned.holders)
         tier = server_tier(announced)
         if tier and not every:
             extra["servers"] = sorted(tier)

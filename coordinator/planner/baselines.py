@@ -23,16 +23,18 @@ For a version 2 problem two more, from :mod:`coordinator.planner.group_search`:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from coordinator.planner.group_search import data_parallel_only
+from coordinator.planner.holders import HolderPlans
 from coordinator.planner.score import Plan, PlanScore, Stage, score_plan
 from coordinator.planner.solve import plan_problem
 from coordinator.planner.tables import CostTables
 from edge.problem import PlanningProblem
 
-__all__ = ["BASELINES", "run_baselines"]
+__all__ = ["BASELINES", "LOCAL_DATA_FORBIDS", "job_baselines", "run_baselines"]
 
 
 def _given_order(problem: PlanningProblem) -> list[str]:
@@ -131,4 +133,37 @@ def run_baselines(problem: PlanningProblem, time_budget_s: float = 8.0) -> dict[
         pipeline = plan_problem(problem.as_version(1), time_budget_s=time_budget_s).plan
         if pipeline is not None:
             out["pipeline-only"] = score_plan(problem, pipeline)
+    return out
+
+
+LOCAL_DATA_FORBIDS = "the data may not leave the devices that hold it"
+"""Why a local-data job's usual baselines are not options for it."""
+
+
+def job_baselines(
+    problem: PlanningProblem, holders: HolderPlans | None = None
+) -> dict[str, dict[str, Any]]:
+    """What a job's plan is compared with, each scored as the plan is: the baselines of
+    :func:`run_baselines`; on local data (``holders``), first the alternatives its
+    constraints allow (the holders alone together, each alone on its own data), and the
+    usual baselines, which read the data anywhere, labelled forbidden."""
+    usual = {
+        k: {"throughput_sps": b.throughput_sps, "feasible": b.feasible}
+        for k, b in run_baselines(problem).items()
+    }
+    if holders is None:
+        return usual
+    out: dict[str, dict[str, Any]] = {
+        "holders alone": {
+            "throughput_sps": holders.holders_alone.throughput_sps,
+            "feasible": holders.holders_alone.feasible,
+        }
+    }
+    for device, alone in holders.each_alone.items():
+        out[f"{device} alone, its own data"] = {
+            "throughput_sps": alone.throughput_sps,
+            "feasible": alone.feasible,
+        }
+    for k, b in usual.items():
+        out[k] = {**b, "forbidden": LOCAL_DATA_FORBIDS}
     return out

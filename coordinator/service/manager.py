@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from coordinator.engine.egress import egress
 from coordinator.engine.engine import JobEngine, JobHooks, PlannedJob
 from coordinator.engine.faults import (
     Fault,
@@ -52,7 +53,7 @@ from coordinator.engine.faults import (
 from coordinator.engine.replicas import ReplicaStore
 from coordinator.engine.runners import server_tier
 from coordinator.engine.spec import JobAccess, JobFailed, JobResult, JobSpec, new_job_id
-from coordinator.planner.baselines import run_baselines
+from coordinator.planner.baselines import job_baselines
 from coordinator.planner.score import Plan, for_plan
 from coordinator.planner.simulator import simulate
 from coordinator.service.events import EventBus
@@ -240,10 +241,8 @@ class JobManager:
                 "compute_s": score.compute_s,
                 "link_s": score.link_s,
                 "units": [unit.name for unit in problem.layers],
-                "baselines": {
-                    k: {"throughput_sps": b.throughput_sps, "feasible": b.feasible}
-                    for k, b in run_baselines(problem).items()
-                },
+                "baselines": job_baselines(problem, planned.holders),
+                "egress": egress(spec, score.plan),
                 "simulation": sim.to_json(),
             },
         )

@@ -104,6 +104,16 @@ def test_samples_stay_on_their_holders_and_training_is_the_unions(
         for holder in holders
     )
 
+    # What the job says leaves each device: activations after the holders' units, never
+    # the samples; and it compares itself only with what its constraints allow.
+    first = got["egress"][0]
+    assert first["from"] == holders and first["what"].startswith("activations after unit")
+    assert all("sample" not in row["what"] for row in got["egress"])
+    alternatives = got["alternatives"]
+    assert "holders alone" in alternatives and "forbidden" not in alternatives["holders alone"]
+    assert all(f"{h} alone, its own data" in alternatives for h in holders)
+    assert alternatives["single"]["forbidden"].startswith("the data may not leave")
+
     # On the wire: no frame carries the dataset's inputs; activations after the holders'
     # units do cross.
     spec = get_model("cnn-digits", **OPTIONS)

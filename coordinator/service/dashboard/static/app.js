@@ -547,7 +547,22 @@ function renderJob(view) {
       legend(util.map((u) => [u.color, `${u.name} ${fmt(u.avg * 100, 0)}%`]))),
     h("section", { class: "panel span-6" },
       h("header", {}, h("h2", {}, "Plan")),
-      h("div", { class: "table-wrap" }, stagesTable))));
+      h("div", { class: "table-wrap" }, stagesTable)),
+    h("section", { class: "panel span-6", id: "egress" },
+      h("header", {}, h("h2", {}, "What leaves each device"), h("span", { class: "aside" }, "per step")),
+      h("div", { class: "table-wrap" }, egressTable(plan.egress || [])))));
+}
+
+function egressTable(rows) {
+  return h("table", {},
+    h("thead", {}, h("tr", {}, h("th", {}, "From"), h("th", {}, "To"), h("th", {}, "What"),
+      h("th", {}, "Shape / sample"), h("th", {}, "Codec"))),
+    h("tbody", {}, rows.map((r) => h("tr", {},
+      h("td", { class: "mono" }, r.from.join(", ")),
+      h("td", { class: "mono" }, r.to.join(", ")),
+      h("td", {}, r.what),
+      h("td", { class: "mono" }, r.shape ? `[${r.shape.join(", ")}]` : "–"),
+      h("td", { class: "mono" }, r.codec)))));
 }
 
 function stat(k, v) {
