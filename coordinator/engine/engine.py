@@ -37,6 +37,7 @@ from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobAccess, JobResult, JobSpec
 from coordinator.planner.build import build_problem
 from coordinator.planner.partition import JobPlan, plan_job
+from coordinator.planner.predict import calibrated, measure_unit_seconds
 from coordinator.planner.score import Plan
 from edge.errors import UserError
 from edge.problem import DeviceSpec, Objective, PlanningProblem
@@ -163,6 +164,15 @@ def plan_over(
         fewer = f"stages={stages}, but only {have}: planning {len(devices)} stages"
         stages = len(devices)
     problem = job_problem(spec, devices, first)
+    units = None
+    if calibrated(problem):  # agents that measured their fixed costs: predict what they'll do
+        units = measure_unit_seconds(
+            spec.model,
+            spec.batch_size,
+            spec.microbatches,
+            model_options=spec.model_options,
+            optimizer=spec.optimizer,
+        )
     found = plan_job(
         problem,
         partition=spec.partition,
@@ -171,6 +181,7 @@ def plan_over(
         where=where,
         previous=previous if again else None,
         group_sizes=spec.group_sizes,
+        units=units,
     )
     return PlannedJob(problem=problem, found=found, fewer_stages=fewer)
 

@@ -22,6 +22,11 @@ the job's ``codec`` into a scored plan:
   with one-device stages: under a second at 64 devices x 200 units, where the full
   search spends its whole budget), unless ``stages`` or ``codec="auto"`` ask for
   the full search.
+- Where the devices announced fixed costs (or ``units`` are given), every plan is
+  also predicted by the internal model (:func:`~coordinator.planner.predict.predict`,
+  :attr:`JobPlan.prediction`), and the planner's plan of ``S`` stages is kept only
+  if no plan of fewer stages is predicted faster: each stage adds a link's frames
+  and fixed costs the spec's score does not see (exact searches only).
 - ``codec="auto"``: each link's codec is chosen as in
   :mod:`coordinator.planner.codecs` (for ``plan``, plans are searched per codec,
   with the same stage count), and kept only when it makes the step faster.
@@ -33,12 +38,13 @@ reason: more stages than units or devices, or nothing of that shape that fits.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 from coordinator.planner.baselines import even_split
 from coordinator.planner.codecs import choose_codecs, plan_with_codecs, with_codecs
 from coordinator.planner.group_search import plan_groups, replan
+from coordinator.planner.predict import Prediction, UnitSeconds, calibrated, predict
 from coordinator.planner.score import Plan, PlanScore, Stage, score_plan
 from coordinator.planner.solve import EXACT_DEVICES, exact_capacity, plan_problem
 from edge.errors import UserError
@@ -58,6 +64,8 @@ class JobPlan:
     score: PlanScore
     method: str
     exact: bool
+    prediction: Prediction | None = None
+    """The internal model's step (:mod:`coordinator.planner.predict`): what jobs show."""
 
     @property
     def plan(self) -> Plan:
@@ -83,12 +91,45 @@ def plan_job(
     where: str = "the devices",
     previous: Plan | None = None,
     group_sizes: Sequence[int] | None = None,
+    units: UnitSeconds | None = None,
 ) -> JobPlan:
     """The plan for a job with these options over ``problem`` (see the module docstring).
 
     ``where`` names the devices in error messages ("the online devices"); ``previous``
-    is the plan a re-plan replaces.
+    is the plan a re-plan replaces; ``units`` the model's measured unit seconds.
     """
+    options = {"partition": partition, "codec": codec, "where": where}
+    found = _plan_job(problem, **options, stages=stages, previous=previous, group_sizes=group_sizes)
+    found = replace(found, prediction=predict(problem, found.plan, units))
+    fixed = units is not None or calibrated(problem)
+    if not fixed or partition != "plan" or stages is not None or group_sizes is not None:
+        return found
+    if codec.lower() == "auto" or not found.exact:
+        return found
+    best = found
+    for fewer in range(1, len(found.plan.stages)):
+        try:
+            other = _plan_job(problem, partition=partition, codec=codec, stages=fewer)
+        except UserError:
+            continue
+        guess = predict(problem, other.plan, units)
+        assert best.prediction is not None
+        if guess.step_time_s < best.prediction.step_time_s:
+            best = replace(other, prediction=guess)
+    return best
+
+
+def _plan_job(
+    problem: PlanningProblem,
+    *,
+    partition: str = "plan",
+    stages: int | None = None,
+    codec: str = "fp32",
+    where: str = "the devices",
+    previous: Plan | None = None,
+    group_sizes: Sequence[int] | None = None,
+) -> JobPlan:
+    """:func:`plan_job` under the spec's score alone."""
     if partition not in PARTITIONS:
         raise UserError(f"partition {partition!r} is not one of {', '.join(PARTITIONS)}")
     if group_sizes is not None:

@@ -63,17 +63,44 @@ def _login(
     return settings, None
 
 
-def _measured(device_id: str, seconds: float, device: str, precision: str) -> DeviceSpec:
+def _measured(
+    device_id: str, seconds: float, device: str, precision: str, slowdown: float = 1.0
+) -> DeviceSpec:
     from edge.profiling.device import profile_device
 
     if device == "cpu":
-        return profile_device(device_id, seconds=seconds).to_device_spec()
+        return profile_device(device_id, seconds=seconds, slowdown=slowdown).to_device_spec()
     return profile_device(
         device_id,
         seconds=seconds,
         device=device,
         precision=precision,  # type: ignore[arg-type]
+        slowdown=slowdown,
     ).to_device_spec()
+
+
+def _emulating(measured: DeviceSpec, name: str, slowdown: float) -> DeviceSpec:
+    """What an agent emulating catalogue device ``name`` announces: the speed it really
+    gets here (this machine's measured rate over ``slowdown``), the device's memory and
+    power, this machine's link and fixed costs; ``details`` name what it emulates."""
+    from edge.profiling.catalog import resolve
+
+    source = resolve(name).to_device_spec(power=True)
+    details = {
+        **(measured.details or {}),
+        "emulates": name,
+        "emulated_gflops": source.gflops,
+        "slowdown": slowdown,
+    }
+    return measured.model_copy(
+        update={
+            "gflops": measured.gflops / slowdown,
+            "memory_bytes": min(measured.memory_bytes, source.memory_bytes),
+            "watts_busy": source.watts_busy,
+            "watts_idle": source.watts_idle,
+            "details": details,
+        }
+    )
 
 
 _HOST_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
@@ -120,6 +147,17 @@ def agent_command(
             "Announce a catalogue profile (e.g. rpi4-4gb), or the device in a JSON file "
             "(as `edgetrain profile --json` writes; its id becomes --device-id), "
             "instead of measuring this machine."
+        ),
+    ),
+    emulate: str | None = typer.Option(
+        None,
+        "--emulate",
+        envvar="EDGETRAIN_EMULATE",
+        metavar="NAME",
+        help=(
+            "Emulate catalogue device NAME with --slowdown: measure this machine and "
+            "announce the speed it gets slowed (measured GFLOP/s / slowdown), with NAME's "
+            "memory and power, so the planner predicts what it will measure."
         ),
     ),
     data_dir: Path = typer.Option(
@@ -277,6 +315,12 @@ def agent_command(
     for host in store_host:
         _check_host(host)
     announced: DeviceSpec | None = None  # bad input fails here, before connecting
+    if emulate is not None:
+        if profile is not None:
+            raise UserError("--emulate and --profile: give one")
+        from edge.profiling.catalog import resolve
+
+        resolve(emulate)  # an unknown name fails here
     if profile is not None and (profile.endswith(".json") or Path(profile).is_file()):
         from edge.profiling.catalog import load_device_file
 
@@ -302,7 +346,9 @@ def agent_command(
     tier = {"server": True, "torch_device": device} if server or device != "cpu" else {}
 
     def measure() -> DeviceSpec:
-        spec = announced or _measured(device_id, measure_seconds, device, precision)
+        spec = announced or _measured(device_id, measure_seconds, device, precision, slowdown)
+        if emulate is not None:
+            spec = _emulating(spec, emulate, slowdown)
         if tier:
             spec = spec.model_copy(update={"details": {**(spec.details or {}), **tier}})
         if announced is not None or (link_mbps is None and not link_latency_ms):

@@ -1,0 +1,121 @@
+"""The fixed costs of training on this device: per microbatch, per step and per frame.
+
+A FLOP count prices the work of a layer, not the cost of running it: the stage
+loop, the frames, the report and the flush cost the same whatever the model.
+This module measures them where the agent runs and carries them in the announced
+profile's ``details["fixed_costs"]`` (a planning problem's device keeps its spec
+fields; the score ignores ``details``):
+
+- ``microbatch_s`` and ``step_s``: a one-stage job of a tiny model run through
+  the real stage runtime (:class:`~edge.runtime.stage.StageRuntime`, in-process
+  transport) with 1 and :data:`PROBE_MICROBATCHES` microbatches; each step's
+  ``step_s - compute_s`` (what the stage spends outside its units' compute: data,
+  loop, report) is fitted as ``step_s + M * microbatch_s`` over the medians;
+- ``frame_s``: what one tensor frame costs its sender beyond the link's latency:
+  encoding and decoding a small activation frame, plus, when the link was
+  measured through a broker, the publish call of a QoS 1 message
+  (``details["publish_ms"]`` of :func:`~edge.profiling.device.measure_broker_link`).
+  The latency itself stays the link's ``latency_ms``.
+
+:func:`fixed_costs_of` reads them back from a device; ``None`` for a device
+that did not measure them (a catalogue entry, a problem file).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from edge.problem import DeviceSpec
+from edge.runtime.stage import StageRuntime
+from edge.transport.inprocess import InProcessTransport
+from edge.wire.frames import Codec, Kind, decode_frame, encode_frame
+from edge.wire.messages import StageAssignment
+
+__all__ = ["PROBE_MICROBATCHES", "FixedCosts", "fixed_costs_of", "measure_fixed_costs"]
+
+PROBE_MICROBATCHES = 4
+"""The probe's larger microbatch count (the smaller is 1)."""
+
+_PROBE_MODEL: dict[str, Any] = {"model": "mlp", "model_options": {"hidden": 8, "depth": 2}}
+"""A model whose compute is negligible: what the probe times is the machinery around it."""
+
+
+@dataclass(frozen=True)
+class FixedCosts:
+    """Seconds one device spends per microbatch, per step and per frame, beyond compute."""
+
+    microbatch_s: float
+    step_s: float
+    frame_s: float
+
+    def to_json(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def fixed_costs_of(device: DeviceSpec) -> FixedCosts | None:
+    """The fixed costs ``device`` announced (``details["fixed_costs"]``), if any."""
+    got = (device.details or {}).get("fixed_costs")
+    if not isinstance(got, dict):
+        return None
+    try:
+        return FixedCosts(**{k: max(0.0, float(got[k])) for k in FixedCosts.__annotations__})
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _stage_overhead(microbatches: int, steps: int, slowdown: float) -> float:
+    """Median ``step_s - compute_s`` of a one-stage tiny job with ``microbatches``."""
+    assignment = StageAssignment(
+        **_PROBE_MODEL,
+        job="fixed-costs",
+        stage=0,
+        num_stages=1,
+        start=0,
+        end=2,
+        dataset="digits",
+        steps=steps,
+        batch_size=PROBE_MICROBATCHES,
+        microbatches=microbatches,
+    )
+    stage = StageRuntime(assignment, InProcessTransport(), slowdown=slowdown)
+    outside = []
+    for step in range(steps):
+        report = stage.run_step(step)
+        if step >= 2:  # the first steps warm caches and the optimizer state
+            outside.append(report.step_s - report.compute_s)
+    return statistics.median(outside)
+
+
+def _frame_codec_s(rounds: int = 50) -> float:
+    """Median seconds to encode and decode one small activation frame."""
+    tensor = torch.randn(8, 64)
+    times = []
+    for i in range(rounds):
+        t0 = time.perf_counter()
+        decode_frame(encode_frame(Kind.ACTIVATION, "fixed-costs", i, 0, tensor, Codec.FP32))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_fixed_costs(
+    *, steps: int = 12, slowdown: float = 1.0, publish_ms: float | None = None
+) -> FixedCosts:
+    """Measure this device's fixed costs (see the module docstring); about a second.
+
+    ``slowdown`` is the agent's software throttle (it stretches compute, which the
+    fit leaves out); ``publish_ms`` the broker probe's publish call, when measured.
+    """
+    if steps < 3:
+        raise ValueError(f"steps must be at least 3 (got {steps})")
+    one = _stage_overhead(1, steps, slowdown)
+    many = _stage_overhead(PROBE_MICROBATCHES, steps, slowdown)
+    per_microbatch = max(0.0, (many - one) / (PROBE_MICROBATCHES - 1))
+    frame = _frame_codec_s() + (publish_ms or 0.0) / 1e3
+    return FixedCosts(
+        microbatch_s=per_microbatch, step_s=max(0.0, one - per_microbatch), frame_s=frame
+    )
