@@ -160,6 +160,8 @@ class LocalFleet:
             "--slowdown",
             str(slowdown),
         ]
+        if device not in self.programs:  # this install's agents measure one at a time
+            cmd += ["--measure-lock", str(self.work_dir / "measure.lock")]
         for prefix in self.allow_code:
             cmd += ["--allow-code", prefix]
         if profile:

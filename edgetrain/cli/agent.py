@@ -7,12 +7,14 @@ profile, a catalogue profile, or one read from a JSON file
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import math
 import re
 import signal
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +79,25 @@ def _measured(
         precision=precision,  # type: ignore[arg-type]
         slowdown=slowdown,
     ).to_device_spec()
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path | None) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (nothing without one, or where there is
+    no ``fcntl``)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: measure without the lock
+        path = None
+    if path is None:
+        yield
+        return
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _emulating(measured: DeviceSpec, name: str, slowdown: float) -> DeviceSpec:
@@ -157,7 +178,8 @@ def agent_command(
         help=(
             "Emulate catalogue device NAME with --slowdown: measure this machine and "
             "announce the speed it gets slowed (measured GFLOP/s / slowdown), with NAME's "
-            "memory and power, so the planner predicts what it will measure."
+            "memory, power and link (frames shaped to it unless --link-mbps or "
+            "--link-latency-ms say otherwise), so the planner predicts what it measures."
         ),
     ),
     data_dir: Path = typer.Option(
@@ -178,6 +200,16 @@ def agent_command(
         envvar="EDGETRAIN_MEASURE_SECONDS",
         min=0.05,
         help="How long to time matmuls when measuring.",
+    ),
+    measure_lock: Path | None = typer.Option(
+        None,
+        "--measure-lock",
+        envvar="EDGETRAIN_MEASURE_LOCK",
+        metavar="FILE",
+        help=(
+            "Hold an exclusive lock on FILE while measuring, so agents sharing a machine "
+            "measure one at a time instead of each other."
+        ),
     ),
     slowdown: float = typer.Option(
         1.0,
@@ -320,7 +352,10 @@ def agent_command(
             raise UserError("--emulate and --profile: give one")
         from edge.profiling.catalog import resolve
 
-        resolve(emulate)  # an unknown name fails here
+        source = resolve(emulate).to_device_spec()  # an unknown name fails here
+        # Its link too: frames are shaped to the device's, which it then announces.
+        link_mbps = link_mbps or source.bandwidth_mbps
+        link_latency_ms = link_latency_ms or source.latency_ms
     if profile is not None and (profile.endswith(".json") or Path(profile).is_file()):
         from edge.profiling.catalog import load_device_file
 
@@ -346,9 +381,12 @@ def agent_command(
     tier = {"server": True, "torch_device": device} if server or device != "cpu" else {}
 
     def measure() -> DeviceSpec:
-        spec = announced or _measured(device_id, measure_seconds, device, precision, slowdown)
+        with _exclusive(measure_lock if announced is None else None):
+            spec = announced or _measured(device_id, measure_seconds, device, precision, slowdown)
         if emulate is not None:
             spec = _emulating(spec, emulate, slowdown)
+            link = {"bandwidth_mbps": link_mbps, "latency_ms": link_latency_ms}
+            return spec.model_copy(update=link)
         if tier:
             spec = spec.model_copy(update={"details": {**(spec.details or {}), **tier}})
         if announced is not None or (link_mbps is None and not link_latency_ms):
