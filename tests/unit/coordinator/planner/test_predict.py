@@ -34,7 +34,7 @@ REL = 1e-12
 
 
 def _problem(
-    fixed: dict[str, dict[str, float]] | None = None,
+    fixed: dict[str, dict[str, Any]] | None = None,
     *,
     gflops: tuple[float, float] = (10.0, 20.0),
     microbatches: int = 2,
