@@ -111,6 +111,7 @@ def _emulating(measured: DeviceSpec, name: str, slowdown: float) -> DeviceSpec:
         **(measured.details or {}),
         "emulates": name,
         "emulated_gflops": source.gflops,
+        "measured_gflops": measured.gflops,
         "slowdown": slowdown,
     }
     return measured.model_copy(
