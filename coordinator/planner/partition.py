@@ -26,7 +26,10 @@ the job's ``codec`` into a scored plan:
   also predicted by the internal model (:func:`~coordinator.planner.predict.predict`,
   :attr:`JobPlan.prediction`), and the planner's plan of ``S`` stages is kept only
   if no plan of fewer stages is predicted faster: each stage adds a link's frames
-  and fixed costs the spec's score does not see (exact searches only).
+  and fixed costs the spec's score does not see (exact searches only). Given
+  ``units``, a version 1 job is cut where the units' measured seconds balance
+  (:func:`~coordinator.planner.predict.timed_problem`), not their FLOPs; its
+  score stays the spec's score of that plan.
 - ``codec="auto"``: each link's codec is chosen as in
   :mod:`coordinator.planner.codecs` (for ``plan``, plans are searched per codec,
   with the same stage count), and kept only when it makes the step faster.
@@ -44,7 +47,13 @@ from typing import Literal, get_args
 from coordinator.planner.baselines import even_split
 from coordinator.planner.codecs import choose_codecs, plan_with_codecs, with_codecs
 from coordinator.planner.group_search import plan_groups, replan
-from coordinator.planner.predict import Prediction, UnitSeconds, calibrated, predict
+from coordinator.planner.predict import (
+    Prediction,
+    UnitSeconds,
+    calibrated,
+    predict,
+    timed_problem,
+)
 from coordinator.planner.score import Plan, PlanScore, Stage, score_plan
 from coordinator.planner.solve import EXACT_DEVICES, exact_capacity, plan_problem
 from edge.errors import UserError
@@ -98,24 +107,34 @@ def plan_job(
     ``where`` names the devices in error messages ("the online devices"); ``previous``
     is the plan a re-plan replaces; ``units`` the model's measured unit seconds.
     """
-    options = {"partition": partition, "codec": codec, "where": where}
-    found = _plan_job(problem, **options, stages=stages, previous=previous, group_sizes=group_sizes)
+    found = _plan_job(
+        problem,
+        partition=partition,
+        stages=stages,
+        codec=codec,
+        where=where,
+        previous=previous,
+        group_sizes=group_sizes,
+    )
+    simple = partition == "plan" and group_sizes is None and codec.lower() != "auto"
+    timed = timed_problem(problem, units) if units is not None and simple else None
+    if timed is not None and problem.version == 1:  # cut where the measured seconds balance
+        on_time = _plan_job(timed, stages=stages, where=where, previous=previous)
+        found = replace(on_time, score=score_plan(problem, on_time.plan))
     found = replace(found, prediction=predict(problem, found.plan, units))
     fixed = units is not None or calibrated(problem)
-    if not fixed or partition != "plan" or stages is not None or group_sizes is not None:
-        return found
-    if codec.lower() == "auto" or not found.exact:
+    if not (fixed and simple and stages is None and found.exact):
         return found
     best = found
     for fewer in range(1, len(found.plan.stages)):
         try:
-            other = _plan_job(problem, partition=partition, codec=codec, stages=fewer)
+            other = _plan_job(timed or problem, stages=fewer)
         except UserError:
             continue
         guess = predict(problem, other.plan, units)
         assert best.prediction is not None
         if guess.step_time_s < best.prediction.step_time_s:
-            best = replace(other, prediction=guess)
+            best = replace(other, score=score_plan(problem, other.plan), prediction=guess)
     return best
 
 

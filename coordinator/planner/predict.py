@@ -45,7 +45,14 @@ from edge.profiling.matmul import matmul_benchmark
 from edge.runtime.unit_times import measure_unit_times
 from edge.wire.messages import OptimizerSpec
 
-__all__ = ["Prediction", "UnitSeconds", "calibrated", "measure_unit_seconds", "predict"]
+__all__ = [
+    "Prediction",
+    "UnitSeconds",
+    "calibrated",
+    "measure_unit_seconds",
+    "predict",
+    "timed_problem",
+]
 
 _NONE = FixedCosts(0.0, 0.0, 0.0)
 
@@ -98,15 +105,18 @@ def _unit_seconds(key: str) -> UnitSeconds:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as an agent's stage runs; its gflops are measured the same way
     try:
+        # The matmul rate is taken before and after the units, in the same window: a busy
+        # machine slows both alike, so their product (what a unit is worth) stands.
+        before = matmul_benchmark(torch.float32, 0.3).gflops
         times = measure_unit_times(
             spec,
             args["batch_size"],
             args["microbatches"],
-            steps=2,
+            steps=3,
             warmup=1,
             optimizer=OptimizerSpec.model_validate(args["optimizer"]),
         )
-        gflops = matmul_benchmark(torch.float32, 0.3).gflops
+        gflops = (before + matmul_benchmark(torch.float32, 0.3).gflops) / 2
     finally:
         torch.set_num_threads(threads)
     return UnitSeconds(tuple(t.fwd_s + t.bwd_s for t in times), gflops)
@@ -167,3 +177,17 @@ def predict(problem: PlanningProblem, plan: Plan, units: UnitSeconds | None = No
         per_step_s=per_step,
         spec_step_time_s=spec.step_time_s,
     )
+
+
+def timed_problem(problem: PlanningProblem, units: UnitSeconds) -> PlanningProblem:
+    """``problem`` with each layer's FLOPs those its measured seconds are worth at
+    ``units.gflops`` (a third forward, two thirds backward): the spec's search on it
+    balances stages by measured time. Memory and links are unchanged."""
+    if len(units.seconds) != len(problem.layers):
+        raise ValueError(f"{len(units.seconds)} unit times for {len(problem.layers)} layers")
+    b = problem.batch_size / problem.microbatches
+    layers = []
+    for layer, seconds in zip(problem.layers, units.seconds, strict=True):
+        flops = seconds * units.gflops * 1e9 / b  # per sample, forward and backward
+        layers.append(layer.model_copy(update={"fwd_flops": flops / 3, "bwd_flops": flops * 2 / 3}))
+    return problem.model_copy(update={"layers": layers})

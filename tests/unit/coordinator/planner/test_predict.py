@@ -24,7 +24,7 @@ import pytest
 from typer.testing import CliRunner
 
 from coordinator.planner.partition import plan_job
-from coordinator.planner.predict import UnitSeconds, calibrated, predict
+from coordinator.planner.predict import UnitSeconds, calibrated, predict, timed_problem
 from coordinator.planner.score import Plan, score_plan
 from edge.problem import PlanningProblem
 from edge.profiling.fixed_costs import FixedCosts, fixed_costs_of
@@ -158,3 +158,36 @@ def test_plan_job_drops_a_stage_that_fixed_costs_make_not_pay() -> None:
     assert chosen.prediction.step_time_s == pytest.approx(2.9, rel=REL)
     # The spec's score still ranks it as the spec says.
     assert chosen.score.step_time_s == pytest.approx(2.4, rel=REL)
+
+
+def test_unit_seconds_decide_where_a_job_is_cut() -> None:
+    # FLOPs put the cut after layer 1 (2 + 2 against 4 GFLOP per sample); the measured
+    # seconds put it after layer 0 (0.2 against 0.05 + 0.05).
+    flops = (1e9, 1e9, 2e9)
+    problem = PlanningProblem.model_validate(
+        {
+            "version": 1,
+            "batch_size": 4,
+            "microbatches": 4,
+            "layers": [
+                {"name": f"l{i}", "fwd_flops": f, "param_bytes": 0, "out_bytes": 8}
+                for i, f in enumerate(flops)
+            ],
+            "devices": [
+                {"id": d, "gflops": 10.0, "memory_bytes": 1e12, "bandwidth_mbps": 1e6}
+                | {"latency_ms": 0.0}
+                for d in "ab"
+            ],
+        }
+    )
+    units = UnitSeconds(seconds=(0.2, 0.05, 0.05), gflops=40.0)
+    timed = timed_problem(problem, units)
+    # b = 1: 0.2 s at 40 GFLOP/s is 8 GFLOP per sample, a third of it forward
+    assert [u.train_flops for u in timed.layers] == pytest.approx([8e9, 2e9, 2e9], rel=REL)
+    assert timed.layers[0].fwd_flops == pytest.approx(8e9 / 3, rel=REL)
+    assert [d.id for d in timed.devices] == ["a", "b"] and timed.microbatches == 4
+    by_flops, by_time = plan_job(problem), plan_job(problem, units=units)
+    assert [(s.start, s.end) for s in by_flops.plan.stages] == [(0, 2), (2, 3)]
+    assert [(s.start, s.end) for s in by_time.plan.stages] == [(0, 1), (1, 3)]
+    assert by_time.score == score_plan(problem, by_time.plan)  # still the spec's score
+    assert by_time.prediction == predict(problem, by_time.plan, units)
