@@ -12,10 +12,13 @@ fields; the score ignores ``details``):
   ``step_s - compute_s`` (what the stage spends outside its units' compute: data,
   loop, report) is fitted as ``step_s + M * microbatch_s`` over the medians;
 - ``frame_s``: what one tensor frame costs its sender beyond the link's latency:
-  encoding and decoding a small activation frame, plus, when the link was
-  measured through a broker, the publish call of a QoS 1 message
-  (``details["publish_ms"]`` of :func:`~edge.profiling.device.measure_broker_link`).
-  The latency itself stays the link's ``latency_ms``.
+  encoding and decoding a small activation frame, plus the publish call of a QoS 1
+  message on the device's own connection (``details["publish_ms"]``): the broker
+  probe's (:func:`~edge.profiling.device.measure_broker_link`), or, for an agent,
+  its own transport's, timed once connected (:func:`time_publish`,
+  :func:`with_publish_cost`; TLS and the client's network thread are in it). The
+  latency itself stays the link's ``latency_ms``. Every step's report is one
+  such publish too.
 
 :func:`fixed_costs_of` reads them back from a device; ``None`` for a device
 that did not measure them (a catalogue entry, a problem file).
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -36,7 +40,14 @@ from edge.transport.inprocess import InProcessTransport
 from edge.wire.frames import Codec, Kind, decode_frame, encode_frame
 from edge.wire.messages import StageAssignment
 
-__all__ = ["PROBE_MICROBATCHES", "FixedCosts", "fixed_costs_of", "measure_fixed_costs"]
+__all__ = [
+    "PROBE_MICROBATCHES",
+    "FixedCosts",
+    "fixed_costs_of",
+    "measure_fixed_costs",
+    "time_publish",
+    "with_publish_cost",
+]
 
 PROBE_MICROBATCHES = 4
 """The probe's larger microbatch count (the smaller is 1)."""
@@ -119,3 +130,25 @@ def measure_fixed_costs(
     return FixedCosts(
         microbatch_s=per_microbatch, step_s=max(0.0, one - per_microbatch), frame_s=frame
     )
+
+
+def time_publish(publish: Callable[[], None], rounds: int = 10) -> float:
+    """Median seconds of ``rounds`` calls of ``publish`` (one small QoS 1 message)."""
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        publish()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def with_publish_cost(device: DeviceSpec, seconds: float) -> DeviceSpec:
+    """``device`` with one publish call of ``seconds`` added to its frame cost, unless its
+    profile already counts one (``details["publish_ms"]``) or measured no fixed costs."""
+    fixed, details = fixed_costs_of(device), dict(device.details or {})
+    if fixed is None or details.get("publish_ms"):
+        return device
+    frame = fixed.frame_s + seconds
+    details["fixed_costs"] = FixedCosts(fixed.microbatch_s, fixed.step_s, frame).to_json()
+    details["publish_ms"] = seconds * 1e3
+    return device.model_copy(update={"details": details})

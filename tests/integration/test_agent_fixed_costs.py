@@ -3,7 +3,8 @@
 Real parts: ``edgetrain profile`` against a real Mosquitto, and real
 ``edgetrain agent`` processes (:class:`~coordinator.local.fleet.LocalFleet`) whose
 retained profiles are read off the broker. Each must carry
-``details["fixed_costs"]`` (per microbatch, per step, per frame; see
+``details["fixed_costs"]`` (per microbatch, per step, per frame, the frame's
+including a publish the agent timed on its own connection; see
 :mod:`edge.profiling.fixed_costs`), which the planner reads back; an agent given
 ``--emulate`` announces its measured rate over its slowdown and the catalogue
 device's link, memory and power.
@@ -66,7 +67,10 @@ def test_agents_announce_fixed_costs_and_emulate_what_they_run(mosquitto: Broker
     for device, name, slowdown in zip(fleet.ids, profiles, slowdowns, strict=True):
         spec, source = announced[device], resolve(name).to_device_spec(power=True)
         assert spec.details is not None and set(spec.details["fixed_costs"]) == KEYS
-        assert fixed_costs_of(spec) is not None
+        fixed = fixed_costs_of(spec)
+        # The agent timed a publish on its own connection once connected, and counts it.
+        assert fixed is not None and spec.details["publish_ms"] > 0
+        assert fixed.frame_s >= spec.details["publish_ms"] / 1e3
         assert spec.details["emulates"] == name and spec.details["slowdown"] == slowdown
         assert spec.gflops == spec.details["measured_gflops"] / slowdown
         assert spec.details["emulated_gflops"] == source.gflops
