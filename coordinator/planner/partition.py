@@ -107,8 +107,12 @@ def plan_job(
     ``where`` names the devices in error messages ("the online devices"); ``previous``
     is the plan a re-plan replaces; ``units`` the model's measured unit seconds.
     """
+    simple = partition == "plan" and group_sizes is None and codec.lower() != "auto"
+    timed = None
+    if units is not None and simple and problem.version == 1:  # cut where the seconds balance
+        timed = timed_problem(problem, units)
     found = _plan_job(
-        problem,
+        timed or problem,
         partition=partition,
         stages=stages,
         codec=codec,
@@ -116,11 +120,8 @@ def plan_job(
         previous=previous,
         group_sizes=group_sizes,
     )
-    simple = partition == "plan" and group_sizes is None and codec.lower() != "auto"
-    timed = timed_problem(problem, units) if units is not None and simple else None
-    if timed is not None and problem.version == 1:  # cut where the measured seconds balance
-        on_time = _plan_job(timed, stages=stages, where=where, previous=previous)
-        found = replace(on_time, score=score_plan(problem, on_time.plan))
+    if timed is not None:
+        found = replace(found, score=score_plan(problem, found.plan))
     found = replace(found, prediction=predict(problem, found.plan, units))
     fixed = units is not None or calibrated(problem)
     if not (fixed and simple and stages is None and found.exact):

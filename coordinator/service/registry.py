@@ -109,7 +109,11 @@ class DeviceRegistry:
                 continue
             if allowed is not None and d.id not in allowed:
                 continue
-            out.append(DeviceSpec.model_validate({**d.profile, "id": d.id, "details": None}))
+            # Of the free-form details only the fixed costs reach the planner (its cost
+            # model, coordinator.planner.predict); the rest stays on the device's record.
+            fixed = (d.profile.get("details") or {}).get("fixed_costs")
+            details = {"fixed_costs": fixed} if fixed is not None else None
+            out.append(DeviceSpec.model_validate({**d.profile, "id": d.id, "details": details}))
         return out
 
     # -- MQTT callbacks (paho's network thread) ---------------------------------------

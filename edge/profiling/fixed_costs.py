@@ -8,9 +8,11 @@ fields; the score ignores ``details``):
 
 - ``microbatch_s`` and ``step_s``: a one-stage job of a tiny model run through
   the real stage runtime (:class:`~edge.runtime.stage.StageRuntime`, in-process
-  transport) with 1 and :data:`PROBE_MICROBATCHES` microbatches; each step's
-  ``step_s - compute_s`` (what the stage spends outside its units' compute: data,
-  loop, report) is fitted as ``step_s + M * microbatch_s`` over the medians;
+  transport) with 1 and :data:`PROBE_MICROBATCHES` microbatches, under the
+  agent's software slowdown; what a step takes beyond its compute at full speed
+  times the slowdown (data, the loop, and on an emulated device the throttle's
+  own cost: a block that runs after a sleep takes more CPU, which the throttle
+  stretches too) is fitted as ``step_s + M * microbatch_s`` over the medians;
 - ``frame_s``: what one tensor frame costs its sender beyond the link's latency:
   encoding and decoding a small activation frame, plus the publish call of a QoS 1
   message on the device's own connection (``details["publish_ms"]``): the broker
@@ -79,8 +81,8 @@ def fixed_costs_of(device: DeviceSpec) -> FixedCosts | None:
         return None
 
 
-def _stage_overhead(microbatches: int, steps: int, slowdown: float) -> float:
-    """Median ``step_s - compute_s`` of a one-stage tiny job with ``microbatches``."""
+def _probe(microbatches: int, steps: int, slowdown: float) -> tuple[float, float]:
+    """Medians of ``step_s`` and ``compute_s`` of a one-stage tiny job with ``microbatches``."""
     assignment = StageAssignment(
         **_PROBE_MODEL,
         job="fixed-costs",
@@ -94,12 +96,19 @@ def _stage_overhead(microbatches: int, steps: int, slowdown: float) -> float:
         microbatches=microbatches,
     )
     stage = StageRuntime(assignment, InProcessTransport(), slowdown=slowdown)
-    outside = []
-    for step in range(steps):
-        report = stage.run_step(step)
-        if step >= 2:  # the first steps warm caches and the optimizer state
-            outside.append(report.step_s - report.compute_s)
-    return statistics.median(outside)
+    reports = [stage.run_step(step) for step in range(steps)][2:]  # the first warm up
+    return (
+        statistics.median(r.step_s for r in reports),
+        statistics.median(r.compute_s for r in reports),
+    )
+
+
+def _stage_overhead(microbatches: int, steps: int, slowdown: float) -> float:
+    """What a step of the tiny job costs beyond its compute stretched by ``slowdown``."""
+    step, compute = _probe(microbatches, steps, slowdown)
+    if slowdown > 1:  # the throttle's own cost: a block run after a sleep takes more CPU
+        compute = _probe(microbatches, steps, 1.0)[1] * slowdown
+    return step - compute
 
 
 def _frame_codec_s(rounds: int = 50) -> float:
