@@ -39,13 +39,14 @@ import torch
 
 from coordinator.planner.score import Plan, score_plan
 from edge.models.zoo import get_model
-from edge.problem import PlanningProblem
+from edge.problem import DeviceSpec, PlanningProblem
 from edge.profiling.fixed_costs import FixedCosts, fixed_costs_of
 from edge.profiling.matmul import matmul_benchmark
 from edge.runtime.unit_times import measure_unit_times
 from edge.wire.messages import OptimizerSpec
 
 __all__ = [
+    "PLANNING_DETAILS",
     "Prediction",
     "UnitSeconds",
     "calibrated",
@@ -55,6 +56,10 @@ __all__ = [
 ]
 
 _NONE = FixedCosts(0.0, 0.0, 0.0)
+
+PLANNING_DETAILS = ("fixed_costs", "matmul", "slowdown")
+"""The keys of a device's free-form ``details`` this model reads; whoever hands devices
+to the planner without the rest of their details keeps these."""
 
 
 @dataclass(frozen=True)
@@ -105,9 +110,9 @@ def _unit_seconds(key: str) -> UnitSeconds:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as an agent's stage runs; its gflops are measured the same way
     try:
-        # The matmul rate is taken before and after the units, in the same window: a busy
-        # machine slows both alike, so their product (what a unit is worth) stands.
-        before = matmul_benchmark(torch.float32, 0.3).gflops
+        # The best matmul rate before and after the units: what this machine does alone,
+        # as each measured device's best rate says what it does (see _speed).
+        before = matmul_benchmark(torch.float32, 0.3).best_gflops
         times = measure_unit_times(
             spec,
             args["batch_size"],
@@ -116,7 +121,7 @@ def _unit_seconds(key: str) -> UnitSeconds:
             warmup=1,
             optimizer=OptimizerSpec.model_validate(args["optimizer"]),
         )
-        gflops = (before + matmul_benchmark(torch.float32, 0.3).gflops) / 2
+        gflops = max(before, matmul_benchmark(torch.float32, 0.3).best_gflops)
     finally:
         torch.set_num_threads(threads)
     return UnitSeconds(tuple(t.fwd_s + t.bwd_s for t in times), gflops)
@@ -153,9 +158,9 @@ def predict(problem: PlanningProblem, plan: Plan, units: UnitSeconds | None = No
     compute, links = [], []
     per_step = 0.0
     for s, st in enumerate(plan.stages):
-        speed = sum(dev[i].gflops for i in st.devices)
         t = spec.compute_s[s]
         if units is not None:
+            speed = sum(_speed(dev[i]) for i in st.devices)
             t = sum(units.seconds[st.start : st.end]) * units.gflops / speed
         compute.append(t + max(fixed[i].microbatch_s for i in st.devices))
         per_step = max(per_step, max(fixed[i].step_s + fixed[i].frame_s for i in st.devices))
@@ -181,8 +186,9 @@ def predict(problem: PlanningProblem, plan: Plan, units: UnitSeconds | None = No
 
 def timed_problem(problem: PlanningProblem, units: UnitSeconds) -> PlanningProblem:
     """``problem`` with each layer's FLOPs those its measured seconds are worth at
-    ``units.gflops`` (a third forward, two thirds backward): the spec's search on it
-    balances stages by measured time. Memory and links are unchanged."""
+    ``units.gflops`` (a third forward, two thirds backward) and each device's speed the
+    one :func:`predict` scales them by: the spec's search on it balances stages by
+    measured time. Memory and links are unchanged."""
     if len(units.seconds) != len(problem.layers):
         raise ValueError(f"{len(units.seconds)} unit times for {len(problem.layers)} layers")
     b = problem.batch_size / problem.microbatches
@@ -190,4 +196,20 @@ def timed_problem(problem: PlanningProblem, units: UnitSeconds) -> PlanningProbl
     for layer, seconds in zip(problem.layers, units.seconds, strict=True):
         flops = seconds * units.gflops * 1e9 / b  # per sample, forward and backward
         layers.append(layer.model_copy(update={"fwd_flops": flops / 3, "bwd_flops": flops * 2 / 3}))
-    return problem.model_copy(update={"layers": layers})
+    devices = [d.model_copy(update={"gflops": _speed(d)}) for d in problem.devices]
+    return problem.model_copy(update={"layers": layers, "devices": devices})
+
+
+def _speed(device: DeviceSpec) -> float:
+    """The GFLOP/s unit seconds scale by: a measured device's best matmul rate (over its
+    software slowdown, when it emulates a slower one), else its ``gflops``.
+
+    Best, not median: the same statistic as the unit seconds' own reference rate, and
+    one a busy moment during a profile does not drag down.
+    """
+    details = device.details or {}
+    best = (details.get("matmul") or {}).get("best_gflops")
+    if not isinstance(best, (int, float)) or best <= 0:
+        return device.gflops
+    slowdown = details.get("slowdown", 1.0)
+    return float(best) / (float(slowdown) if isinstance(slowdown, (int, float)) else 1.0)

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from coordinator.engine.watch import DeviceFeed
+from coordinator.planner.predict import PLANNING_DETAILS
 from coordinator.service.events import EventBus
 from edge.problem import DeviceSpec
 from edge.transport.mqtt import MqttTransport
@@ -109,10 +110,10 @@ class DeviceRegistry:
                 continue
             if allowed is not None and d.id not in allowed:
                 continue
-            # Of the free-form details only the fixed costs reach the planner (its cost
-            # model, coordinator.planner.predict); the rest stays on the device's record.
-            fixed = (d.profile.get("details") or {}).get("fixed_costs")
-            details = {"fixed_costs": fixed} if fixed is not None else None
+            # Of the free-form details only what the planner's cost model reads reaches it;
+            # the rest stays on the device's record.
+            got = d.profile.get("details") or {}
+            details = {k: got[k] for k in PLANNING_DETAILS if k in got} or None
             out.append(DeviceSpec.model_validate({**d.profile, "id": d.id, "details": details}))
         return out
 

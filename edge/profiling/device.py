@@ -407,7 +407,12 @@ def profile_device(
     else:
         mm = matmul_benchmark(torch.bfloat16 if precision == "bf16" else torch.float32, seconds)
         gflops, memory, threads = mm.gflops, usable_memory_bytes(), mm.threads
-        matmul = {"dtype": mm.dtype, "size": mm.size, "repeats": mm.repeats}
+        matmul = {
+            "dtype": mm.dtype,
+            "size": mm.size,
+            "repeats": mm.repeats,
+            "best_gflops": mm.best_gflops,
+        }
     publish_ms = link_details.get("publish_ms")
     fixed = measure_fixed_costs(slowdown=slowdown, publish_ms=publish_ms)
     details: dict[str, Any] = {

@@ -191,3 +191,20 @@ def test_unit_seconds_decide_where_a_job_is_cut() -> None:
     assert [(s.start, s.end) for s in by_time.plan.stages] == [(0, 1), (1, 3)]
     assert by_time.score == score_plan(problem, by_time.plan)  # still the spec's score
     assert by_time.prediction == predict(problem, by_time.plan, units)
+
+
+def test_a_measured_device_is_scaled_by_its_best_matmul_rate_over_its_slowdown() -> None:
+    problem = _problem(FIXED)
+    details = {
+        "fixed_costs": FIXED["a"],
+        "matmul": {"best_gflops": 40.0},  # it announced 10 GFLOP/s: its median, slowed 2x
+        "slowdown": 2.0,
+    }
+    a = problem.devices[0].model_copy(update={"details": details})
+    measured = problem.model_copy(update={"devices": [a, problem.devices[1]]})
+    units = UnitSeconds(seconds=(0.2, 0.1), gflops=50.0)
+    # 0.2 s at 50 GFLOP/s on 40 / 2 = 20 GFLOP/s: 0.5 s, plus 0.01 per microbatch
+    assert predict(measured, TWO, units).compute_s == pytest.approx([0.51, 0.27], rel=REL)
+    assert [d.gflops for d in timed_problem(measured, units).devices] == [20.0, 20.0]
+    # Without units the spec's T_s stands: the announced 10 GFLOP/s.
+    assert predict(measured, TWO).compute_s == pytest.approx([0.61, 0.32], rel=REL)
