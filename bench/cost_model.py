@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -36,7 +37,8 @@ from edge.models.zoo import list_models  # noqa: E402
 
 TARGET = (0.8, 1.2)
 STEPS = {"vgg11": 8, "resnet18": 6, "mobilenetv2": 8, "gpt-mini": 10}
-"""Steps per model (the small ones run 30): each run stays short on a shared machine."""
+"""Steps per model (the small ones run 150, a second or two: their median step shrugs off
+a burst of load): each run stays short on a shared machine."""
 
 
 def measured_step_s(reports: list[Any], warmup: int) -> float:
@@ -49,7 +51,7 @@ def measured_step_s(reports: list[Any], warmup: int) -> float:
 
 
 def run_model(model: str, agents: int, warmup: int) -> dict[str, Any]:
-    spec = JobSpec(model=model, steps=STEPS.get(model, 30), batch_size=32, microbatches=4, seed=0)
+    spec = JobSpec(model=model, steps=STEPS.get(model, 150), batch_size=32, microbatches=4, seed=0)
     started = time.perf_counter()
     run = train_on_local_fleet(spec, agents, threads=1, rebalance=False)
     assert run.prediction is not None, "the agents announced no fixed costs"
@@ -96,7 +98,14 @@ def main() -> None:
     args = ap.parse_args()
     rows = [run_model(m, args.agents, args.warmup) for m in args.models.split(",") if m]
     demo = run_demo(args.demo_steps) if args.demo else None
-    result = {"agents": args.agents, "target": TARGET, "models": rows, "demo": demo}
+    result = {
+        "agents": args.agents,
+        "target": TARGET,
+        "models": rows,
+        "demo": demo,
+        "load_average": os.getloadavg(),  # this machine is shared: how busy it was
+        "cpus": os.cpu_count(),
+    }
     out = ROOT / "bench" / "results" / "cost_model.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     if args.json:
