@@ -9,7 +9,9 @@ prediction every job shows and plans by, :func:`predict`:
   (:class:`UnitSeconds`, timed once per model and batch shape on this machine
   through the real training step) scaled from this machine's matmul rate to the
   group's ``sum(gflops)``; without them, the spec's ``T_s``. Plus the device's
-  fixed cost per microbatch;
+  fixed cost per microbatch (two thirds of it before the last stage, which alone
+  runs the loss: the cost is per compute block, see
+  :data:`~edge.profiling.fixed_costs.PROBE_BLOCKS`);
 - link per microbatch: the spec's ``C_s`` plus one frame's fixed cost on each
   side (the activation's sender, the gradient's sender);
 - per step: the slowest stage's fixed cost per step plus one frame (its report),
@@ -40,7 +42,7 @@ import torch
 from coordinator.planner.score import Plan, score_plan
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem
-from edge.profiling.fixed_costs import FixedCosts, fixed_costs_of
+from edge.profiling.fixed_costs import PROBE_BLOCKS, FixedCosts, fixed_costs_of
 from edge.profiling.matmul import matmul_benchmark
 from edge.runtime.unit_times import measure_unit_times
 from edge.wire.messages import OptimizerSpec
@@ -162,7 +164,11 @@ def predict(problem: PlanningProblem, plan: Plan, units: UnitSeconds | None = No
         if units is not None:
             speed = sum(_speed(dev[i]) for i in st.devices)
             t = sum(units.seconds[st.start : st.end]) * units.gflops / speed
-        compute.append(t + max(fixed[i].microbatch_s for i in st.devices))
+        # The probe's microbatch ran PROBE_BLOCKS compute blocks; only the last stage runs
+        # the loss's block too.
+        blocks = PROBE_BLOCKS if s == n_stages - 1 else PROBE_BLOCKS - 1
+        per_microbatch = max(fixed[i].microbatch_s for i in st.devices) * blocks / PROBE_BLOCKS
+        compute.append(t + per_microbatch)
         per_step = max(per_step, max(fixed[i].step_s + fixed[i].frame_s for i in st.devices))
         if s + 1 < n_stages:
             send = max(fixed[i].frame_s for i in st.devices)

@@ -43,6 +43,7 @@ from edge.wire.frames import Codec, Kind, decode_frame, encode_frame
 from edge.wire.messages import StageAssignment
 
 __all__ = [
+    "PROBE_BLOCKS",
     "PROBE_MICROBATCHES",
     "FixedCosts",
     "fixed_costs_of",
@@ -53,6 +54,10 @@ __all__ = [
 
 PROBE_MICROBATCHES = 4
 """The probe's larger microbatch count (the smaller is 1)."""
+
+PROBE_BLOCKS = 3
+"""Compute blocks of each of the probe's microbatches (forward, loss, backward): the
+throttle's cost is per block, and a stage without the loss runs two."""
 
 _PROBE_MODEL: dict[str, Any] = {"model": "mlp", "model_options": {"hidden": 8, "depth": 2}}
 """A model whose compute is negligible: what the probe times is the machinery around it."""
