@@ -7,8 +7,10 @@ prediction every job shows and plans by, :func:`predict`:
 
 - compute per microbatch of stage ``s``: the stage's units' measured seconds
   (:class:`UnitSeconds`, timed once per model and batch shape on this machine
-  through the real training step) scaled from this machine's matmul rate to the
-  group's ``sum(gflops)``; without them, the spec's ``T_s``. Plus the device's
+  through the real training step) scaled from this machine's best matmul rate to
+  the group's summed speed (a measured device's best rate over its software
+  slowdown, else its ``gflops``; see :func:`_speed`); without them, the spec's
+  ``T_s``. A job is also cut by these seconds (:func:`timed_problem`). Plus the device's
   fixed cost per microbatch (two thirds of it before the last stage, which alone
   runs the loss: the cost is per compute block, see
   :data:`~edge.profiling.fixed_costs.PROBE_BLOCKS`);
