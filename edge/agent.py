@@ -59,6 +59,7 @@ from edge.logs import bind
 from edge.models.local_data import LocalData, announce
 from edge.models.user_code import ZOO_ONLY, CodeAllowance
 from edge.problem import DeviceSpec
+from edge.profiling.fixed_costs import time_publish, with_publish_cost
 from edge.runtime.checkpoint import ReplicaKeeper
 from edge.runtime.stage import Replicator, StageRuntime
 from edge.server.groups import join_group, leave_group
@@ -135,6 +136,7 @@ class Agent:
         self.version = version
         self._profile_fn = profile
         self._profile: DeviceSpec | None = None
+        self._publish_timed = False
         self._stop = threading.Event()
         self._commands: queue.Queue[_Work] = queue.Queue()
         self._cancelled: dict[str, None] = {}  # jobs cancelled lately, newest last
@@ -174,8 +176,17 @@ class Agent:
         )
 
     def _announce(self) -> None:
-        """On every (re)connect: status and profile, retained."""
+        """On every (re)connect: status and profile, retained. The first time, a few
+        heartbeats at QoS 1 first time a publish on this connection: part of the fixed
+        cost of every frame and report (:mod:`edge.profiling.fixed_costs`)."""
         state: Literal["online", "busy"] = "busy" if self._runtime is not None else "online"
+        if not self._publish_timed and self._profile is not None:
+            self._publish_timed = True
+            beat = Heartbeat(device=self.device_id).model_dump_json()
+            seconds = time_publish(
+                lambda: self.transport.publish(device_heartbeat(self.device_id), beat, 1)
+            )
+            self._profile = with_publish_cost(self._profile, seconds)
         self.transport.publish(
             device_status(self.device_id), self._status(state).model_dump_json(), 1, True
         )

@@ -41,6 +41,7 @@ from coordinator.planner.build import build_problem
 from coordinator.planner.group_tables import GroupLimits
 from coordinator.planner.holders import HolderPlans
 from coordinator.planner.partition import JobPlan, plan_holders_job, plan_job
+from coordinator.planner.predict import calibrated, measure_unit_seconds
 from coordinator.planner.score import Plan
 from edge.errors import UserError
 from edge.models.local_data import announced
@@ -229,6 +230,15 @@ def plan_over(
     limits = group_limits(spec) if groups else None
     groups = limits is not None
     problem = job_problem(spec, devices, first, groups=groups)
+    units = None
+    if calibrated(problem):  # agents that measured their fixed costs: predict what they'll do
+        units = measure_unit_seconds(
+            spec.model,
+            spec.batch_size,
+            spec.microbatches,
+            model_options=spec.model_options,
+            optimizer=spec.optimizer,
+        )
     found = plan_job(
         problem,
         partition=spec.partition,
@@ -238,6 +248,7 @@ def plan_over(
         previous=previous if again else None,
         group_sizes=sizes,
         limits=limits,
+        units=units,
     )
     return PlannedJob(problem=problem, found=found, fewer_stages=fewer)
 

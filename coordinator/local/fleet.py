@@ -88,6 +88,9 @@ class LocalFleet:
         # Per agent: the catalogue profile it announces and how much slower it runs.
         self.profiles: list[str | None] = list(profiles) if profiles else [profile] * n
         self.slowdowns = slowdowns or [1.0] * n
+        self.emulate = slowdowns is not None
+        """Given ``slowdowns``, each agent emulates its profile (``--emulate``): it
+        announces the speed it gets here, so predictions match what it measures."""
         if len(self.profiles) != n or len(self.slowdowns) != n:
             raise ValueError("profiles and slowdowns need one entry per agent")
         self.servers = set(self.ids[n - servers :]) if servers else set()
@@ -162,12 +165,14 @@ class LocalFleet:
             "--slowdown",
             str(slowdown),
         ]
+        if device not in self.programs:  # this install's agents measure one at a time
+            cmd += ["--measure-lock", str(self.work_dir / "measure.lock")]
         for prefix in self.allow_code:
             cmd += ["--allow-code", prefix]
         for item in self.data.get(device, []):
             cmd += ["--data", item]
         if profile:
-            cmd += ["--profile", profile]
+            cmd += ["--emulate" if self.emulate else "--profile", profile]
         if device in self.servers:
             cmd += ["--server"]
         log = self.log_path(device).open("wb")

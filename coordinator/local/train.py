@@ -25,6 +25,7 @@ from typing import Any
 
 from coordinator.engine.faults import Fault, check_fault_stages
 from coordinator.engine.spec import JobResult, JobSpec
+from coordinator.planner.predict import Prediction
 from coordinator.planner.score import PlanScore
 from edge.errors import UserError
 from edge.wire.messages import StepReport
@@ -39,6 +40,8 @@ class LocalRun:
     result: JobResult
     score: PlanScore
     broker: str | None = None
+    prediction: Prediction | None = None
+    """The internal model's predicted step (agents' fixed costs, measured unit times)."""
     """The broker the agents used (``mosquitto``, ``amqtt`` or its URL)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Transport-specific figures: replicas and processes, recovery events..."""
@@ -270,5 +273,6 @@ def train_on_local_fleet(
         )
         if run.resilient is not None:
             extra.update(run.resilient.to_json(), replicate_every=run.replicate_every)
-        return LocalRun(run.result, planned.found.score, broker=name, extra=extra)
+        found = planned.found
+        return LocalRun(run.result, found.score, name, extra=extra, prediction=found.prediction)
     raise AssertionError("unreachable")

@@ -26,6 +26,14 @@ the job's ``codec`` into a scored plan:
   with groups where a version 2 problem allows them, else one-device stages: under
   a second at 64 devices x 200 units, where the full search spends its whole
   budget), unless ``stages`` or ``codec="auto"`` ask for the full search.
+- Where the devices announced fixed costs (or ``units`` are given), every plan is
+  also predicted by the internal model (:func:`~coordinator.planner.predict.predict`,
+  :attr:`JobPlan.prediction`), and the planner's plan of ``S`` stages is kept only
+  if no plan of fewer stages is predicted faster: each stage adds a link's frames
+  and fixed costs the spec's score does not see (exact searches only). Given
+  ``units``, a version 1 job is cut where the units' measured seconds balance
+  (:func:`~coordinator.planner.predict.timed_problem`), not their FLOPs; its
+  score stays the spec's score of that plan.
 - ``codec="auto"``: each link's codec is chosen as in
   :mod:`coordinator.planner.codecs` (for ``plan``, plans are searched per codec,
   with the same stage count), and kept only when it makes the step faster.
@@ -37,7 +45,7 @@ reason: more stages than units or devices, or nothing of that shape that fits.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 from coordinator.planner.baselines import even_split
@@ -45,6 +53,13 @@ from coordinator.planner.codecs import choose_codecs, plan_with_codecs, with_cod
 from coordinator.planner.group_search import plan_groups, replan
 from coordinator.planner.group_tables import GroupLimits
 from coordinator.planner.holders import HolderPlans, plan_with_holders
+from coordinator.planner.predict import (
+    Prediction,
+    UnitSeconds,
+    calibrated,
+    predict,
+    timed_problem,
+)
 from coordinator.planner.score import Plan, PlanScore, Stage, for_plan, score_plan
 from coordinator.planner.solve import EXACT_DEVICES, exact_capacity, plan_problem
 from edge.errors import UserError
@@ -64,6 +79,8 @@ class JobPlan:
     score: PlanScore
     method: str
     exact: bool
+    prediction: Prediction | None = None
+    """The internal model's step (:mod:`coordinator.planner.predict`): what jobs show."""
 
     @property
     def plan(self) -> Plan:
@@ -90,13 +107,60 @@ def plan_job(
     previous: Plan | None = None,
     group_sizes: Sequence[int] | None = None,
     limits: GroupLimits | None = None,
+    units: UnitSeconds | None = None,
 ) -> JobPlan:
     """The plan for a job with these options over ``problem`` (see the module docstring).
 
     ``where`` names the devices in error messages ("the online devices"); ``previous``
     is the plan a re-plan replaces; ``limits`` what the runtime cannot train on a group
-    (for the planner's groups; ``group_sizes`` are the caller's own).
+    (for the planner's groups; ``group_sizes`` are the caller's own); ``units`` the
+    model's measured unit seconds.
     """
+    simple = partition == "plan" and group_sizes is None and codec.lower() != "auto"
+    timed = None
+    if units is not None and simple and problem.version == 1:  # cut where the seconds balance
+        timed = timed_problem(problem, units)
+    found = _plan_job(
+        timed or problem,
+        partition=partition,
+        stages=stages,
+        codec=codec,
+        where=where,
+        previous=previous,
+        group_sizes=group_sizes,
+        limits=limits,
+    )
+    if timed is not None:
+        found = replace(found, score=score_plan(problem, found.plan))
+    found = replace(found, prediction=predict(problem, found.plan, units))
+    fixed = units is not None or calibrated(problem)
+    if not (fixed and simple and stages is None and found.exact):
+        return found
+    best = found
+    for fewer in range(1, len(found.plan.stages)):
+        try:
+            other = _plan_job(timed or problem, stages=fewer, limits=limits)
+        except UserError:
+            continue
+        guess = predict(problem, other.plan, units)
+        assert best.prediction is not None
+        if guess.step_time_s < best.prediction.step_time_s:
+            best = replace(other, score=score_plan(problem, other.plan), prediction=guess)
+    return best
+
+
+def _plan_job(
+    problem: PlanningProblem,
+    *,
+    partition: str = "plan",
+    stages: int | None = None,
+    codec: str = "fp32",
+    where: str = "the devices",
+    previous: Plan | None = None,
+    group_sizes: Sequence[int] | None = None,
+    limits: GroupLimits | None = None,
+) -> JobPlan:
+    """:func:`plan_job` under the spec's score alone."""
     if partition not in PARTITIONS:
         raise UserError(f"partition {partition!r} is not one of {', '.join(PARTITIONS)}")
     if group_sizes is not None:

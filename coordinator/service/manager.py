@@ -54,6 +54,7 @@ from coordinator.engine.replicas import ReplicaStore
 from coordinator.engine.runners import server_tier
 from coordinator.engine.spec import JobAccess, JobFailed, JobResult, JobSpec, new_job_id
 from coordinator.planner.baselines import job_baselines
+from coordinator.planner.predict import Prediction
 from coordinator.planner.score import Plan, for_plan
 from coordinator.planner.simulator import simulate
 from coordinator.service.events import EventBus
@@ -240,6 +241,9 @@ class JobManager:
                 "stages_asked": spec.stages,
                 "compute_s": score.compute_s,
                 "link_s": score.link_s,
+                # What the job shows is the internal model's prediction (fixed costs and
+                # measured unit times); the spec's figures stay under "spec".
+                **_predicted(score.to_json(), planned.found.prediction),
                 "units": [unit.name for unit in problem.layers],
                 "baselines": job_baselines(problem, planned.holders),
                 "egress": egress(spec, score.plan),
@@ -420,3 +424,16 @@ class JobManager:
             if e.kind == "fault" and e.detail and e.detail.get("fired")
         }
         return [f for f in (parse_fault(t) for t in spec.faults) if str(f) not in fired]
+
+
+def _predicted(spec: dict[str, Any], prediction: Prediction | None) -> dict[str, Any]:
+    """A job plan record's predicted figures: the internal model's where there is one,
+    beside the spec score's (``spec``)."""
+    if prediction is None:
+        return {}
+    keep = ("step_time_s", "bottleneck_s", "throughput_sps")
+    return {
+        **prediction.to_json(),
+        "predicted_by": "fixed costs and measured unit times",
+        "spec": {k: spec[k] for k in keep},
+    }

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from coordinator.engine.watch import DeviceFeed
+from coordinator.planner.predict import PLANNING_DETAILS
 from coordinator.service.events import EventBus
 from edge.models.local_data import LocalDatasetInfo, announced
 from edge.problem import DeviceSpec
@@ -120,7 +121,11 @@ class DeviceRegistry:
                 continue
             if allowed is not None and d.id not in allowed:
                 continue
-            out.append(DeviceSpec.model_validate({**d.profile, "id": d.id, "details": None}))
+            # Of the free-form details only what the planner's cost model reads reaches it;
+            # the rest stays on the device's record.
+            got = d.profile.get("details") or {}
+            details = {k: got[k] for k in PLANNING_DETAILS if k in got} or None
+            out.append(DeviceSpec.model_validate({**d.profile, "id": d.id, "details": details}))
         return out
 
     def holders(self, dataset: str) -> dict[str, LocalDatasetInfo]:

@@ -32,6 +32,7 @@ import torch
 
 from edge.errors import UserError
 from edge.problem import DeviceSpec
+from edge.profiling.fixed_costs import measure_fixed_costs
 from edge.profiling.matmul import (
     PRECISIONS,
     GpuProfile,
@@ -188,6 +189,9 @@ class LinkMeasurement:
     rounds: int
     payloads: int
     payload_bytes: int
+    publish_ms: float = 0.0
+    """Median time of the publish call of a small QoS 1 message: what sending a frame
+    costs the sender beyond the latency (see :mod:`edge.profiling.fixed_costs`)."""
 
 
 def parse_broker_url(url: str) -> tuple[str, int]:
@@ -278,6 +282,11 @@ def measure_broker_link(
         if not rtts:
             raise fail("no probe message came back")
         rtt = statistics.median(rtts)
+        publish = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            client.publish(f"{topic}/frame", bytes(1024), qos=1)
+            publish.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         for _ in range(payloads):
             client.publish(f"{topic}/bulk", bytes(payload_bytes), qos=1)
@@ -294,6 +303,7 @@ def measure_broker_link(
             rounds=len(rtts),
             payloads=len(arrived),
             payload_bytes=payload_bytes,
+            publish_ms=statistics.median(publish) * 1e3,
         )
     finally:
         client.disconnect()
@@ -352,6 +362,7 @@ def profile_device(
     *,
     device: str = "cpu",
     precision: Precision = "fp32",
+    slowdown: float = 1.0,
 ) -> MeasuredProfile:
     """Measure this device as a planning-problem device.
 
@@ -367,6 +378,9 @@ def profile_device(
     planner's measured per-unit times refine it. The link is measured through
     ``broker_url`` when given (first, so a bad broker fails fast), otherwise
     see :func:`default_link`; ``details["link_source"]`` says which.
+    ``details["fixed_costs"]`` holds the device's fixed costs per microbatch, step
+    and frame (:func:`~edge.profiling.fixed_costs.measure_fixed_costs`, run under
+    the agent's software ``slowdown``).
     """
     if precision not in PRECISIONS:
         raise UserError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
@@ -393,9 +407,17 @@ def profile_device(
     else:
         mm = matmul_benchmark(torch.bfloat16 if precision == "bf16" else torch.float32, seconds)
         gflops, memory, threads = mm.gflops, usable_memory_bytes(), mm.threads
-        matmul = {"dtype": mm.dtype, "size": mm.size, "repeats": mm.repeats}
+        matmul = {
+            "dtype": mm.dtype,
+            "size": mm.size,
+            "repeats": mm.repeats,
+            "best_gflops": mm.best_gflops,
+        }
+    publish_ms = link_details.get("publish_ms")
+    fixed = measure_fixed_costs(slowdown=slowdown, publish_ms=publish_ms)
     details: dict[str, Any] = {
         **link_details,
+        "fixed_costs": fixed.to_json(),
         "hostname": host,
         "cores_logical": psutil.cpu_count(logical=True),
         "cores_effective": effective_cpu_count(),

@@ -46,6 +46,9 @@ class MatmulResult:
     repeats: int
     threads: int
     dtype: str
+    best_gflops: float = 0.0
+    """The fastest single matmul's rate: what this machine does when nothing else runs
+    (the cost model compares machines by it, :mod:`coordinator.planner.predict`)."""
 
 
 def _time_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> float:
@@ -78,6 +81,7 @@ def matmul_benchmark(
         repeats=len(rates),
         threads=threads,
         dtype=str(dtype),
+        best_gflops=max(rates),
     )
 
 

@@ -8,12 +8,14 @@ profile, a catalogue profile, or one read from a JSON file
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import math
 import re
 import signal
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,17 +66,64 @@ def _login(
     return settings, None
 
 
-def _measured(device_id: str, seconds: float, device: str, precision: str) -> DeviceSpec:
+def _measured(
+    device_id: str, seconds: float, device: str, precision: str, slowdown: float = 1.0
+) -> DeviceSpec:
     from edge.profiling.device import profile_device
 
     if device == "cpu":
-        return profile_device(device_id, seconds=seconds).to_device_spec()
+        return profile_device(device_id, seconds=seconds, slowdown=slowdown).to_device_spec()
     return profile_device(
         device_id,
         seconds=seconds,
         device=device,
         precision=precision,  # type: ignore[arg-type]
+        slowdown=slowdown,
     ).to_device_spec()
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path | None) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (nothing without one, or where there is
+    no ``fcntl``)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: measure without the lock
+        path = None
+    if path is None:
+        yield
+        return
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _emulating(measured: DeviceSpec, name: str, slowdown: float) -> DeviceSpec:
+    """What an agent emulating catalogue device ``name`` announces: the speed it really
+    gets here (this machine's measured rate over ``slowdown``), the device's memory and
+    power, this machine's link and fixed costs; ``details`` name what it emulates."""
+    from edge.profiling.catalog import resolve
+
+    source = resolve(name).to_device_spec(power=True)
+    details = {
+        **(measured.details or {}),
+        "emulates": name,
+        "emulated_gflops": source.gflops,
+        "measured_gflops": measured.gflops,
+        "slowdown": slowdown,
+    }
+    return measured.model_copy(
+        update={
+            "gflops": measured.gflops / slowdown,
+            "memory_bytes": min(measured.memory_bytes, source.memory_bytes),
+            "watts_busy": source.watts_busy,
+            "watts_idle": source.watts_idle,
+            "details": details,
+        }
+    )
 
 
 _HOST_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
@@ -123,6 +172,18 @@ def agent_command(
             "instead of measuring this machine."
         ),
     ),
+    emulate: str | None = typer.Option(
+        None,
+        "--emulate",
+        envvar="EDGETRAIN_EMULATE",
+        metavar="NAME",
+        help=(
+            "Emulate catalogue device NAME with --slowdown: measure this machine and "
+            "announce the speed it gets slowed (measured GFLOP/s / slowdown), with NAME's "
+            "memory, power and link (frames shaped to it unless --link-mbps or "
+            "--link-latency-ms say otherwise), so the planner predicts what it measures."
+        ),
+    ),
     data_dir: Path = typer.Option(
         Path.home() / ".edgetrain" / "agent",
         "--data-dir",
@@ -141,6 +202,16 @@ def agent_command(
         envvar="EDGETRAIN_MEASURE_SECONDS",
         min=0.05,
         help="How long to time matmuls when measuring.",
+    ),
+    measure_lock: Path | None = typer.Option(
+        None,
+        "--measure-lock",
+        envvar="EDGETRAIN_MEASURE_LOCK",
+        metavar="FILE",
+        help=(
+            "Hold an exclusive lock on FILE while measuring, so agents sharing a machine "
+            "measure one at a time instead of each other."
+        ),
     ),
     slowdown: float = typer.Option(
         1.0,
@@ -294,6 +365,15 @@ def agent_command(
     for host in store_host:
         _check_host(host)
     announced: DeviceSpec | None = None  # bad input fails here, before connecting
+    if emulate is not None:
+        if profile is not None:
+            raise UserError("--emulate and --profile: give one")
+        from edge.profiling.catalog import resolve
+
+        source = resolve(emulate).to_device_spec()  # an unknown name fails here
+        # Its link too: frames are shaped to the device's, which it then announces.
+        link_mbps = link_mbps or source.bandwidth_mbps
+        link_latency_ms = link_latency_ms or source.latency_ms
     if profile is not None and (profile.endswith(".json") or Path(profile).is_file()):
         from edge.profiling.catalog import load_device_file
 
@@ -322,7 +402,12 @@ def agent_command(
     tier = {"server": True, "torch_device": device} if server or device != "cpu" else {}
 
     def measure() -> DeviceSpec:
-        spec = announced or _measured(device_id, measure_seconds, device, precision)
+        with _exclusive(measure_lock if announced is None else None):
+            spec = announced or _measured(device_id, measure_seconds, device, precision, slowdown)
+        if emulate is not None:
+            spec = _emulating(spec, emulate, slowdown)
+            link = {"bandwidth_mbps": link_mbps, "latency_ms": link_latency_ms}
+            return spec.model_copy(update=link)
         if tier:
             spec = spec.model_copy(update={"details": {**(spec.details or {}), **tier}})
         if announced is not None or (link_mbps is None and not link_latency_ms):

@@ -3,8 +3,9 @@
 It starts the coordinator (REST API and dashboard) with a freshly generated
 API token and its own broker (Mosquitto, else the embedded amqtt; TLS,
 accounts and ACLs either way), enrols three agent processes
-through the API emulating catalogue devices: each announces its catalogue profile
-and is slowed in software to that device's speed relative to the fastest.
+through the API emulating catalogue devices: each is slowed in software to that
+device's speed relative to the fastest and announces the speed it gets
+(``edgetrain agent --emulate``), so the job's prediction is of what it measures.
 It then submits a ``cnn-digits`` job on ``digits`` through the REST API (the
 first device holds the data; the model at twice its default width, see
 :data:`MODEL_OPTIONS`), follows it with a progress bar, checks the
@@ -212,9 +213,13 @@ def demo_command(
                     units = ",".join(plan["units"][a:b])
                     table.add_row(str(s), "+".join(members), emulates, units, compute, link)
                 console.print(table)
+                predicted = plan["throughput_sps"]
+                ratio = record["samples_per_s"] / predicted if predicted else None
                 summary = {
                     "accuracy": accuracy,
                     "samples_per_s": record["samples_per_s"],
+                    "predicted_samples_per_s": predicted,
+                    "measured_over_predicted": ratio,
                     "single_device_samples_per_s": single_record["samples_per_s"],
                     "plan": {
                         k: plan[k]
@@ -229,8 +234,9 @@ def demo_command(
                 }
                 console.print(
                     f"test accuracy {accuracy:.3f}; {record['samples_per_s']:.0f} samples/s "
-                    f"on the plan, {single_record['samples_per_s']:.0f} on the fastest device "
-                    f"alone; dashboard {url}/"
+                    f"on the plan (predicted {predicted:.0f}, measured/predicted "
+                    f"{ratio or 0:.2f}), {single_record['samples_per_s']:.0f} on the fastest "
+                    f"device alone; dashboard {url}/"
                 )
                 if json_out:
                     typer.echo(json.dumps(summary))

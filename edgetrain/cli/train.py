@@ -285,6 +285,7 @@ def train_command(
         "losses": result.losses,
         "samples_per_s": result.samples_per_s,
         "plan": score.to_json(),
+        "predicted": run.prediction.to_json() if run.prediction is not None else None,
         "transport": transport,
         "broker": broker_name,
         "job": result.job,
@@ -300,6 +301,11 @@ def train_command(
             f"job {result.job}: {steps} steps, final loss {result.losses[-1]:.4f}, "
             f"{result.samples_per_s:.1f} samples/s over {len(score.plan.stages)} stages "
             f"({transport}{', ' + broker_name if broker_name else ''})"
+        )
+        guess = run.prediction or score
+        typer.echo(
+            f"predicted {guess.throughput_sps:.1f} samples/s; measured/predicted "
+            f"{result.samples_per_s / guess.throughput_sps:.2f}"
         )
 
 

@@ -35,6 +35,9 @@ def test_demo_trains_digits_to_90_percent_through_the_api() -> None:
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["accuracy"] >= 0.90
     assert out["samples_per_s"] > 0 and out["single_device_samples_per_s"] > 0
+    # The job's prediction and how the measurement compares (bench/cost_model.py judges it).
+    assert out["predicted_samples_per_s"] == out["plan"]["throughput_sps"] > 0
+    assert out["measured_over_predicted"] == out["samples_per_s"] / out["predicted_samples_per_s"]
     assert out["plan"]["feasible"] is True
     stages = out["plan"]["stages"]
     assert [st["layers"] for st in stages] == [[0, 4]], stages

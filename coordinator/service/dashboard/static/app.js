@@ -497,6 +497,7 @@ function renderJob(view) {
       stat("Loss (20-step mean)", fmt(lastLoss, 4)),
       stat("Samples/s", fmt(liveSps, 1)),
       stat("Predicted", fmt(plan.throughput_sps, 1)),
+      stat("Measured / predicted", liveSps && plan.throughput_sps ? fmt(liveSps / plan.throughput_sps, 2) : "–"),
       stat("Stages", (plan.stages || []).length || "–"),
       stat("Microbatches", j.spec ? j.spec.microbatches : "–"),
       stat("Schedule", j.spec ? j.spec.schedule : "–"),

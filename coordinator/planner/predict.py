@@ -1,0 +1,223 @@
+"""The planner's internal cost model: what a plan's step will take on real devices.
+
+The spec's score (:mod:`coordinator.planner.score`) prices FLOPs and bytes and
+nothing else, so that anyone can check a plan with a calculator; a problem file
+is always scored that way. A job's devices know more. This module owns the one
+prediction every job shows and plans by, :func:`predict`:
+
+- compute per microbatch of stage ``s``: the stage's units' measured seconds
+  (:class:`UnitSeconds`, timed once per model and batch shape on this machine
+  through the real training step) scaled from this machine's best matmul rate to
+  the group's summed speed (a measured device's best rate over its software
+  slowdown, else its ``gflops``; see :func:`_speed`); without them, the spec's
+  ``T_s``. A job is also cut by these seconds (:func:`timed_problem`). Plus the device's
+  fixed cost per microbatch (two thirds of it before the last stage, which alone
+  runs the loss: the cost is per compute block, see
+  :data:`~edge.profiling.fixed_costs.PROBE_BLOCKS`);
+- link per microbatch: the spec's ``C_s`` plus one frame's fixed cost on each
+  side (the activation's sender, the gradient's sender);
+- per step: the slowest stage's fixed cost per step plus one frame (its report),
+  and on a pipeline the labels stage 0 sends the last stage, one frame each;
+- step time: the spec's shape, ``(M - 1) * tau + sum(T) + sum(C) + max(R)``, over
+  these terms, plus the per-step terms.
+
+A device's fixed costs are what its agent measured and announced
+(:func:`edge.profiling.fixed_costs.fixed_costs_of`); a device without them (a
+catalogue entry, a problem file) costs nothing fixed. With no unit seconds and no
+fixed costs the prediction is the spec's step time (up to rounding).
+
+The simulator (``plan --timeline``) and the rebalancer stay on the spec score:
+they compare a plan with others under one calculator-checkable model, and the
+rebalancer's measured/predicted factors are per device compute, which fixed terms
+per step would blur.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from coordinator.planner.score import Plan, score_plan
+from edge.models.zoo import get_model
+from edge.problem import DeviceSpec, PlanningProblem
+from edge.profiling.fixed_costs import PROBE_BLOCKS, FixedCosts, fixed_costs_of
+from edge.profiling.matmul import matmul_benchmark
+from edge.runtime.unit_times import measure_unit_times
+from edge.wire.messages import OptimizerSpec
+
+__all__ = [
+    "PLANNING_DETAILS",
+    "Prediction",
+    "UnitSeconds",
+    "calibrated",
+    "measure_unit_seconds",
+    "predict",
+    "timed_problem",
+]
+
+_NONE = FixedCosts(0.0, 0.0, 0.0)
+
+PLANNING_DETAILS = ("fixed_costs", "matmul", "slowdown")
+"""The keys of a device's free-form ``details`` this model reads; whoever hands devices
+to the planner without the rest of their details keeps these."""
+
+
+@dataclass(frozen=True)
+class UnitSeconds:
+    """Each unit's seconds per microbatch of a training step on this machine (forward,
+    backward, its optimizer share), and this machine's matmul GFLOP/s under the same
+    threads: a device of ``g`` GFLOP/s takes ``seconds * gflops / g``."""
+
+    seconds: tuple[float, ...]
+    gflops: float
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A plan's predicted step on its devices; times in seconds."""
+
+    step_time_s: float
+    throughput_sps: float
+    compute_s: list[float]
+    """Per stage, per microbatch: compute plus the fixed cost per microbatch."""
+    link_s: list[float]
+    """Per link, per microbatch: the spec's time plus the frames' fixed costs."""
+    per_step_s: float
+    """What each step adds once: fixed costs per step, reports, labels."""
+    spec_step_time_s: float
+    """The spec's score of the same plan, for comparison."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step_time_s": self.step_time_s,
+            "throughput_sps": self.throughput_sps,
+            "compute_s": self.compute_s,
+            "link_s": self.link_s,
+            "per_step_s": self.per_step_s,
+            "spec_step_time_s": self.spec_step_time_s,
+        }
+
+
+def calibrated(problem: PlanningProblem) -> bool:
+    """Whether any device of ``problem`` announced fixed costs (a measuring agent)."""
+    return any(fixed_costs_of(d) is not None for d in problem.devices)
+
+
+@functools.lru_cache(maxsize=32)
+def _unit_seconds(key: str) -> UnitSeconds:
+    args = json.loads(key)
+    spec = get_model(args["model"], **args["options"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as an agent's stage runs; its gflops are measured the same way
+    try:
+        # The best matmul rate before and after the units: what this machine does alone,
+        # as each measured device's best rate says what it does (see _speed).
+        before = matmul_benchmark(torch.float32, 0.3).best_gflops
+        times = measure_unit_times(
+            spec,
+            args["batch_size"],
+            args["microbatches"],
+            steps=3,
+            warmup=1,
+            optimizer=OptimizerSpec.model_validate(args["optimizer"]),
+        )
+        gflops = max(before, matmul_benchmark(torch.float32, 0.3).best_gflops)
+    finally:
+        torch.set_num_threads(threads)
+    return UnitSeconds(tuple(t.fwd_s + t.bwd_s for t in times), gflops)
+
+
+def measure_unit_seconds(
+    model: str,
+    batch_size: int,
+    microbatches: int,
+    *,
+    model_options: dict[str, Any] | None = None,
+    optimizer: OptimizerSpec | None = None,
+) -> UnitSeconds:
+    """Time ``model``'s units in a training step on this machine (once per shape: cached)."""
+    key = {
+        "model": model,
+        "options": model_options or {},
+        "batch_size": batch_size,
+        "microbatches": microbatches,
+        "optimizer": (optimizer or OptimizerSpec()).model_dump(mode="json"),
+    }
+    return _unit_seconds(json.dumps(key, sort_keys=True))
+
+
+def predict(problem: PlanningProblem, plan: Plan, units: UnitSeconds | None = None) -> Prediction:
+    """The predicted step of ``plan`` (see the module docstring); ``units`` must have one
+    entry per layer of ``problem`` when given."""
+    if units is not None and len(units.seconds) != len(problem.layers):
+        raise ValueError(f"{len(units.seconds)} unit times for {len(problem.layers)} layers")
+    spec = score_plan(problem, plan)
+    dev = {d.id: d for d in problem.devices}
+    fixed = {d.id: fixed_costs_of(d) or _NONE for d in problem.devices}
+    m, n_stages = problem.microbatches, len(plan.stages)
+    compute, links = [], []
+    per_step = 0.0
+    for s, st in enumerate(plan.stages):
+        t = spec.compute_s[s]
+        if units is not None:
+            speed = sum(_speed(dev[i]) for i in st.devices)
+            t = sum(units.seconds[st.start : st.end]) * units.gflops / speed
+        # The probe's microbatch ran PROBE_BLOCKS compute blocks; only the last stage runs
+        # the loss's block too.
+        blocks = PROBE_BLOCKS if s == n_stages - 1 else PROBE_BLOCKS - 1
+        per_microbatch = max(fixed[i].microbatch_s for i in st.devices) * blocks / PROBE_BLOCKS
+        compute.append(t + per_microbatch)
+        per_step = max(per_step, max(fixed[i].step_s + fixed[i].frame_s for i in st.devices))
+        if s + 1 < n_stages:
+            send = max(fixed[i].frame_s for i in st.devices)
+            back = max(fixed[i].frame_s for i in plan.stages[s + 1].devices)
+            links.append(spec.link_s[s] + send + back)
+    if n_stages > 1:  # stage 0 sends each microbatch's labels to the last stage
+        per_step += m * max(fixed[i].frame_s for i in plan.stages[0].devices)
+    tau = max(compute + links)
+    step = (m - 1) * tau + sum(compute) + sum(links) + per_step
+    if problem.version == 2:
+        step += max(spec.allreduce_s)
+    return Prediction(
+        step_time_s=step,
+        throughput_sps=problem.batch_size / step if step > 0 else float("inf"),
+        compute_s=compute,
+        link_s=links,
+        per_step_s=per_step,
+        spec_step_time_s=spec.step_time_s,
+    )
+
+
+def timed_problem(problem: PlanningProblem, units: UnitSeconds) -> PlanningProblem:
+    """``problem`` with each layer's FLOPs those its measured seconds are worth at
+    ``units.gflops`` (a third forward, two thirds backward) and each device's speed the
+    one :func:`predict` scales them by: the spec's search on it balances stages by
+    measured time. Memory and links are unchanged."""
+    if len(units.seconds) != len(problem.layers):
+        raise ValueError(f"{len(units.seconds)} unit times for {len(problem.layers)} layers")
+    b = problem.batch_size / problem.microbatches
+    layers = []
+    for layer, seconds in zip(problem.layers, units.seconds, strict=True):
+        flops = seconds * units.gflops * 1e9 / b  # per sample, forward and backward
+        layers.append(layer.model_copy(update={"fwd_flops": flops / 3, "bwd_flops": flops * 2 / 3}))
+    devices = [d.model_copy(update={"gflops": _speed(d)}) for d in problem.devices]
+    return problem.model_copy(update={"layers": layers, "devices": devices})
+
+
+def _speed(device: DeviceSpec) -> float:
+    """The GFLOP/s unit seconds scale by: a measured device's best matmul rate (over its
+    software slowdown, when it emulates a slower one), else its ``gflops``.
+
+    Best, not median: the same statistic as the unit seconds' own reference rate, and
+    one a busy moment during a profile does not drag down.
+    """
+    details = device.details or {}
+    best = (details.get("matmul") or {}).get("best_gflops")
+    if not isinstance(best, (int, float)) or best <= 0:
+        return device.gflops
+    slowdown = details.get("slowdown", 1.0)
+    return float(best) / (float(slowdown) if isinstance(slowdown, (int, float)) else 1.0)

@@ -1,0 +1,168 @@
+"""The fixed costs of training on this device: per microbatch, per step and per frame.
+
+A FLOP count prices the work of a layer, not the cost of running it: the stage
+loop, the frames, the report and the flush cost the same whatever the model.
+This module measures them where the agent runs and carries them in the announced
+profile's ``details["fixed_costs"]`` (a planning problem's device keeps its spec
+fields; the score ignores ``details``):
+
+- ``microbatch_s`` and ``step_s``: a one-stage job of a tiny model run through
+  the real stage runtime (:class:`~edge.runtime.stage.StageRuntime`, in-process
+  transport) with 1 and :data:`PROBE_MICROBATCHES` microbatches, under the
+  agent's software slowdown; what a step takes beyond its compute at full speed
+  times the slowdown (data, the loop, and on an emulated device the throttle's
+  own cost: a block that runs after a sleep takes more CPU, which the throttle
+  stretches too) is fitted as ``step_s + M * microbatch_s`` over the medians;
+- ``frame_s``: what one tensor frame costs its sender beyond the link's latency:
+  encoding and decoding a small activation frame, plus the publish call of a QoS 1
+  message on the device's own connection (``details["publish_ms"]``): the broker
+  probe's (:func:`~edge.profiling.device.measure_broker_link`), or, for an agent,
+  its own transport's, timed once connected (:func:`time_publish`,
+  :func:`with_publish_cost`; TLS and the client's network thread are in it). The
+  latency itself stays the link's ``latency_ms``. Every step's report is one
+  such publish too.
+
+:func:`fixed_costs_of` reads them back from a device; ``None`` for a device
+that did not measure them (a catalogue entry, a problem file).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from edge.problem import DeviceSpec
+from edge.runtime.stage import StageRuntime
+from edge.transport.inprocess import InProcessTransport
+from edge.wire.frames import Codec, Kind, decode_frame, encode_frame
+from edge.wire.messages import StageAssignment
+
+__all__ = [
+    "PROBE_BLOCKS",
+    "PROBE_MICROBATCHES",
+    "FixedCosts",
+    "fixed_costs_of",
+    "measure_fixed_costs",
+    "time_publish",
+    "with_publish_cost",
+]
+
+PROBE_MICROBATCHES = 4
+"""The probe's larger microbatch count (the smaller is 1)."""
+
+PROBE_BLOCKS = 3
+"""Compute blocks of each of the probe's microbatches (forward, loss, backward): the
+throttle's cost is per block, and a stage without the loss runs two."""
+
+_PROBE_MODEL: dict[str, Any] = {"model": "mlp", "model_options": {"hidden": 8, "depth": 2}}
+"""A model whose compute is negligible: what the probe times is the machinery around it."""
+
+
+@dataclass(frozen=True)
+class FixedCosts:
+    """Seconds one device spends per microbatch, per step and per frame, beyond compute."""
+
+    microbatch_s: float
+    step_s: float
+    frame_s: float
+
+    def to_json(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def fixed_costs_of(device: DeviceSpec) -> FixedCosts | None:
+    """The fixed costs ``device`` announced (``details["fixed_costs"]``), if any."""
+    got = (device.details or {}).get("fixed_costs")
+    if not isinstance(got, dict):
+        return None
+    try:
+        return FixedCosts(**{k: max(0.0, float(got[k])) for k in FixedCosts.__annotations__})
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _probe(microbatches: int, steps: int, slowdown: float) -> tuple[float, float]:
+    """Medians of ``step_s`` and ``compute_s`` of a one-stage tiny job with ``microbatches``."""
+    assignment = StageAssignment(
+        **_PROBE_MODEL,
+        job="fixed-costs",
+        stage=0,
+        num_stages=1,
+        start=0,
+        end=2,
+        dataset="digits",
+        steps=steps,
+        batch_size=PROBE_MICROBATCHES,
+        microbatches=microbatches,
+    )
+    stage = StageRuntime(assignment, InProcessTransport(), slowdown=slowdown)
+    reports = [stage.run_step(step) for step in range(steps)][2:]  # the first warm up
+    return (
+        statistics.median(r.step_s for r in reports),
+        statistics.median(r.compute_s for r in reports),
+    )
+
+
+def _stage_overhead(microbatches: int, steps: int, slowdown: float) -> float:
+    """What a step of the tiny job costs beyond its compute stretched by ``slowdown``."""
+    step, compute = _probe(microbatches, steps, slowdown)
+    if slowdown > 1:  # the throttle's own cost: a block run after a sleep takes more CPU
+        compute = _probe(microbatches, steps, 1.0)[1] * slowdown
+    return step - compute
+
+
+def _frame_codec_s(rounds: int = 50) -> float:
+    """Median seconds to encode and decode one small activation frame."""
+    tensor = torch.randn(8, 64)
+    times = []
+    for i in range(rounds):
+        t0 = time.perf_counter()
+        decode_frame(encode_frame(Kind.ACTIVATION, "fixed-costs", i, 0, tensor, Codec.FP32))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_fixed_costs(
+    *, steps: int = 12, slowdown: float = 1.0, publish_ms: float | None = None
+) -> FixedCosts:
+    """Measure this device's fixed costs (see the module docstring); about a second.
+
+    ``slowdown`` is the agent's software throttle (it stretches compute, which the
+    fit leaves out); ``publish_ms`` the broker probe's publish call, when measured.
+    """
+    if steps < 3:
+        raise ValueError(f"steps must be at least 3 (got {steps})")
+    one = _stage_overhead(1, steps, slowdown)
+    many = _stage_overhead(PROBE_MICROBATCHES, steps, slowdown)
+    per_microbatch = max(0.0, (many - one) / (PROBE_MICROBATCHES - 1))
+    frame = _frame_codec_s() + (publish_ms or 0.0) / 1e3
+    return FixedCosts(
+        microbatch_s=per_microbatch, step_s=max(0.0, one - per_microbatch), frame_s=frame
+    )
+
+
+def time_publish(publish: Callable[[], None], rounds: int = 10) -> float:
+    """Median seconds of ``rounds`` calls of ``publish`` (one small QoS 1 message)."""
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        publish()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def with_publish_cost(device: DeviceSpec, seconds: float) -> DeviceSpec:
+    """``device`` with one publish call of ``seconds`` added to its frame cost, unless its
+    profile already counts one (``details["publish_ms"]``) or measured no fixed costs."""
+    fixed, details = fixed_costs_of(device), dict(device.details or {})
+    if fixed is None or details.get("publish_ms"):
+        return device
+    frame = fixed.frame_s + seconds
+    details["fixed_costs"] = FixedCosts(fixed.microbatch_s, fixed.step_s, frame).to_json()
+    details["publish_ms"] = seconds * 1e3
+    return device.model_copy(update={"details": details})

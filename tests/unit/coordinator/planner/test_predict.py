@@ -1,0 +1,214 @@
+"""The internal cost model (:mod:`coordinator.planner.predict`) and how plans use it.
+
+Claims under test:
+
+- :func:`predict` adds the devices' fixed costs to the spec's terms exactly as its
+  docstring says: per microbatch to each stage's compute, one frame per side to
+  each link, per step the slowest stage's step and report frame plus stage 0's
+  label frames; measured unit seconds replace FLOPs scaled by matmul rates. Checked
+  on hand-computed cases;
+- without fixed costs or unit seconds it is the spec's score;
+- the spec's score of a problem ignores the fixed costs its devices carry, and so
+  does ``edgetrain plan --problem FILE --json``;
+- :func:`plan_job` keeps a stage only where it pays under the fixed costs: a plan
+  the spec's score puts on two stages runs on one when frames cost enough.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from coordinator.planner.partition import plan_job
+from coordinator.planner.predict import UnitSeconds, calibrated, predict, timed_problem
+from coordinator.planner.score import Plan, score_plan
+from edge.problem import PlanningProblem
+from edge.profiling.fixed_costs import FixedCosts, fixed_costs_of
+from edgetrain.cli import app
+
+REL = 1e-12
+
+
+def _problem(
+    fixed: dict[str, dict[str, Any]] | None = None,
+    *,
+    gflops: tuple[float, float] = (10.0, 20.0),
+    microbatches: int = 2,
+    bandwidth_mbps: float = 100.0,
+    latency_ms: float = 1.0,
+) -> PlanningProblem:
+    """Two layers of 3 GFLOP per sample (1 forward, 2 backward), each 125 kB out; two
+    devices ``a`` and ``b``; a step of 4 samples."""
+    layer = {"fwd_flops": 1e9, "bwd_flops": 2e9, "param_bytes": 0, "out_bytes": 125_000}
+    devices: list[dict[str, Any]] = []
+    for name, speed in zip("ab", gflops, strict=True):
+        device: dict[str, Any] = {
+            "id": name,
+            "gflops": speed,
+            "memory_bytes": 1e12,
+            "bandwidth_mbps": bandwidth_mbps,
+            "latency_ms": latency_ms,
+        }
+        if fixed is not None and name in fixed:
+            device["details"] = {"fixed_costs": fixed[name]}
+        devices.append(device)
+    return PlanningProblem.model_validate(
+        {
+            "version": 1,
+            "batch_size": 4,
+            "microbatches": microbatches,
+            "layers": [{"name": "l0", **layer}, {"name": "l1", **layer}],
+            "devices": devices,
+        }
+    )
+
+
+FIXED = {
+    "a": {"microbatch_s": 0.01, "step_s": 0.05, "frame_s": 0.002},
+    "b": {"microbatch_s": 0.02, "step_s": 0.03, "frame_s": 0.001},
+}
+TWO = Plan.of(("a", 0, 1), ("b", 1, 2))
+
+
+def test_fixed_costs_are_added_as_documented() -> None:
+    problem = _problem(FIXED)
+    # Spec: b = 2; T = [2 * 3e9 / 10e9, 2 * 3e9 / 20e9] = [0.6, 0.3];
+    # C = 2 * (1 + 1) / 1000 + 2 * 2 * 125000 * 8 / 100e6 = 0.004 + 0.04 = 0.044.
+    assert score_plan(problem, TWO).step_time_s == pytest.approx(0.6 + 0.9 + 0.044, rel=REL)
+    got = predict(problem, TWO)
+    # stage 0 runs two of the probe's three blocks per microbatch (no loss): 2/3 of 0.01
+    first = 0.6 + 0.01 * 2 / 3
+    assert got.compute_s == pytest.approx([first, 0.32], rel=REL)
+    assert got.link_s == pytest.approx([0.044 + 0.002 + 0.001], rel=REL)
+    # max(0.05 + 0.002, 0.03 + 0.001), and stage 0's two label frames of 0.002
+    assert got.per_step_s == pytest.approx(0.052 + 0.004, rel=REL)
+    # (M - 1) * tau + sum(T) + sum(C) + per step
+    assert got.step_time_s == pytest.approx(2 * first + 0.32 + 0.047 + 0.056, rel=REL)
+    assert got.spec_step_time_s == pytest.approx(1.544, rel=REL)
+    assert got.throughput_sps == pytest.approx(4 / got.step_time_s, rel=REL)
+
+
+def test_unit_seconds_replace_flops_scaled_by_speed() -> None:
+    problem = _problem(FIXED)
+    units = UnitSeconds(seconds=(0.2, 0.1), gflops=50.0)
+    got = predict(problem, TWO, units)
+    # 0.2 s at 50 GFLOP/s on a 10 GFLOP/s device: 1.0; 0.1 s on a 20 GFLOP/s one: 0.25
+    first = 1.0 + 0.01 * 2 / 3
+    assert got.compute_s == pytest.approx([first, 0.27], rel=REL)
+    assert got.step_time_s == pytest.approx(2 * first + 0.27 + 0.047 + 0.056, rel=REL)
+    one = predict(problem, Plan.of(("a", 0, 2)), units)
+    assert one.link_s == [] and one.per_step_s == pytest.approx(0.052, rel=REL)
+    assert one.step_time_s == pytest.approx(2 * (0.3 * 50 / 10 + 0.01) + 0.052, rel=REL)
+    with pytest.raises(ValueError, match="1 unit times for 2 layers"):
+        predict(problem, TWO, UnitSeconds(seconds=(0.2,), gflops=50.0))
+
+
+def test_without_fixed_costs_the_prediction_is_the_spec_score() -> None:
+    problem = _problem()
+    assert not calibrated(problem) and calibrated(_problem(FIXED))
+    for plan in (TWO, Plan.of(("b", 0, 2)), Plan.of(("b", 0, 1), ("a", 1, 2))):
+        spec = score_plan(problem, plan)
+        got = predict(problem, plan)
+        assert got.step_time_s == pytest.approx(spec.step_time_s, rel=REL)
+        assert got.compute_s == spec.compute_s and got.link_s == spec.link_s
+
+
+def test_fixed_costs_are_read_back_from_details() -> None:
+    problem = _problem({"a": FIXED["a"], "b": {"microbatch_s": "x"}})
+    assert fixed_costs_of(problem.devices[0]) == FixedCosts(0.01, 0.05, 0.002)
+    assert fixed_costs_of(problem.devices[1]) is None  # malformed: as if not measured
+
+
+def test_a_problem_file_scores_as_the_spec_says_whatever_its_devices_carry(
+    tmp_path: Path,
+) -> None:
+    runner = CliRunner()
+    outputs = []
+    for fixed in (None, FIXED):
+        path = tmp_path / f"problem-{fixed is None}.json"
+        path.write_text(json.dumps(_problem(fixed).to_json()))
+        assert score_plan(_problem(fixed), TWO) == score_plan(_problem(), TWO)
+        done = runner.invoke(app, ["plan", "--problem", str(path), "--json"])
+        assert done.exit_code == 0, done.output
+        outputs.append(json.loads(done.output))
+    assert outputs[0] == outputs[1]
+
+
+def test_plan_job_drops_a_stage_that_fixed_costs_make_not_pay() -> None:
+    # Two equal devices, a fast link, four microbatches of one sample: the spec's best is
+    # a pipeline, 3 * 0.3 + 0.6 = 1.5 s (plus a tiny link) against 3 * 0.6 + 0.6 = 2.4 s.
+    link = {"bandwidth_mbps": 1e6, "latency_ms": 0.0, "gflops": (10.0, 10.0)}
+    free = _problem(microbatches=4, **link)  # type: ignore[arg-type]
+    spec_plan = plan_job(free)
+    assert len(spec_plan.plan.stages) == 2
+    assert spec_plan.prediction is not None
+    assert spec_plan.prediction.step_time_s == pytest.approx(spec_plan.score.step_time_s)
+    # Half a second per frame: a link costs 1 s per microbatch (plus the spec's 2 us) and
+    # stage 0 sends 4 labels, so two stages take 3 * C + 0.6 + C + 2.0 + 0.5 (7.1 s),
+    # one stage 2.4 + 0.5.
+    frames = {d: {"microbatch_s": 0.0, "step_s": 0.0, "frame_s": 0.5} for d in "ab"}
+    costly = _problem(frames, microbatches=4, **link)  # type: ignore[arg-type]
+    link_s = 1.0 + 2 * 125_000 * 8 / 1e12
+    want = 4 * link_s + 0.6 + 2.0 + 0.5
+    assert predict(costly, spec_plan.plan).step_time_s == pytest.approx(want, rel=REL)
+    chosen = plan_job(costly)
+    assert len(chosen.plan.stages) == 1
+    assert chosen.prediction is not None
+    assert chosen.prediction.step_time_s == pytest.approx(2.9, rel=REL)
+    # The spec's score still ranks it as the spec says.
+    assert chosen.score.step_time_s == pytest.approx(2.4, rel=REL)
+
+
+def test_unit_seconds_decide_where_a_job_is_cut() -> None:
+    # FLOPs put the cut after layer 1 (2 + 2 against 4 GFLOP per sample); the measured
+    # seconds put it after layer 0 (0.2 against 0.05 + 0.05).
+    flops = (1e9, 1e9, 2e9)
+    problem = PlanningProblem.model_validate(
+        {
+            "version": 1,
+            "batch_size": 4,
+            "microbatches": 4,
+            "layers": [
+                {"name": f"l{i}", "fwd_flops": f, "param_bytes": 0, "out_bytes": 8}
+                for i, f in enumerate(flops)
+            ],
+            "devices": [
+                {"id": d, "gflops": 10.0, "memory_bytes": 1e12, "bandwidth_mbps": 1e6}
+                | {"latency_ms": 0.0}
+                for d in "ab"
+            ],
+        }
+    )
+    units = UnitSeconds(seconds=(0.2, 0.05, 0.05), gflops=40.0)
+    timed = timed_problem(problem, units)
+    # b = 1: 0.2 s at 40 GFLOP/s is 8 GFLOP per sample, a third of it forward
+    assert [u.train_flops for u in timed.layers] == pytest.approx([8e9, 2e9, 2e9], rel=REL)
+    assert timed.layers[0].fwd_flops == pytest.approx(8e9 / 3, rel=REL)
+    assert [d.id for d in timed.devices] == ["a", "b"] and timed.microbatches == 4
+    by_flops, by_time = plan_job(problem), plan_job(problem, units=units)
+    assert [(s.start, s.end) for s in by_flops.plan.stages] == [(0, 2), (2, 3)]
+    assert [(s.start, s.end) for s in by_time.plan.stages] == [(0, 1), (1, 3)]
+    assert by_time.score == score_plan(problem, by_time.plan)  # still the spec's score
+    assert by_time.prediction == predict(problem, by_time.plan, units)
+
+
+def test_a_measured_device_is_scaled_by_its_best_matmul_rate_over_its_slowdown() -> None:
+    problem = _problem(FIXED)
+    details = {
+        "fixed_costs": FIXED["a"],
+        "matmul": {"best_gflops": 40.0},  # it announced 10 GFLOP/s: its median, slowed 2x
+        "slowdown": 2.0,
+    }
+    a = problem.devices[0].model_copy(update={"details": details})
+    measured = problem.model_copy(update={"devices": [a, problem.devices[1]]})
+    units = UnitSeconds(seconds=(0.2, 0.1), gflops=50.0)
+    # 0.2 s at 50 GFLOP/s on 40 / 2 = 20 GFLOP/s: 0.5 s, plus 0.01 per microbatch
+    got = predict(measured, TWO, units).compute_s
+    assert got == pytest.approx([0.5 + 0.01 * 2 / 3, 0.27], rel=REL)
+    assert [d.gflops for d in timed_problem(measured, units).devices] == [20.0, 20.0]
+    # Without units the spec's T_s stands: the announced 10 GFLOP/s.
+    assert predict(measured, TWO).compute_s == pytest.approx([0.6 + 0.01 * 2 / 3, 0.32], rel=REL)
