@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from coordinator.engine.faults import Fault, FaultActuator, FaultInjector, parse_fault
@@ -41,7 +41,7 @@ from coordinator.planner.build import build_problem
 from coordinator.planner.group_tables import GroupLimits
 from coordinator.planner.holders import HolderPlans
 from coordinator.planner.partition import JobPlan, plan_holders_job, plan_job
-from coordinator.planner.predict import calibrated, measure_unit_seconds
+from coordinator.planner.predict import calibrated, measure_unit_seconds, predict
 from coordinator.planner.score import Plan
 from edge.errors import UserError
 from edge.models.local_data import announced
@@ -279,6 +279,17 @@ def _plan_on_holders(
         limits=GroupLimits(solo_units=solo, whole_samples=True),
         where=where,
     )
+    units = None
+    if calibrated(problem):
+        units = measure_unit_seconds(
+            spec.model,
+            spec.batch_size,
+            spec.microbatches,
+            model_options=spec.model_options,
+            optimizer=spec.optimizer,
+        )
+    guess = predict(problem, found.plan, units, fixed_shares={0: shares})
+    found = replace(found, prediction=guess)
     return PlannedJob(problem=problem, found=found, holders=alternatives)
 
 

@@ -15,7 +15,11 @@ prediction every job shows and plans by, :func:`predict`:
   runs the loss: the cost is per compute block, see
   :data:`~edge.profiling.fixed_costs.PROBE_BLOCKS`);
 - link per microbatch: the spec's ``C_s`` plus one frame's fixed cost on each
-  side (the activation's sender, the gradient's sender);
+  side (the activation's sender, the gradient's sender), plus the CPU its bytes
+  cost each member both ways (its share of them times its ``byte_s``);
+- a group's sum: the spec's ``R_s`` plus the CPU of the ``2 (g - 1) / g`` of its
+  gradients each member moves, at the slowest member's ``byte_s`` (on a slow
+  device the sum is CPU-bound, not link-bound);
 - per step: the slowest stage's fixed cost per step plus one frame (its report),
   and on a pipeline the labels stage 0 sends the last stage, one frame each;
 - step time: the spec's shape, ``(M - 1) * tau + sum(T) + sum(C) + max(R)``, over
@@ -36,12 +40,13 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from coordinator.planner.score import Plan, score_plan
+from coordinator.planner.score import Plan, for_plan, score_plan
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem
 from edge.profiling.fixed_costs import PROBE_BLOCKS, FixedCosts, fixed_costs_of
@@ -59,7 +64,7 @@ __all__ = [
     "timed_problem",
 ]
 
-_NONE = FixedCosts(0.0, 0.0, 0.0)
+_NONE = FixedCosts(0.0, 0.0, 0.0, 0.0)
 
 PLANNING_DETAILS = ("fixed_costs", "matmul", "slowdown")
 """The keys of a device's free-form ``details`` this model reads; whoever hands devices
@@ -150,22 +155,37 @@ def measure_unit_seconds(
     return _unit_seconds(json.dumps(key, sort_keys=True))
 
 
-def predict(problem: PlanningProblem, plan: Plan, units: UnitSeconds | None = None) -> Prediction:
+def predict(
+    problem: PlanningProblem,
+    plan: Plan,
+    units: UnitSeconds | None = None,
+    *,
+    fixed_shares: Mapping[int, Sequence[float]] | None = None,
+) -> Prediction:
     """The predicted step of ``plan`` (see the module docstring); ``units`` must have one
-    entry per layer of ``problem`` when given."""
+    entry per layer of ``problem`` when given; ``fixed_shares`` as for
+    :func:`~coordinator.planner.score.score_plan` (the holders of local data)."""
     if units is not None and len(units.seconds) != len(problem.layers):
         raise ValueError(f"{len(units.seconds)} unit times for {len(problem.layers)} layers")
-    spec = score_plan(problem, plan)
+    spec = score_plan(for_plan(problem, plan), plan, fixed_shares=fixed_shares)
     dev = {d.id: d for d in problem.devices}
     fixed = {d.id: fixed_costs_of(d) or _NONE for d in problem.devices}
     m, n_stages = problem.microbatches, len(plan.stages)
     compute, links = [], []
     per_step = 0.0
+    b = problem.batch_size / m
+    allreduce = list(spec.allreduce_s)
     for s, st in enumerate(plan.stages):
+        share = spec.shares[s]
+        if len(st.devices) > 1:  # the group's sum moves 2 (g - 1) / g of its gradients
+            g = len(st.devices)
+            params = sum(unit.param_bytes for unit in problem.layers[st.start : st.end])
+            worst = max(fixed[i].byte_s for i in st.devices)
+            allreduce[s] += 2 * (g - 1) / g * params * worst
         t = spec.compute_s[s]
-        if units is not None:
-            speed = sum(_speed(dev[i]) for i in st.devices)
-            t = sum(units.seconds[st.start : st.end]) * units.gflops / speed
+        if units is not None:  # the member that takes longest on its share
+            slowest = max(w / _speed(dev[i]) for i, w in zip(st.devices, share, strict=True))
+            t = sum(units.seconds[st.start : st.end]) * units.gflops * slowest
         # The probe's microbatch ran PROBE_BLOCKS compute blocks; only the last stage runs
         # the loss's block too.
         blocks = PROBE_BLOCKS if s == n_stages - 1 else PROBE_BLOCKS - 1
@@ -173,15 +193,25 @@ def predict(problem: PlanningProblem, plan: Plan, units: UnitSeconds | None = No
         compute.append(t + per_microbatch)
         per_step = max(per_step, max(fixed[i].step_s + fixed[i].frame_s for i in st.devices))
         if s + 1 < n_stages:
+            nxt = plan.stages[s + 1]
             send = max(fixed[i].frame_s for i in st.devices)
-            back = max(fixed[i].frame_s for i in plan.stages[s + 1].devices)
-            links.append(spec.link_s[s] + send + back)
+            back = max(fixed[i].frame_s for i in nxt.devices)
+            # Each member moves its rows both ways: its CPU per byte, at its share.
+            cpu = max(
+                max(w * fixed[i].byte_s for i, w in zip(st.devices, share, strict=True)),
+                max(
+                    w * fixed[i].byte_s
+                    for i, w in zip(nxt.devices, spec.shares[s + 1], strict=True)
+                ),
+            )
+            out = problem.layers[st.end - 1].out_bytes
+            links.append(spec.link_s[s] + send + back + 2 * b * out * cpu)
     if n_stages > 1:  # stage 0 sends each microbatch's labels to the last stage
         per_step += m * max(fixed[i].frame_s for i in plan.stages[0].devices)
     tau = max(compute + links)
     step = (m - 1) * tau + sum(compute) + sum(links) + per_step
     if problem.version == 2:
-        step += max(spec.allreduce_s)
+        step += max(allreduce)
     return Prediction(
         step_time_s=step,
         throughput_sps=problem.batch_size / step if step > 0 else float("inf"),

@@ -20,7 +20,14 @@ fields; the score ignores ``details``):
   its own transport's, timed once connected (:func:`time_publish`,
   :func:`with_publish_cost`; TLS and the client's network thread are in it). The
   latency itself stays the link's ``latency_ms``. Every step's report is one
-  such publish too.
+  such publish too;
+- ``byte_s``: what each byte of a large tensor costs the device's CPU on its way
+  through the transport, sender and receiver sides together: encoding a 4 MiB
+  frame, its bytes through a local socket pair (the kernel's copies each way),
+  decoding it and adding it into a sum, as a group's gradient sum does. On a slow
+  device that is not small beside its link: an emulated Pi at 0.16 of a core
+  moved a group's gradients at a quarter of its link's rate. Neither TLS nor the
+  client library's own copies are in it, so it is a lower bound.
 
 :func:`fixed_costs_of` reads them back from a device; ``None`` for a device
 that did not measure them (a catalogue entry, a problem file).
@@ -28,7 +35,9 @@ that did not measure them (a catalogue entry, a problem file).
 
 from __future__ import annotations
 
+import socket
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -70,6 +79,8 @@ class FixedCosts:
     microbatch_s: float
     step_s: float
     frame_s: float
+    byte_s: float = 0.0
+    """CPU seconds per byte of a tensor through the transport (both sides); 0 unmeasured."""
 
     def to_json(self) -> dict[str, float]:
         return asdict(self)
@@ -81,7 +92,12 @@ def fixed_costs_of(device: DeviceSpec) -> FixedCosts | None:
     if not isinstance(got, dict):
         return None
     try:
-        return FixedCosts(**{k: max(0.0, float(got[k])) for k in FixedCosts.__annotations__})
+        return FixedCosts(
+            **{
+                k: max(0.0, float(got[k] if k in got or k != "byte_s" else 0.0))
+                for k in FixedCosts.__annotations__
+            }
+        )
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -127,6 +143,35 @@ def _frame_codec_s(rounds: int = 50) -> float:
     return statistics.median(times)
 
 
+BYTE_PROBE = 4 << 20
+"""Bytes of the tensor the per-byte probe moves."""
+
+
+def _byte_cost(rounds: int = 3) -> float:
+    """Median CPU seconds per byte: encode, a socket pair both ways, decode, add."""
+    tensor = torch.randn(BYTE_PROBE // 4)
+    total = torch.zeros_like(tensor)
+    times = []
+    for i in range(rounds):
+        left, right = socket.socketpair()
+        try:
+            t0 = time.perf_counter()
+            frame = encode_frame(Kind.REDUCE, "fixed-costs", i, 0, tensor, Codec.RAW)
+            sender = threading.Thread(target=left.sendall, args=(frame,))
+            sender.start()
+            got = bytearray(len(frame))
+            view, at = memoryview(got), 0
+            while at < len(got):
+                at += right.recv_into(view[at:])
+            sender.join()
+            total += decode_frame(got).tensor
+            times.append(time.perf_counter() - t0)
+        finally:
+            left.close()
+            right.close()
+    return statistics.median(times) / BYTE_PROBE
+
+
 def measure_fixed_costs(
     *, steps: int = 12, slowdown: float = 1.0, publish_ms: float | None = None
 ) -> FixedCosts:
@@ -142,7 +187,10 @@ def measure_fixed_costs(
     per_microbatch = max(0.0, (many - one) / (PROBE_MICROBATCHES - 1))
     frame = _frame_codec_s() + (publish_ms or 0.0) / 1e3
     return FixedCosts(
-        microbatch_s=per_microbatch, step_s=max(0.0, one - per_microbatch), frame_s=frame
+        microbatch_s=per_microbatch,
+        step_s=max(0.0, one - per_microbatch),
+        frame_s=frame,
+        byte_s=_byte_cost(),
     )
 
 
@@ -163,6 +211,8 @@ def with_publish_cost(device: DeviceSpec, seconds: float) -> DeviceSpec:
     if fixed is None or details.get("publish_ms"):
         return device
     frame = fixed.frame_s + seconds
-    details["fixed_costs"] = FixedCosts(fixed.microbatch_s, fixed.step_s, frame).to_json()
+    details["fixed_costs"] = FixedCosts(
+        fixed.microbatch_s, fixed.step_s, frame, fixed.byte_s
+    ).to_json()
     details["publish_ms"] = seconds * 1e3
     return device.model_copy(update={"details": details})

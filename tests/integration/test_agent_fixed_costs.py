@@ -28,7 +28,7 @@ from edge.transport.mqtt import MqttSettings, MqttTransport
 
 pytestmark = pytest.mark.broker
 REPO = Path(__file__).resolve().parents[2]
-KEYS = {"microbatch_s", "step_s", "frame_s"}
+KEYS = {"microbatch_s", "step_s", "frame_s", "byte_s"}
 EDGETRAIN = [sys.executable, "-m", "edgetrain.cli"]
 
 
@@ -45,6 +45,7 @@ def test_a_profile_through_a_broker_carries_the_fixed_costs(mosquitto: Broker) -
     details = json.loads(result.stdout)["details"]
     fixed = details["fixed_costs"]
     assert set(fixed) == KEYS and all(v >= 0 for v in fixed.values()), fixed
+    assert fixed["byte_s"] > 0  # the transport's CPU per byte was measured
     # A frame costs at least the publish call the broker probe timed.
     assert details["publish_ms"] > 0 and fixed["frame_s"] >= details["publish_ms"] / 1e3
     spec = DeviceSpec.model_validate(json.loads(result.stdout))

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 from coordinator.planner.partition import plan_job
 from coordinator.planner.predict import UnitSeconds, calibrated, predict, timed_problem
-from coordinator.planner.score import Plan, score_plan
+from coordinator.planner.score import Plan, Stage, score_plan
 from edge.problem import PlanningProblem
 from edge.profiling.fixed_costs import FixedCosts, fixed_costs_of
 from edgetrain.cli import app
@@ -212,3 +212,27 @@ def test_a_measured_device_is_scaled_by_its_best_matmul_rate_over_its_slowdown()
     assert [d.gflops for d in timed_problem(measured, units).devices] == [20.0, 20.0]
     # Without units the spec's T_s stands: the announced 10 GFLOP/s.
     assert predict(measured, TWO).compute_s == pytest.approx([0.6 + 0.01 * 2 / 3, 0.32], rel=REL)
+
+
+def test_bytes_cost_each_side_its_cpu_and_a_groups_sum_its_cpu() -> None:
+    """``byte_s``: a link's bytes (both ways, each member's share) and a group's sum
+    (``2 (g - 1) / g`` of its gradients, at its slowest member's rate) cost CPU on top."""
+    slow = {"microbatch_s": 0.0, "step_s": 0.0, "frame_s": 0.0, "byte_s": 1e-8}
+    fast = {**slow, "byte_s": 2e-9}
+    problem = _problem({"a": slow, "b": fast})
+    spec = score_plan(problem, TWO)
+    got = predict(problem, TWO)
+    # b = 2 samples a microbatch, 125 kB out each: 2 x 2 x 125000 bytes at a's 1e-8 s/B.
+    assert got.link_s[0] == pytest.approx(spec.link_s[0] + 2 * 2 * 125_000 * 1e-8, rel=REL)
+    # A group of a and b over both layers, 1 MB of gradients: each moves half of it.
+    heavy = problem.model_copy(
+        update={
+            "version": 2,
+            "layers": [u.model_copy(update={"param_bytes": 500_000}) for u in problem.layers],
+        }
+    )
+    group = Plan((Stage.group(["a", "b"], 0, 2),))
+    plain = score_plan(heavy, group)
+    assert predict(heavy, group).step_time_s == pytest.approx(
+        plain.step_time_s + 2 * (2 - 1) / 2 * 1_000_000 * 1e-8, rel=REL
+    )
