@@ -14,7 +14,9 @@ another on the same fleet:
   group, a sample or more per member).
 
 For each: measured samples/s (steady state: stage 0's step times after
-``--warmup`` steps), the predicted samples/s (the version 2 score of that plan),
+``--warmup`` steps), the predicted samples/s (the planner's internal model,
+:func:`coordinator.planner.predict.predict`: the version 2 score of that plan plus
+each device's fixed costs per microbatch, step, frame and byte),
 measured / predicted, and both as a fraction of the **ideal bound**: the fleet's
 summed capacity, every device training the whole model at its own speed with
 nothing to communicate (``sum(gflops) / FLOPs per sample``).
@@ -30,9 +32,8 @@ Fleets:
   spanning that much compute geometrically).
 
 The problem is calibrated as in ``bench/heterogeneity.py`` (measured unit times x
-this machine's single-core rate), whose helpers this script uses. Predictions
-use the spec's score: fixed costs per microbatch, step and frame are not in it,
-so expect measured / predicted well below 1 where those dominate.
+this machine's single-core rate), whose helpers this script uses. The testbed's
+devices announce this machine's fixed costs scaled by their share of a core.
 
     .venv/bin/python bench/hybrid.py [--models vgg11,resnet18,gpt-mini]
         [--fleets rpi4,2fast4slow,3x,10x,30x] [--method auto|kernel|software] [--json]
@@ -69,6 +70,7 @@ from coordinator.planner.baselines import even_split, single_device
 from coordinator.planner.build import parse_fleet
 from coordinator.planner.group_search import data_parallel_only, plan_groups
 from coordinator.planner.group_tables import GroupLimits
+from coordinator.planner.predict import predict
 from coordinator.planner.score import Plan, score_plan
 from coordinator.planner.solve import plan_problem
 from coordinator.testbed.testbed import Testbed, measure_core_gflops
@@ -294,8 +296,9 @@ def _run_model(
         # just before it runs (not in --quick, which prices every plan at the start).
         now = first if args.quick else problem(3)
         score = score_plan(now, plan)
+        guess = predict(now, plan)
         steps = args.warmup + max(
-            args.min_steps, min(args.max_steps, math.ceil(args.seconds / score.step_time_s))
+            args.min_steps, min(args.max_steps, math.ceil(args.seconds / guess.step_time_s))
         )
         started = time.perf_counter()
         shares = score.shares if plan.grouped else None
@@ -306,15 +309,15 @@ def _run_model(
             fleet,
             strategy,
             plan.to_json(score.shares),
-            score.throughput_sps,
+            guess.throughput_sps,
             got.sps,
             ideal_sps(now),
             steps,
             tb.method,
             got.compute_s,
-            [t * args.microbatches for t in score.compute_s],
+            [t * args.microbatches for t in guess.compute_s],
             got.allreduce_s,
-            list(score.allreduce_s),
+            list(guess.allreduce_s),
         )
         rows.append(row)
         print(

@@ -134,6 +134,8 @@ def plan_job(
         found = replace(found, score=score_plan(problem, found.plan))
     found = replace(found, prediction=predict(problem, found.plan, units))
     fixed = units is not None or calibrated(problem)
+    if fixed and simple and found.plan.grouped:
+        found = _unless_pipeline_wins(problem, found, units, stages, where)
     if not (fixed and simple and stages is None and found.exact):
         return found
     best = found
@@ -147,6 +149,27 @@ def plan_job(
         if guess.step_time_s < best.prediction.step_time_s:
             best = replace(other, score=score_plan(problem, other.plan), prediction=guess)
     return best
+
+
+def _unless_pipeline_wins(
+    problem: PlanningProblem,
+    grouped: JobPlan,
+    units: UnitSeconds | None,
+    stages: int | None,
+    where: str,
+) -> JobPlan:
+    """``grouped``, unless the best plan of one-device stages is predicted faster: the
+    spec's score prices a group's sum by its link alone, while on a slow device moving
+    the gradients costs CPU too (``byte_s``); the internal model decides."""
+    try:
+        one = _plan_job(problem.model_copy(update={"groups": False}), stages=stages, where=where)
+    except UserError:
+        return grouped
+    guess = predict(problem, one.plan, units)
+    assert grouped.prediction is not None
+    if guess.step_time_s < grouped.prediction.step_time_s:
+        return replace(one, score=score_plan(problem, one.plan), prediction=guess)
+    return grouped
 
 
 def _plan_job(

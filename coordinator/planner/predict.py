@@ -93,6 +93,8 @@ class Prediction:
     """Per link, per microbatch: the spec's time plus the frames' fixed costs."""
     per_step_s: float
     """What each step adds once: fixed costs per step, reports, labels."""
+    allreduce_s: list[float]
+    """Per stage, its group's sum of gradients once a step (0 for one device)."""
     spec_step_time_s: float
     """The spec's score of the same plan, for comparison."""
 
@@ -103,6 +105,7 @@ class Prediction:
             "compute_s": self.compute_s,
             "link_s": self.link_s,
             "per_step_s": self.per_step_s,
+            "allreduce_s": self.allreduce_s,
             "spec_step_time_s": self.spec_step_time_s,
         }
 
@@ -218,6 +221,7 @@ def predict(
         compute_s=compute,
         link_s=links,
         per_step_s=per_step,
+        allreduce_s=allreduce,
         spec_step_time_s=spec.step_time_s,
     )
 

@@ -54,20 +54,30 @@ class EmulatedDevice:
         """The software throttle's factor: one thread duty-cycled down to ``cpus``."""
         return max(1.0, 1.0 / self.cpus) if self.cpus < 1 else 1.0
 
-    def announced(self, core_gflops: float) -> DeviceSpec:
-        """What its agent announces: the emulated speed it gets here, the profile's link."""
+    def announced(
+        self, core_gflops: float, core_fixed: dict[str, float] | None = None, quota: bool = False
+    ) -> DeviceSpec:
+        """What its agent announces: the emulated speed it gets here, the profile's link,
+        and this machine's fixed costs (``core_fixed``, one free core's): under a CPU
+        ``quota`` (the kernel method, which limits every instruction the agent runs)
+        they take ``1 / cpus`` as long, else (the software throttle, which stretches
+        compute only) as long as on a free core."""
+        details: dict[str, object] = {
+            "emulates": self.source.id,
+            "emulated_gflops": self.source.gflops,
+            "cpus": self.cpus,
+            "core_gflops": core_gflops,
+        }
+        if core_fixed:
+            stretch = 1 / min(1.0, self.cpus) if quota else 1.0
+            details["fixed_costs"] = {k: v * stretch for k, v in core_fixed.items()}
         return DeviceSpec(
             id=self.id,
             gflops=self.cpus * core_gflops,
             memory_bytes=self.memory_bytes,
             bandwidth_mbps=self.bandwidth_mbps,
             latency_ms=self.latency_ms,
-            details={
-                "emulates": self.source.id,
-                "emulated_gflops": self.source.gflops,
-                "cpus": self.cpus,
-                "core_gflops": core_gflops,
-            },
+            details=details,
         )
 
 

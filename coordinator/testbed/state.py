@@ -92,6 +92,9 @@ class State:
     broker_url: str = ""
     coordinator_url: str | None = None
     core_gflops: float = 0.0
+    core_fixed_costs: dict[str, float] = field(default_factory=dict)
+    """This machine's fixed costs (:mod:`edge.profiling.fixed_costs`) on one free core;
+    a device limited to a share of a core announces them scaled up by it."""
     cpus_per_gflops: float = 0.0
     """Cores an emulated device gets per GFLOP/s of the device it emulates (the scale
     over the fastest device's speed): what a device that joins later gets."""

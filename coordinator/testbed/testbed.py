@@ -49,6 +49,7 @@ from coordinator.testbed.teardown import down, status, teardown
 from edge.errors import UserError
 from edge.files import write_atomic
 from edge.problem import DeviceSpec
+from edge.profiling.fixed_costs import measure_fixed_costs
 from edge.transport.credentials import Credentials
 from edge.transport.mqtt import MqttTransport
 from edge.transport.settings import MqttSettings
@@ -189,10 +190,14 @@ class Testbed:
     ) -> None:
         state = self.state
         state.core_gflops = measure_core_gflops(measure_s)
+        state.core_fixed_costs = measure_fixed_costs().to_json()
         profiles = state.dir / "profiles"
         profiles.mkdir(parents=True, exist_ok=True)
+        quota = detection.method == "kernel"
         for dev in self.devices:
-            self.announced[dev.id] = dev.announced(state.core_gflops)
+            self.announced[dev.id] = dev.announced(
+                state.core_gflops, state.core_fixed_costs, quota=quota
+            )
             write_atomic(profiles / f"{dev.id}.json", self.announced[dev.id].model_dump_json())
         port = free_port()
         links = self._links() if detection.method == "kernel" else []
@@ -334,7 +339,8 @@ class Testbed:
             latency_ms=source.latency_ms,
         )
         self.devices.append(dev)
-        self.announced[dev.id] = dev.announced(state.core_gflops)
+        # A device that joins runs in software (see _start_software_agent): no quota.
+        self.announced[dev.id] = dev.announced(state.core_gflops, state.core_fixed_costs)
         profile = state.dir / "profiles" / f"{dev.id}.json"
         write_atomic(profile, self.announced[dev.id].model_dump_json())
         credentials = None

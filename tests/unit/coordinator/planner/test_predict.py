@@ -236,3 +236,28 @@ def test_bytes_cost_each_side_its_cpu_and_a_groups_sum_its_cpu() -> None:
     assert predict(heavy, group).step_time_s == pytest.approx(
         plain.step_time_s + 2 * (2 - 1) / 2 * 1_000_000 * 1e-8, rel=REL
     )
+
+
+def test_a_group_is_kept_only_where_moving_its_gradients_is_predicted_to_pay() -> None:
+    """Two equal devices, heavy gradients: by the spec a group of both wins; when each
+    byte costs their CPU enough, the job runs a pipeline instead."""
+    cheap = {"microbatch_s": 0.0, "step_s": 0.0, "frame_s": 0.0, "byte_s": 1e-12}
+    problem = _problem({"a": cheap, "b": cheap}, gflops=(10.0, 10.0)).model_copy(
+        update={"version": 2}
+    )
+    problem = problem.model_copy(
+        update={"layers": [u.model_copy(update={"param_bytes": 1e6}) for u in problem.layers]}
+    )
+    grouped = plan_job(problem)
+    assert grouped.plan.grouped  # the spec's choice, and the model agrees
+    dear = {**cheap, "byte_s": 1e-6}  # 1 s a MB: the sum of 2 MB now costs 2 s of CPU
+    costly = problem.model_copy(
+        update={
+            "devices": [
+                d.model_copy(update={"details": {"fixed_costs": dear}}) for d in problem.devices
+            ]
+        }
+    )
+    chosen = plan_job(costly)
+    assert not chosen.plan.grouped and chosen.prediction is not None
+    assert chosen.prediction.step_time_s < predict(costly, grouped.plan).step_time_s
