@@ -396,6 +396,30 @@ MUTANTS = [
             "tests/e2e/test_group_faults.py::test_a_killed_member_is_survived_without_rollback",
         ),
     ),
+    Mutant(
+        name="holders-slice-own-data",
+        what="a holder of local data takes its group rows out of its own step's samples",
+        path="edge/runtime/stage.py",
+        old="if a.group_samples is not None and a.local_data is None:  # its rows of each",
+        new="if a.group_samples is not None:  # its rows of each",
+        tests=("tests/e2e/test_local_data_parity.py",),
+    ),
+    Mutant(
+        name="holders-shares-by-speed",
+        what="the score ignores the holders' fixed shares and splits stage 0 by speed",
+        path="coordinator/planner/score.py",
+        old="share = list(fixed[s]) if s in fixed else shares_of(group)",
+        new="share = shares_of(group)",
+        tests=("tests/unit/coordinator/planner/test_holders.py",),
+    ),
+    Mutant(
+        name="predict-free-gradient-bytes",
+        what="the cost model forgets the CPU a group's members spend moving gradients",
+        path="coordinator/planner/predict.py",
+        old="allreduce[s] += 2 * (g - 1) / g * params * worst",
+        new="allreduce[s] += 0.0",
+        tests=("tests/unit/coordinator/planner/test_predict.py",),
+    ),
 ]
 
 
