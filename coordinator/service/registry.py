@@ -24,6 +24,7 @@ from typing import Any
 from coordinator.engine.watch import DeviceFeed
 from coordinator.planner.predict import PLANNING_DETAILS
 from coordinator.service.events import EventBus
+from edge.models.local_data import DETAILS_KEY as DATASETS
 from edge.models.local_data import LocalDatasetInfo, announced
 from edge.problem import DeviceSpec
 from edge.transport.mqtt import MqttTransport
@@ -121,10 +122,11 @@ class DeviceRegistry:
                 continue
             if allowed is not None and d.id not in allowed:
                 continue
-            # Of the free-form details only what the planner's cost model reads reaches it;
-            # the rest stays on the device's record.
+            # Of the free-form details only what the planner reads reaches it (the cost
+            # model's figures, the local datasets it holds); the rest stays on the record.
             got = d.profile.get("details") or {}
-            details = {k: got[k] for k in PLANNING_DETAILS if k in got} or None
+            keys = (*PLANNING_DETAILS, DATASETS)
+            details = {k: got[k] for k in keys if k in got} or None
             out.append(DeviceSpec.model_validate({**d.profile, "id": d.id, "details": details}))
         return out
 
