@@ -41,7 +41,7 @@ from coordinator.planner.build import build_problem
 from coordinator.planner.group_tables import GroupLimits
 from coordinator.planner.holders import HolderPlans
 from coordinator.planner.partition import JobPlan, plan_holders_job, plan_job
-from coordinator.planner.predict import calibrated, measure_unit_seconds, predict
+from coordinator.planner.predict import UnitSeconds, calibrated, measure_unit_seconds, predict
 from coordinator.planner.score import Plan
 from edge.errors import UserError
 from edge.models.local_data import announced
@@ -230,15 +230,8 @@ def plan_over(
     limits = group_limits(spec) if groups else None
     groups = limits is not None
     problem = job_problem(spec, devices, first, groups=groups)
-    units = None
-    if calibrated(problem):  # agents that measured their fixed costs: predict what they'll do
-        units = measure_unit_seconds(
-            spec.model,
-            spec.batch_size,
-            spec.microbatches,
-            model_options=spec.model_options,
-            optimizer=spec.optimizer,
-        )
+    # Agents that measured their fixed costs: predict what they will do.
+    units = _unit_seconds(spec) if calibrated(problem) else None
     found = plan_job(
         problem,
         partition=spec.partition,
@@ -251,6 +244,25 @@ def plan_over(
         units=units,
     )
     return PlannedJob(problem=problem, found=found, fewer_stages=fewer)
+
+
+def _unit_seconds(spec: JobSpec) -> UnitSeconds | None:
+    """The model's units timed on this machine for the cost model (cached per shape);
+    ``None`` (the spec's FLOPs then) for a job on another dataset than its model's own,
+    whose samples the timing cannot make, or a model that cannot be timed here."""
+    try:
+        if spec.dataset is not None and spec.dataset != get_model(spec.model).dataset:
+            return None
+        return measure_unit_seconds(
+            spec.model,
+            spec.batch_size,
+            spec.microbatches,
+            model_options=spec.model_options,
+            optimizer=spec.optimizer,
+        )
+    except Exception as exc:  # a user model: the prediction falls back to FLOPs
+        log.warning("could not time the units of %s: %s", spec.model, exc)
+        return None
 
 
 def _plan_on_holders(
@@ -279,15 +291,7 @@ def _plan_on_holders(
         limits=GroupLimits(solo_units=solo, whole_samples=True),
         where=where,
     )
-    units = None
-    if calibrated(problem):
-        units = measure_unit_seconds(
-            spec.model,
-            spec.batch_size,
-            spec.microbatches,
-            model_options=spec.model_options,
-            optimizer=spec.optimizer,
-        )
+    units = _unit_seconds(spec) if calibrated(problem) else None
     guess = predict(problem, found.plan, units, fixed_shares={0: shares})
     found = replace(found, prediction=guess)
     return PlannedJob(problem=problem, found=found, holders=alternatives)

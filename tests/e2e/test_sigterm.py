@@ -123,9 +123,10 @@ def test_sigterm_to_train_stops_its_broker_and_agents(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_sigterm_to_demo_stops_its_broker_and_agents(tmp_path: Path) -> None:
-    args = ["demo", "--fleet", "rpi5-8gb,laptop", *STEPS, "--port", str(free_port())]
+    fleet = "rpi5-8gb,rpi5-8gb,rpi5-8gb,laptop"  # three data holders and a helper
+    args = ["demo", "--fleet", fleet, *STEPS, "--port", str(free_port())]
     with _command(tmp_path, *args) as cmd:
-        agents = _started(cmd, 2)
+        agents = _started(cmd, 4)
         assert until(lambda: any(_stepped(a) for a in agents), 120), cmd.tail()
         _terminate(cmd)
 
