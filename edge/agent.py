@@ -348,6 +348,14 @@ class Agent:
         except ConnectionError as exc:
             log.warning("could not report %s: %s", event.type, exc, extra={"job": event.job})
 
+    def _failed(self, a: StageAssignment, error: str) -> None:
+        """Report that stage ``a`` failed, with ``error`` (one line)."""
+        self._event(
+            StageFailed(
+                job=a.job, stage=a.stage, member=a.member, device=self.device_id, error=error
+            )
+        )
+
     def _assign(self, a: StageAssignment) -> None:
         busy = self._runtime
         if busy is not None and busy is self._finished and self._job_thread is not None:
@@ -359,15 +367,7 @@ class Agent:
             self._retire(busy)  # a cancelled attempt, or a re-plan of this job
             busy = None
         if busy is not None:
-            self._event(
-                StageFailed(
-                    job=a.job,
-                    stage=a.stage,
-                    member=a.member,
-                    device=self.device_id,
-                    error=f"busy with job {busy.a.job}",
-                )
-            )
+            self._failed(a, f"busy with job {busy.a.job}")
             return
         self._held = None  # a hand-over not asked for by now never will be
         bind(log, job=a.job, stage=a.stage).info(
@@ -497,15 +497,7 @@ class Agent:
         try:
             state = rt.state_at(cmd.step)
         except ValueError as exc:
-            self._event(
-                StageFailed(
-                    job=a.job,
-                    stage=a.stage,
-                    member=a.member,
-                    device=self.device_id,
-                    error=f"hand-over: {exc}",
-                )
-            )
+            self._failed(a, f"hand-over: {exc}")
             return
         self.transport.publish(job_replica(a.job, a.stage), state, 1)
         bind(log, job=a.job, stage=a.stage, step=cmd.step).info(
@@ -588,15 +580,7 @@ class Agent:
                 bind(log, job=a.job, stage=a.stage).info("stage cancelled (%s)", exc)
             else:
                 bind(log, job=a.job, stage=a.stage).exception("stage failed")
-                self._event(
-                    StageFailed(
-                        job=a.job,
-                        stage=a.stage,
-                        member=a.member,
-                        device=self.device_id,
-                        error=f"{type(exc).__name__}: {exc}",
-                    )
-                )
+                self._failed(a, f"{type(exc).__name__}: {exc}")
         finally:
             if a.dist is not None:
                 leave_group()

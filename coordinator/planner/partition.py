@@ -38,6 +38,10 @@ the job's ``codec`` into a scored plan:
   :mod:`coordinator.planner.codecs` (for ``plan``, plans are searched per codec,
   with the same stage count), and kept only when it makes the step faster.
 
+A job on data that stays home is planned by :func:`plan_holders_job`: stage 0 on
+the devices that hold the data, the rest by :func:`plan_job` over the others
+(:mod:`coordinator.planner.holders`).
+
 What cannot be done is a :class:`~edge.errors.UserError` with a one-line
 reason: more stages than units or devices, or nothing of that shape that fits.
 """

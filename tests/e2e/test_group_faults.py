@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import safetensors.torch
-from support.faults import assert_same_training, events_of, job_spec
+from support.faults import assert_same_training, even_groups, events_of, job_spec
 
 from coordinator.engine.faults import FaultInjector, parse_fault
 from coordinator.engine.resilient import ResilientRun
@@ -32,16 +32,6 @@ pytestmark = pytest.mark.slow
 
 RTOL = 1e-4
 """The issue's bound: the survivors re-split the step in flight, so sums round differently."""
-
-
-def _grouped(devices: list[str], sizes: list[int], n_units: int) -> Plan:
-    """Units split evenly over ``len(sizes)`` stages, stage ``s`` on the next ``sizes[s]``."""
-    cuts = [round(i * n_units / len(sizes)) for i in range(len(sizes) + 1)]
-    stages, at = [], 0
-    for s, size in enumerate(sizes):
-        stages.append(Stage.group(devices[at : at + size], cuts[s], cuts[s + 1]))
-        at += size
-    return Plan(tuple(stages))
 
 
 def _survivors(plan: Plan, alive: list[str]) -> Plan:
@@ -75,7 +65,7 @@ def test_a_killed_member_is_survived_without_rollback(
     try:
         with LocalFleet(sum(sizes), module_broker, threads=1) as fleet:
             fleet.wait_online(control, timeout=90)
-            plan = _grouped(list(fleet.ids), sizes, n_units)
+            plan = even_groups(list(fleet.ids), sizes, n_units)
             injector = FaultInjector([parse_fault(fault)], lambda _f, device: fleet.kill(device))
             got = ResilientRun(
                 spec,

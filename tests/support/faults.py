@@ -11,7 +11,7 @@ import torch
 
 from coordinator.engine.runners import run_inprocess
 from coordinator.engine.spec import JobSpec
-from coordinator.planner.score import Plan
+from coordinator.planner.score import Plan, Stage
 from edge.models.zoo import get_model
 from support.reference import ReferenceRun, assert_matches, train_reference
 
@@ -66,6 +66,16 @@ def even_plan(devices: list[str], n_units: int) -> Plan:
     k = min(len(devices), n_units)
     cuts = [round(i * n_units / k) for i in range(k + 1)]
     return Plan.of(*((devices[i], cuts[i], cuts[i + 1]) for i in range(k)))
+
+
+def even_groups(devices: list[str], sizes: list[int], n_units: int) -> Plan:
+    """Units split evenly over ``len(sizes)`` stages, stage ``s`` on the next ``sizes[s]``."""
+    cuts = [round(i * n_units / len(sizes)) for i in range(len(sizes) + 1)]
+    stages, at = [], 0
+    for s, size in enumerate(sizes):
+        stages.append(Stage.group(devices[at : at + size], cuts[s], cuts[s + 1]))
+        at += size
+    return Plan(tuple(stages))
 
 
 def events_of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
