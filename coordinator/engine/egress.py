@@ -25,9 +25,9 @@ import torch
 from coordinator.engine.spec import JobSpec
 from coordinator.planner.score import Plan
 from edge.models.datasets import build_dataset
-from edge.models.zoo import get_model
+from edge.models.zoo import ModelSpec, get_model
 
-__all__ = ["egress", "unit_output_shapes"]
+__all__ = ["egress"]
 
 
 def _sample(spec: JobSpec) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -40,15 +40,10 @@ def _sample(spec: JobSpec) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
 
 
-def unit_output_shapes(spec: JobSpec) -> list[tuple[int, ...]] | None:
-    """The per-sample shape after every unit of ``spec``'s model (``None`` for a model or
-    dataset that cannot be built here, such as a user's)."""
-    sample = _sample(spec)
-    if sample is None:
-        return None
+def _output_shapes(model: ModelSpec, x: torch.Tensor) -> list[tuple[int, ...]] | None:
+    """The per-sample shape after every unit of ``model`` for input sample ``x``, built on
+    the meta device (``None`` for a model that cannot run here, such as a user's)."""
     try:
-        model = get_model(spec.model, seed=spec.seed, **spec.model_options)
-        x = sample[0]
         shapes = []
         with torch.device("meta"):
             out = x.unsqueeze(0).to("meta")
@@ -64,8 +59,9 @@ def egress(spec: JobSpec, plan: Plan) -> list[dict[str, Any]]:
     """Everything that leaves a device of ``plan`` in a step, in flow order (see the module
     docstring): ``from`` and ``to`` (device lists), ``what``, ``shape`` (per sample, or
     ``None`` where unknown) and ``codec``."""
-    shapes = unit_output_shapes(spec)
     model = get_model(spec.model, seed=spec.seed, **spec.model_options)
+    sample = _sample(spec)  # one sample of the data: the shapes after each unit, the label's
+    shapes = _output_shapes(model, sample[0]) if sample is not None else None
     names = model.unit_names
     stages = plan.stages
     codecs = list(plan.codecs) if plan.codecs else [spec.link_codec] * (len(stages) - 1)
@@ -93,7 +89,6 @@ def egress(spec: JobSpec, plan: Plan) -> list[dict[str, Any]]:
             }
         )
     if len(stages) > 1:
-        sample = _sample(spec)
         rows.append(
             {
                 "from": list(stages[0].devices),
