@@ -237,7 +237,8 @@ def make_assignments(
             f"the holders' samples of a microbatch differ at the two ends: "
             f"{list(samples[0])} and {list(samples[tail])}"
         )
-    reads = set() if spec.data is None else {0} | ({tail} if tail is not None else set())
+    local = spec.data.name if spec.data is not None else None
+    reads = {0} | ({tail} if tail is not None else set())
     out = []
     for s, st in enumerate(stages):
         for member in range(len(st.devices)):
@@ -262,7 +263,7 @@ def make_assignments(
                     member=member,
                     group_samples=samples,
                     handover=handover and samples is not None,
-                    local_data=spec.data.name if s in reads else None,
+                    local_data=local if s in reads else None,
                     labels_local=tail is not None,
                 )
             )
@@ -274,11 +275,14 @@ def u_tail(spec: JobSpec, plan: Plan) -> int | None:
     of a U-shaped plan (holders, helpers, holders: the same devices in the same order at
     both ends, no holder in between); ``None`` otherwise, and for the holders alone (one
     stage, which reads its labels anyway). Any other plan is a :class:`ValueError`."""
-    if spec.data is None or not spec.data.labels_local or len(plan.stages) == 1:
+    local = spec.data is not None and spec.data.labels_local
+    if plan.u_shaped and not local:
+        raise ValueError('a U-shaped plan is for labels "local" only')
+    if not local or len(plan.stages) == 1:
         return None
     first, last = plan.stages[0].devices, plan.stages[-1].devices
     middle = {d for st in plan.stages[1:-1] for d in st.devices}
-    if len(plan.stages) < 3 or first != last or middle & set(first):
+    if not plan.u_shaped or len(plan.stages) < 3 or first != last or middle & set(first):
         raise ValueError(
             'labels "local" needs a U-shaped plan: the holders, helpers, then the same '
             f"holders in the same order (got {[list(st.devices) for st in plan.stages]})"

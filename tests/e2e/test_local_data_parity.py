@@ -112,7 +112,8 @@ def test_labels_that_stay_home_equal_one_device_on_the_union(schedule: str) -> N
             Stage.group(holders, 0, 1),
             Stage.group(["helper"], 1, units - 1),
             Stage.group(holders, units - 1, units),
-        )
+        ),
+        u_shaped=True,
     )
     with one_thread():
         got = run_inprocess(
