@@ -232,8 +232,10 @@ def _check_data(body: JobCreate, units: int, replicate_every: int) -> None:
     if data is None:
         return
     if data.labels_local and replicate_every:
-        why = 'labels "local" cannot be combined with fault tolerance yet (replicate_every, faults)'
-        raise unprocessable(["body", "data", "labels"], why)
+        raise unprocessable(
+            ["body", "data", "labels"],
+            'labels "local" cannot be combined with fault tolerance yet (replicate_every, faults)',
+        )
     why = None
     if body.partition != "plan" or body.group_sizes is not None:
         why = "local data needs partition plan: the holders are stage 0"
