@@ -255,6 +255,24 @@ def test_with_labels_local_no_message_carries_labels_and_training_is_the_unions(
     assert_matches(got["losses"], trained, reference)
 
 
+@pytest.mark.parametrize(
+    ("extra", "line"),
+    [
+        (["--labels", "local"], "error: --labels local needs --holders (data that stays home)"),
+        (
+            ["--labels", "local", "--holders", "3", "--fault", "kill:1@2"],
+            "error: --labels local cannot be combined with --fault or --replicate-every yet",
+        ),
+        (["--labels", "home", "--holders", "3"], "error: --labels: 'home' is not central or local"),
+    ],
+)
+def test_labels_local_where_it_cannot_be_exits_2_naming_labels(extra: list[str], line: str) -> None:
+    """Refused before anything starts: no broker, no agents."""
+    cmd = [sys.executable, "-m", "edgetrain.cli", "train", "--devices", "4", *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stderr.strip(), out.stdout) == (2, line, "")
+
+
 def _events(got: dict[str, Any], kind: str) -> list[dict[str, Any]]:
     return [e for e in got["events"] if e["type"] == kind]
 
