@@ -141,6 +141,8 @@ class PlanScore:
             out["allreduce_s"] = max(self.allreduce_s, default=0.0)
             out["energy_j_per_step"] = self.energy_j_per_step
             out["energy_j_per_sample"] = self.energy_j_per_sample
+        if self.plan.u_shaped:  # the last stage is stage 0's devices again
+            out["u_shaped"] = True
         out["feasible"] = self.feasible
         return out
 

@@ -38,7 +38,7 @@ from edge.wire.groups import split_samples
 pytestmark = pytest.mark.slow
 
 HOLDERS = 3
-OPTIONS = {"width": 64}
+OPTIONS: dict[str, Any] = {"width": 64}
 STEPS, BATCH, MICRO = 4, 96, 4
 
 
@@ -207,6 +207,7 @@ def test_with_labels_local_no_message_carries_labels_and_training_is_the_unions(
     # A U: the holders, then helpers that hold no data, then the same holders again.
     stages = got["plan"]["stages"]
     holders = stages[0]["devices"]
+    assert got["plan"]["u_shaped"] is True
     assert len(holders) == HOLDERS and len(stages) >= 3
     assert stages[-1]["devices"] == holders and stages[-1]["shares"] == stages[0]["shares"]
     middle = {d for st in stages[1:-1] for d in st["devices"]}

@@ -11,6 +11,8 @@ shards with its own sampler and trains a plain PyTorch loop on them.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 from support.reference import assert_matches, one_thread, train_on_batches, union_batches
 
@@ -34,7 +36,7 @@ STEPS = 6
     ],
 )
 def test_holders_as_stage_0_equal_one_device_on_the_union(
-    schedule: str, shards: list[str], shares: tuple[float, ...]
+    schedule: Literal["1f1b", "gpipe"], shards: list[str], shares: tuple[float, ...]
 ) -> None:
     spec = JobSpec(
         model="cnn-digits",
@@ -89,7 +91,9 @@ def test_a_device_without_the_data_refuses_stage_0() -> None:
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_labels_that_stay_home_equal_one_device_on_the_union(schedule: str) -> None:
+def test_labels_that_stay_home_equal_one_device_on_the_union(
+    schedule: Literal["1f1b", "gpipe"],
+) -> None:
     """A U: three holders run the first unit, a helper the middle, and the same holders the
     last unit and the loss on their own samples with their own labels."""
     shards = ["1/3", "2/3", "3/3"]
