@@ -386,6 +386,8 @@ class JobEngine:
         """
         hooks = hooks or JobHooks()
         every = self.replication(spec, planned, replicate_every)
+        if every and planned.plan.u_shaped:  # its replicas, re-plans and hand-overs: not yet
+            raise UserError('labels "local" cannot be combined with fault tolerance yet')
         if every == 0:
             result = run_on_agents(
                 spec,
