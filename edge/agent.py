@@ -23,6 +23,12 @@ Lifecycle:
    model or dataset (``package.module:function``) outside ``allow_code`` is
    answered with ``failed`` before anything is imported ([Note: user code on
    devices] in :mod:`edge.models.user_code`).
+   One exception to one stage at a time: a job whose labels stay home gives each
+   holder two stages, 0 and the last ([Note: labels stay home] in
+   :mod:`edge.runtime.stage`). The second assignment of that job (``labels_local``,
+   the last stage) joins the first instead of replacing it; each runs in its own
+   thread (a device waits on itself otherwise: the tail's forward needs the
+   helpers', which need stage 0's), both start on ``start`` and ``cancel`` stops both.
 4. SIGTERM (or :meth:`Agent.stop`) cancels the running stage, publishes
    ``offline`` and disconnects.
 
@@ -140,12 +146,16 @@ class Agent:
         self._stop = threading.Event()
         self._commands: queue.Queue[_Work] = queue.Queue()
         self._cancelled: dict[str, None] = {}  # jobs cancelled lately, newest last
-        self._runtime: StageRuntime | None = None
-        self._job_thread: threading.Thread | None = None
-        self._finished: StageRuntime | None = None
+        self._runtimes: list[StageRuntime] = []
+        """The stages of one job this device runs, in the order assigned (two at most: the
+        ends of a U-shaped job)."""
+        self._threads: dict[int, threading.Thread] = {}
+        """Each started stage's job thread, by stage."""
+        self._stages_lock = threading.Lock()  # the worker and the job threads let stages go
+        self._finished: set[int] = set()
+        """The stages whose steps all ran, while their job thread reports and lets them go."""
         self._held: StageRuntime | None = None
         """A stage stopped with ``hold``, kept for its hand-over (one at most)."""
-        """The runtime whose steps all ran, while its job thread reports and lets it go."""
         self._step: int | None = None
         self.bad_commands = 0
         self._incoming: dict[tuple[str, int], bytes] = {}  # neighbour replicas not yet kept
@@ -164,6 +174,12 @@ class Agent:
         self.transport.will_set(device_status(device_id), offline.model_dump_json(), 1, True)
 
     # -- connection ------------------------------------------------------------------
+
+    @property
+    def _runtime(self) -> StageRuntime | None:
+        """The first stage this device runs (its status and heartbeat name it), if any."""
+        runtimes = list(self._runtimes)  # a copy: job threads let stages go meanwhile
+        return runtimes[0] if runtimes else None
 
     def _status(self, state: Literal["online", "offline", "busy"]) -> DeviceStatus:
         rt = self._runtime
@@ -254,12 +270,12 @@ class Agent:
         self._stop.set()
 
     def _shutdown(self, worker: threading.Thread) -> None:
-        if self._runtime is not None:
-            self._runtime.cancel()
+        for rt in list(self._runtimes):
+            rt.cancel()
         self._commands.put(None)
         worker.join(timeout=5)
-        if self._job_thread is not None:
-            self._job_thread.join(timeout=5)
+        for thread in list(self._threads.values()):
+            thread.join(timeout=5)
         with contextlib.suppress(ConnectionError):
             offline = self._status("offline").model_dump_json()
             self.transport.publish(device_status(self.device_id), offline, 1, True)
@@ -298,19 +314,19 @@ class Agent:
                 elif isinstance(cmd, Throttle):
                     log.info("compute now %.2fx slower (was %.2fx)", cmd.slowdown, self.slowdown)
                     self.slowdown = cmd.slowdown
-                    if self._runtime is not None:
-                        self._runtime.slowdown = cmd.slowdown
+                    for rt in list(self._runtimes):
+                        rt.slowdown = cmd.slowdown
                 elif isinstance(cmd, HandOver):
                     self._hand_over(cmd)
                 elif (
                     isinstance(cmd, CancelJob) and self._runtime and self._runtime.a.job == cmd.job
                 ):
                     log.info("cancelling: %s", cmd.reason, extra={"job": cmd.job})
-                    rt = self._runtime
-                    rt.cancel(hold=cmd.hold)
-                    thread = self._job_thread
-                    if cmd.hold and (thread is None or not thread.is_alive()):
-                        self._hold(rt)  # it never started: nothing else will say it
+                    for rt in list(self._runtimes):
+                        rt.cancel(hold=cmd.hold)
+                        thread = self._threads.get(rt.a.stage)
+                        if cmd.hold and (thread is None or not thread.is_alive()):
+                            self._hold(rt)  # it never started: nothing else will say it
             except _Cancelled as exc:
                 log.info("%s", exc, extra={"job": getattr(cmd, "job", None)})
             except Exception as exc:  # a command must never kill the daemon
@@ -356,17 +372,36 @@ class Agent:
             )
         )
 
+    def _joins(self, a: StageAssignment) -> bool:
+        """Whether ``a`` is the tail of the U-shaped job whose stage 0 this device holds,
+        built and not started: it runs beside it ([Note: labels stay home])."""
+        runtimes = self._runtimes
+        if len(runtimes) != 1 or not (a.labels_local and a.is_last and a.num_stages > 1):
+            return False
+        first = runtimes[0]
+        return (
+            first.a.job == a.job
+            and first.a.stage == 0
+            and first.a.member == a.member
+            and not first.cancelled
+            and 0 not in self._threads
+        )
+
     def _assign(self, a: StageAssignment) -> None:
+        runtimes = list(self._runtimes)
+        if runtimes and all(rt.a.stage in self._finished for rt in runtimes):
+            # Their last steps ran and ``done`` may be out already: the next job can come
+            # before the job threads have let the stages go. A bounded wait, not a refusal.
+            for rt in runtimes:
+                thread = self._threads.get(rt.a.stage)
+                if thread is not None:
+                    thread.join(timeout=10.0)
+        joins = self._joins(a)
         busy = self._runtime
-        if busy is not None and busy is self._finished and self._job_thread is not None:
-            # Its last steps ran and ``done`` may be out already: the next job can come
-            # before the job thread has let the stage go. A bounded wait, not a refusal.
-            self._job_thread.join(timeout=10.0)
-            busy = self._runtime
-        if busy is not None and (busy.cancelled or busy.a.job == a.job):
+        if busy is not None and not joins and (busy.cancelled or busy.a.job == a.job):
             self._retire(busy)  # a cancelled attempt, or a re-plan of this job
             busy = None
-        if busy is not None:
+        if busy is not None and not joins:
             self._failed(a, f"busy with job {busy.a.job}")
             return
         self._held = None  # a hand-over not asked for by now never will be
@@ -397,13 +432,14 @@ class Agent:
         try:
             if a.restore:
                 self._restore(rt)
-            self._watch_neighbour(a)
+            if not joins:
+                self._watch_neighbour(a)
         except BaseException:
             transport.detach(a.job, a.stage, a.member)
             if a.dist is not None:
                 leave_group()
             raise
-        self._runtime = rt
+        self._runtimes.append(rt)
         self._announce()
         self._event(
             StageReady(
@@ -415,16 +451,30 @@ class Agent:
             )
         )
 
-    def _retire(self, rt: StageRuntime) -> None:
-        """Stop ``rt`` (if it runs, wait a bounded time for it) and forget it."""
-        rt.cancel()
-        if self._job_thread is not None:  # at most one step's work left
-            self._job_thread.join(timeout=10.0)
-        rt.transport.detach(rt.a.job, rt.a.stage, rt.a.member)
-        if rt.a.dist is not None:
-            leave_group()
-        if self._runtime is rt:
-            self._runtime, self._step = None, None
+    def _retire(self, busy: StageRuntime) -> None:
+        """Stop ``busy``'s job's stages here (if they run, wait a bounded time for them)
+        and forget them."""
+        for rt in [r for r in self._runtimes if r.a.job == busy.a.job] or [busy]:
+            rt.cancel()
+            thread = self._threads.get(rt.a.stage)
+            if thread is not None:  # at most one step's work left
+                thread.join(timeout=10.0)
+            rt.transport.detach(rt.a.job, rt.a.stage, rt.a.member)
+            if rt.a.dist is not None:
+                leave_group()
+            self._forget(rt)
+
+    def _forget(self, rt: StageRuntime) -> None:
+        """Let ``rt`` go (if it is still one of this device's stages)."""
+        with self._stages_lock:
+            if rt not in self._runtimes:
+                return
+            self._runtimes.remove(rt)
+            self._threads.pop(rt.a.stage, None)
+            self._finished.discard(rt.a.stage)
+            last = not self._runtimes
+        if last:
+            self._step = None
             self._unwatch_neighbour()
 
     def _restore(self, rt: StageRuntime) -> None:
@@ -544,12 +594,15 @@ class Agent:
                 )
 
     def _start(self, job: str) -> None:
-        rt = self._runtime
-        if rt is None or rt.a.job != job:
+        runtimes = [rt for rt in self._runtimes if rt.a.job == job]
+        if not runtimes:
             log.warning("start for job %s, which is not assigned here", job, extra={"job": job})
             return
-        self._job_thread = threading.Thread(target=self._run_job, args=(rt,), daemon=True)
-        self._job_thread.start()
+        for rt in runtimes:  # a U's holder hears start once per stage: each starts once
+            if rt.a.stage not in self._threads:
+                thread = threading.Thread(target=self._run_job, args=(rt,), daemon=True)
+                self._threads[rt.a.stage] = thread
+                thread.start()
 
     def _run_job(self, rt: StageRuntime) -> None:
         a = rt.a
@@ -557,7 +610,7 @@ class Agent:
         try:
             steps = rt.run()
             if not rt.cancelled:
-                self._finished = rt
+                self._finished.add(a.stage)
                 weights = rt.weights()
                 write_atomic(self.data_dir / a.job / f"stage{a.stage}.safetensors", weights)
                 if a.member == 0:  # a group's members hold the same weights: one copy goes
@@ -586,9 +639,6 @@ class Agent:
                 leave_group()
             if rt.cancelled and rt.hold:
                 self._hold(rt)
-            if self._runtime is rt:  # not replaced by a newer assignment meanwhile
-                self._runtime = None
-                self._step = None
-                self._unwatch_neighbour()
+            self._forget(rt)  # unless replaced by a newer assignment meanwhile
             with contextlib.suppress(ConnectionError):
                 self._announce()

@@ -413,6 +413,27 @@ MUTANTS = [
         tests=("tests/unit/coordinator/planner/test_holders.py",),
     ),
     Mutant(
+        name="u-tail-wrong-labels",
+        what="with labels local the tail pairs each of its samples with its neighbour's label",
+        path="edge/runtime/stage.py",
+        old="if self.reads:  # its own labels ([Note: labels stay home])\n"
+        "                        target = ys[mb]",
+        new="if self.reads:  # its own labels ([Note: labels stay home])\n"
+        "                        target = ys[mb] if a.is_first else ys[mb].roll(1)",
+        tests=(
+            "tests/e2e/test_local_data_parity.py::"
+            "test_labels_that_stay_home_equal_one_device_on_the_union",
+        ),
+    ),
+    Mutant(
+        name="u-tail-forgets-head-memory",
+        what="a U's score checks the holders' tail memory without their stage 0 segment",
+        path="coordinator/planner/score.py",
+        old="need = [mine + first for mine, first in zip(need, head_need, strict=True)]",
+        new="need = list(need)",
+        tests=("tests/unit/coordinator/planner/test_holders.py",),
+    ),
+    Mutant(
         name="predict-free-gradient-bytes",
         what="the cost model forgets the CPU a group's members spend moving gradients",
         path="coordinator/planner/predict.py",

@@ -105,6 +105,7 @@ def _stage_rules(device: str, a: StageAssignment) -> list[_Rule]:
         replicate=bool(a.replicate_every or a.handover),
         member=a.member,
         group_sizes=sizes,
+        labels_local=a.labels_local,
     )
     rules = [("publishClientSend", t) for t in access.publish]
     for topic in access.read:
@@ -275,6 +276,8 @@ class BrokerAccounts:
                 if device not in self.record["devices"]:
                     raise UserError(f"job {job}: device {device} has no account on the broker")
                 for rule in _stage_rules(device, a):
+                    if (device, rule) in granted:  # a device with two stages of a U
+                        continue
                     granted.append((device, rule))
                     commands.append(
                         {

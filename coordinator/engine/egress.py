@@ -6,7 +6,10 @@ Per step, for a plan of stages ``0..S-1`` (a stage on one device or a group):
 
 - every link ``s -> s+1`` carries the activations after the stage's last unit
   forward, and their gradients back (each group member sends the rows it holds);
-- stage 0 sends the labels to the last stage, unless they are the same stage;
+- stage 0 sends the labels to the last stage, unless they are the same stage or
+  the labels stay home (a U-shaped plan: the holders run the last stage too, so
+  its links are the helpers' activations back to the holders and the holders'
+  gradients of them to the helpers, and no labels leave anyone);
 - a group's members exchange sums of their stage's gradients (never samples);
 - at the end, and with fault tolerance every few steps, each stage's weights (and
   optimizer state) go to the coordinator.
@@ -88,7 +91,7 @@ def egress(spec: JobSpec, plan: Plan) -> list[dict[str, Any]]:
                 "codec": codecs[s],
             }
         )
-    if len(stages) > 1:
+    if len(stages) > 1 and not plan.u_shaped:
         rows.append(
             {
                 "from": list(stages[0].devices),

@@ -51,6 +51,7 @@ __all__ = [
     "largest_message_bytes",
     "make_assignments",
     "new_job_id",
+    "u_tail",
 ]
 
 
@@ -66,6 +67,15 @@ class DataPlacement(BaseModel):
     placement: Literal["local"] = "local"
     min_local_units: int = Field(default=1, ge=1)
     """Units every holder runs on its own samples before anything leaves it."""
+    labels: Literal["central", "local"] = "central"
+    """``local``: the labels never leave their holders either. The last units and the
+    loss run on the holders too, each on its own samples (the plan is U-shaped:
+    holders, helpers, holders; [Note: labels stay home] in :mod:`edge.runtime.stage`);
+    ``central``: the last stage, on a helper, takes the labels from the holders."""
+
+    @property
+    def labels_local(self) -> bool:
+        return self.labels == "local"
 
 
 class JobSpec(TrainConfig):
@@ -109,6 +119,11 @@ class JobSpec(TrainConfig):
                 raise ValueError("local data needs partition plan: the holders are stage 0")
             if self.pin_first is not None:
                 raise ValueError("local data places stage 0 on its holders: no pin_first")
+            if self.data.labels_local and (self.replicate_every or self.faults):
+                raise ValueError(
+                    'labels "local" cannot be combined with fault tolerance yet '
+                    "(replicate_every, faults)"
+                )
         sizes = self.group_sizes
         if sizes is not None:
             if self.partition != "even":
@@ -201,6 +216,8 @@ def make_assignments(
     every that many steps, load the state published for the stage before starting.
     With ``spec.data``, stage 0's devices are the holders, each reading its own samples
     (``shares`` for stage 0 then follow the holders' data, not their speed).
+    With ``labels`` local the plan must be U-shaped (:func:`u_tail`): its last stage's
+    devices read their own labels too, and no stage sends any.
     ``handover`` (for a plan with groups) has every stage keep its previous step's state,
     so the survivors of a group can hand over ([Note: a group member dies] in
     :mod:`coordinator.engine.handover`).
@@ -214,6 +231,14 @@ def make_assignments(
     samples = group_samples(spec, plan, shares)
     if samples is not None:
         _refuse_batchnorm(spec, plan)
+    tail = u_tail(spec, plan)
+    if tail is not None and samples is not None and samples[tail] != samples[0]:
+        raise ValueError(
+            f"the holders' samples of a microbatch differ at the two ends: "
+            f"{list(samples[0])} and {list(samples[tail])}"
+        )
+    local = spec.data.name if spec.data is not None else None
+    reads = {0} | ({tail} if tail is not None else set())
     out = []
     for s, st in enumerate(stages):
         for member in range(len(st.devices)):
@@ -238,10 +263,31 @@ def make_assignments(
                     member=member,
                     group_samples=samples,
                     handover=handover and samples is not None,
-                    local_data=spec.data.name if spec.data is not None and s == 0 else None,
+                    local_data=local if s in reads else None,
+                    labels_local=tail is not None,
                 )
             )
     return out
+
+
+def u_tail(spec: JobSpec, plan: Plan) -> int | None:
+    """With ``labels`` local, the stage where the holders take the model back: the last
+    of a U-shaped plan (holders, helpers, holders: the same devices in the same order at
+    both ends, no holder in between); ``None`` otherwise, and for the holders alone (one
+    stage, which reads its labels anyway). Any other plan is a :class:`ValueError`."""
+    local = spec.data is not None and spec.data.labels_local
+    if plan.u_shaped and not local:
+        raise ValueError('a U-shaped plan is for labels "local" only')
+    if not local or len(plan.stages) == 1:
+        return None
+    first, last = plan.stages[0].devices, plan.stages[-1].devices
+    middle = {d for st in plan.stages[1:-1] for d in st.devices}
+    if not plan.u_shaped or len(plan.stages) < 3 or first != last or middle & set(first):
+        raise ValueError(
+            'labels "local" needs a U-shaped plan: the holders, helpers, then the same '
+            f"holders in the same order (got {[list(st.devices) for st in plan.stages]})"
+        )
+    return len(plan.stages) - 1
 
 
 def batchnorm_units(spec: JobSpec) -> frozenset[int] | None:

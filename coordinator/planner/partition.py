@@ -255,11 +255,13 @@ def plan_holders_job(
     min_local_units: int = 1,
     limits: GroupLimits | None = None,
     where: str = "the devices",
+    labels_local: bool = False,
 ) -> tuple[JobPlan, HolderPlans]:
     """The plan of a job on local data: stage 0 on ``holders`` at ``shares`` (their data),
     the rest planned by :func:`plan_job` over the other devices
-    (:mod:`coordinator.planner.holders`); also the alternatives, for the report. A
-    one-line :class:`UserError` when nothing fits."""
+    (:mod:`coordinator.planner.holders`); also the alternatives, for the report. With
+    ``labels_local`` the holders run the last units too (a U-shaped plan). A one-line
+    :class:`UserError` when nothing fits."""
     n = int(problem.batch_size) // problem.microbatches
     try:
         split_samples(n, list(shares))
@@ -280,13 +282,23 @@ def plan_holders_job(
             "train (use norm=group)"
         )
     found = plan_with_holders(
-        problem, holders, shares, rest, min_local_units=min_local_units, solo_units=solo
+        problem,
+        holders,
+        shares,
+        rest,
+        min_local_units=min_local_units,
+        solo_units=solo,
+        labels_local=labels_local,
     )
     if found.best is None:
         why = found.holders_alone.reasons[0] if found.holders_alone.reasons else "no helper fits"
         raise UserError(f"no plan on the holders of the data fits {where}: {why}")
-    k = found.best.plan.stages[0].end
-    method = f"holders keep {k} of {len(problem.layers)} units, helpers plan the rest"
+    plan, n = found.best.plan, len(problem.layers)
+    k = plan.stages[0].end
+    method = f"holders keep {k} of {n} units, helpers plan the rest"
+    if plan.u_shaped:
+        tail = n - plan.stages[-1].start
+        method = f"holders keep the first {k} and the last {tail} of {n} units, helpers the middle"
     return JobPlan(found.best, method, False), found
 
 

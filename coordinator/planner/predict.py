@@ -21,7 +21,9 @@ prediction every job shows and plans by, :func:`predict`:
   gradients each member moves, at the slowest member's ``byte_s`` (on a slow
   device the sum is CPU-bound, not link-bound);
 - per step: the slowest stage's fixed cost per step plus one frame (its report),
-  and on a pipeline the labels stage 0 sends the last stage, one frame each;
+  and on a pipeline the labels stage 0 sends the last stage, one frame each
+  (none when the labels stay home: a U-shaped plan, whose holders compute both
+  ends, so ``tau`` is at least their sum, as in the score);
 - step time: the spec's shape, ``(M - 1) * tau + sum(T) + sum(C) + max(R)``, over
   these terms, plus the per-step terms.
 
@@ -209,12 +211,14 @@ def predict(
             )
             out = problem.layers[st.end - 1].out_bytes
             links.append(spec.link_s[s] + send + back + 2 * b * out * cpu)
-    if n_stages > 1:  # stage 0 sends each microbatch's labels to the last stage
+    if n_stages > 1 and not plan.u_shaped:  # stage 0 sends each microbatch's labels
         per_step += m * max(fixed[i].frame_s for i in plan.stages[0].devices)
-    tau = max(compute + links)
+    # A U's holders compute both ends and sum both ends' gradients (as the score says).
+    both = [compute[0] + compute[-1]] if plan.u_shaped else []
+    tau = max(compute + links + both)
     step = (m - 1) * tau + sum(compute) + sum(links) + per_step
     if problem.version == 2:
-        step += max(allreduce)
+        step += max(allreduce + ([allreduce[0] + allreduce[-1]] if plan.u_shaped else []))
     return Prediction(
         step_time_s=step,
         throughput_sps=problem.batch_size / step if step > 0 else float("inf"),

@@ -56,6 +56,10 @@ class Plan:
     codecs: tuple[str, ...] | None = None
     """Each link's codec when the planner chose them (:mod:`coordinator.planner.codecs`);
     ``None``: the job's codec on every link. The score never reads it."""
+    u_shaped: bool = False
+    """The last stage runs on stage 0's devices again, in the same order (labels that stay
+    home: :mod:`coordinator.planner.holders`): they hold two segments each, so they
+    compute, hold memory and all-reduce for both (see :func:`score_plan`)."""
 
     @classmethod
     def of(cls, *stages: tuple[str, int, int]) -> Plan:
@@ -137,6 +141,8 @@ class PlanScore:
             out["allreduce_s"] = max(self.allreduce_s, default=0.0)
             out["energy_j_per_step"] = self.energy_j_per_step
             out["energy_j_per_sample"] = self.energy_j_per_sample
+        if self.plan.u_shaped:  # the last stage is stage 0's devices again
+            out["u_shaped"] = True
         out["feasible"] = self.feasible
         return out
 
@@ -173,6 +179,11 @@ def validate_plan(problem: PlanningProblem, plan: Plan) -> list[str]:
     if expect != len(problem.layers):
         errors.append(f"plan covers {expect} of {len(problem.layers)} layers")
     used = plan.devices
+    if plan.u_shaped:
+        first, last = plan.stages[0].devices, plan.stages[-1].devices
+        if len(plan.stages) < 3 or first != last:
+            errors.append("a U-shaped plan ends on stage 0's devices, with a stage between")
+        used = used[: len(used) - len(last)]
     if len(set(used)) != len(used):
         errors.append("a device appears in two stages")
     if problem.pin_first is not None and problem.pin_first not in plan.stages[0].devices:
@@ -198,6 +209,11 @@ def score_plan(
     by something else than speed (the data each holder has, for data that stays home):
     such a stage computes for as long as its slowest member, ``max_i w_i b F / gflops_i``.
     Without it (as for every problem file) the shares are the spec's, by speed.
+
+    A U-shaped plan (:attr:`Plan.u_shaped`) is scored with the same formulas, its last
+    stage being one more stage, and three figures for what its devices hold twice: each
+    must fit both segments' memory; the bottleneck is at least ``T_0 + T_last`` (they
+    compute both, one microbatch at a time); the all-reduce is at least ``R_0 + R_last``.
     """
     fixed = dict(fixed_shares or {})
     errors = validate_plan(problem, plan)
@@ -212,6 +228,7 @@ def score_plan(
     shares: list[list[float]] = []
     allreduce: list[float] = []
     busy: list[tuple[DeviceSpec, float]] = []  # each member and its busy seconds per step
+    head_need: list[float] = []  # stage 0's members' memory (a U's tail adds it)
     for s, st in enumerate(plan.stages):
         group = [dev[i] for i in st.devices]
         speed = _sum(d.gflops for d in group)
@@ -231,6 +248,10 @@ def score_plan(
         depth = min(n_stages - s, m)
         # The member with the least room decides; one device: version 1's figure exactly.
         need = [problem.optimizer_state_factor * params + depth * w * b * acts for w in share]
+        if plan.u_shaped and s == n_stages - 1:  # its devices hold stage 0's segment too
+            need = [mine + first for mine, first in zip(need, head_need, strict=True)]
+        if s == 0:
+            head_need = need
         tight = max(range(len(group)), key=lambda i: need[i] / group[i].memory_bytes)
         memory.append(need[tight])
         limits.append(group[tight].memory_bytes)
@@ -262,12 +283,18 @@ def score_plan(
                 * 8
                 / (min(_bandwidth(group, share), _bandwidth(nxt, nxt_share)) * 1e6)
             )
-    tau = max(compute + links)
+    both = [compute[0] + compute[-1]] if plan.u_shaped else []
+    tau = max(compute + links + both)
     step = (m - 1) * tau + _sum(compute) + _sum(links)
     if problem.version == 2:
-        step += max(allreduce)
+        step += max(allreduce + ([allreduce[0] + allreduce[-1]] if plan.u_shaped else []))
     # A problem of zero-FLOP layers and free links takes no time at all.
     throughput = problem.batch_size / step if step > 0 else math.inf
+    if plan.u_shaped:  # a device of both ends: busy for both, idle once
+        per: dict[str, tuple[DeviceSpec, float]] = {}
+        for d, u in busy:
+            per[d.id] = (d, per[d.id][1] + u if d.id in per else u)
+        busy = list(per.values())
     energy = _sum((d.watts_busy or 0.0) * u + (d.watts_idle or 0.0) * (step - u) for d, u in busy)
     deadline = problem.goal.max_step_time_s
     if deadline is not None and step > deadline:

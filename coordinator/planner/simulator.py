@@ -27,7 +27,10 @@ The model:
   a version 2 plan, when the last group has summed its gradients: stage ``s``'s
   group takes ``R_s`` after its own last ``B``. A group runs as one stage at the
   score's ``T_s`` (its members' summed speed); its peak memory is its most
-  loaded member's, whose share of each microbatch it holds.
+  loaded member's, whose share of each microbatch it holds. A U-shaped plan's two
+  ends (:attr:`~coordinator.planner.score.Plan.u_shaped`) are simulated as two
+  stages: that the holders compute both on the same devices is in the score, not
+  here.
 
 [Note: closed form versus simulation]
 

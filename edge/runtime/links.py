@@ -8,8 +8,8 @@ for the units ``[start, end)`` of the model:
   for ``b`` samples;
 - a gradient (every stage but the last) has the shape and dtype of the stage's
   own output, the output of unit ``end - 1``;
-- labels (the last stage, when it is not also the first) are ``b`` targets of
-  the dataset's samples.
+- labels (the last stage, when it is not also the first and the labels do not
+  stay home) are ``b`` targets of the dataset's samples.
 
 In a group ([Note: groups on the wire] in :mod:`edge.wire.groups`) ``b`` is the
 member's own block of the microbatch, and each kind arrives as the pieces the
@@ -136,7 +136,7 @@ def expected_frames(
         kinds[Kind.ACTIVATION] = None
     if not a.is_last:
         kinds[Kind.GRADIENT] = None
-    if a.is_last and not a.is_first:
+    if a.is_last and not a.is_first and not a.labels_local:
         kinds[Kind.LABELS] = None
     if not kinds:
         return kinds

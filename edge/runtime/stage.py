@@ -11,7 +11,8 @@ over their parameters, and runs a step by executing its row of the schedule
   the loss), run backward, and send the input's gradient back.
 
 After the last action the optimizer steps (the flush). Stage 0 sends every
-microbatch's labels straight to the last stage before the first forward. The
+microbatch's labels straight to the last stage before the first forward, unless
+they stay home (below). The
 stage tells its inbox which step it runs and what its plan lets it receive
 (:mod:`edge.runtime.links`), so anything else a peer sends is dropped, never taken.
 
@@ -55,6 +56,16 @@ hold it: each reads its own dataset ([Note: local data] in
 microbatch (``M n_m`` a step), and its rows of microbatch ``j`` are the ``j``-th
 ``n_m`` of its step's samples. Microbatch ``j`` of the job is those rows, member
 after member: the union of the holders' data, in an order any device can rebuild.
+
+[Note: labels stay home]
+With ``labels_local`` the plan is U-shaped: the holders are stage 0 and, with the
+same members in the same order and the same samples each, the last stage too
+(:func:`coordinator.engine.spec.u_tail`); helpers run the stages between. A
+holder's last-stage member reads its own dataset again with the same sampler as
+its stage 0 (the same seed and count), so its rows of microbatch ``j`` there are
+its own samples of microbatch ``j``, and it takes their labels from its own
+step's batch: no stage sends labels, and the helpers see activations and
+gradients only. An agent then holds two stages of one job (:mod:`edge.agent`).
 
 [Note: loss scaling]
 Each microbatch's loss is the mean over its own samples (or tokens) divided by
@@ -198,17 +209,20 @@ class StageRuntime:
         self.codec_out = Codec.parse(a.codec_out)
         self.codec_in = Codec.parse(a.codec_in)
         self.sampler: EpochSampler | None = None
-        if a.is_first and a.local_data is not None:
+        self.reads = a.is_first or (a.is_last and a.labels_local)
+        """Whether this stage reads the dataset: stage 0, and the tail of a U-shape."""
+        if self.reads and a.local_data is not None:
             if local is None:
                 raise ValueError(f"local dataset {a.local_data!r}: this device holds none")
-            own = a.samples_of(0)[a.member] * a.microbatches  # this holder's samples a step
+            # This holder's samples a step: its rows of stage 0 (the tail's are the same).
+            own = a.samples_of(0)[a.member] * a.microbatches
             self.dataset, self.sampler = open_local(local, a.local_data, own, a.seed)
         elif a.is_first:
             self.dataset = build_dataset(
                 a.dataset, "train", allow_code=allow_code, **a.dataset_options
             )
             self.sampler = EpochSampler(len(self.dataset), a.batch_size, a.seed)  # type: ignore[arg-type]
-        self.expected = expected_frames(a, spec, self.dataset if a.is_first else None)
+        self.expected = expected_frames(a, spec, self.dataset if self.reads else None)
         """What the plan lets this stage receive (see :mod:`edge.runtime.links`)."""
         self.group_sum: GroupSum | None = None
         if a.group_size > 1 and data_parallel is None:
@@ -322,7 +336,7 @@ class StageRuntime:
         # A group's member: its share of each microbatch's loss ([Note: groups on the wire]).
         lo, hi = self.rows
         loss_share = None if a.group_size == 1 else (hi - lo) / sum(a.samples_of(a.stage))
-        if a.is_first:
+        if self.reads:
             assert self.sampler is not None
             x, y = load_batch(self.dataset, self.sampler, step)
             if a.replicas > 1:  # this replica's share of the step's batch
@@ -332,7 +346,7 @@ class StageRuntime:
             xs, ys = self._here(x).chunk(m), self._here(y).chunk(m)
             if a.group_samples is not None and a.local_data is None:  # its rows of each
                 xs, ys = tuple(t[lo:hi] for t in xs), tuple(t[lo:hi] for t in ys)
-            if not a.is_last:
+            if not a.is_last and not a.labels_local:
                 t0 = time.perf_counter()
                 for mb, labels in enumerate(ys):
                     sent += self._send(
@@ -356,7 +370,7 @@ class StageRuntime:
                     out = self.segment(inp)
                 compute += self._throttle(t0)
                 if a.is_last:
-                    if a.is_first:
+                    if self.reads:  # its own labels ([Note: labels stay home])
                         target = ys[mb]
                     else:
                         t0 = time.perf_counter()

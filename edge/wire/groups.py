@@ -18,7 +18,8 @@ gradients, so a step equals single-device training on the whole batch.
   of stage ``s + 1`` the rows in both their blocks, the intersection
   (:func:`overlap`), as one activation frame; the gradient of those rows comes
   back the same way. Stage 0's member ``i`` sends the last stage's member ``j``
-  the labels of the rows in both their blocks. A receiver gathers the pieces
+  the labels of the rows in both their blocks (unless the labels stay home:
+  [Note: labels stay home] in :mod:`edge.runtime.stage`). A receiver gathers the pieces
   covering its block in order (:func:`pieces`) and concatenates them; its inbox
   keeps only the pieces its plan implies, each of its own range's shape.
 - **Loss.** Member ``i`` of the last stage scales its microbatch loss (the mean

@@ -127,6 +127,10 @@ class StageAssignment(TrainConfigBase):
     this name ([Note: local data] in :mod:`edge.models.local_data`), its own samples
     only, ``group_samples[0][member]`` of every microbatch; ``dataset`` then only names
     what the samples look like."""
+    labels_local: bool = False
+    """The labels stay home ([Note: labels stay home] in :mod:`edge.runtime.stage`):
+    stage 0 sends none, and the last stage, on the same holders, reads each member's
+    own labels from its ``local_data``."""
     handover: bool = False
     """Keep the state of the step before the current one, so that a stage stopped by
     :class:`CancelJob` with ``hold`` can hand over the state of a step every stage
@@ -151,8 +155,13 @@ class StageAssignment(TrainConfigBase):
             raise ValueError(f"stage {self.stage} has a dist group without a rank in it")
         if self.first_step >= self.steps:
             raise ValueError(f"first_step {self.first_step} is not below steps {self.steps}")
-        if self.local_data is not None and (self.stage != 0 or self.replicas > 1):
-            raise ValueError("only stage 0, without replicas, reads local data")
+        reader = self.stage == 0 or (self.labels_local and self.is_last)
+        if self.local_data is not None and (not reader or self.replicas > 1):
+            raise ValueError(
+                "only stage 0 (and with labels_local the last), without replicas, reads local data"
+            )
+        if self.labels_local and (self.is_first or self.is_last) and self.local_data is None:
+            raise ValueError("labels_local: the first and last stages need local_data")
         self._check_groups()
         return self
 

@@ -179,6 +179,7 @@ def stage_access(
     replicate: bool = False,
     member: int = 0,
     group_sizes: Sequence[int] | None = None,
+    labels_local: bool = False,
 ) -> StageAccess:
     """What the device running ``stage`` of ``num_stages`` needs, and nothing more.
 
@@ -191,6 +192,8 @@ def stage_access(
     In groups (``group_sizes``: members per stage, ``None`` for one each) the device
     is ``member`` of its stage: it sends to every member of its neighbour stages,
     reads its own member topics, and only member 0 publishes the stage's weights.
+    With ``labels_local`` the labels stay home: stage 0 may not send the last stage
+    anything ([Note: labels stay home] in :mod:`edge.runtime.stage`).
     A group's member ``m`` alone may publish on the ``reduce`` topics of sender ``m``
     (one to each other member), and reads those of every other sender to it.
     """
@@ -215,7 +218,7 @@ def stage_access(
         publish += to(stage + 1, "fwd")
     if stage > 0:
         publish += to(stage - 1, "bwd")
-    if stage == 0 and last > 1:
+    if stage == 0 and last > 1 and not labels_local:
         publish += to(last, "fwd")  # the labels
     if replicate:
         publish.append(job_replica(job, stage))

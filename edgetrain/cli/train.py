@@ -12,6 +12,8 @@ no pipeline. ``--devices`` also takes catalogue profiles (``laptop,rpi4-4gb,...`
 agents then emulate those devices, and plans (and a group's shares) follow their
 speeds. The planner (``--partition plan``) puts a stage on a device group where that
 pays (not with ``--fault``, ``--replicate-every``, ``--servers`` or ``--replicas``);
+``--holders K`` trains on data that stays on the first K agents, and ``--labels local``
+keeps its labels there too (the holders run the last units and the loss as well);
 ``--partition even --group-sizes 2,1,1`` forces stages on device groups
 (data-parallel within a stage, [Note: groups on the wire] in :mod:`edge.wire.groups`).
 The command parses and checks its options, builds the job's spec, prints; the
@@ -117,6 +119,13 @@ def train_command(
         "(agent --data DATASET=DATASET:shard=i/K) and the job trains on their union; "
         "they are stage 0, and only activations leave them (--transport mqtt).",
     ),
+    labels: str = typer.Option(
+        "central",
+        "--labels",
+        help="With --holders: central (the last stage, on a helper, gets the labels) or "
+        "local (the labels never leave the holders: they run the last units and the loss "
+        "too, on their own samples; the plan is holders, helpers, holders).",
+    ),
     save_weights: Path | None = typer.Option(
         None, "--save-weights", help="Write the trained model here (safetensors)."
     ),
@@ -176,6 +185,12 @@ def train_command(
         raise UserError(
             "--holders K needs --transport mqtt, K <= --devices, and no --group-sizes or --servers"
         )
+    if labels not in ("central", "local"):
+        raise UserError(f"--labels: {labels!r} is not central or local")
+    if labels == "local" and not holders:
+        raise UserError("--labels local needs --holders (data that stays home)")
+    if labels == "local" and (fault or replicate_every):
+        raise UserError("--labels local cannot be combined with --fault or --replicate-every yet")
     if transport != "dist" and (replicas > 1 or device != "cpu"):
         raise UserError("--replicas and --device are for --transport dist")
     if device not in ("cpu", "cuda"):
@@ -211,7 +226,10 @@ def train_command(
                 "group_sizes": group_sizes,
                 "objective": objective,
                 "max_step_time_s": deadline,
-                "data": {"name": _holders_data(model, dataset, parse_options(option))}
+                "data": {
+                    "name": _holders_data(model, dataset, parse_options(option)),
+                    "labels": labels,
+                }
                 if holders
                 else None,
                 "optimizer": {

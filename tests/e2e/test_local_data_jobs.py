@@ -18,11 +18,13 @@ import subprocess
 import sys
 import threading
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import safetensors.torch
+import torch
 from support.reference import assert_matches, train_on_batches, union_batches
 
 from edge.models.datasets import build_dataset
@@ -30,13 +32,13 @@ from edge.models.local_data import register
 from edge.models.user_code import ZOO_ONLY
 from edge.models.zoo import get_model
 from edge.transport.mqtt import MqttSettings, MqttTransport
-from edge.wire.frames import FrameError, Kind, read_header
+from edge.wire.frames import Codec, FrameError, Kind, encode_frame, read_header
 from edge.wire.groups import split_samples
 
 pytestmark = pytest.mark.slow
 
 HOLDERS = 3
-OPTIONS = {"width": 64}
+OPTIONS: dict[str, Any] = {"width": 64}
 STEPS, BATCH, MICRO = 4, 96, 4
 
 
@@ -146,6 +148,130 @@ def test_samples_stay_on_their_holders_and_training_is_the_unions(
     )
     trained = safetensors.torch.load_file(str(weights))
     assert_matches(got["losses"], trained, reference)
+
+
+def _label_patterns(
+    batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]], counts: list[int]
+) -> list[bytes]:
+    """Every form a microbatch's labels could cross the wire in, for every step of the job:
+    each holder's own rows and the whole microbatch's, as raw int64 (a frame's payload)
+    and as JSON."""
+    patterns = []
+    for step in range(STEPS):
+        for mb in batches(step)[1].chunk(MICRO):
+            rows, at = [mb], 0
+            for n in counts:
+                rows.append(mb[at : at + n])
+                at += n
+            for labels in rows:
+                patterns.append(labels.numpy().tobytes())
+                patterns.append(json.dumps(labels.tolist()).encode())
+    return patterns
+
+
+def _carries(payload: bytes, patterns: list[bytes]) -> bool:
+    return any(p in payload for p in patterns)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_with_labels_local_no_message_carries_labels_and_training_is_the_unions(
+    module_broker: str, tmp_path: Path, schedule: str
+) -> None:
+    """``--labels local``: the holders run the first and the last units, a helper the
+    middle; no message on any topic carries a label of any microbatch (raw or as JSON) nor
+    a sample, and the run still equals one device on the union of the shards."""
+    seen: list[tuple[str, bytes]] = []
+    lock = threading.Lock()
+
+    def sniff(topic: str, payload: bytes) -> None:
+        with lock:
+            seen.append((topic, payload))
+
+    sniffer = MqttTransport(MqttSettings(url=module_broker))
+    sniffer.connect(timeout=10)
+    sniffer.subscribe("#", sniff)
+    weights = tmp_path / "w.safetensors"
+    try:
+        got = _train(
+            module_broker,
+            "--labels",
+            "local",
+            "--schedule",
+            schedule,
+            "--save-weights",
+            str(weights),
+        )
+    finally:
+        sniffer.close()
+
+    # A U: the holders, then helpers that hold no data, then the same holders again.
+    stages = got["plan"]["stages"]
+    holders = stages[0]["devices"]
+    assert got["plan"]["u_shaped"] is True
+    assert len(holders) == HOLDERS and len(stages) >= 3
+    assert stages[-1]["devices"] == holders and stages[-1]["shares"] == stages[0]["shares"]
+    middle = {d for st in stages[1:-1] for d in st["devices"]}
+    assert middle and not middle & set(holders)
+    assert stages[-1]["layers"][1] == get_model("cnn-digits", **OPTIONS).num_units
+    # What leaves the devices: activations both ways round the U, never labels.
+    egress = got["egress"]
+    assert not [row for row in egress if row["what"] == "labels"]
+    back = [row["what"].split(" (")[0] for row in egress if row["to"] == holders]
+    tail = stages[-1]["layers"][0]
+    assert f"activations after unit {tail - 1}" in back  # the helpers' output, to the tail
+
+    counts = split_samples(BATCH // MICRO, stages[0]["shares"])
+    shards = [
+        register([f"digits=digits:shard={i + 1}/{HOLDERS}"], ZOO_ONLY) for i in range(HOLDERS)
+    ]
+    batches = union_batches(shards, "digits", counts, MICRO, 0)
+    patterns = _label_patterns(batches, counts)
+    # The check can fail: the labels frame stage 0 sends when they do not stay home.
+    labels = batches(1)[1].chunk(MICRO)[2][counts[0] : counts[0] + counts[1]]
+    assert _carries(encode_frame(Kind.LABELS, "j", 1, 2, labels, Codec.RAW), patterns)
+
+    spec = get_model("cnn-digits", **OPTIONS)
+    sample = tuple(build_dataset(spec.dataset, "train", **spec.dataset_options)[0][0].shape)
+    with lock:
+        messages = list(seen)
+    crossed: Counter[tuple[str, Kind]] = Counter()
+    for topic, payload in messages:
+        assert not _carries(payload, patterns), topic
+        try:
+            header = read_header(payload)
+        except FrameError:
+            continue  # JSON events and commands, weights: not frames
+        assert header.kind is not Kind.LABELS, topic
+        assert header.shape[1:] != sample, topic
+        crossed[(topic.split("/stage/")[1].split("/")[0], header.kind)] += 1
+    # Activations did reach the holders' last stage, and gradients came back from it.
+    last = str(len(stages) - 1)
+    assert crossed[(last, Kind.ACTIVATION)] > 0
+    assert crossed[(str(len(stages) - 2), Kind.GRADIENT)] > 0
+
+    reference = train_on_batches(
+        "cnn-digits", batches, steps=STEPS, seed=0, model_options=OPTIONS, microbatches=MICRO
+    )
+    trained = safetensors.torch.load_file(str(weights))
+    assert_matches(got["losses"], trained, reference)
+
+
+@pytest.mark.parametrize(
+    ("extra", "line"),
+    [
+        (["--labels", "local"], "error: --labels local needs --holders (data that stays home)"),
+        (
+            ["--labels", "local", "--holders", "3", "--fault", "kill:1@2"],
+            "error: --labels local cannot be combined with --fault or --replicate-every yet",
+        ),
+        (["--labels", "home", "--holders", "3"], "error: --labels: 'home' is not central or local"),
+    ],
+)
+def test_labels_local_where_it_cannot_be_exits_2_naming_labels(extra: list[str], line: str) -> None:
+    """Refused before anything starts: no broker, no agents."""
+    cmd = [sys.executable, "-m", "edgetrain.cli", "train", "--devices", "4", *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stderr.strip(), out.stdout) == (2, line, "")
 
 
 def _events(got: dict[str, Any], kind: str) -> list[dict[str, Any]]:

@@ -11,6 +11,8 @@ shards with its own sampler and trains a plain PyTorch loop on them.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 from support.reference import assert_matches, one_thread, train_on_batches, union_batches
 
@@ -34,7 +36,7 @@ STEPS = 6
     ],
 )
 def test_holders_as_stage_0_equal_one_device_on_the_union(
-    schedule: str, shards: list[str], shares: tuple[float, ...]
+    schedule: Literal["1f1b", "gpipe"], shards: list[str], shares: tuple[float, ...]
 ) -> None:
     spec = JobSpec(
         model="cnn-digits",
@@ -86,3 +88,54 @@ def test_a_device_without_the_data_refuses_stage_0() -> None:
     only_a = {"a": register(["digits=digits:shard=1/2"], ZOO_ONLY)}
     with pytest.raises(ValueError, match=r"^local dataset 'digits': this device holds none$"):
         run_inprocess(spec, plan, local=only_a)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_labels_that_stay_home_equal_one_device_on_the_union(
+    schedule: Literal["1f1b", "gpipe"],
+) -> None:
+    """A U: three holders run the first unit, a helper the middle, and the same holders the
+    last unit and the loss on their own samples with their own labels."""
+    shards = ["1/3", "2/3", "3/3"]
+    spec = JobSpec(
+        model="cnn-digits",
+        steps=STEPS,
+        batch_size=48,
+        microbatches=4,
+        seed=3,
+        schedule=schedule,
+        data=DataPlacement(name="digits", labels="local"),
+    )
+    shares = [0.5, 0.25, 0.25]  # unequal: 6, 3 and 3 samples of each microbatch
+    counts = split_samples(spec.batch_size // spec.microbatches, shares)
+    held = [register([f"digits=digits:shard={k}"], ZOO_ONLY) for k in shards]
+    holders = [f"holder{i}" for i in range(len(shards))]
+    units = get_model(spec.model).num_units
+    plan = Plan(
+        (
+            Stage.group(holders, 0, 1),
+            Stage.group(["helper"], 1, units - 1),
+            Stage.group(holders, units - 1, units),
+        ),
+        u_shaped=True,
+    )
+    with one_thread():
+        got = run_inprocess(
+            spec,
+            plan,
+            shares=[shares, [1.0], shares],
+            local=dict(zip(holders, held, strict=True)),
+        )
+    # Each holder ran both ends, on its own samples, and reported the loss of its rows.
+    for holder, count in zip(holders, counts, strict=True):
+        mine = {(r.stage, r.samples) for r in got.reports if r.device == holder}
+        assert mine == {(0, count * spec.microbatches), (2, count * spec.microbatches)}
+    reference = train_on_batches(
+        spec.model,
+        union_batches(held, "digits", counts, spec.microbatches, spec.seed),
+        steps=STEPS,
+        seed=spec.seed,
+        optimizer=spec.optimizer.model_dump(),
+        microbatches=spec.microbatches,
+    )
+    assert_matches(got.losses, got.weights, reference)

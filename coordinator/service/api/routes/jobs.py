@@ -197,7 +197,7 @@ def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPubl
     if replicate_every is None:
         replicate_every = max(1, steps // 10) if body.faults else 0
     _check_groups(body, replicate_every, model.num_units)  # before the spec, which checks too
-    _check_data(body, model.num_units)
+    _check_data(body, model.num_units, replicate_every)
     settings = body.train_settings() | {
         "dataset": dataset,
         "dataset_options": options,
@@ -225,11 +225,17 @@ def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPubl
     return _public(_job_or_404(store, job))
 
 
-def _check_data(body: JobCreate, units: int) -> None:
-    """A 422 naming ``data`` when a job on local data asks for what cannot go with it."""
+def _check_data(body: JobCreate, units: int, replicate_every: int) -> None:
+    """A 422 naming ``data`` when a job on local data asks for what cannot go with it
+    (``data.labels`` when local labels do not go with fault tolerance)."""
     data = body.data
     if data is None:
         return
+    if data.labels_local and replicate_every:
+        raise unprocessable(
+            ["body", "data", "labels"],
+            'labels "local" cannot be combined with fault tolerance yet (replicate_every, faults)',
+        )
     why = None
     if body.partition != "plan" or body.group_sizes is not None:
         why = "local data needs partition plan: the holders are stage 0"

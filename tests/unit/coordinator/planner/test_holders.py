@@ -3,6 +3,8 @@ holders at shares fixed by their data, the cut and the helpers chosen by score."
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from support.planning import brute_force, make_problem
 
@@ -93,3 +95,88 @@ def test_min_local_units_and_solo_units_bound_the_cut() -> None:
     alone = _problem([])
     only = plan_with_holders(alone, ["h0", "h1", "h2"], SHARES, _rest)
     assert only.best is not None and len(only.best.plan.stages) == 1
+
+
+HOLDERS = ["h0", "h1", "h2"]
+
+
+def _u_score(problem: PlanningProblem, plan: Plan) -> PlanScore:
+    ends = {0: SHARES, len(plan.stages) - 1: SHARES}
+    return score_plan(problem, plan, fixed_shares=ends)
+
+
+def _every_u(problem: PlanningProblem, helpers: list[str]) -> list[Plan]:
+    """Every U-shaped plan: the holders on ``[0, k)`` and ``[m, n)``, and between them
+    every split of ``[k, m)`` over every ordering of distinct helpers."""
+    n, plans = len(problem.layers), []
+    for k in range(1, n - 1):
+        for m in range(k + 1, n):
+            for s in range(1, min(len(helpers), m - k) + 1):
+                for cuts in itertools.combinations(range(k + 1, m), s - 1):
+                    bounds = (k, *cuts, m)
+                    for order in itertools.permutations(helpers, s):
+                        middle = [
+                            Stage(d, a, b)
+                            for d, a, b in zip(order, bounds, bounds[1:], strict=False)
+                        ]
+                        stages = (Stage.group(HOLDERS, 0, k), *middle, Stage.group(HOLDERS, m, n))
+                        plans.append(Plan(stages, u_shaped=True))
+    return plans
+
+
+def test_labels_local_plan_is_the_best_u_of_every_cut_and_tail() -> None:
+    problem = _problem([("lap", 40.0), ("nuc", 20.0)])
+    found = plan_with_holders(problem, HOLDERS, SHARES, _rest, labels_local=True)
+    # k = 1 (tails at 2, 3), k = 2 (tail at 3), and the holders alone.
+    assert found.best is not None and found.tried == 4
+    best = found.best.plan
+    assert best.u_shaped and best.stages[0].devices == best.stages[-1].devices == tuple(HOLDERS)
+    assert {d for st in best.stages[1:-1] for d in st.devices} <= {"lap", "nuc"}
+    assert found.best.shares[-1] == SHARES
+    # Brute force over every U-shaped plan: none is faster.
+    every = [_u_score(problem, plan) for plan in _every_u(problem, ["lap", "nuc"])]
+    fastest = min((sc for sc in every if sc.feasible), key=lambda sc: sc.step_time_s)
+    assert found.best.step_time_s == fastest.step_time_s
+    assert found.best.step_time_s < found.holders_alone.step_time_s
+
+
+def test_a_u_scores_what_its_holders_do_twice() -> None:
+    """The holders compute both ends (the bottleneck is at least both), and each must hold
+    both segments: a tail that fits alone does not fit beside stage 0."""
+    problem = _problem([("lap", 40.0)])
+    plan = Plan(
+        (Stage.group(HOLDERS, 0, 1), Stage.group(["lap"], 1, 3), Stage.group(HOLDERS, 3, 4)),
+        u_shaped=True,
+    )
+    got = _u_score(problem, plan)
+    assert got.feasible and len(got.link_s) == 2  # out to the helper and back to the holders
+    assert got.bottleneck_s >= got.compute_s[0] + got.compute_s[2]
+    b = problem.batch_size / problem.microbatches
+    k = problem.optimizer_state_factor
+    head = k * 1e4 + 3 * SHARES[0] * b * 1e5  # h0, the tightest: stage 0, 3 microbatches deep
+    tail = k * 4e6 + 1 * SHARES[0] * b * 1e4
+    assert got.memory_bytes[2] == pytest.approx(head + tail)
+    # Memory just short of both segments: the tail alone would fit, the U does not.
+    tight = problem.model_copy(
+        update={
+            "devices": [
+                d.model_copy(update={"memory_bytes": (head + tail) * 0.999}) if d.id == "h0" else d
+                for d in problem.devices
+            ]
+        }
+    )
+    short = _u_score(tight, plan)
+    assert tail < (head + tail) * 0.999 and not short.feasible
+    assert short.reasons == [
+        f"stage 2 on h0 needs {(head + tail) / 1e9:.3f} GB of {(head + tail) * 0.999 / 1e9:.3f} GB"
+    ]
+
+
+def test_only_a_u_may_have_a_device_in_two_stages() -> None:
+    problem = _problem([("lap", 40.0)])
+    stages = (Stage.group(HOLDERS, 0, 1), Stage.group(["lap"], 1, 3), Stage.group(HOLDERS, 3, 4))
+    with pytest.raises(ValueError, match="a device appears in two stages"):
+        score_plan(problem, Plan(stages))
+    swapped = (*stages[:2], Stage.group(["h1", "h0", "h2"], 3, 4))
+    with pytest.raises(ValueError, match="ends on stage 0's devices"):
+        score_plan(problem, Plan(swapped, u_shaped=True))

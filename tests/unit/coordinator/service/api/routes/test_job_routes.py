@@ -220,6 +220,38 @@ def test_local_data_the_job_cannot_run_with_is_a_422_naming_it(
     assert detail["loc"] == ["body", "data"] and detail["msg"].startswith(message), detail
 
 
+@pytest.mark.parametrize(
+    ("body", "loc", "message"),
+    [
+        (
+            {"data": {"name": "digits", "labels": "local"}, "replicate_every": 2},
+            ["body", "data", "labels"],
+            'labels "local" cannot be combined with fault tolerance yet',
+        ),
+        (
+            {"data": {"name": "digits", "labels": "local"}, "faults": ["kill:1@2"]},
+            ["body", "data", "labels"],
+            'labels "local" cannot be combined with fault tolerance yet',
+        ),
+        (
+            {"data": {"name": "digits", "labels": "home"}},
+            ["body", "data", "labels"],
+            "Input should be 'central' or 'local'",
+        ),
+        ({"labels": "local"}, ["body", "labels"], "Extra inputs are not permitted"),
+    ],
+)
+def test_labels_local_where_they_cannot_be_is_a_422_naming_labels(
+    client: TestClient, body: dict[str, object], loc: list[str], message: str
+) -> None:
+    """Labels stay home only with local data (they live inside ``data``), and not yet with
+    fault tolerance."""
+    response = client.post("/api/v1/jobs", json={**SPEC, **body})
+    assert response.status_code == 422, response.text
+    (detail,) = response.json()["detail"]
+    assert detail["loc"] == loc and detail["msg"].startswith(message), detail
+
+
 def test_a_local_dataset_name_is_a_plain_name(client: TestClient) -> None:
     bad = client.post("/api/v1/jobs", json={**SPEC, "data": {"name": "../etc"}})
     assert bad.status_code == 422 and bad.json()["detail"][0]["loc"][:3] == ["body", "data", "name"]
