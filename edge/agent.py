@@ -61,6 +61,7 @@ from edge.models.user_code import ZOO_ONLY, CodeAllowance
 from edge.problem import DeviceSpec
 from edge.profiling.device import cgroup_limits
 from edge.profiling.fixed_costs import (
+    measure_cpu_share,
     measure_transport_byte_s,
     time_publish,
     with_publish_cost,
@@ -207,11 +208,13 @@ class Agent:
     def _time_transport_bytes(self) -> None:
         """Replace the profile's per-byte cost by one measured through this connection,
         the broker and back (:func:`~edge.profiling.fixed_costs.measure_transport_byte_s`;
-        a CPU quota's share of a core counted). Runs before the worker starts, never on
-        the network thread, whose deliveries it waits for. A failure keeps the profile's."""
+        over the share of a core it gets: its CPU quota's, or where the quota is out of
+        sight, :func:`~edge.profiling.fixed_costs.measure_cpu_share`). Runs before the
+        worker starts, never on the network thread, whose deliveries it waits for. A
+        failure keeps the profile's."""
         assert self._profile is not None
         quota = cgroup_limits().cpu_quota_cores
-        share = min(1.0, quota) if quota else 1.0
+        share = min(1.0, quota) if quota else measure_cpu_share()
         try:
             byte_s = measure_transport_byte_s(
                 self.transport, device_probe(self.device_id), cpu_share=share
@@ -220,7 +223,11 @@ class Agent:
             log.warning("kept the probe's per-byte cost: %s", exc)
             return
         self._profile = with_transport_byte_cost(self._profile, byte_s)
-        log.info("transport: %.1f ms of CPU per MiB of tensors", byte_s * (1 << 20) * 1e3)
+        log.info(
+            "transport: %.1f ms per MiB of tensors at %.2f of a core",
+            byte_s * (1 << 20) * 1e3,
+            share,
+        )
 
     def _connect(self) -> bool:
         """Connect, retrying with backoff until connected or stopped."""

@@ -34,8 +34,10 @@ fields; the score ignores ``details``):
   private topic (:func:`~edge.wire.topics.device_probe`), decoded and added as
   they arrive; the CPU time of the whole process (TLS, the client's network
   thread and copies included; the link's time excluded, which the link's own
-  terms price) over the bytes, divided by the share of a core a CPU quota leaves
-  it (``details["transport_byte_ms_per_mib"]`` says it was measured so).
+  terms price) over the bytes, divided by the share of a core it gets (a CPU
+  quota's, or where its cgroup is out of sight, as in ``ip netns exec``, what a
+  short busy loop gets: :func:`measure_cpu_share`);
+  ``details["transport_byte_ms_per_mib"]`` says it was measured so.
 
 :func:`fixed_costs_of` reads them back from a device; ``None`` for a device
 that did not measure them (a catalogue entry, a problem file).
@@ -68,6 +70,7 @@ __all__ = [
     "FixedCosts",
     "Loopback",
     "fixed_costs_of",
+    "measure_cpu_share",
     "measure_fixed_costs",
     "measure_transport_byte_s",
     "time_publish",
@@ -299,6 +302,21 @@ def measure_transport_byte_s(
     finally:
         transport.unsubscribe(topic)
     return cpu / sent / cpu_share
+
+
+def measure_cpu_share(
+    seconds: float = 0.5,
+    *,
+    cpu_clock: Callable[[], float] = time.process_time,
+    wall_clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """The share of a core this process gets, in ``(0, 1]``: the CPU seconds a busy loop
+    of ``seconds`` (several periods of a CFS quota) gets over the seconds it spun."""
+    cpu0, wall0 = cpu_clock(), wall_clock()
+    while (wall := wall_clock()) - wall0 < seconds:
+        pass
+    cpu = cpu_clock() - cpu0
+    return min(1.0, max(1e-3, cpu / max(wall - wall0, 1e-9)))
 
 
 def with_transport_byte_cost(device: DeviceSpec, seconds: float) -> DeviceSpec:

@@ -8,6 +8,7 @@ Claims under test, on an in-memory loopback (the real broker is in
   the bytes sent, over the share of a core the device has;
 - frames that do not come back raise a one-line :class:`UserError` within the
   timeout, and the subscription is ended either way;
+- the share of a core is the CPU clock over the wall clock of a busy loop, in (0, 1];
 - :func:`with_transport_byte_cost` replaces only ``byte_s`` and says so in details,
   and leaves a device without fixed costs alone.
 """
@@ -24,6 +25,7 @@ from edge.problem import DeviceSpec
 from edge.profiling.fixed_costs import (
     FixedCosts,
     fixed_costs_of,
+    measure_cpu_share,
     measure_transport_byte_s,
     with_transport_byte_cost,
 )
@@ -95,3 +97,15 @@ def test_the_measured_cost_replaces_only_byte_s() -> None:
     assert got.details["transport_byte_ms_per_mib"] == pytest.approx(2e-8 * (1 << 20) * 1e3)
     bare = device.model_copy(update={"details": None})
     assert with_transport_byte_cost(bare, 2e-8) == bare
+
+
+def test_the_share_of_a_core_is_cpu_over_wall_of_a_busy_loop() -> None:
+    wall = itertools.count(start=0.0, step=0.125)
+    cpu = itertools.count(start=0.0, step=0.025)  # 0.025 s of CPU for 0.125 s of spinning
+    share = measure_cpu_share(0.5, cpu_clock=lambda: next(cpu), wall_clock=lambda: next(wall))
+    # wall: 0 then 0.125 ... 0.5 (the loop's last read); cpu: 0 then its second read
+    assert share == pytest.approx(0.025 / 0.5, rel=1e-9)
+    wall = itertools.count(start=0.0, step=0.125)
+    busy = itertools.count(start=0.0, step=1.0)  # more CPU than wall (threads): one core
+    assert measure_cpu_share(0.5, cpu_clock=lambda: next(busy), wall_clock=lambda: next(wall)) == 1
+    assert 0 < measure_cpu_share(0.01) <= 1  # the real clocks
