@@ -58,6 +58,7 @@ renders the table, the chart and the JSON again from a results file.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -232,20 +233,20 @@ def calibrate(
     model: str, batch_size: int, microbatches: int, core_gflops: float, steps: int
 ) -> tuple[list[Any], UnitSeconds]:
     """The model's calibrated layers (:func:`hetero.calibrated_layers`) and its
-    :class:`UnitSeconds` at ``core_gflops``, from one thread's unit times at a whole
-    microbatch and at :func:`small_rows` of its rows (:func:`fit_unit_seconds`)."""
+    :class:`UnitSeconds` at ``core_gflops``, from one thread's unit times (its CPU
+    seconds) at a whole microbatch and at :func:`small_rows` of its rows
+    (:func:`fit_unit_seconds`)."""
     spec = get_model(model)
     rows = batch_size // microbatches
     few = small_rows(rows)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        full = measure_unit_times(spec, batch_size, microbatches, steps=steps, warmup=1)
-        small = None
-        if few < rows:
-            small = measure_unit_times(
-                spec, few * microbatches, microbatches, steps=steps, warmup=1
-            )
+        # CPU seconds of this one thread: other work on this host does not inflate them,
+        # and each agent gets its quota's share of a core whatever the host's load.
+        timed = functools.partial(measure_unit_times, steps=steps, warmup=1, clock=time.thread_time)
+        full = timed(spec, batch_size, microbatches)
+        small = timed(spec, few * microbatches, microbatches) if few < rows else None
     finally:
         torch.set_num_threads(threads)
     layers = hetero.calibrated_layers(
