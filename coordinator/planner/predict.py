@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -182,10 +181,7 @@ def _unit_seconds(key: str) -> UnitSeconds:
         m, optimizer = args["microbatches"], OptimizerSpec.model_validate(args["optimizer"])
         rows = args["batch_size"] // m
         few = small_rows(rows)
-        # CPU seconds of this (the only) thread: a busy host does not inflate them.
-        timed = functools.partial(
-            measure_unit_times, steps=3, warmup=1, optimizer=optimizer, clock=time.thread_time
-        )
+        timed = functools.partial(measure_unit_times, steps=3, warmup=1, optimizer=optimizer)
         times = timed(spec, args["batch_size"], m)
         small = timed(spec, few * m, m) if few < rows else None
         gflops = max(before, matmul_benchmark(torch.float32, 0.3).best_gflops)
@@ -203,8 +199,11 @@ def measure_unit_seconds(
     optimizer: OptimizerSpec | None = None,
 ) -> UnitSeconds:
     """Time ``model``'s units in a training step on this machine (once per shape: cached),
-    at a whole microbatch's rows and at :func:`small_rows` of them (:func:`fit_unit_seconds`),
-    in CPU seconds of one thread."""
+    at a whole microbatch's rows and at :func:`small_rows` of them (:func:`fit_unit_seconds`).
+
+    Wall seconds, not the thread's CPU seconds: on one host with its agents (a local
+    fleet) both feel the same load; ``bench/hybrid.py``, whose agents run under a CPU
+    quota, times in CPU seconds instead."""
     key = {
         "model": model,
         "options": model_options or {},
