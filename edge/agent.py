@@ -208,13 +208,17 @@ class Agent:
     def _time_transport_bytes(self) -> None:
         """Replace the profile's per-byte cost by one measured through this connection,
         the broker and back (:func:`~edge.profiling.fixed_costs.measure_transport_byte_s`;
-        over the share of a core it gets: its CPU quota's, or where the quota is out of
-        sight, :func:`~edge.profiling.fixed_costs.measure_cpu_share`). Runs before the
-        worker starts, never on the network thread, whose deliveries it waits for. A
-        failure keeps the profile's."""
+        over the share of a core it gets: its CPU quota's; in a CPU cgroup whose quota is
+        out of sight, :func:`~edge.profiling.fixed_costs.measure_cpu_share`; else a whole
+        core, whatever else runs on the host). Runs before the worker starts, never on the
+        network thread, whose deliveries it waits for. A failure keeps the profile's."""
         assert self._profile is not None
-        quota = cgroup_limits().cpu_quota_cores
-        share = min(1.0, quota) if quota else measure_cpu_share()
+        limits = cgroup_limits()
+        share = 1.0
+        if limits.cpu_quota_cores:
+            share = min(1.0, limits.cpu_quota_cores)
+        elif limits.cpu_hidden:
+            share = measure_cpu_share()
         try:
             byte_s = measure_transport_byte_s(
                 self.transport, device_probe(self.device_id), cpu_share=share
