@@ -39,7 +39,9 @@ Fleets:
   spanning that much compute geometrically).
 
 The problem is calibrated as in ``bench/heterogeneity.py`` (measured unit times x
-this machine's single-core rate), whose helpers this script uses. The testbed's
+this machine's single-core rate), whose helpers this script uses; the unit times
+are CPU seconds of one thread (:func:`calibrate`), which other work on this host
+does not stretch, as it does not stretch what the agents' CPU quotas allow them. The testbed's
 devices announce this machine's fixed costs scaled by their share of a core, and
 their agents replace the per-byte cost by their own measurement; the problem's
 devices are the profiles the agents announced.
