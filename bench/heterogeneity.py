@@ -49,6 +49,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,7 @@ from edge.models.unit_costs import profile_model
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem, UnitSpec
 from edge.runtime.allocator import tune_malloc
-from edge.runtime.unit_times import measure_unit_times
+from edge.runtime.unit_times import UnitTime, measure_unit_times
 from edge.transport.mqtt import MqttTransport
 
 STRATEGIES = ("single", "even", "pipedream", "ftpipehd", "edgetrain")
@@ -152,20 +153,27 @@ def fleet_devices(span: float) -> list[DeviceSpec]:
 
 
 def calibrated_layers(
-    model: str, batch_size: int, microbatches: int, core_gflops: float, steps: int = 5
+    model: str,
+    batch_size: int,
+    microbatches: int,
+    core_gflops: float,
+    steps: int = 5,
+    times: Sequence[UnitTime] | None = None,
 ) -> list[UnitSpec]:
     """The model's units with FLOPs = measured single-core seconds x ``core_gflops``.
 
     Seconds come from :func:`edge.runtime.unit_times.measure_unit_times`: each unit
-    inside real training steps (loss and optimizer included), one torch thread.
+    inside real training steps (loss and optimizer included), one torch thread;
+    ``times`` when the caller measured them so already.
     """
     spec = get_model(model)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        times = measure_unit_times(spec, batch_size, microbatches, steps=steps, warmup=1)
-    finally:
-        torch.set_num_threads(threads)
+    if times is None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            times = measure_unit_times(spec, batch_size, microbatches, steps=steps, warmup=1)
+        finally:
+            torch.set_num_threads(threads)
     counted = profile_model(spec, 2, timing=False).units  # bytes per sample
     rate = core_gflops * 1e9 * microbatches / batch_size  # per sample, per second of time
     return [

@@ -11,12 +11,19 @@ another on the same fleet:
   whole model data-parallel, each on its share of every microbatch);
 - ``v2``: the version 2 planner's plan (``shared/spec/planning-v2.md``: stages on
   device groups, hybrid), within what the runtime can train (no BatchNorm in a
-  group, a sample or more per member).
+  group, a sample or more per member), as a job gets it
+  (:func:`~coordinator.planner.partition.plan_job` with the measured unit times:
+  a grouped plan only where the internal model predicts it beats the best plan of
+  one-device stages).
 
 For each: measured samples/s (steady state: stage 0's step times after
 ``--warmup`` steps), the predicted samples/s (the planner's internal model,
-:func:`coordinator.planner.predict.predict`: the version 2 score of that plan plus
-each device's fixed costs per microbatch, step, frame and byte),
+:func:`coordinator.planner.predict.predict`: the version 2 score of that plan with
+each unit's measured seconds, a group member at its share of the rows with the
+part of each unit's time that does not shrink with rows (units timed at a whole
+microbatch and at a quarter of it), plus each device's fixed costs per microbatch,
+step, frame and byte, as its agent announced them: the per-byte cost timed
+through its own connection and the broker),
 measured / predicted, and both as a fraction of the **ideal bound**: the fleet's
 summed capacity, every device training the whole model at its own speed with
 nothing to communicate (``sum(gflops) / FLOPs per sample``).
@@ -32,8 +39,12 @@ Fleets:
   spanning that much compute geometrically).
 
 The problem is calibrated as in ``bench/heterogeneity.py`` (measured unit times x
-this machine's single-core rate), whose helpers this script uses. The testbed's
-devices announce this machine's fixed costs scaled by their share of a core.
+this machine's single-core rate), whose helpers this script uses; the unit times
+are CPU seconds of one thread (:func:`calibrate`), which other work on this host
+does not stretch, as it does not stretch what the agents' CPU quotas allow them. The testbed's
+devices announce this machine's fixed costs scaled by their share of a core, and
+their agents replace the per-byte cost by their own measurement; the problem's
+devices are the profiles the agents announced.
 
     .venv/bin/python bench/hybrid.py [--models vgg11,resnet18,gpt-mini]
         [--fleets rpi4,2fast4slow,3x,10x,30x] [--method auto|kernel|software] [--json]
@@ -49,33 +60,41 @@ renders the table, the chart and the JSON again from a results file.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 
 from coordinator.engine.engine import group_limits
 from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobSpec
+from coordinator.engine.watch import DeviceFeed
 from coordinator.planner.baselines import even_split, single_device
 from coordinator.planner.build import parse_fleet
 from coordinator.planner.group_search import data_parallel_only, plan_groups
 from coordinator.planner.group_tables import GroupLimits
-from coordinator.planner.predict import predict
+from coordinator.planner.partition import plan_job
+from coordinator.planner.predict import UnitSeconds, fit_unit_seconds, predict, small_rows
 from coordinator.planner.score import Plan, score_plan
 from coordinator.planner.solve import plan_problem
 from coordinator.testbed.testbed import Testbed, measure_core_gflops
+from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem
 from edge.runtime.allocator import tune_malloc
+from edge.runtime.unit_times import measure_unit_times
 from edge.transport.mqtt import MqttTransport
 
 
@@ -192,20 +211,72 @@ def ideal_sps(problem: PlanningProblem) -> float:
     return sum(d.gflops for d in problem.devices) * 1e9 / flops
 
 
-def plans(problem: PlanningProblem, limits: GroupLimits) -> dict[str, Plan]:
+def plans(
+    problem: PlanningProblem, limits: GroupLimits, units: UnitSeconds | None = None
+) -> dict[str, Plan]:
     """Every strategy's plan for a version 2 ``problem``; data parallel only is missing
-    where no group holds the whole model."""
+    where no group holds the whole model. ``v2`` is the plan a job gets
+    (:func:`plan_job`): with ``units`` (or devices that announced fixed costs) a group
+    stays only where the internal model predicts it wins."""
     one = problem.as_version(1)
     v1 = plan_problem(one).plan
-    v2 = plan_groups(problem, limits=limits).plan
-    if v1 is None or v2 is None:
+    if v1 is None or plan_groups(problem, limits=limits).plan is None:
         raise SystemExit("the planner found no feasible plan for this fleet")
+    v2 = plan_job(problem, limits=limits, units=units).plan
     out = {"single": single_device(one), "even": even_split(one), "v1": v1}
     group = data_parallel_only(problem, limits)
     if group is not None:
         out["data-parallel"] = group
     out["v2"] = v2
     return out
+
+
+def calibrate(
+    model: str, batch_size: int, microbatches: int, core_gflops: float, steps: int
+) -> tuple[list[Any], UnitSeconds]:
+    """The model's calibrated layers (:func:`hetero.calibrated_layers`) and its
+    :class:`UnitSeconds` at ``core_gflops``, from one thread's unit times (its CPU
+    seconds) at a whole microbatch and at :func:`small_rows` of its rows
+    (:func:`fit_unit_seconds`)."""
+    spec = get_model(model)
+    rows = batch_size // microbatches
+    few = small_rows(rows)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        # CPU seconds of this one thread: other work on this host does not inflate them,
+        # and each agent gets its quota's share of a core whatever the host's load.
+        timed = functools.partial(measure_unit_times, steps=steps, warmup=1, clock=time.thread_time)
+        full = timed(spec, batch_size, microbatches)
+        small = timed(spec, few * microbatches, microbatches) if few < rows else None
+    finally:
+        torch.set_num_threads(threads)
+    layers = hetero.calibrated_layers(
+        model, batch_size, microbatches, core_gflops, steps, times=full
+    )
+    return layers, fit_unit_seconds(full, small, rows, few, core_gflops)
+
+
+def agent_profiles(
+    control: MqttTransport, fallback: dict[str, DeviceSpec], timeout_s: float = 120.0
+) -> dict[str, DeviceSpec]:
+    """The profiles the agents of ``fallback``'s devices announced, once each carries its
+    per-byte cost timed through its own connection; a device whose profile did not come
+    in time keeps ``fallback``'s (said on stderr)."""
+    got: dict[str, DeviceSpec] = {}
+    done = threading.Condition()
+
+    def on_profile(device: str, spec: DeviceSpec) -> None:
+        if device in fallback and "transport_byte_ms_per_mib" in (spec.details or {}):
+            with done:
+                got[device] = spec
+                done.notify_all()
+
+    with DeviceFeed(control, on_profile=on_profile), done:
+        done.wait_for(lambda: set(got) >= set(fallback), timeout_s)
+    for device in sorted(set(fallback) - set(got)):
+        print(f"# {device}: no measured transport cost announced; the testbed's", file=sys.stderr)
+    return {d: got.get(d, spec) for d, spec in fallback.items()}
 
 
 # -- running --------------------------------------------------------------------------
@@ -257,8 +328,12 @@ def run_fleet(key: str, models: list[str], args: argparse.Namespace) -> list[Row
         control = MqttTransport(tb.login())
         control.connect(30)
         try:
+            announced = agent_profiles(control, dict(tb.announced))
+            for d in devices:
+                fixed = (announced[d.id].details or {}).get("fixed_costs", {})
+                print(f"# {d.id}: fixed costs {fixed}", file=sys.stderr)
             for model in models:
-                rows += _run_model(tb, control, devices, name, model, args)
+                rows += _run_model(tb, control, devices, announced, name, model, args)
         finally:
             control.close()
     return rows
@@ -268,35 +343,34 @@ def _run_model(
     tb: Testbed,
     control: MqttTransport,
     devices: list[DeviceSpec],
+    announced: dict[str, DeviceSpec],
     fleet: str,
     model: str,
     args: argparse.Namespace,
 ) -> list[Row]:
-    def problem(steps: int) -> PlanningProblem:
-        layers = hetero.calibrated_layers(
-            model, args.batch_size, args.microbatches, tb.core_gflops, steps
-        )
+    def problem(steps: int) -> tuple[PlanningProblem, UnitSeconds]:
+        layers, units = calibrate(model, args.batch_size, args.microbatches, tb.core_gflops, steps)
         return PlanningProblem(
             version=2,
             batch_size=args.batch_size,
             microbatches=args.microbatches,
             layers=layers,
-            devices=[tb.announced[d.id] for d in devices],
-        )
+            devices=[announced[d.id] for d in devices],
+        ), units
 
     spec = JobSpec(
         model=model, steps=1, batch_size=args.batch_size, microbatches=args.microbatches, seed=0
     )
     limits = group_limits(spec)
     assert limits is not None  # a zoo model
-    first = problem(args.calibration_steps)
+    first, first_units = problem(args.calibration_steps)
     rows = []
-    for strategy, plan in plans(first, limits).items():
+    for strategy, plan in plans(first, limits, first_units).items():
         # This host's speed drifts over minutes: price each plan with unit times measured
         # just before it runs (not in --quick, which prices every plan at the start).
-        now = first if args.quick else problem(3)
+        now, units = (first, first_units) if args.quick else problem(3)
         score = score_plan(now, plan)
-        guess = predict(now, plan)
+        guess = predict(now, plan, units)
         steps = args.warmup + max(
             args.min_steps, min(args.max_steps, math.ceil(args.seconds / guess.step_time_s))
         )

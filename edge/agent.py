@@ -65,7 +65,14 @@ from edge.logs import bind
 from edge.models.local_data import LocalData, announce
 from edge.models.user_code import ZOO_ONLY, CodeAllowance
 from edge.problem import DeviceSpec
-from edge.profiling.fixed_costs import time_publish, with_publish_cost
+from edge.profiling.device import cgroup_limits
+from edge.profiling.fixed_costs import (
+    measure_cpu_share,
+    measure_transport_byte_s,
+    time_publish,
+    with_publish_cost,
+    with_transport_byte_cost,
+)
 from edge.runtime.checkpoint import ReplicaKeeper
 from edge.runtime.stage import Replicator, StageRuntime
 from edge.server.groups import join_group, leave_group
@@ -92,6 +99,7 @@ from edge.wire.messages import (
 from edge.wire.topics import (
     device_cmd,
     device_heartbeat,
+    device_probe,
     device_profile,
     device_status,
     job_events,
@@ -194,7 +202,8 @@ class Agent:
     def _announce(self) -> None:
         """On every (re)connect: status and profile, retained. The first time, a few
         heartbeats at QoS 1 first time a publish on this connection: part of the fixed
-        cost of every frame and report (:mod:`edge.profiling.fixed_costs`)."""
+        cost of every frame and report; then the CPU each byte of a tensor costs through
+        this connection (:mod:`edge.profiling.fixed_costs`)."""
         state: Literal["online", "busy"] = "busy" if self._runtime is not None else "online"
         if not self._publish_timed and self._profile is not None:
             self._publish_timed = True
@@ -203,6 +212,7 @@ class Agent:
                 lambda: self.transport.publish(device_heartbeat(self.device_id), beat, 1)
             )
             self._profile = with_publish_cost(self._profile, seconds)
+            self._time_transport_bytes()
         self.transport.publish(
             device_status(self.device_id), self._status(state).model_dump_json(), 1, True
         )
@@ -210,6 +220,34 @@ class Agent:
             self.transport.publish(
                 device_profile(self.device_id), self._profile.model_dump_json(), 1, True
             )
+
+    def _time_transport_bytes(self) -> None:
+        """Replace the profile's per-byte cost by one measured through this connection,
+        the broker and back (:func:`~edge.profiling.fixed_costs.measure_transport_byte_s`;
+        over the share of a core it gets: its CPU quota's; in a CPU cgroup whose quota is
+        out of sight, :func:`~edge.profiling.fixed_costs.measure_cpu_share`; else a whole
+        core, whatever else runs on the host). Runs before the worker starts, never on the
+        network thread, whose deliveries it waits for. A failure keeps the profile's."""
+        assert self._profile is not None
+        limits = cgroup_limits()
+        share = 1.0
+        if limits.cpu_quota_cores:
+            share = min(1.0, limits.cpu_quota_cores)
+        elif limits.cpu_hidden:
+            share = measure_cpu_share()
+        try:
+            byte_s = measure_transport_byte_s(
+                self.transport, device_probe(self.device_id), cpu_share=share
+            )
+        except (UserError, ConnectionError) as exc:
+            log.warning("kept the probe's per-byte cost: %s", exc)
+            return
+        self._profile = with_transport_byte_cost(self._profile, byte_s)
+        log.info(
+            "transport: %.1f ms per MiB of tensors at %.2f of a core",
+            byte_s * (1 << 20) * 1e3,
+            share,
+        )
 
     def _connect(self) -> bool:
         """Connect, retrying with backoff until connected or stopped."""

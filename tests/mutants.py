@@ -441,6 +441,24 @@ MUTANTS = [
         new="allreduce[s] += 0.0",
         tests=("tests/unit/coordinator/planner/test_predict.py",),
     ),
+    Mutant(
+        name="predict-member-rows-proportional",
+        what="the cost model takes a group member's compute as its share of the whole "
+        "microbatch's, forgetting the part of each unit's time that does not shrink with rows",
+        path="coordinator/planner/predict.py",
+        old="return fixed + (total - fixed) * share",
+        new="return total * share",
+        tests=("tests/unit/coordinator/planner/test_predict.py",),
+    ),
+    Mutant(
+        name="transport-probe-ignores-share",
+        what="the transport probe prices a byte at its CPU time, not at the time that CPU "
+        "takes on a device with a fraction of a core",
+        path="edge/profiling/fixed_costs.py",
+        old="return cpu / sent / cpu_share",
+        new="return cpu / sent",
+        tests=("tests/unit/edge/profiling/test_transport_byte_cost.py",),
+    ),
 ]
 
 

@@ -66,6 +66,7 @@ from edge.wire.messages import StageAssignment
 from edge.wire.topics import (
     device_cmd,
     device_heartbeat,
+    device_probe,
     device_profile,
     device_status,
     stage_access,
@@ -85,13 +86,17 @@ def _role(device: str) -> str:
 
 
 def _own_rules(device: str) -> list[_Rule]:
-    """What a device may always do: announce itself and hear its commands."""
+    """What a device may always do: announce itself, hear its commands, and send its
+    transport probe to itself."""
     return [
         ("publishClientSend", device_status(device)),
         ("publishClientSend", device_profile(device)),
         ("publishClientSend", device_heartbeat(device)),
         ("subscribeLiteral", device_cmd(device)),
         ("publishClientReceive", device_cmd(device)),
+        ("publishClientSend", device_probe(device)),
+        ("subscribeLiteral", device_probe(device)),
+        ("publishClientReceive", device_probe(device)),
     ]
 
 

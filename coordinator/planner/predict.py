@@ -8,8 +8,11 @@ prediction every job shows and plans by, :func:`predict`:
 - compute per microbatch of stage ``s``: the stage's units' measured seconds
   (:class:`UnitSeconds`, timed once per model and batch shape on this machine
   through the real training step) scaled from this machine's best matmul rate to
-  the group's summed speed (a measured device's best rate over its software
-  slowdown, else its ``gflops``; see :func:`_speed`); without them, the spec's
+  each member's speed (a measured device's best rate over its software slowdown,
+  else its ``gflops``; see :func:`_speed`), at the member's share of the rows
+  (:meth:`UnitSeconds.at_share`: a part of each unit's time does not shrink with
+  the rows, so a member of a group of four takes more than a quarter of the
+  whole microbatch's time); the slowest member's; without them, the spec's
   ``T_s``. A job is also cut by these seconds (:func:`timed_problem`). Plus the device's
   fixed cost per microbatch (two thirds of it before the last stage, which alone
   runs the loss: the cost is per compute block, see
@@ -53,16 +56,19 @@ from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem
 from edge.profiling.fixed_costs import PROBE_BLOCKS, FixedCosts, fixed_costs_of
 from edge.profiling.matmul import matmul_benchmark
-from edge.runtime.unit_times import measure_unit_times
+from edge.runtime.unit_times import UnitTime, measure_unit_times
 from edge.wire.messages import OptimizerSpec
 
 __all__ = [
     "PLANNING_DETAILS",
+    "SMALL_ROWS_DIVISOR",
     "Prediction",
     "UnitSeconds",
     "calibrated",
+    "fit_unit_seconds",
     "measure_unit_seconds",
     "predict",
+    "small_rows",
     "timed_problem",
 ]
 
@@ -81,6 +87,53 @@ class UnitSeconds:
 
     seconds: tuple[float, ...]
     gflops: float
+    fixed: tuple[float, ...] = ()
+    """Each unit's part of ``seconds`` that does not shrink with the rows of the
+    microbatch (the optimizer step, per-call overheads, kernels less efficient on few
+    rows): the intercept of the line through its timings at two row counts
+    (:func:`fit_unit_seconds`). Empty: time proportional to the rows."""
+
+    def at_share(self, start: int, end: int, share: float) -> float:
+        """Seconds per microbatch of units ``start..end-1`` for a member computing
+        ``share`` of each microbatch's rows: the fixed part whole, the rest by share."""
+        total = sum(self.seconds[start:end])
+        fixed = sum(self.fixed[start:end]) if self.fixed else 0.0
+        return fixed + (total - fixed) * share
+
+
+SMALL_ROWS_DIVISOR = 4
+"""The units are timed again at ``1 / SMALL_ROWS_DIVISOR`` of a microbatch's rows (at
+least one): a group of four equal members computes exactly that."""
+
+
+def small_rows(rows: int) -> int:
+    """The row count the units are timed at besides a whole microbatch of ``rows``
+    (``rows`` itself when it is 1: then nothing smaller is ever computed)."""
+    return max(1, rows // SMALL_ROWS_DIVISOR)
+
+
+def fit_unit_seconds(
+    full: Sequence[UnitTime],
+    small: Sequence[UnitTime] | None,
+    rows: int,
+    rows_small: int,
+    gflops: float,
+) -> UnitSeconds:
+    """:class:`UnitSeconds` from unit times at ``rows`` rows a microbatch (``full``) and at
+    ``rows_small`` (``small``): each unit's time is a line ``fixed + per_row * rows``
+    through the two, its intercept clamped to ``[0, full]``. Without ``small`` (or one
+    row count) no fixed part."""
+    seconds = tuple(t.fwd_s + t.bwd_s for t in full)
+    if small is None or rows_small >= rows:
+        return UnitSeconds(seconds, gflops)
+    if len(small) != len(full):
+        raise ValueError(f"{len(small)} small-row unit times for {len(full)} units")
+    fixed = []
+    for whole, t in zip(seconds, small, strict=True):
+        part = t.fwd_s + t.bwd_s
+        intercept = (part * rows - whole * rows_small) / (rows - rows_small)
+        fixed.append(min(whole, max(0.0, intercept)))
+    return UnitSeconds(seconds, gflops, tuple(fixed))
 
 
 @dataclass(frozen=True)
@@ -127,18 +180,16 @@ def _unit_seconds(key: str) -> UnitSeconds:
         # The best matmul rate before and after the units: what this machine does alone,
         # as each measured device's best rate says what it does (see _speed).
         before = matmul_benchmark(torch.float32, 0.3).best_gflops
-        times = measure_unit_times(
-            spec,
-            args["batch_size"],
-            args["microbatches"],
-            steps=3,
-            warmup=1,
-            optimizer=OptimizerSpec.model_validate(args["optimizer"]),
-        )
+        m, optimizer = args["microbatches"], OptimizerSpec.model_validate(args["optimizer"])
+        rows = args["batch_size"] // m
+        few = small_rows(rows)
+        timed = functools.partial(measure_unit_times, steps=3, warmup=1, optimizer=optimizer)
+        times = timed(spec, args["batch_size"], m)
+        small = timed(spec, few * m, m) if few < rows else None
         gflops = max(before, matmul_benchmark(torch.float32, 0.3).best_gflops)
     finally:
         torch.set_num_threads(threads)
-    return UnitSeconds(tuple(t.fwd_s + t.bwd_s for t in times), gflops)
+    return fit_unit_seconds(times, small, rows, few, gflops)
 
 
 def measure_unit_seconds(
@@ -149,7 +200,12 @@ def measure_unit_seconds(
     model_options: dict[str, Any] | None = None,
     optimizer: OptimizerSpec | None = None,
 ) -> UnitSeconds:
-    """Time ``model``'s units in a training step on this machine (once per shape: cached)."""
+    """Time ``model``'s units in a training step on this machine (once per shape: cached),
+    at a whole microbatch's rows and at :func:`small_rows` of them (:func:`fit_unit_seconds`).
+
+    Wall seconds, not the thread's CPU seconds: on one host with its agents (a local
+    fleet) both feel the same load; ``bench/hybrid.py``, whose agents run under a CPU
+    quota, times in CPU seconds instead."""
     key = {
         "model": model,
         "options": model_options or {},
@@ -189,8 +245,10 @@ def predict(
             allreduce[s] += 2 * (g - 1) / g * params * worst
         t = spec.compute_s[s]
         if units is not None:  # the member that takes longest on its share
-            slowest = max(w / _speed(dev[i]) for i, w in zip(st.devices, share, strict=True))
-            t = sum(units.seconds[st.start : st.end]) * units.gflops * slowest
+            t = max(
+                units.at_share(st.start, st.end, w) * units.gflops / _speed(dev[i])
+                for i, w in zip(st.devices, share, strict=True)
+            )
         # The probe's microbatch ran PROBE_BLOCKS compute blocks; only the last stage runs
         # the loss's block too.
         blocks = PROBE_BLOCKS if s == n_stages - 1 else PROBE_BLOCKS - 1

@@ -77,6 +77,10 @@ class CgroupLimits:
     memory_headroom_bytes: int | None = None  # tightest limit - usage over the ancestors
     cpu_version: Literal["v1", "v2"] | None = None
     cpu_quota_cores: float | None = None
+    cpu_hidden: bool = False
+    """This process is in a CPU cgroup below the root whose files are out of sight (as
+    under ``ip netns exec``, which mounts a sysfs of its own over ``/sys``): a quota
+    may apply that cannot be read."""
 
 
 def _read(path: Path) -> str | None:
@@ -148,6 +152,8 @@ def cgroup_limits(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> 
     lim, use = min(mem, key=lambda lu: lu[0] - lu[1], default=(None, 0))
 
     cpu_version, levels = find("cpu")
+    cpu_path = v1["cpu"][1] if "cpu" in v1 else v2
+    hidden = cpu_version is None and cpu_path not in (None, "", "/")
     quotas: list[float] = []
     for d in levels:
         if cpu_version == "v1":  # quota -1 means none, like v2's "max"
@@ -163,6 +169,7 @@ def cgroup_limits(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> 
         memory_headroom_bytes=None if lim is None else max(0, lim - use),
         cpu_version=cpu_version,
         cpu_quota_cores=min(quotas, default=None),
+        cpu_hidden=hidden,
     )
 
 

@@ -27,7 +27,17 @@ fields; the score ignores ``details``):
   decoding it and adding it into a sum, as a group's gradient sum does. On a slow
   device that is not small beside its link: an emulated Pi at 0.16 of a core
   moved a group's gradients at a quarter of its link's rate. Neither TLS nor the
-  client library's own copies are in it, so it is a lower bound.
+  client library's own copies are in it, so it is a lower bound. An agent
+  replaces it, once connected, by the same bytes through its own transport
+  (:func:`measure_transport_byte_s`, :func:`with_transport_byte_cost`): frames of
+  a group sum's piece size published to itself through the broker on its
+  private topic (:func:`~edge.wire.topics.device_probe`), decoded and added as
+  they arrive; the CPU time of the whole process (TLS, the client's network
+  thread and copies included; the link's time excluded, which the link's own
+  terms price) over the bytes, divided by the share of a core it gets (a CPU
+  quota's, or where its cgroup is out of sight, as in ``ip netns exec``, what a
+  short busy loop gets: :func:`measure_cpu_share`);
+  ``details["transport_byte_ms_per_mib"]`` says it was measured so.
 
 :func:`fixed_costs_of` reads them back from a device; ``None`` for a device
 that did not measure them (a catalogue entry, a problem file).
@@ -41,11 +51,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from edge.errors import UserError
 from edge.problem import DeviceSpec
+from edge.runtime.group_sum import PIECE_BYTES
 from edge.runtime.stage import StageRuntime
 from edge.transport.inprocess import InProcessTransport
 from edge.wire.frames import Codec, Kind, decode_frame, encode_frame
@@ -54,11 +66,16 @@ from edge.wire.messages import StageAssignment
 __all__ = [
     "PROBE_BLOCKS",
     "PROBE_MICROBATCHES",
+    "TRANSPORT_PROBE_BYTES",
     "FixedCosts",
+    "Loopback",
     "fixed_costs_of",
+    "measure_cpu_share",
     "measure_fixed_costs",
+    "measure_transport_byte_s",
     "time_publish",
     "with_publish_cost",
+    "with_transport_byte_cost",
 ]
 
 PROBE_MICROBATCHES = 4
@@ -215,4 +232,101 @@ def with_publish_cost(device: DeviceSpec, seconds: float) -> DeviceSpec:
         fixed.microbatch_s, fixed.step_s, frame, fixed.byte_s
     ).to_json()
     details["publish_ms"] = seconds * 1e3
+    return device.model_copy(update={"details": details})
+
+
+TRANSPORT_PROBE_BYTES = 4 << 20
+"""Bytes of frames an agent sends itself through the broker to time its transport."""
+
+
+class Loopback(Protocol):
+    """What the transport probe needs of a connection: an
+    :class:`~edge.transport.mqtt.MqttTransport` has it."""
+
+    def publish(
+        self, topic: str, payload: bytes | str, qos: int = 1, retain: bool = False
+    ) -> None: ...
+
+    def subscribe(
+        self, topic: str, callback: Callable[[str, bytes], None], qos: int = 1
+    ) -> None: ...
+
+    def unsubscribe(self, topic: str) -> None: ...
+
+
+def measure_transport_byte_s(
+    transport: Loopback,
+    topic: str,
+    *,
+    total_bytes: int = TRANSPORT_PROBE_BYTES,
+    piece_bytes: int = PIECE_BYTES,
+    timeout_s: float = 30.0,
+    cpu_share: float = 1.0,
+    cpu_clock: Callable[[], float] = time.process_time,
+) -> float:
+    """Seconds per byte a tensor costs this device through ``transport``, both sides: frames
+    of ``piece_bytes`` (``total_bytes`` in all, at least one) published to ``topic``, which
+    ``transport`` subscribes to, each decoded and added into a sum as it arrives (as a
+    group's sum does). It is ``cpu_clock``'s seconds over the bytes, over ``cpu_share``
+    (the cores a CPU quota leaves this process, when under one): the CPU it costs, as the
+    time it takes, without the link's. Frames that are not all back within
+    ``timeout_s`` (no broker, or one that refuses the topic) raise a one-line
+    :class:`UserError`."""
+    if not cpu_share > 0:
+        raise ValueError(f"cpu_share must be positive (got {cpu_share})")
+    pieces = max(1, total_bytes // piece_bytes)
+    tensor = torch.randn(max(1, piece_bytes // 4))
+    total = torch.zeros_like(tensor)
+    arrived, done = [0], threading.Event()
+
+    def on_frame(_topic: str, payload: bytes) -> None:
+        total.add_(decode_frame(payload).tensor)
+        arrived[0] += 1
+        if arrived[0] >= pieces:
+            done.set()
+
+    transport.subscribe(topic, on_frame, qos=1)
+    try:
+        sent = 0
+        t0 = cpu_clock()
+        for i in range(pieces):
+            frame = encode_frame(Kind.REDUCE, "fixed-costs", i, 0, tensor, Codec.RAW)
+            transport.publish(topic, frame, qos=1)
+            sent += len(frame)
+        if not done.wait(timeout_s):
+            raise UserError(
+                f"transport probe: {arrived[0]} of {pieces} frames came back on {topic} "
+                f"within {timeout_s:g} s (is the broker there, and does it allow the topic?)"
+            )
+        cpu = cpu_clock() - t0
+    finally:
+        transport.unsubscribe(topic)
+    return cpu / sent / cpu_share
+
+
+def measure_cpu_share(
+    seconds: float = 0.5,
+    *,
+    cpu_clock: Callable[[], float] = time.process_time,
+    wall_clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """The share of a core this process gets, in ``(0, 1]``: the CPU seconds a busy loop
+    of ``seconds`` (several periods of a CFS quota) gets over the seconds it spun."""
+    cpu0, wall0 = cpu_clock(), wall_clock()
+    while (wall := wall_clock()) - wall0 < seconds:
+        pass
+    cpu = cpu_clock() - cpu0
+    return min(1.0, max(1e-3, cpu / max(wall - wall0, 1e-9)))
+
+
+def with_transport_byte_cost(device: DeviceSpec, seconds: float) -> DeviceSpec:
+    """``device`` with its per-byte cost ``seconds`` as measured through its own transport
+    (:func:`measure_transport_byte_s`); unchanged for a device that measured no fixed costs."""
+    fixed, details = fixed_costs_of(device), dict(device.details or {})
+    if fixed is None:
+        return device
+    details["fixed_costs"] = FixedCosts(
+        fixed.microbatch_s, fixed.step_s, fixed.frame_s, seconds
+    ).to_json()
+    details["transport_byte_ms_per_mib"] = seconds * (1 << 20) * 1e3
     return device.model_copy(update={"details": details})

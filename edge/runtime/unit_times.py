@@ -8,7 +8,10 @@ stage: seeded batches from the model's dataset, split into microbatches; for
 each, every unit's forward on a detached input (as a stage receives it), the
 loss on the last; then every unit's backward, last to first; then the
 optimizer step of each unit's parameters. Each piece is timed on its own, and
-over ``steps`` measured steps (after ``warmup``) the median is kept.
+over ``steps`` measured steps (after ``warmup``) the median is kept. The clock is
+the wall clock unless the caller passes another: on one torch thread,
+``time.thread_time`` (the CPU seconds of the timing thread, which runs every op
+then) does not count the time other processes of a busy host take from it.
 
 A unit's figures are per microbatch: ``fwd_s``, and ``bwd_s`` which includes
 its share of the optimizer step (the step's time / ``microbatches``, as the
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +57,7 @@ def measure_unit_times(
     warmup: int = 2,
     optimizer: OptimizerSpec | None = None,
     seed: int = 0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[UnitTime]:
     """Time every unit of ``spec`` in ``steps`` training steps (see the module docstring)."""
     if batch_size < microbatches or microbatches < 1 or steps < 1:
@@ -75,26 +80,26 @@ def measure_unit_times(
                 if i > 0 and inp.is_floating_point():
                     inp = inp.detach().requires_grad_()
                 inputs.append(inp)
-                t0 = time.perf_counter()
+                t0 = clock()
                 out = unit(inp)
                 if i == n - 1:
                     out = loss_fn(out, ys) / microbatches
-                f_step[i] += time.perf_counter() - t0
+                f_step[i] += clock() - t0
                 outputs.append(out)
                 inp = out
             grad: torch.Tensor | None = None
             for i in reversed(range(n)):
-                t0 = time.perf_counter()
+                t0 = clock()
                 if outputs[i].requires_grad:
                     outputs[i].backward(grad)
-                b_step[i] += time.perf_counter() - t0
+                b_step[i] += clock() - t0
                 grad = inputs[i].grad if inputs[i].is_floating_point() else None
         for i, opt in enumerate(optimizers):
-            t0 = time.perf_counter()
+            t0 = clock()
             if opt is not None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            b_step[i] += time.perf_counter() - t0
+            b_step[i] += clock() - t0
         if step >= warmup:
             for i in range(n):
                 fwd[i].append(f_step[i] / microbatches)

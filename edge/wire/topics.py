@@ -1,8 +1,11 @@
 """The wire contract's MQTT topic names, all under ``edgetrain/v1/``.
 
 Device topics: ``devices/{id}/status`` (retained; last-will ``offline``),
-``devices/{id}/profile`` (retained), ``devices/{id}/heartbeat`` and
-``devices/{id}/cmd``. Job topics: the stage frames (``jobs/{job}/stage/{s}/fwd|bwd``,
+``devices/{id}/profile`` (retained), ``devices/{id}/heartbeat``,
+``devices/{id}/cmd`` and ``devices/{id}/probe`` (:func:`device_probe`: the device
+publishes tensor frames to itself there, once, to time its transport's CPU per
+byte; :mod:`edge.profiling.fixed_costs`). Job topics: the stage frames
+(``jobs/{job}/stage/{s}/fwd|bwd``,
 :mod:`edge.wire.frames`; for member ``m > 0`` of a group
 ``jobs/{job}/stage/{s}/member/{m}/fwd|bwd``, and a group's gradient channel
 ``.../reduce/{sender}``, one topic per sending member, [Note: groups on the
@@ -42,6 +45,7 @@ __all__ = [
     "StageAccess",
     "device_cmd",
     "device_heartbeat",
+    "device_probe",
     "device_profile",
     "device_status",
     "job_events",
@@ -91,6 +95,10 @@ def device_cmd(device: str) -> str:
 
 def device_heartbeat(device: str) -> str:
     return f"{TOPIC_ROOT}/devices/{device}/heartbeat"
+
+
+def device_probe(device: str) -> str:
+    return f"{TOPIC_ROOT}/devices/{device}/probe"
 
 
 def stage_topic(

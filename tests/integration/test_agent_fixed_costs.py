@@ -7,7 +7,10 @@ retained profiles are read off the broker. Each must carry
 including a publish the agent timed on its own connection; see
 :mod:`edge.profiling.fixed_costs`), which the planner reads back; an agent given
 ``--emulate`` announces its measured rate over its slowdown and the catalogue
-device's link, memory and power.
+device's link, memory and power. An agent's per-byte cost is the one it measured
+through its own connection and the broker
+(:func:`~edge.profiling.fixed_costs.measure_transport_byte_s`), which a plain
+:class:`MqttTransport` measures the same way.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from support.mosquitto import Broker
 from coordinator.local.fleet import LocalFleet
 from edge.problem import DeviceSpec
 from edge.profiling.catalog import resolve
-from edge.profiling.fixed_costs import fixed_costs_of
+from edge.profiling.fixed_costs import fixed_costs_of, measure_transport_byte_s
 from edge.transport.mqtt import MqttSettings, MqttTransport
+from edge.wire.topics import device_probe
 
 pytestmark = pytest.mark.broker
 REPO = Path(__file__).resolve().parents[2]
@@ -53,6 +57,17 @@ def test_a_profile_through_a_broker_carries_the_fixed_costs(mosquitto: Broker) -
     assert got is not None and got.to_json() == fixed
 
 
+def test_a_transport_times_its_bytes_through_the_broker(mosquitto: Broker) -> None:
+    transport = MqttTransport(MqttSettings(url=mosquitto.url))
+    transport.connect(timeout=10)
+    try:
+        got = measure_transport_byte_s(transport, device_probe("probe-test"), timeout_s=30)
+    finally:
+        transport.close()
+    # Positive, and under a second a MiB: a frame's bytes, not the time of a timeout.
+    assert 0 < got * (1 << 20) < 1.0
+
+
 @pytest.mark.slow
 def test_agents_announce_fixed_costs_and_emulate_what_they_run(mosquitto: Broker) -> None:
     control = MqttTransport(MqttSettings(url=mosquitto.url))
@@ -72,6 +87,9 @@ def test_agents_announce_fixed_costs_and_emulate_what_they_run(mosquitto: Broker
         # The agent timed a publish on its own connection once connected, and counts it.
         assert fixed is not None and spec.details["publish_ms"] > 0
         assert fixed.frame_s >= spec.details["publish_ms"] / 1e3
+        # Its per-byte cost is the one it timed through its connection and the broker.
+        per_mib = spec.details["transport_byte_ms_per_mib"]
+        assert per_mib > 0 and fixed.byte_s * (1 << 20) * 1e3 == pytest.approx(per_mib)
         assert spec.details["emulates"] == name and spec.details["slowdown"] == slowdown
         assert spec.gflops == spec.details["measured_gflops"] / slowdown
         assert spec.details["emulated_gflops"] == source.gflops

@@ -1,6 +1,7 @@
 """bench/hybrid.py's pure parts: its fleets, the catalogue scale, every strategy's plan
-(on vgg11 over four catalogue Pis, where the version 2 plan is the group of four),
-the ideal bound, and its table, JSON and chart."""
+(on vgg11 over four catalogue Pis, where the version 2 plan is the group of four,
+unless the measured unit times predict that its members' small rows lose), the
+ideal bound, and its table, JSON and chart."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from support.bench import load_bench
 from coordinator.engine.engine import group_limits
 from coordinator.engine.spec import JobSpec
 from coordinator.planner.build import build_problem
+from coordinator.planner.predict import UnitSeconds, predict
 from coordinator.planner.score import score_plan
 
 
@@ -53,6 +55,24 @@ def test_every_strategy_on_four_pis(bench: ModuleType) -> None:
     flops = sum(u.train_flops for u in problem.layers)
     assert bench.ideal_sps(problem) == pytest.approx(4 * 7.2e9 / flops)
     assert score_plan(problem, got["v2"]).throughput_sps < bench.ideal_sps(problem)
+
+
+def test_the_v2_row_is_the_plan_the_prediction_picks(bench: ModuleType) -> None:
+    """With unit seconds worth the FLOPs, the group of four stays; when none of a unit's
+    time shrinks with the rows (each member takes the whole microbatch's time), the
+    prediction says the group loses and the v2 row is a pipeline of one-device stages."""
+    devices = bench.fleet_devices("rpi4")
+    problem = build_problem("vgg11", devices, batch_size=32, microbatches=4, version=2)
+    limits = group_limits(JobSpec(model="vgg11", steps=1, batch_size=32, microbatches=4))
+    assert limits is not None
+    seconds = tuple(u.train_flops * 8 / 7.2e9 for u in problem.layers)  # 8 rows, one Pi
+    worth = UnitSeconds(seconds, 7.2)
+    assert [len(st.devices) for st in bench.plans(problem, limits, worth)["v2"].stages] == [4]
+    flat = UnitSeconds(seconds, 7.2, fixed=seconds)
+    got = bench.plans(problem, limits, flat)
+    assert not got["v2"].grouped and got["data-parallel"].grouped
+    guess = {k: predict(problem, got[k], flat).step_time_s for k in ("v2", "data-parallel")}
+    assert guess["v2"] < guess["data-parallel"]
 
 
 def _row(bench: ModuleType, strategy: str, measured: float, predicted: float, shape: str) -> object:

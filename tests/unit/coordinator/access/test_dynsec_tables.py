@@ -14,7 +14,7 @@ from coordinator.access.accounts import BrokerAccounts
 from coordinator.access.dynsec import DynSecError
 from coordinator.access.dynsec_tables import DynSecTables, topic_matches
 from edge.wire.messages import StageAssignment
-from edge.wire.topics import device_cmd, device_status, job_weights, stage_topic
+from edge.wire.topics import device_cmd, device_probe, device_status, job_weights, stage_topic
 
 
 @pytest.mark.parametrize(
@@ -56,6 +56,10 @@ def test_the_record_logs_in_and_the_commands_follow_the_plan(tmp_path: Path) -> 
     assert not tables.allowed("pi-1", "publishClientSend", device_cmd("pi-1"))
     assert tables.allowed("pi-1", "subscribe", device_cmd("pi-1"))
     assert not tables.allowed("pi-1", "subscribe", "edgetrain/devices/+/cmd")
+    # Its transport probe goes to itself through the broker, and only to itself.
+    for acl in ("publishClientSend", "subscribe", "publishClientReceive"):
+        assert tables.allowed("pi-1", acl, device_probe("pi-1"))
+        assert not tables.allowed("pi-1", acl, device_probe("pi-2"))
     assert tables.allowed(admin, "subscribe", "edgetrain/#")
     assert tables.allowed(admin, "publishClientSend", device_cmd("pi-1"))
     assert not tables.allowed(admin, "publishClientSend", "elsewhere/x")

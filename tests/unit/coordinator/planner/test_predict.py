@@ -11,7 +11,11 @@ Claims under test:
 - the spec's score of a problem ignores the fixed costs its devices carry, and so
   does ``edgetrain plan --problem FILE --json``;
 - :func:`plan_job` keeps a stage only where it pays under the fixed costs: a plan
-  the spec's score puts on two stages runs on one when frames cost enough.
+  the spec's score puts on two stages runs on one when frames cost enough;
+- a group member's compute is the units' fixed part whole plus its share of the
+  rest (:meth:`UnitSeconds.at_share`, fitted by :func:`fit_unit_seconds` through
+  timings at two row counts), and a job keeps a group only where that prediction
+  says it wins.
 """
 
 from __future__ import annotations
@@ -24,10 +28,18 @@ import pytest
 from typer.testing import CliRunner
 
 from coordinator.planner.partition import plan_job
-from coordinator.planner.predict import UnitSeconds, calibrated, predict, timed_problem
+from coordinator.planner.predict import (
+    UnitSeconds,
+    calibrated,
+    fit_unit_seconds,
+    predict,
+    small_rows,
+    timed_problem,
+)
 from coordinator.planner.score import Plan, Stage, score_plan
 from edge.problem import PlanningProblem
 from edge.profiling.fixed_costs import FixedCosts, fixed_costs_of
+from edge.runtime.unit_times import UnitTime
 from edgetrain.cli import app
 
 REL = 1e-12
@@ -261,3 +273,61 @@ def test_a_group_is_kept_only_where_moving_its_gradients_is_predicted_to_pay() -
     chosen = plan_job(costly)
     assert not chosen.plan.grouped and chosen.prediction is not None
     assert chosen.prediction.step_time_s < predict(costly, grouped.plan).step_time_s
+
+
+def test_unit_seconds_are_a_line_through_two_row_counts() -> None:
+    # 0.16 s at 8 rows, 0.07 s at 2: 0.04 s whatever the rows, 0.015 s a row.
+    full = [UnitTime("u0", 0.06, 0.10), UnitTime("u1", 0.01, 0.01)]
+    small = [UnitTime("u0", 0.03, 0.04), UnitTime("u1", 0.001, 0.001)]
+    units = fit_unit_seconds(full, small, 8, 2, gflops=5.0)
+    assert units.seconds == pytest.approx((0.16, 0.02), rel=REL)
+    # u1 took less than a quarter at a quarter of the rows: no fixed part, not a negative one
+    assert units.fixed == pytest.approx((0.04, 0.0), rel=REL)
+    assert units.at_share(0, 1, 0.25) == pytest.approx(0.07, rel=REL)  # the measured point
+    assert units.at_share(0, 2, 1.0) == pytest.approx(0.18, rel=REL)
+    assert units.at_share(0, 1, 0.5) == pytest.approx(0.04 + 0.12 * 0.5, rel=REL)
+    assert fit_unit_seconds(full, None, 8, 2, 5.0).fixed == ()
+    assert UnitSeconds((0.16,), 5.0).at_share(0, 1, 0.25) == pytest.approx(0.04, rel=REL)
+    assert [small_rows(r) for r in (1, 2, 8, 16)] == [1, 1, 2, 4]
+
+
+ZERO = {"microbatch_s": 0.0, "step_s": 0.0, "frame_s": 0.0, "byte_s": 0.0}
+
+
+def _pair_v2() -> PlanningProblem:
+    """Two 10 GFLOP/s devices that measured (zero) fixed costs, 2 MB of gradients, as a
+    version 2 problem: by the spec a group of both beats their pipeline (1.362 s against
+    1.844 s a step)."""
+    problem = _problem({"a": ZERO, "b": ZERO}, gflops=(10.0, 10.0))
+    layers = [u.model_copy(update={"param_bytes": 1e6}) for u in problem.layers]
+    return problem.model_copy(update={"version": 2, "layers": layers})
+
+
+def test_a_group_member_pays_the_fixed_part_of_its_units_whole() -> None:
+    problem = _pair_v2()
+    group = Plan((Stage.group(["a", "b"], 0, 2),))
+    # 0.6 s a unit per microbatch of 2 samples at 10 GFLOP/s is the layers' 3 GFLOP a sample.
+    proportional = UnitSeconds((0.6, 0.6), 10.0)
+    assert predict(problem, group, proportional).compute_s == pytest.approx([0.6], rel=REL)
+    # 0.2 s of each unit does not shrink: a member on half the rows takes 0.4 + 0.8 / 2.
+    partly = UnitSeconds((0.6, 0.6), 10.0, fixed=(0.2, 0.2))
+    got = predict(problem, group, partly)
+    assert got.compute_s == pytest.approx([0.8], rel=REL)
+    spec = score_plan(problem, group)
+    assert got.step_time_s == pytest.approx(2 * 0.8 + spec.allreduce_s[0], rel=REL)
+    # A one-device stage computes every row: the fixed part changes nothing there.
+    pipe = Plan.of(("a", 0, 1), ("b", 1, 2))
+    assert predict(problem, pipe, partly).compute_s == pytest.approx([0.6, 0.6], rel=REL)
+
+
+def test_a_job_keeps_a_group_only_where_its_members_small_rows_are_predicted_to_pay() -> None:
+    problem = _pair_v2()
+    kept = plan_job(problem, units=UnitSeconds((0.6, 0.6), 10.0))
+    assert kept.plan.grouped
+    # Nothing shrinks with the rows: each member takes the whole microbatch's 1.2 s, and
+    # the pipeline (0.6 + 1.2 + link) is predicted faster; the job runs it.
+    flat = UnitSeconds((0.6, 0.6), 10.0, fixed=(0.6, 0.6))
+    chosen = plan_job(problem, units=flat)
+    assert not chosen.plan.grouped and chosen.prediction is not None
+    assert chosen.prediction == predict(problem, chosen.plan, flat)
+    assert chosen.prediction.step_time_s < predict(problem, kept.plan, flat).step_time_s

@@ -185,6 +185,21 @@ def test_no_cgroups_at_all(tmp_path: Path) -> None:
     assert got == profiler.CgroupLimits()
 
 
+def test_a_cpu_cgroup_out_of_sight_is_hidden_not_unlimited(tmp_path: Path) -> None:
+    # ip netns exec mounts its own sysfs: /proc/self/cgroup names the testbed's cgroup,
+    # and nothing of it is under the cgroup root.
+    proc = _proc(tmp_path, "2:cpuacct:/\n1:cpu:/edgetrain-testbed-1/pi\n0::/\n")
+    got = cgroup_limits(tmp_path / "none", proc)
+    assert got.cpu_quota_cores is None and got.cpu_hidden
+    root = cgroup_limits(tmp_path / "none", _proc(tmp_path, "1:cpu:/\n0::/\n"))
+    assert not root.cpu_hidden  # the root cgroup holds no quota
+    root_v2 = tmp_path / "cgroup"
+    leaf = _v2_tree(root_v2)
+    _write(leaf, {"cpu.max": "max 100000"})
+    seen = cgroup_limits(root_v2, _proc(tmp_path, "0::/user.slice/app\n"))
+    assert seen.cpu_quota_cores is None and not seen.cpu_hidden  # read: no quota
+
+
 def test_usable_memory_never_above_the_cgroup_headroom(tmp_path: Path) -> None:
     root = tmp_path / "cgroup"
     _v1_tree(root, limit=64 * MiB, usage=140 * MiB)  # 100 MiB of it reclaimable cache

@@ -1,0 +1,111 @@
+"""The per-byte cost an agent measures through its own transport
+(:func:`edge.profiling.fixed_costs.measure_transport_byte_s`).
+
+Claims under test, on an in-memory loopback (the real broker is in
+``tests/integration/test_agent_fixed_costs.py``):
+
+- every frame sent comes back decoded, and the cost is the CPU clock's seconds over
+  the bytes sent, over the share of a core the device has;
+- frames that do not come back raise a one-line :class:`UserError` within the
+  timeout, and the subscription is ended either way;
+- the share of a core is the CPU clock over the wall clock of a busy loop, in (0, 1];
+- :func:`with_transport_byte_cost` replaces only ``byte_s`` and says so in details,
+  and leaves a device without fixed costs alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import pytest
+
+from edge.errors import UserError
+from edge.problem import DeviceSpec
+from edge.profiling.fixed_costs import (
+    FixedCosts,
+    fixed_costs_of,
+    measure_cpu_share,
+    measure_transport_byte_s,
+    with_transport_byte_cost,
+)
+from edge.wire.frames import decode_frame
+
+
+class _Loopback:
+    """Delivers each publish to the subscriber at once (or drops it with ``lose``)."""
+
+    def __init__(self, lose: bool = False) -> None:
+        self.lose = lose
+        self.callbacks: dict[str, Callable[[str, bytes], None]] = {}
+        self.sent: list[bytes] = []
+        self.unsubscribed: list[str] = []
+
+    def publish(self, topic: str, payload: bytes | str, qos: int = 1, retain: bool = False) -> None:
+        assert isinstance(payload, bytes) and qos == 1 and not retain
+        self.sent.append(payload)
+        if not self.lose and topic in self.callbacks:
+            self.callbacks[topic](topic, payload)
+
+    def subscribe(self, topic: str, callback: Callable[[str, bytes], None], qos: int = 1) -> None:
+        self.callbacks[topic] = callback
+
+    def unsubscribe(self, topic: str) -> None:
+        self.unsubscribed.append(topic)
+        self.callbacks.pop(topic, None)
+
+
+def test_the_cost_is_cpu_seconds_over_the_bytes_over_the_share_of_a_core() -> None:
+    loop = _Loopback()
+    clock = itertools.count(start=10.0, step=0.5)  # 0.5 s of CPU between the two reads
+    got = measure_transport_byte_s(
+        loop,
+        "probe",
+        total_bytes=1 << 20,
+        piece_bytes=256 << 10,
+        cpu_share=0.25,
+        cpu_clock=lambda: next(clock),
+    )
+    assert len(loop.sent) == 4 and loop.unsubscribed == ["probe"]
+    assert all(decode_frame(f).tensor.numel() == (256 << 10) // 4 for f in loop.sent)
+    sent = sum(len(f) for f in loop.sent)
+    assert got == pytest.approx(0.5 / sent / 0.25, rel=1e-12)
+
+
+def test_frames_that_do_not_come_back_fail_clearly() -> None:
+    loop = _Loopback(lose=True)
+    with pytest.raises(UserError, match=r"0 of 2 frames came back on probe within 0.05 s"):
+        measure_transport_byte_s(loop, "probe", total_bytes=2, piece_bytes=1, timeout_s=0.05)
+    assert loop.unsubscribed == ["probe"]
+    with pytest.raises(ValueError, match="cpu_share"):
+        measure_transport_byte_s(_Loopback(), "probe", cpu_share=0.0)
+
+
+def test_the_measured_cost_replaces_only_byte_s() -> None:
+    fixed = FixedCosts(0.01, 0.02, 0.003, 1e-9)
+    device = DeviceSpec(
+        id="pi",
+        gflops=7.0,
+        memory_bytes=4e9,
+        bandwidth_mbps=100.0,
+        latency_ms=1.0,
+        details={"fixed_costs": fixed.to_json()},
+    )
+    got = with_transport_byte_cost(device, 2e-8)
+    assert fixed_costs_of(got) == FixedCosts(0.01, 0.02, 0.003, 2e-8)
+    assert got.details is not None
+    assert got.details["transport_byte_ms_per_mib"] == pytest.approx(2e-8 * (1 << 20) * 1e3)
+    bare = device.model_copy(update={"details": None})
+    assert with_transport_byte_cost(bare, 2e-8) == bare
+
+
+def test_the_share_of_a_core_is_cpu_over_wall_of_a_busy_loop() -> None:
+    wall = itertools.count(start=0.0, step=0.125)
+    cpu = itertools.count(start=0.0, step=0.025)  # 0.025 s of CPU for 0.125 s of spinning
+    share = measure_cpu_share(0.5, cpu_clock=lambda: next(cpu), wall_clock=lambda: next(wall))
+    # wall: 0 then 0.125 ... 0.5 (the loop's last read); cpu: 0 then its second read
+    assert share == pytest.approx(0.025 / 0.5, rel=1e-9)
+    wall = itertools.count(start=0.0, step=0.125)
+    busy = itertools.count(start=0.0, step=1.0)  # more CPU than wall (threads): one core
+    assert measure_cpu_share(0.5, cpu_clock=lambda: next(busy), wall_clock=lambda: next(wall)) == 1
+    assert 0 < measure_cpu_share(0.01) <= 1  # the real clocks
