@@ -118,6 +118,7 @@ def test_agent_command_joins_cgroups_then_namespace() -> None:
     assert agent[agent.index("--profile") + 1] == "/s/rpi.json"
     assert agent[agent.index("--credentials") + 1] == "/s/credentials/rpi.json"
     assert "--insecure" not in agent and "--broker" not in agent  # the file names the broker
+    assert "--data" not in agent
     assert agent[-4:] == ["--slowdown", "4", "--link-mbps", "100"]
     files = [Path("/c/a/cgroup.procs"), Path("/m/a/cgroup.procs")]
     cmd = procs.in_cgroups_and_netns(agent, files, "et-ab12-0")
@@ -138,3 +139,16 @@ def test_link_overrides_parse() -> None:
     for bad in ("rpi", "=5", "rpi=0", "rpi=fast"):
         with pytest.raises(UserError, match="--link"):
             _parse_links([bad])
+
+
+def test_agent_command_passes_local_data() -> None:
+    agent = procs.agent_command(
+        procs.login_args(None, "mqtt://127.0.0.1:1883"),
+        "rpi",
+        profile=Path("/s/rpi.json"),
+        data_dir=Path("/s/agents/rpi"),
+        threads=1,
+        data=["digits=digits:shard=1/2", "images=synthetic-images:shard=1/2"],
+    )
+    got = [agent[i + 1] for i, arg in enumerate(agent) if arg == "--data"]
+    assert got == ["digits=digits:shard=1/2", "images=synthetic-images:shard=1/2"]
