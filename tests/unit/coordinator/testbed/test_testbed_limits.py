@@ -1,4 +1,5 @@
-"""Method detection from mountinfo text, cgroup limits, tc and sh command construction."""
+"""Method detection from mountinfo text, cgroup limits, tc and sh command construction;
+what ``Testbed.up`` refuses before it starts anything."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.planner.build import parse_fleet
 from coordinator.testbed import limits, netns, procs
 from coordinator.testbed.limits import Controller, Detection, find_controllers
+from coordinator.testbed.testbed import Testbed
 from edge.errors import UserError
 from edgetrain.cli.testbed import _parse_links
 
@@ -152,3 +155,9 @@ def test_agent_command_passes_local_data() -> None:
     )
     got = [agent[i + 1] for i, arg in enumerate(agent) if arg == "--data"]
     assert got == ["digits=digits:shard=1/2", "images=synthetic-images:shard=1/2"]
+
+
+def test_up_refuses_local_data_for_a_device_not_in_the_fleet(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="local data for 'nope': no such device"):
+        Testbed.up(parse_fleet("rpi4-4gb"), state_dir=tmp_path, data={"nope": ["d=digits"]})
+    assert not list(tmp_path.iterdir())  # refused before anything was made
