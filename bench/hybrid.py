@@ -288,6 +288,9 @@ class Measured:
     """Steady-state samples/s: stage 0's step times after the warm-up steps."""
     compute_s: list[float]
     allreduce_s: list[float]
+    bytes_per_sample: float
+    """Bytes every device sent in the steady steps (``StepReport.bytes_sent``: frames that
+    crossed the wire, a group's sums included) per sample trained."""
 
 
 def measure(
@@ -310,7 +313,10 @@ def measure(
         ]
 
     step_s = statistics.mean(r.step_s for r in steady if r.stage == 0)
-    return Measured(spec.batch_size / step_s, per_stage("compute_s"), per_stage("allreduce_s"))
+    sent = sum(r.bytes_sent for r in steady) / (spec.batch_size * (spec.steps - warmup))
+    return Measured(
+        spec.batch_size / step_s, per_stage("compute_s"), per_stage("allreduce_s"), sent
+    )
 
 
 def run_fleet(key: str, models: list[str], args: argparse.Namespace) -> list[Row]:

@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from coordinator.engine.watch import DeviceFeed
@@ -207,9 +207,11 @@ def agent_command(
     data_dir: Path,
     threads: int,
     shaping: dict[str, float] | None = None,
+    data: Sequence[str] = (),
 ) -> list[str]:
     """``edgetrain agent`` for ``device`` logging in by ``login`` (:func:`login_args`);
-    ``shaping``: the software method's extra flags."""
+    ``shaping``: the software method's extra flags; ``data``: its ``--data NAME=SPEC``
+    items (local datasets, [Note: local data] in :mod:`edge.models.local_data`)."""
     cmd = [
         sys.executable,
         "-m",
@@ -229,6 +231,8 @@ def agent_command(
     ]
     for flag, value in (shaping or {}).items():
         cmd += [flag, f"{value:g}"]
+    for item in data:
+        cmd += ["--data", item]
     return cmd
 
 

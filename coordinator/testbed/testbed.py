@@ -87,6 +87,7 @@ class Testbed:
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._cpu_limits: list[tuple[Path, dict[str, str]]] = []
         self._logins: dict[str, list[str]] = {}  # device -> how its agent logs in
+        self._data: dict[str, list[str]] = {}  # device -> its agent's --data items
         self._admin: MqttTransport | None = None
         self.accounts: BrokerAccounts | None = None
         """The broker's accounts, attached by the testbed itself when it started no
@@ -143,9 +144,14 @@ class Testbed:
         coordinator: bool = True,
         measure_s: float = 1.0,
         online_timeout_s: float = 90.0,
+        data: dict[str, list[str]] | None = None,
     ) -> Testbed:
-        """Start a testbed emulating ``devices`` (see the module docstring)."""
+        """Start a testbed emulating ``devices`` (see the module docstring); ``data`` maps a
+        device to the local datasets its agent holds (``edgetrain agent --data`` items)."""
         emulated = emulate(devices, scale, links=links)
+        strangers = sorted(set(data or {}) - {d.id for d in devices})
+        if strangers:
+            raise UserError(f"local data for {strangers[0]!r}: no such device in the fleet")
         if method not in ("auto", "kernel", "software"):
             raise UserError(f"--method: {method!r} is not auto, kernel or software")
         state_dir = state_dir.expanduser().resolve()
@@ -170,6 +176,7 @@ class Testbed:
             )
             state.save()
             bed = cls(state, emulated, {})
+            bed._data = dict(data or {})
             try:
                 bed._start(detection, coordinator, measure_s, online_timeout_s)
             except BaseException:
@@ -263,6 +270,7 @@ class Testbed:
             data_dir=self.state.dir / "agents" / dev.id,
             threads=dev.threads,
             shaping=shaping,
+            data=self._data.get(dev.id, ()),
         )
 
     def _row(self, dev: EmulatedDevice, **extra: Any) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Method detection from mountinfo text, cgroup limits, tc and sh command construction."""
+"""Method detection from mountinfo text, cgroup limits, tc and sh command construction;
+what ``Testbed.up`` refuses before it starts anything."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.planner.build import parse_fleet
 from coordinator.testbed import limits, netns, procs
 from coordinator.testbed.limits import Controller, Detection, find_controllers
+from coordinator.testbed.testbed import Testbed
 from edge.errors import UserError
 from edgetrain.cli.testbed import _parse_links
 
@@ -118,6 +121,7 @@ def test_agent_command_joins_cgroups_then_namespace() -> None:
     assert agent[agent.index("--profile") + 1] == "/s/rpi.json"
     assert agent[agent.index("--credentials") + 1] == "/s/credentials/rpi.json"
     assert "--insecure" not in agent and "--broker" not in agent  # the file names the broker
+    assert "--data" not in agent
     assert agent[-4:] == ["--slowdown", "4", "--link-mbps", "100"]
     files = [Path("/c/a/cgroup.procs"), Path("/m/a/cgroup.procs")]
     cmd = procs.in_cgroups_and_netns(agent, files, "et-ab12-0")
@@ -138,3 +142,22 @@ def test_link_overrides_parse() -> None:
     for bad in ("rpi", "=5", "rpi=0", "rpi=fast"):
         with pytest.raises(UserError, match="--link"):
             _parse_links([bad])
+
+
+def test_agent_command_passes_local_data() -> None:
+    agent = procs.agent_command(
+        procs.login_args(None, "mqtt://127.0.0.1:1883"),
+        "rpi",
+        profile=Path("/s/rpi.json"),
+        data_dir=Path("/s/agents/rpi"),
+        threads=1,
+        data=["digits=digits:shard=1/2", "images=synthetic-images:shard=1/2"],
+    )
+    got = [agent[i + 1] for i, arg in enumerate(agent) if arg == "--data"]
+    assert got == ["digits=digits:shard=1/2", "images=synthetic-images:shard=1/2"]
+
+
+def test_up_refuses_local_data_for_a_device_not_in_the_fleet(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="local data for 'nope': no such device"):
+        Testbed.up(parse_fleet("rpi4-4gb"), state_dir=tmp_path, data={"nope": ["d=digits"]})
+    assert not list(tmp_path.iterdir())  # refused before anything was made

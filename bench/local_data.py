@@ -1,0 +1,501 @@
+"""What helpers are worth to data that stays home: local-data plans on emulated fleets.
+
+Each fleet is ``H`` Raspberry Pi 4 (``rpi4-4gb``) data holders and two laptop-class
+helpers (``laptop``) on the testbed (:mod:`coordinator.testbed`, the kernel method
+where it can). Holder ``i`` starts with shard ``i/H`` of every dataset a model here
+needs (``edgetrain agent --data NAME=NAME:shard=i/H``, [Note: local data] in
+:mod:`edge.models.local_data`), announced in its profile; the helpers hold nothing.
+Each model trains a job on that local data (``"data": {"name": ..., "placement":
+"local"}``) for a few steps, one run after another on the same fleet:
+
+- ``one holder``: one holder training the whole model alone on its own shard. Every
+  holder is the same device with a shard of the same size (to one sample), so the
+  first stands for each;
+- ``holders alone``: every unit on the holders together, data-parallel, no helper
+  (the federated alternative, :class:`~coordinator.planner.holders.HolderPlans`);
+- ``plan``, with one helper and with two (the second is otherwise idle): the job's
+  plan (:func:`coordinator.engine.engine.plan_over`, as the coordinator makes it):
+  the holders are stage 0's group, each with its share of every microbatch, and the
+  helpers run the rest.
+
+The first two use no helper, so they run once per model and holder count and every
+plan of that model and holder count is compared with them.
+
+For each: the measured samples/s (steady state: stage 0's step times after
+``--warmup`` steps, :func:`bench.hybrid.measure`), the predicted samples/s (the
+planner's internal model, :func:`coordinator.planner.predict.predict`, with the
+units timed on this machine as the engine times them and stage 0's shares fixed by
+the data), measured / predicted, and the bytes every device sent per sample trained
+(``StepReport.bytes_sent`` over the steady steps: activations, gradients, labels and
+a group's gradient sums, as framed on the wire).
+
+Models: ``cnn-digits`` at width 64 (the demo's) on ``digits``, and ``vgg11`` at
+width 16 on ``synthetic-images`` 3x32x32 (a quarter of VGG-11's channels, so that
+a Pi-class holder alone trains a step within seconds here).
+
+Speeds: one scale for every fleet (the testbed's ``--scale``: cores for the
+fastest device), chosen so that the largest fleet (8 holders and 2 helpers) gets
+``--cores`` of this machine in all; the ratios between devices are the catalogue's.
+
+    .venv/bin/python bench/local_data.py [--holders 2,4,8] [--helpers 1,2]
+        [--models cnn-digits,vgg11] [--cores 1.2] [--method auto|kernel|software]
+        [--json] [--results bench/results/local_data.json]
+        [--chart bench/results/local_data.png] [--from-json FILE] [--quick]
+
+``--quick`` runs 2 holders and 1 helper, ``cnn-digits`` only, one warm-up and one
+measured step a plan, and writes its JSON and chart to the temporary directory
+unless ``--results``/``--chart`` say otherwise. ``--from-json`` runs nothing: it
+renders the table, the chart and the JSON again from a results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
+
+from coordinator.engine.engine import plan_over
+from coordinator.engine.spec import DataPlacement, JobSpec
+from coordinator.engine.watch import DeviceFeed
+from coordinator.planner.build import parse_fleet
+from coordinator.planner.predict import measure_unit_seconds, predict
+from coordinator.planner.score import Plan
+from coordinator.testbed.sizing import CPU_BUDGET, default_scale
+from coordinator.testbed.testbed import Testbed
+from edge.models.zoo import get_model
+from edge.problem import DeviceSpec
+from edge.runtime.allocator import tune_malloc
+from edge.transport.mqtt import MqttTransport
+
+
+def _sibling(name: str) -> ModuleType:
+    """``bench/{name}.py`` as the module ``bench_{name}``, as ``bench/hybrid.py`` loads its
+    own sibling and the bench tests load them all."""
+    module_name = f"bench_{name}"
+    if module_name not in sys.modules:
+        path = Path(__file__).resolve().parent / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
+
+
+hybrid = _sibling("hybrid")
+
+STRATEGIES = ("holders alone", "one holder", "plan")
+"""The plans of each job, in the order they run: the holders alone first, so that every
+holder builds its first stage (imports, its data) at once, outside any measurement."""
+MODELS: dict[str, dict[str, Any]] = {"cnn-digits": {"width": 64}, "vgg11": {"width": 16}}
+"""The zoo models and their options: a ``cnn-digits``-class and a ``vgg11``-class model."""
+HOLDER, HELPER = "rpi4-4gb", "laptop"
+"""Catalogue profiles of the data holders and of the helpers."""
+MAX_HELPERS = 2
+
+
+@dataclass
+class Row:
+    model: str
+    holders: int
+    helpers: int
+    strategy: str
+    stages: list[dict[str, Any]]
+    """The plan's stages (``plan.to_json`` with each stage's devices and shares)."""
+    predicted_sps: float
+    measured_sps: float
+    bytes_per_sample: float
+    """Bytes every device sent in the steady steps, per sample trained."""
+    steps: int
+    method: str
+
+    @property
+    def ratio(self) -> float:
+        """Measured / predicted."""
+        return self.measured_sps / self.predicted_sps if self.predicted_sps > 0 else math.nan
+
+    @property
+    def layout(self) -> str:
+        """Which units run where, e.g. ``holders 0-0 → helper1 1-3``."""
+        parts = []
+        for st in self.stages:
+            devices = st.get("devices") or [st["device"]]
+            grouped = len(devices) > 1 and all(d.startswith("holder") for d in devices)
+            who = "holders" if grouped else "+".join(devices)
+            parts.append(f"{who} {st['layers'][0]}-{st['layers'][1] - 1}")
+        return " → ".join(parts)
+
+    @property
+    def label(self) -> str:
+        """What ran: ``one holder``, ``holders alone``, ``plan, 1 helper``..."""
+        if self.strategy != "plan":
+            return self.strategy
+        return f"plan, {self.helpers} helper{'s' if self.helpers > 1 else ''}"
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Where the row's bars go: the strategies' order, then the helpers."""
+        return STRATEGIES.index(self.strategy), self.helpers
+
+
+DERIVED = ("ratio", "layout", "label")
+"""Keys of a JSON row that :func:`to_json` computes from the others."""
+
+
+def to_json(rows: list[Row]) -> list[dict[str, Any]]:
+    """The rows as the results file holds them: every field, then the derived ones."""
+    return [asdict(r) | {k: getattr(r, k) for k in DERIVED} for r in rows]
+
+
+def from_json(items: list[dict[str, Any]]) -> list[Row]:
+    return [Row(**{k: v for k, v in item.items() if k not in DERIVED}) for item in items]
+
+
+# -- fleets and plans -----------------------------------------------------------------
+
+
+def fleet_devices(holders: int, helpers: int = MAX_HELPERS) -> list[DeviceSpec]:
+    """``holders`` catalogue Pis (``holder1``...) then ``helpers`` laptops (``helper1``...)."""
+    pi, laptop = parse_fleet(f"{HOLDER},{HELPER}")
+    return [pi.model_copy(update={"id": f"holder{i + 1}"}) for i in range(holders)] + [
+        laptop.model_copy(update={"id": f"helper{i + 1}"}) for i in range(helpers)
+    ]
+
+
+def fleet_scale(largest: int, cores: float) -> float:
+    """The testbed scale that gives the fleet of ``largest`` holders and two helpers
+    ``cores`` of this machine in all (every smaller fleet the same speeds)."""
+    return default_scale(fleet_devices(largest), cores / CPU_BUDGET)
+
+
+def local_data(holders: int, models: list[str]) -> dict[str, list[str]]:
+    """Each holder's ``--data`` items: shard ``i/holders`` of every dataset of ``models``,
+    registered under the dataset's name."""
+    datasets = dict.fromkeys(get_model(m, **MODELS[m]).dataset for m in models)
+    return {
+        f"holder{i + 1}": [f"{name}={name}:shard={i + 1}/{holders}" for name in datasets]
+        for i in range(holders)
+    }
+
+
+def job_spec(model: str, args: argparse.Namespace) -> JobSpec:
+    """The job of ``model`` on its dataset's local shards (one step: runs set their own)."""
+    dataset = get_model(model, **MODELS[model]).dataset
+    return JobSpec(
+        model=model,
+        model_options=MODELS[model],
+        steps=1,
+        batch_size=args.batch_size,
+        microbatches=args.microbatches,
+        seed=0,
+        data=DataPlacement(name=dataset),
+    )
+
+
+def profiles(control: MqttTransport, ids: list[str], timeout_s: float = 30.0) -> list[DeviceSpec]:
+    """The profiles the agents ``ids`` announce on the broker (the holders' with their
+    local datasets), in the order of ``ids``."""
+    got: dict[str, DeviceSpec] = {}
+    cond = threading.Condition()
+
+    def on_profile(device: str, spec: DeviceSpec) -> None:
+        with cond:
+            got[device] = spec
+            cond.notify_all()
+
+    deadline = time.monotonic() + timeout_s
+    with DeviceFeed(control, on_profile=on_profile), cond:
+        while not set(got) >= set(ids):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no profile from {sorted(set(ids) - set(got))}")
+            cond.wait(0.2)
+    return [got[d] for d in ids]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    plan: Plan
+    shares: list[list[float]]
+    """Each stage's members' shares of a microbatch (``[1.0]`` for one device)."""
+    predicted_sps: float
+
+
+def candidates(spec: JobSpec, devices: list[DeviceSpec]) -> dict[str, Candidate]:
+    """Every strategy's plan (:data:`STRATEGIES`) of the local-data job ``spec`` over
+    ``devices`` (holders announcing its data, and helpers), each predicted the same way:
+    the job's unit times, stage 0's shares fixed by the data."""
+    planned = plan_over(spec, devices, where="the fleet")
+    assert planned.holders is not None  # a job on local data
+    units = measure_unit_seconds(
+        spec.model,
+        spec.batch_size,
+        spec.microbatches,
+        model_options=spec.model_options,
+        optimizer=spec.optimizer,
+    )
+    alone = planned.holders.holders_alone
+    fixed = {0: alone.shares[0]}  # each holder's share of the data
+    one = next(iter(planned.holders.each_alone.values()))  # every holder is alike
+
+    def sps(plan: Plan, fixed_shares: dict[int, list[float]] | None) -> float:
+        return predict(planned.problem, plan, units, fixed_shares=fixed_shares).throughput_sps
+
+    return {
+        "holders alone": Candidate(alone.plan, alone.shares, sps(alone.plan, fixed)),
+        "one holder": Candidate(one.plan, one.shares, sps(one.plan, None)),
+        "plan": Candidate(planned.plan, planned.found.score.shares, sps(planned.plan, fixed)),
+    }
+
+
+# -- running --------------------------------------------------------------------------
+
+
+def run_fleet(holders: int, models: list[str], args: argparse.Namespace) -> list[Row]:
+    """Bring up ``holders`` Pis and two helpers; per model, run the alternatives (no
+    helper) once and the plan with each helper count of ``args.helper_counts``."""
+    devices = fleet_devices(holders)
+    rows: list[dict[str, Any]] = []
+    with (
+        tempfile.TemporaryDirectory(prefix="edgetrain-local-data-") as state,
+        Testbed.up(
+            devices,
+            scale=args.scale,
+            state_dir=Path(state),
+            method=args.method,
+            coordinator=False,
+            data=local_data(holders, models),
+        ) as tb,
+    ):
+        cores = ", ".join(f"{d.id} {d.cpus:.3f}" for d in tb.devices)
+        print(f"# {holders} holders: limits {tb.method_line}; cores {cores}", file=sys.stderr)
+        control = MqttTransport(tb.login())
+        control.connect(30)
+        try:
+            fleet = profiles(control, [d.id for d in devices])
+            for model in models:
+                spec = job_spec(model, args)
+                for helpers in (0, *args.helper_counts):
+                    got = candidates(spec, fleet[: holders + max(1, helpers)])
+                    for strategy, candidate in got.items():
+                        if (strategy == "plan") == (helpers > 0):
+                            rows.append(
+                                _run(tb, control, spec, candidate, holders, helpers, args)
+                                | {"strategy": strategy}
+                            )
+        finally:
+            control.close()
+    return [Row(**r) for r in rows]
+
+
+def _run(
+    tb: Testbed,
+    control: MqttTransport,
+    spec: JobSpec,
+    candidate: Candidate,
+    holders: int,
+    helpers: int,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Run one candidate on the testbed's agents; its row's fields but the strategy."""
+    steps = args.warmup + max(
+        args.min_steps,
+        min(args.max_steps, math.ceil(args.seconds * candidate.predicted_sps / spec.batch_size)),
+    )
+    started = time.perf_counter()
+    job = spec.model_copy(update={"steps": steps})
+    shares = candidate.shares if candidate.plan.grouped else None
+    measured = hybrid.measure(control, job, candidate.plan, args.warmup, tb, shares)
+    row = {
+        "model": spec.model,
+        "holders": holders,
+        "helpers": helpers,
+        "stages": candidate.plan.to_json(candidate.shares),
+        "predicted_sps": candidate.predicted_sps,
+        "measured_sps": measured.sps,
+        "bytes_per_sample": measured.bytes_per_sample,
+        "steps": steps,
+        "method": tb.method,
+    }
+    print(
+        f"# {spec.model} {holders} holders + {helpers} helpers: measured {measured.sps:.1f} "
+        f"predicted {candidate.predicted_sps:.1f} samples/s, "
+        f"{measured.bytes_per_sample:.0f} B/sample, {steps} steps in "
+        f"{time.perf_counter() - started:.0f} s",
+        file=sys.stderr,
+    )
+    return row
+
+
+# -- reporting ------------------------------------------------------------------------
+
+
+def _kib(n: float) -> str:
+    return f"{n / 1024:.1f}"
+
+
+def _speedup(plan: Row, base: Row | None) -> str:
+    """Measured samples/s of ``plan`` over ``base``'s, e.g. ``3.10x``."""
+    if base is None or not base.measured_sps > 0:
+        return "-"
+    return f"{plan.measured_sps / base.measured_sps:.2f}x"
+
+
+def comparisons(rows: list[Row]) -> list[tuple[Row, Row | None, Row | None]]:
+    """Each plan's row with the alternatives of its model and holders: ``(plan, holders
+    alone, one holder)`` (``None`` where one was not run)."""
+    alternatives = {(r.model, r.holders, r.strategy): r for r in rows if r.helpers == 0}
+    return [
+        (
+            r,
+            alternatives.get((r.model, r.holders, "holders alone")),
+            alternatives.get((r.model, r.holders, "one holder")),
+        )
+        for r in rows
+        if r.strategy == "plan"
+    ]
+
+
+def table(rows: list[Row]) -> str:
+    """One Markdown line per plan: measured (predicted) samples/s of it and of its
+    alternatives, measured/predicted of each, the plan's speedups over them and the KiB
+    each sent per sample; then the jobs where the plan does not beat the holders alone."""
+    lines = [
+        "| model | holders | helpers | plan (units per stage) | plan sps (pred) "
+        "| holders alone sps (pred) | one holder sps (pred) "
+        "| measured/predicted (plan, alone, one) | plan / holders alone | plan / one holder "
+        "| KiB sent per sample (plan, alone) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    losing = []
+    for plan, alone, one in comparisons(rows):
+        both = (plan, alone, one)
+        cells = [plan.model, str(plan.holders), str(plan.helpers), plan.layout]
+        cells += [f"{r.measured_sps:.1f} ({r.predicted_sps:.1f})" if r else "-" for r in both]
+        cells.append(", ".join(f"{r.ratio:.2f}" if r else "-" for r in both))
+        cells += [_speedup(plan, alone), _speedup(plan, one)]
+        cells.append(", ".join(_kib(r.bytes_per_sample) if r else "-" for r in (plan, alone)))
+        lines.append("| " + " | ".join(cells) + " |")
+        if alone is not None and plan.measured_sps <= alone.measured_sps:
+            losing.append(f"{plan.model}, {plan.holders} holders + {plan.helpers}")
+    lines += ["", "The plan measures no faster than the holders alone on: "]
+    lines[-1] += "; ".join(losing) if losing else "none of these jobs"
+    return "\n".join(lines)
+
+
+def chart(rows: list[Row], path: Path) -> None:
+    """Grouped bars: measured samples/s of one holder, the holders alone and the plan with
+    each helper count, per holder count, one panel per model; a tick for each prediction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r.model for r in rows))
+    labels = list(dict.fromkeys(r.label for r in sorted(rows, key=lambda r: r.order)))
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.8), squeeze=False)
+    width = 0.8 / len(labels)
+    colours = ["#9e9e9e", "#e9c46a", "#2a9d8f", "#264653"]
+    for ax, model in zip(axes[0], models, strict=True):
+        counts = sorted({r.holders for r in rows if r.model == model})
+        for k, label in enumerate(labels):
+            got = [
+                (i, r)
+                for i, holders in enumerate(counts)
+                for r in rows
+                if (r.model, r.holders, r.label) == (model, holders, label)
+            ]
+            xs = [i + (k - (len(labels) - 1) / 2) * width for i, _ in got]
+            colour = colours[k % len(colours)]
+            ax.bar(xs, [r.measured_sps for _, r in got], width, label=label, color=colour)
+            ax.scatter(
+                xs, [r.predicted_sps for _, r in got], marker="_", s=120, color="black", zorder=3
+            )
+        ax.set_xticks(range(len(counts)), [f"{h} holders" for h in counts])
+        ax.set_yscale("log")
+        ax.set_ylabel("samples/s, log (bar: measured; tick: predicted)")
+        ax.set_title(f"{model}: data that stays home")
+        ax.grid(axis="y", alpha=0.3)
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=len(handles), frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=120)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--holders", default="2,4,8", help="holder counts, one fleet each")
+    parser.add_argument("--helpers", default="1,2", help="helper counts (at most 2)")
+    parser.add_argument("--models", help=f"{', '.join(MODELS)} (default: all; --quick: the first)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=1, help="steps left out of the rate")
+    parser.add_argument("--seconds", type=float, default=3.0, help="steady state per run")
+    parser.add_argument("--min-steps", type=int, default=2)
+    parser.add_argument("--max-steps", type=int, default=3)
+    parser.add_argument("--cores", type=float, default=1.2, help="the largest fleet's cores")
+    parser.add_argument("--method", choices=["auto", "kernel", "software"], default="auto")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--quick", action="store_true", help="2 holders, 1 helper, cnn-digits")
+    parser.add_argument("--results", type=Path, help="the JSON file written")
+    parser.add_argument("--chart", type=Path, help="the chart written")
+    parser.add_argument("--from-json", type=Path, help="render a results file; run nothing")
+    args = parser.parse_args(argv)
+    results = Path(__file__).resolve().parent / "results"
+    if args.quick:
+        args.holders, args.helpers = "2", "1"
+        args.models = args.models or "cnn-digits"
+        args.batch_size, args.warmup, args.min_steps, args.max_steps = 16, 1, 1, 1
+        args.seconds = 0.0
+        results = Path(tempfile.gettempdir())
+    args.models = args.models or ",".join(MODELS)
+    args.holder_counts, args.helper_counts = _ints(args.holders), _ints(args.helpers)
+    if not args.helper_counts or not all(1 <= k <= MAX_HELPERS for k in args.helper_counts):
+        parser.error(f"--helpers: counts from 1 to {MAX_HELPERS}")
+    unknown = [m for m in args.models.split(",") if m and m not in MODELS]
+    if unknown:
+        parser.error(f"--models: unknown {unknown[0]!r} (one of {', '.join(MODELS)})")
+    # One speed for every fleet: the largest fleet of the full run fits in --cores.
+    args.scale = fleet_scale(max([*args.holder_counts, 8]), args.cores)
+    stem = "local_data-quick" if args.quick else "local_data"
+    args.results = args.results or results / f"{stem}.json"
+    args.chart = args.chart or results / f"{stem}.png"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.from_json is not None:
+        rows = from_json(json.loads(args.from_json.read_text()))
+    else:
+        tune_malloc()  # as the agents do
+        models = [m for m in args.models.split(",") if m]
+        rows = []
+        for holders in args.holder_counts:
+            rows += run_fleet(holders, models, args)
+        args.results.write_text(json.dumps(to_json(rows), indent=2) + "\n")
+    chart(rows, args.chart)
+    if args.json:
+        print(json.dumps(to_json(rows), indent=2))
+        return 0
+    print(f"limits: {rows[0].method}; results: {args.results}; chart: {args.chart}")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
