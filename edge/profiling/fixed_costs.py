@@ -85,8 +85,11 @@ PROBE_BLOCKS = 3
 """Compute blocks of each of the probe's microbatches (forward, loss, backward): the
 throttle's cost is per block, and a stage without the loss runs two."""
 
-_PROBE_MODEL: dict[str, Any] = {"model": "mlp", "model_options": {"hidden": 8, "depth": 2}}
-"""A model whose compute is negligible: what the probe times is the machinery around it."""
+_PROBE_MODEL: dict[str, Any] = {"model": "mlp", "model_options": {}}
+"""A model whose compute is negligible (about 27k parameters): what the probe times is the
+machinery around it. Its default options, because any other options are sized on the
+``meta`` device (:func:`edge.models.zoo.model_size`), whose first forward in a process
+costs more than a second of imports, which every agent would pay at start-up."""
 
 
 @dataclass(frozen=True)
