@@ -451,6 +451,15 @@ MUTANTS = [
         tests=("tests/unit/coordinator/planner/test_predict.py",),
     ),
     Mutant(
+        name="predict-throttle-fixed-whole",
+        what="the cost model charges a throttled group member the fixed part of its units "
+        "whole, which the demo's measurements say its fixed cost per microbatch already holds",
+        path="coordinator/planner/predict.py",
+        old="fixed_whole=not _throttled(dev[i])",
+        new="fixed_whole=True",
+        tests=("tests/unit/coordinator/planner/test_predict.py",),
+    ),
+    Mutant(
         name="transport-probe-ignores-share",
         what="the transport probe prices a byte at its CPU time, not at the time that CPU "
         "takes on a device with a fraction of a core",

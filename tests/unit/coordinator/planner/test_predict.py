@@ -320,6 +320,31 @@ def test_a_group_member_pays_the_fixed_part_of_its_units_whole() -> None:
     assert predict(problem, pipe, partly).compute_s == pytest.approx([0.6, 0.6], rel=REL)
 
 
+def test_a_throttled_member_pays_its_share_of_the_whole_time() -> None:
+    """[Note: the fixed part under a throttle]: on devices that emulate slower ones with
+    the software throttle, a member's share of the rows takes that share of the time;
+    one throttled member is enough for its own time, not the others'."""
+    problem = _pair_v2()
+    group = Plan((Stage.group(["a", "b"], 0, 2),))
+    partly = UnitSeconds((0.6, 0.6), 10.0, fixed=(0.2, 0.2))
+
+    def throttle(names: str) -> PlanningProblem:
+        devices = [
+            d.model_copy(update={"details": {**(d.details or {}), "slowdown": 2.0}})
+            if d.id in names
+            else d
+            for d in problem.devices
+        ]
+        return problem.model_copy(update={"devices": devices})
+
+    assert predict(throttle("ab"), group, partly).compute_s == pytest.approx([0.6], rel=REL)
+    # The slowest member sets the stage: the unthrottled one, fixed part whole.
+    assert predict(throttle("a"), group, partly).compute_s == pytest.approx([0.8], rel=REL)
+    assert UnitSeconds((0.6,), 10.0, fixed=(0.2,)).at_share(
+        0, 1, 0.5, fixed_whole=False
+    ) == pytest.approx(0.3, rel=REL)
+
+
 def test_a_job_keeps_a_group_only_where_its_members_small_rows_are_predicted_to_pay() -> None:
     problem = _pair_v2()
     kept = plan_job(problem, units=UnitSeconds((0.6, 0.6), 10.0))
