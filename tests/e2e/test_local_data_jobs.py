@@ -173,13 +173,14 @@ def _carries(payload: bytes, patterns: list[bytes]) -> bool:
     return any(p in payload for p in patterns)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_with_labels_local_no_message_carries_labels_and_training_is_the_unions(
-    module_broker: str, tmp_path: Path, schedule: str
+    module_broker: str, tmp_path: Path
 ) -> None:
     """``--labels local``: the holders run the first and the last units, a helper the
     middle; no message on any topic carries a label of any microbatch (raw or as JSON) nor
-    a sample, and the run still equals one device on the union of the shards."""
+    a sample, and the run still equals one device on the union of the shards. (GPipe here;
+    both schedules' parity with labels local is in ``test_local_data_parity.py``.)"""
+    schedule = "gpipe"
     seen: list[tuple[str, bytes]] = []
     lock = threading.Lock()
 
@@ -243,7 +244,8 @@ def test_with_labels_local_no_message_carries_labels_and_training_is_the_unions(
             continue  # JSON events and commands, weights: not frames
         assert header.kind is not Kind.LABELS, topic
         assert header.shape[1:] != sample, topic
-        crossed[(topic.split("/stage/")[1].split("/")[0], header.kind)] += 1
+        if "/stage/" in topic:  # not an agent's transport probe (devices/{id}/probe)
+            crossed[(topic.split("/stage/")[1].split("/")[0], header.kind)] += 1
     # Activations did reach the holders' last stage, and gradients came back from it.
     last = str(len(stages) - 1)
     assert crossed[(last, Kind.ACTIVATION)] > 0
