@@ -46,7 +46,7 @@ gradients, so a step equals single-device training on the whole batch.
   Every member then holds the same summed gradients (the whole batch's) and the
   whole step's loss, steps the same optimizer and keeps the same weights. Each
   member publishes ``g`` chunks per step, the vector's size, and receives
-  ``2 (g - 1)``, ``2 (g - 1) / g`` of it.
+  ``2 (g - 1)``, ``2 (g - 1) / g`` of it (:func:`sum_traffic`).
   Over torch.distributed (:mod:`edge.transport.dist`) the same sum is one bucketed
   all-reduce over the members' process group instead
   (:meth:`edge.server.data_parallel.DataParallel.sum_gradients`), with no frames.
@@ -65,7 +65,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["blocks", "chunk_size", "overlap", "pieces", "split_samples"]
+__all__ = ["blocks", "chunk_size", "overlap", "pieces", "split_samples", "sum_traffic"]
 
 Block = tuple[int, int]
 """Rows ``[lo, hi)`` of a microbatch."""
@@ -124,3 +124,13 @@ def pieces(senders: Sequence[int], block: Block) -> list[tuple[int, Block]]:
 def chunk_size(numel: int, members: int) -> int:
     """Elements of each of the ``members`` equal chunks a flat gradient is padded to."""
     return max(1, -(-numel // members))
+
+
+def sum_traffic(members: int) -> tuple[float, float]:
+    """The fractions of the flat gradient vector one member of a group of ``members``
+    publishes and receives in a step's sum: ``g - 1`` chunks out in the reduce-scatter
+    and its summed chunk once in the all-gather (``g / g``), ``2 (g - 1)`` chunks in;
+    ``(0, 0)`` for a group of one."""
+    if members <= 1:
+        return (0.0, 0.0)
+    return (1.0, 2 * (members - 1) / members)
