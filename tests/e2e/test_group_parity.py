@@ -106,7 +106,7 @@ def _check(result: JobResult, plan: Plan, counts: tuple[int, int]) -> None:
         share = counts[m] if s == group[0] else N
         assert report.samples == share * MICROBATCHES
         assert report.device == plan.stages[s].devices[m]
-        if s == group[0]:  # the group summed its gradients: 2 (g - 1) chunks sent
+        if s == group[0]:  # the group summed its gradients: g = 2 chunks sent (one its sum)
             assert report.allreduce_bytes == 2 * (prefix_size(1) + 4 * _chunk(plan, s))
         else:
             assert report.allreduce_bytes == 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.transport.base import Expected, Inbox, InboxClosed
+from edge.transport.base import Channel, Expected, Inbox, InboxClosed
 from edge.wire.frames import Codec, Kind, encode_frame, prefix_size
 
 JOB = "job-7"
@@ -313,10 +313,16 @@ def test_a_one_device_link_wants_the_whole_microbatch_from_row_0() -> None:
     assert inbox.dropped == {"wrong-rows": 1}
 
 
+_GROUP_CHANNELS: tuple[tuple[Kind, Channel], ...] = (
+    (Kind.REDUCE, "reduce"),
+    (Kind.GATHER, "gather"),
+)
+
+
 def test_group_chunks_come_on_their_channels_one_per_member() -> None:
     """``REDUCE`` chunks on ``reduce``, ``GATHER`` chunks on ``gather``, and not across."""
     inbox = in_group(members=3)
-    for kind, channel in ((Kind.REDUCE, "reduce"), (Kind.GATHER, "gather")):
+    for kind, channel in _GROUP_CHANNELS:
         for sender in (0, 2):
             frame = encode_frame(kind, JOB, 0, sender, torch.ones(5), Codec.RAW)
             assert inbox.deliver(frame, channel, sender)
@@ -357,7 +363,7 @@ def test_totals_of_a_group_count_every_piece_and_chunk() -> None:
         for mb in range(2):
             assert inbox.deliver(piece(step, (2, 4), mb), "fwd")
             assert inbox.deliver(piece(step, (4, 8), mb), "fwd")
-        for kind, channel in ((Kind.REDUCE, "reduce"), (Kind.GATHER, "gather")):
+        for kind, channel in _GROUP_CHANNELS:
             for sender in range(2):
                 frame = encode_frame(kind, JOB, step, sender, torch.ones(5), Codec.RAW)
                 assert inbox.deliver(frame, channel, sender)
