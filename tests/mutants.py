@@ -445,7 +445,7 @@ MUTANTS = [
         name="predict-free-gradient-bytes",
         what="the cost model forgets the CPU a group's members spend moving gradients",
         path="coordinator/planner/predict.py",
-        old="allreduce[s] += 2 * (g - 1) / g * params * worst",
+        old="allreduce[s] += (sent + received) / 2 * params * worst",
         new="allreduce[s] += 0.0",
         tests=("tests/unit/coordinator/planner/test_predict.py",),
     ),
