@@ -395,9 +395,10 @@ class MqttTransport:
         if member is not None:
             inbox = self._inboxes.get((job, stage, member))
             return [] if inbox is None else [inbox]
+        attached = self._inboxes.copy()  # one step under the GIL: attach may add one meanwhile
         return [
             inbox
-            for (j, s, m), inbox in list(self._inboxes.items())
+            for (j, s, m), inbox in attached.items()
             if j == job and s == stage and m != sender
         ]
 
