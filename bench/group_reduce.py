@@ -12,12 +12,16 @@ same link (``shared/spec/planning-v2.md``'s ring term):
 
     R = 2 (g - 1) * latency + 2 (g - 1) / g * P * 8 / bandwidth
 
-and each member's bytes sent per step beside ``2 (g - 1) / g * P``. Over a
+and each member's bytes sent per step beside what the contract says it sends
+(``P``: its reduce-scatter chunks and its summed chunk once, [Note: the
+all-gather is one publish] in :mod:`edge.runtime.group_sum`) and the ring's
+``2 (g - 1) / g * P``, which is still what each member's link receives. Over a
 broker every transfer crosses two emulated links (the sender's up, the
 receiver's down), so the latency part is paid twice; the bandwidth part is
 not, as chunks travel in pieces that the two links pass concurrently ([Note:
 pieces of a chunk] in :mod:`edge.runtime.group_sum`). The bench runs well under
-a minute with its defaults.
+a minute with its defaults; ``--mbps 10000 --latency-ms 0`` all but takes the
+links away and leaves the sum's CPU.
 
     .venv/bin/python bench/group_reduce.py [--mbps 100] [--latency-ms 5] [--json]
 """
@@ -40,6 +44,7 @@ from coordinator.local.owned import start_owned_broker
 from edge.runtime.group_sum import GroupSum
 from edge.transport.base import Inbox
 from edge.transport.mqtt import MqttSettings, MqttTransport
+from edge.wire.groups import sum_traffic
 from edge.wire.messages import StageAssignment
 
 RESULTS = Path(__file__).resolve().parent / "results" / "group_reduce.json"
@@ -153,6 +158,7 @@ def main() -> None:
                             "predicted_s": pred,
                             "measured_over_predicted": got["median_s"] / pred,
                             "bytes_sent_per_member": got["bytes_sent"],
+                            "contract_bytes_per_member": sum_traffic(g)[0] * nbytes,
                             "ring_bytes_per_member": 2 * (g - 1) / g * nbytes,
                         }
                     )
@@ -161,7 +167,8 @@ def main() -> None:
                         f"g={g} P={mib} MiB: {r['measured_s']:.3f} s measured, "
                         f"{pred:.3f} s predicted (x{r['measured_over_predicted']:.2f}); "
                         f"{r['bytes_sent_per_member'] / 2**20:.3f} MiB sent per member "
-                        f"(ring: {r['ring_bytes_per_member'] / 2**20:.3f})"
+                        f"(contract: {r['contract_bytes_per_member'] / 2**20:.3f}, "
+                        f"ring: {r['ring_bytes_per_member'] / 2**20:.3f})"
                     )
         finally:
             broker.stop()

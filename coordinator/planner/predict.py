@@ -22,9 +22,14 @@ prediction every job shows and plans by, :func:`predict`:
 - link per microbatch: the spec's ``C_s`` plus one frame's fixed cost on each
   side (the activation's sender, the gradient's sender), plus the CPU its bytes
   cost each member both ways (its share of them times its ``byte_s``);
-- a group's sum: the spec's ``R_s`` plus the CPU of the ``2 (g - 1) / g`` of its
-  gradients each member moves, at the slowest member's ``byte_s`` (on a slow
-  device the sum is CPU-bound, not link-bound);
+- a group's sum: the spec's ``R_s`` (each member's link still receives
+  ``2 (g - 1) / g`` of the gradients) plus the CPU of what each member moves, at
+  the slowest member's ``byte_s``: it publishes the whole vector's size (the
+  all-gather is one publish, fanned out by the broker: [Note: the all-gather is
+  one publish] in :mod:`edge.runtime.group_sum`) and receives ``2 (g - 1) / g``
+  of it (:func:`edge.wire.groups.sum_traffic`); ``byte_s`` prices a byte sent
+  and received together (the probe publishes to itself), so each side at half
+  of it (on a slow device the sum is CPU-bound, not link-bound);
 - per step: the slowest stage's fixed cost per step plus one frame (its report),
   and on a pipeline the labels stage 0 sends the last stage, one frame each
   (none when the labels stay home: a U-shaped plan, whose holders compute both
@@ -59,6 +64,7 @@ from edge.problem import DeviceSpec, PlanningProblem
 from edge.profiling.fixed_costs import PROBE_BLOCKS, FixedCosts, fixed_costs_of
 from edge.profiling.matmul import matmul_benchmark
 from edge.runtime.unit_times import UnitTime, measure_unit_times
+from edge.wire.groups import sum_traffic
 from edge.wire.messages import OptimizerSpec
 
 __all__ = [
@@ -241,11 +247,11 @@ def predict(
     allreduce = list(spec.allreduce_s)
     for s, st in enumerate(plan.stages):
         share = spec.shares[s]
-        if len(st.devices) > 1:  # the group's sum moves 2 (g - 1) / g of its gradients
-            g = len(st.devices)
+        if len(st.devices) > 1:  # each member's CPU: what it sends and receives, half each
+            sent, received = sum_traffic(len(st.devices))
             params = sum(unit.param_bytes for unit in problem.layers[st.start : st.end])
             worst = max(fixed[i].byte_s for i in st.devices)
-            allreduce[s] += 2 * (g - 1) / g * params * worst
+            allreduce[s] += (sent + received) / 2 * params * worst
         t = spec.compute_s[s]
         if units is not None:  # the member that takes longest on its share
             t = max(

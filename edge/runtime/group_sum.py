@@ -4,11 +4,22 @@ The members of a group ([Note: groups on the wire] in :mod:`edge.wire.groups`)
 each hold the gradients of their own share of the step's samples. Before the
 optimizer steps, :class:`GroupSum` flattens them (in parameter order, then the
 member's share of the loss on the last stage), zero-pads the vector to ``g``
-equal chunks and runs a reduce-scatter then an all-gather on the ``reduce``
-channel: member ``i`` sends chunk ``k`` to member ``k``; member ``k`` adds the
-``g`` contributions in member order and sends the sum to every other member.
-Every member then holds the very same bits, the whole batch's gradients, and
-steps the same optimizer; each sends ``2 (g - 1)`` chunks a step.
+equal chunks and runs a reduce-scatter on the ``reduce`` channel then an
+all-gather on the ``gather`` channel: member ``i`` sends chunk ``k`` to member
+``k``; member ``k`` adds the ``g`` contributions in member order and publishes
+the sum once, on its own ``gather`` topic, which every other member reads (the
+broker fans it out). Every member then holds the very same bits, the whole
+batch's gradients, and steps the same optimizer.
+
+[Note: the all-gather is one publish]
+On the testbed's slow devices the sum is CPU-bound on the members, and the
+send path (the client library, TLS, the socket) costs the most per byte. A
+member sends ``g - 1`` chunks in the reduce-scatter and publishes its summed
+chunk once, ``g`` chunks a step (``P`` bytes of a ``P``-byte vector) instead
+of the ``2 (g - 1)`` of sending the sum to each member alone; it still receives
+``2 (g - 1)`` chunks. The broker pays the fan-out, and each receiver's link
+carries what it did before, so the ring model's link term stands
+(:mod:`coordinator.planner.predict` prices the CPU of both sides).
 
 [Note: pieces of a chunk]
 A broker forwards a message only once it has all of it, so a chunk sent as one
@@ -30,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from edge.transport.base import Expected, Inbox, Transport
+from edge.transport.base import Channel, Expected, Inbox, Transport
 from edge.wire.frames import Codec, Kind, encode_frame
 from edge.wire.groups import chunk_size
 from edge.wire.messages import StageAssignment
@@ -93,8 +104,7 @@ class GroupSum:
                 continue
             for lo, hi in self.pieces:
                 mine[lo:hi] += inbox.take(Kind.REDUCE, step, i, timeout, first=lo).tensor
-        for k in others:  # all-gather: the owner's sum to everyone else
-            self._send(Kind.GATHER, step, mine, k)
+        self._send(Kind.GATHER, step, mine)  # all-gather: once, for everyone else
         vector[me * c : (me + 1) * c] = mine
         for i in range(g):
             if i != me:
@@ -111,11 +121,13 @@ class GroupSum:
             at += t.numel()
         return float(vector[at].item()) if loss is not None else None
 
-    def _send(self, kind: Kind, step: int, chunk: torch.Tensor, member: int) -> None:
-        """One chunk, piece by piece, to ``member`` of the stage, on this member's own topic;
-        each frame's microbatch names the sender too, its rows the piece's elements."""
+    def _send(self, kind: Kind, step: int, chunk: torch.Tensor, member: int = 0) -> None:
+        """One chunk, piece by piece, on this member's own topic: a ``REDUCE`` chunk to
+        ``member`` of the stage, a ``GATHER`` chunk to every other member at once; each
+        frame's microbatch names the sender too, its rows the piece's elements."""
         a = self.a
+        channel: Channel = "reduce" if kind == Kind.REDUCE else "gather"
         for lo, hi in self.pieces:
             frame = encode_frame(kind, a.job, step, a.member, chunk[lo:hi], Codec.RAW, first=lo)
-            self.transport.send(a.job, a.stage, "reduce", frame, member, sender=a.member)
+            self.transport.send(a.job, a.stage, channel, frame, member, sender=a.member)
             self.bytes_sent += len(frame)

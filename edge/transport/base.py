@@ -40,9 +40,10 @@ Before the stage says what it expects (a transport alone, or the moment between
 attach and the stage's first call), any step and shape is kept, within the
 default totals.
 
-A group's gradient chunks (``REDUCE``, ``GATHER``) name their sending member in
-the ``microbatch`` field; the transport also says who sent one, from the topic it
-came on (which only that member may publish on: :func:`edge.wire.topics.stage_access`),
+A group's gradient chunks (``REDUCE`` on the ``reduce`` channel, ``GATHER`` on
+``gather``) name their sending member in the ``microbatch`` field; the transport
+also says who sent one, from the topic it came on (which only that member may
+publish on: :func:`edge.wire.topics.stage_access`),
 and a chunk whose claim differs from its topic's is dropped (``wrong-sender``), so
 one member cannot pass its chunk off as another's.
 
@@ -86,13 +87,14 @@ __all__ = [
     "Transport",
 ]
 
-Channel = Literal["fwd", "bwd", "reduce"]
+Channel = Literal["fwd", "bwd", "reduce", "gather"]
 log = logging.getLogger(__name__)
 
 _EXPECTED = {
     "fwd": (Kind.ACTIVATION, Kind.LABELS),
     "bwd": (Kind.GRADIENT,),
-    "reduce": (Kind.REDUCE, Kind.GATHER),
+    "reduce": (Kind.REDUCE,),
+    "gather": (Kind.GATHER,),
 }
 _BY_MEMBER = (Kind.REDUCE, Kind.GATHER)  # their microbatch field names the sending member
 
@@ -310,7 +312,8 @@ class Inbox:
     ) -> bool:
         """Check and file one frame; returns whether it was kept.
 
-        ``sender``: on ``reduce``, the member whose topic the frame came on; a chunk
+        ``sender``: on ``reduce`` and ``gather``, the member whose topic the frame came
+        on; a chunk
         must name that member (``None``, or another member: dropped as ``wrong-sender``).
         The header is checked first (job, kind, sender, window, plan, duplicate),
         then the checksum, then the totals; only a frame that passes all of them has
@@ -463,8 +466,8 @@ class Transport(Protocol):
     def attach(self, job: str, stage: int, member: int = 0, *, members: int = 1) -> Inbox:
         """Start receiving frames for ``member`` of ``stage`` of ``job``; returns its inbox.
 
-        ``members``: the stage's group size; above 1, also its ``reduce`` channel, from
-        each other member."""
+        ``members``: the stage's group size; above 1, also its ``reduce`` and ``gather``
+        channels, from each other member."""
         ...
 
     def detach(self, job: str, stage: int, member: int = 0) -> None:
@@ -482,7 +485,9 @@ class Transport(Protocol):
         sender: int | None = None,
     ) -> None:
         """Deliver an encoded frame to ``member`` of ``stage`` of ``job`` on ``channel``;
-        on ``reduce``, from member ``sender`` of the same stage (its own topic)."""
+        on ``reduce``, from member ``sender`` of the same stage (its own topic). On
+        ``gather`` the frame goes, sent once, to every member of the stage but
+        ``sender`` (``member`` is not used)."""
         ...
 
     def close(self) -> None:

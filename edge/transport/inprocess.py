@@ -8,7 +8,9 @@ over the wire, and codecs behave as they do between devices.
 
 Stages may attach in any order. A frame for a stage nobody has attached yet is
 not an error: it is kept (at most ``buffer_frames`` per ``(job, stage, member)``, the
-oldest dropped with a warning) and delivered when that stage attaches. This is
+oldest dropped with a warning) and delivered when that stage attaches. A frame on
+a group's ``gather`` channel goes to every member of the stage but its sender, as
+many as the sender said its group has when it attached. This is
 stronger than MQTT gives (see :mod:`edge.transport.mqtt`); the runtime must not
 rely on it, it only makes local runs forgiving.
 """
@@ -44,6 +46,7 @@ class InProcessTransport:
         self._lock = threading.Lock()
         self._inboxes: dict[_Key, Inbox] = {}
         self._waiting: dict[_Key, deque[_Kept]] = {}
+        self._members: dict[tuple[str, int], int] = {}  # group size, as attach was told
         self._closed = False
         self.frames_sent = 0
         self.bytes_sent = 0
@@ -51,13 +54,14 @@ class InProcessTransport:
         """Frames this transport dropped before any inbox saw them (``buffer-full``)."""
 
     def attach(self, job: str, stage: int, member: int = 0, *, members: int = 1) -> Inbox:
-        """The inbox of ``member`` of ``stage`` of ``job`` (every channel, whatever
-        ``members`` says); frames sent to it earlier are delivered now."""
+        """The inbox of ``member`` of ``stage`` of ``job`` (every channel; ``members``
+        says whom a ``gather`` frame goes to); frames sent to it earlier are delivered now."""
         key = (job, stage, member)
         with self._lock:
             self._check_open()
             if key in self._inboxes:
                 raise ValueError(f"job {job} stage {stage} member {member} is already attached")
+            self._members[(job, stage)] = members
             inbox = self._inboxes[key] = Inbox(job, stage, member)
             early = self._waiting.pop(key, deque())
         # Outside the lock: decoding a large frame must not hold up other stages.
@@ -86,20 +90,28 @@ class InProcessTransport:
     ) -> None:
         """Deliver ``frame`` to ``member`` of ``stage`` of ``job`` now, or keep it until that
         member attaches; ``sender`` is the sending member on ``reduce`` (as its topic would
-        say over MQTT)."""
+        say over MQTT). On ``gather``: to every member of the stage but ``sender``."""
         # An immutable copy: the inbox decodes without copying (see [Note: zero-copy
         # decoding] in edge.wire.frames), so the sender must not be able to change it later.
         data = frame if isinstance(frame, bytes) else bytes(frame)
-        key = (job, stage, member)
+        now: list[Inbox] = []
         with self._lock:
             self._check_open()
             self.frames_sent += 1
             self.bytes_sent += len(data)
-            inbox = self._inboxes.get(key)
-            if inbox is None:
-                self._keep(key, (data, channel, sender))
-                return
-        inbox.deliver(data, channel, sender)
+            if channel == "gather":
+                members = self._members.get((job, stage), 1)
+                to = [m for m in range(members) if m != sender]
+            else:
+                to = [member]
+            for m in to:
+                inbox = self._inboxes.get((job, stage, m))
+                if inbox is None:
+                    self._keep((job, stage, m), (data, channel, sender))
+                else:
+                    now.append(inbox)
+        for inbox in now:
+            inbox.deliver(data, channel, sender)
 
     def _keep(self, key: _Key, item: _Kept) -> None:
         waiting = self._waiting.setdefault(key, deque())

@@ -287,7 +287,7 @@ class MqttTransport:
             # paho skips on_message when a filter matched: a filter that also covers
             # attached stages' topics must not take their frames from them.
             parsed = parse_stage_topic(msg.topic)
-            if parsed is not None and (parsed[0], parsed[1], parsed[3]) in self._inboxes:
+            if parsed is not None and self._inboxes_for(parsed):
                 self._on_message(_c, _u, msg)
 
         self._client.message_callback_add(topic, deliver)
@@ -310,8 +310,8 @@ class MqttTransport:
 
     def attach(self, job: str, stage: int, member: int = 0, *, members: int = 1) -> Inbox:
         """Subscribe to the ``fwd`` and ``bwd`` topics of ``member`` of ``stage`` of ``job``
-        (and, in a group of ``members``, its ``reduce`` topic from each other member); its
-        inbox.
+        (and, in a group of ``members``, its ``reduce`` topic from each other member and
+        each other member's ``gather`` topic); its inbox.
 
         When connected, returns after the broker acknowledged the subscription, so
         every frame sent from then on arrives (or raises :class:`TimeoutError`,
@@ -322,6 +322,7 @@ class MqttTransport:
         topics = [stage_topic(job, stage, ch, member) for ch in _CHANNELS]
         others = [m for m in range(members) if m != member]
         topics += [stage_topic(job, stage, "reduce", member, m) for m in others]
+        topics += [stage_topic(job, stage, "gather", sender=m) for m in others]
         with self._cond:
             if self._closed:
                 raise RuntimeError("the MQTT transport is closed")
@@ -346,10 +347,11 @@ class MqttTransport:
             inbox.close()
 
     def _forget_locked(self, key: tuple[str, int, int]) -> Inbox | None:
-        topics = self._stage_topics.pop(key, [])
+        # Members of one stage on this client share the gather topics: keep those still wanted.
+        topics = sorted(set(self._stage_topics.pop(key, [])) - self._wanted())
         self._active.difference_update(topics)
         inbox = self._inboxes.pop(key, None)
-        if inbox is not None and self._connected:
+        if inbox is not None and self._connected and topics:
             self._client.unsubscribe(topics)
         return inbox
 
@@ -362,8 +364,8 @@ class MqttTransport:
         """
         try:  # never raise here: an exception would end paho's network thread
             parsed = parse_stage_topic(msg.topic)
-            inbox = self._inboxes.get((parsed[0], parsed[1], parsed[3])) if parsed else None
-            if parsed is None or inbox is None:
+            inboxes = self._inboxes_for(parsed) if parsed else []
+            if parsed is None or not inboxes:
                 reason = "other-topic" if parsed is None else "unattached"
                 self._count_drop(reason)
                 late = any(mqtt.topic_matches_sub(f, msg.topic) for f in self._retired)
@@ -374,16 +376,31 @@ class MqttTransport:
             self.frames_received += 1  # only this thread writes the receive counters
             self.bytes_received += len(msg.payload)
             channel, sender = cast(Channel, parsed[2]), parsed[4]  # the topic's sender
-            if self.link is None:
-                inbox.deliver(msg.payload, channel, sender)
-            else:
-                self.link.down.put((inbox, msg.payload, channel, sender), len(msg.payload))
+            for inbox in inboxes:
+                if self.link is None:
+                    inbox.deliver(msg.payload, channel, sender)
+                else:
+                    self.link.down.put((inbox, msg.payload, channel, sender), len(msg.payload))
         except ConnectionError as exc:  # the emulated link's queue is full
             self._count_drop("link-full")
             log.warning("dropped a frame from broker %s: %s", self.url, exc)
         except Exception:  # a topic that is not UTF-8, or a bug
             log.exception("a message from broker %s could not be routed", self.url)
             self._count_drop("callback-error")
+
+    def _inboxes_for(self, parsed: tuple[str, int, str, int | None, int | None]) -> list[Inbox]:
+        """The attached inboxes a stage topic's message is for: its member's, or on
+        ``gather`` (no member named) every member of the stage here but the sender."""
+        job, stage, _, member, sender = parsed
+        if member is not None:
+            inbox = self._inboxes.get((job, stage, member))
+            return [] if inbox is None else [inbox]
+        attached = self._inboxes.copy()  # one step under the GIL: attach may add one meanwhile
+        return [
+            inbox
+            for (j, s, m), inbox in attached.items()
+            if j == job and s == stage and m != sender
+        ]
 
     def _count_drop(self, reason: str) -> None:
         with self._counts:
@@ -403,12 +420,13 @@ class MqttTransport:
     ) -> None:
         """Publish ``frame`` to ``member`` of ``stage`` of ``job`` at QoS 1 (on ``reduce``, on
         the topic of member ``sender``, which the broker lets only that member publish
-        on); never waits for the network.
+        on; on ``gather``, once on ``sender``'s topic, which every other member of the
+        stage reads); never waits for the network.
 
         With link shaping the frame is queued on the emulated link and published
         later; a full link queue raises :class:`ConnectionError` at once.
         """
-        topic = stage_topic(job, stage, channel, member, sender)
+        topic = stage_topic(job, stage, channel, 0 if channel == "gather" else member, sender)
         if self.link is None:
             self._publish(topic, frame, 1, False, count=True)
             return

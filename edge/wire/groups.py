@@ -28,30 +28,36 @@ gradients, so a step equals single-device training on the whole batch.
 - **Gradients, once per step.** After its last backward each member flattens
   its gradients, in parameter order, followed on the last stage by its share
   of the step's loss, zero-pads the vector to ``g`` equal chunks
-  (:func:`chunk_size`) and runs a reduce-scatter then an all-gather through
-  the transport's ``reduce`` channel of each member: member ``i`` sends chunk
-  ``k`` to member ``k`` (a ``REDUCE`` frame), member ``k`` adds the ``g``
-  contributions in member order and sends the sum to every other member (a
-  ``GATHER`` frame). In both, the frame's ``microbatch`` field names the
-  sending member, and so does the topic it travels on (member ``i``'s own,
-  ``.../reduce/{i}``): a receiver drops a chunk whose claim differs from its
-  topic's (``wrong-sender``), so a member cannot pass its chunk off as another's.
+  (:func:`chunk_size`) and runs a reduce-scatter then an all-gather: member
+  ``i`` sends chunk ``k`` to member ``k`` (a ``REDUCE`` frame on the
+  transport's ``reduce`` channel of member ``k``), member ``k`` adds the ``g``
+  contributions in member order and publishes the sum once for every other
+  member (a ``GATHER`` frame on its ``gather`` channel, one topic the others all
+  read, the broker fanning it out: [Note: the all-gather is one publish] in
+  :mod:`edge.runtime.group_sum`). In both, the frame's ``microbatch`` field
+  names the sending member, and so does the topic it travels on (member
+  ``i``'s own, ``.../reduce/{i}`` or ``.../gather/{i}``): a receiver drops a
+  chunk whose claim differs from its topic's (``wrong-sender``), and a
+  ``REDUCE`` frame on ``gather`` or a ``GATHER`` frame on ``reduce``
+  (``wrong-kind``), so a member cannot pass its chunk off as another's.
   A chunk travels in pieces of at most 256 KiB, each frame's
   rows its element range in the chunk (so a broker forwards one piece while the
   next is on its way: [Note: pieces of a chunk] in :mod:`edge.runtime.group_sum`).
   Every member then holds the same summed gradients (the whole batch's) and the
   whole step's loss, steps the same optimizer and keeps the same weights. Each
-  member sends ``2 (g - 1) / g`` of the vector per step.
+  member publishes ``g`` chunks per step, the vector's size, and receives
+  ``2 (g - 1)``, ``2 (g - 1) / g`` of it (:func:`sum_traffic`).
   Over torch.distributed (:mod:`edge.transport.dist`) the same sum is one bucketed
   all-reduce over the members' process group instead
   (:meth:`edge.server.data_parallel.DataParallel.sum_gradients`), with no frames.
 - **Topics and rights.** Member ``m`` of stage ``s`` receives on
-  :func:`edge.wire.topics.stage_topic` ``(job, s, channel, m)``; the broker lets
-  a member publish only to the members of its neighbour stages (and, as stage
-  0, to the last stage's), and, of its own stage's ``reduce`` topics, to those
-  naming it as sender, one to each other member
-  (:func:`edge.wire.topics.stage_access`): only member ``i`` may publish a
-  chunk from ``i``.
+  :func:`edge.wire.topics.stage_topic` ``(job, s, channel, m)`` and on every
+  other member ``i``'s ``stage_topic(job, s, "gather", sender=i)``; the broker
+  lets a member publish only to the members of its neighbour stages (and, as
+  stage 0, to the last stage's), and, of its own stage's ``reduce`` and
+  ``gather`` topics, to those naming it as sender (a ``reduce`` topic to each
+  other member, its one ``gather`` topic) (:func:`edge.wire.topics.stage_access`):
+  only member ``i`` may publish a chunk from ``i``.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["blocks", "chunk_size", "overlap", "pieces", "split_samples"]
+__all__ = ["blocks", "chunk_size", "overlap", "pieces", "split_samples", "sum_traffic"]
 
 Block = tuple[int, int]
 """Rows ``[lo, hi)`` of a microbatch."""
@@ -118,3 +124,13 @@ def pieces(senders: Sequence[int], block: Block) -> list[tuple[int, Block]]:
 def chunk_size(numel: int, members: int) -> int:
     """Elements of each of the ``members`` equal chunks a flat gradient is padded to."""
     return max(1, -(-numel // members))
+
+
+def sum_traffic(members: int) -> tuple[float, float]:
+    """The fractions of the flat gradient vector one member of a group of ``members``
+    publishes and receives in a step's sum: ``g - 1`` chunks out in the reduce-scatter
+    and its summed chunk once in the all-gather (``g / g``), ``2 (g - 1)`` chunks in;
+    ``(0, 0)`` for a group of one."""
+    if members <= 1:
+        return (0.0, 0.0)
+    return (1.0, 2 * (members - 1) / members)

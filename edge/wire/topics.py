@@ -7,9 +7,12 @@ publishes tensor frames to itself there, once, to time its transport's CPU per
 byte; :mod:`edge.profiling.fixed_costs`). Job topics: the stage frames
 (``jobs/{job}/stage/{s}/fwd|bwd``,
 :mod:`edge.wire.frames`; for member ``m > 0`` of a group
-``jobs/{job}/stage/{s}/member/{m}/fwd|bwd``, and a group's gradient channel
-``.../reduce/{sender}``, one topic per sending member, [Note: groups on the
-wire] in :mod:`edge.wire.groups`) and
+``jobs/{job}/stage/{s}/member/{m}/fwd|bwd``, and a group's gradient sum:
+the reduce-scatter's ``.../reduce/{sender}`` under each receiving member's
+topics, one per sending member, and the all-gather's
+``jobs/{job}/stage/{s}/gather/{sender}``, which names no receiver: the sender
+publishes once and every other member of the stage reads it, the broker fanning
+it out; [Note: groups on the wire] in :mod:`edge.wire.groups`) and
 ``jobs/{job}/events/{device}``, each device's own
 (so a broker ACL, not a payload, says who sent an event), and besides them, all
 carrying safetensors bytes (:mod:`edge.runtime.checkpoint`), never a pickle:
@@ -62,6 +65,7 @@ __all__ = [
 ]
 
 TOPIC_ROOT = "edgetrain/v1"
+_BY_SENDER = ("reduce", "gather")  # a group's channels: one topic per sending member
 
 _JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,16}")  # fullmatch: "$" would allow a final "\n"
 
@@ -107,12 +111,16 @@ def stage_topic(
     """Frames *for* member ``member`` of stage ``stage``: ``fwd`` (activations, labels),
     ``bwd`` (gradients) or, in a group, ``reduce`` (the gradient chunks that member
     ``sender`` of the stage sends it: one topic per sender, so the broker's grant, not
-    the payload, says who sent a chunk).
+    the payload, says who sent a chunk); or ``gather``: the summed chunks member
+    ``sender`` publishes once for *every* other member of its stage (the topic names
+    no receiver, so ``member`` must be 0).
 
     Member 0 (every one-device stage) has the stage's own topics. ``sender`` is
-    required on ``reduce`` and refused elsewhere."""
-    if (channel == "reduce") != (sender is not None):
+    required on ``reduce`` and ``gather`` and refused elsewhere."""
+    if (channel in _BY_SENDER) != (sender is not None):
         raise ValueError(f"a {channel} topic {'needs' if sender is None else 'has no'} sender")
+    if channel == "gather" and member != 0:
+        raise ValueError("a gather topic names no receiving member")
     at = f"{stage}" if member == 0 else f"{stage}/member/{member}"
     tail = "" if sender is None else f"/{sender}"
     return f"{TOPIC_ROOT}/jobs/{job}/stage/{at}/{channel}{tail}"
@@ -147,21 +155,26 @@ def job_restore(job: str, stage: int) -> str:
 _EVENTS_TOPIC = re.compile(rf"{TOPIC_ROOT}/jobs/({_JOB_ID.pattern})/events/({_DEVICE_ID.pattern})")
 _NUMBER = "0|[1-9][0-9]*"
 _STAGE_TOPIC = re.compile(
-    rf"{TOPIC_ROOT}/jobs/({_JOB_ID.pattern})/stage/({_NUMBER})(?:/member/([1-9][0-9]*))?"
-    rf"/(?:(fwd|bwd)|reduce/({_NUMBER}))"
+    rf"{TOPIC_ROOT}/jobs/({_JOB_ID.pattern})/stage/({_NUMBER})"
+    rf"(?:(?:/member/([1-9][0-9]*))?/(?:(fwd|bwd)|reduce/({_NUMBER}))|/gather/({_NUMBER}))"
 )
 
 
-def parse_stage_topic(topic: str) -> tuple[str, int, str, int, int | None] | None:
+def parse_stage_topic(topic: str) -> tuple[str, int, str, int | None, int | None] | None:
     """``(job, stage, channel, member, sender)`` of a stage topic (:func:`stage_topic`'s
-    arguments; ``sender`` is ``None`` but on ``reduce``), or ``None`` for any other topic."""
+    arguments; ``sender`` is ``None`` but on ``reduce`` and ``gather``, ``member`` is
+    ``None`` on ``gather``: every member but the sender), or ``None`` for any other
+    topic."""
     m = _STAGE_TOPIC.fullmatch(topic)
     if m is None:
         return None
+    job, stage = m.group(1), int(m.group(2))
+    if m.group(6) is not None:
+        return (job, stage, "gather", None, int(m.group(6)))
     member = int(m.group(3) or 0)
     if m.group(5) is None:
-        return (m.group(1), int(m.group(2)), m.group(4), member, None)
-    return (m.group(1), int(m.group(2)), "reduce", member, int(m.group(5)))
+        return (job, stage, m.group(4), member, None)
+    return (job, stage, "reduce", member, int(m.group(5)))
 
 
 def parse_events_topic(topic: str) -> tuple[str, str] | None:
@@ -203,7 +216,8 @@ def stage_access(
     With ``labels_local`` the labels stay home: stage 0 may not send the last stage
     anything ([Note: labels stay home] in :mod:`edge.runtime.stage`).
     A group's member ``m`` alone may publish on the ``reduce`` topics of sender ``m``
-    (one to each other member), and reads those of every other sender to it.
+    (one to each other member) and on its own ``gather`` topic, and reads the
+    ``reduce`` topics of every other sender to it and every other member's ``gather``.
     """
     last = num_stages - 1
     sizes = list(group_sizes) if group_sizes is not None else [1] * num_stages
@@ -221,7 +235,9 @@ def stage_access(
     if sizes[stage] > 1:
         others = [m for m in range(sizes[stage]) if m != member]
         read += [stage_topic(job, stage, "reduce", member, m) for m in others]
+        read += [stage_topic(job, stage, "gather", sender=m) for m in others]
         publish += [stage_topic(job, stage, "reduce", m, member) for m in others]
+        publish.append(stage_topic(job, stage, "gather", sender=member))
     if stage < last:
         publish += to(stage + 1, "fwd")
     if stage > 0:

@@ -106,7 +106,7 @@ def _check(result: JobResult, plan: Plan, counts: tuple[int, int]) -> None:
         share = counts[m] if s == group[0] else N
         assert report.samples == share * MICROBATCHES
         assert report.device == plan.stages[s].devices[m]
-        if s == group[0]:  # the group summed its gradients: 2 (g - 1) chunks sent
+        if s == group[0]:  # the group summed its gradients: g = 2 chunks sent (one its sum)
             assert report.allreduce_bytes == 2 * (prefix_size(1) + 4 * _chunk(plan, s))
         else:
             assert report.allreduce_bytes == 0
@@ -264,6 +264,40 @@ def test_a_member_cannot_pass_its_chunk_off_as_another_members(
         got = inbox.take(Kind.REDUCE, 0, 1, timeout=10)
         assert torch.equal(got.tensor, torch.ones(3))
         assert inbox.frames_received == 1 and inbox.dropped == {"wrong-sender": 1}
+    finally:
+        for t in transports.values():
+            t.close()
+        accounts.release(job)
+
+
+def test_only_its_member_may_publish_a_gather_topic_and_the_others_read_it(
+    secure_broker: OwnedBroker,
+) -> None:
+    """In a group of three, member 2 and stage 0's device publish on member 1's gather topic:
+    the broker refuses both. Member 1's one publish reaches members 0 and 2, and only it."""
+    accounts = secure_broker.accounts
+    assert accounts is not None
+    job = new_job_id()
+    first, m0, m1, m2 = (f"{job}-{name}" for name in ("a", "b", "c", "d"))
+    plan = Plan((Stage(first, 0, 1), Stage.group([m0, m1, m2], 1, 3)))
+    devices = (first, m0, m1, m2)
+    creds = {d: accounts.enroll(d) for d in devices}
+    assignments = make_assignments(job, _spec("1f1b"), plan)
+    accounts.grant(job, list(zip(devices, assignments, strict=True)))
+    transports = {d: MqttTransport(creds[d].settings()) for d in creds}
+    try:
+        for t in transports.values():
+            t.connect(timeout=10)
+        inboxes = [transports[m].attach(job, 1, i, members=3) for i, m in ((0, m0), (2, m2))]
+        forged = encode_frame(Kind.GATHER, job, 0, 1, torch.full((3,), 7.0), Codec.RAW)
+        for liar in (m2, first):
+            transports[liar].send(job, 1, "gather", forged, sender=1)  # not its topic: refused
+            assert transports[liar].flush(10)  # judged before the real one
+        real = encode_frame(Kind.GATHER, job, 0, 1, torch.ones(3), Codec.RAW)
+        transports[m1].send(job, 1, "gather", real, sender=1)
+        for inbox in inboxes:
+            assert torch.equal(inbox.take(Kind.GATHER, 0, 1, timeout=10).tensor, torch.ones(3))
+            assert inbox.frames_received == 1 and not inbox.dropped
     finally:
         for t in transports.values():
             t.close()

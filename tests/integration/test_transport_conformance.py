@@ -192,6 +192,29 @@ class TransportConformance:
         pair.b.detach(JOB, 1, 1)
         assert second.closed and not first.closed
 
+    def test_a_gather_chunk_is_sent_once_and_reaches_every_other_member(self, pair: Pair) -> None:
+        """A group of three on stage 1, member 1 on ``a`` and members 0 and 2 on ``b``: one
+        send on member 1's gather topic reaches 0 and 2, not 1; it still reaches 2 once 0
+        has detached (the members on ``b`` share the topic)."""
+        mine = pair.a.attach(JOB, 1, 1, members=3)
+        first, third = pair.b.attach(JOB, 1, 0, members=3), pair.b.attach(JOB, 1, 2, members=3)
+        sent = pair.a.frames_sent  # type: ignore[attr-defined]
+        pair.a.send(
+            JOB,
+            1,
+            "gather",
+            encode_frame(Kind.GATHER, JOB, 0, 1, torch.ones(5), Codec.RAW),
+            sender=1,
+        )
+        assert pair.a.frames_sent == sent + 1  # type: ignore[attr-defined]
+        for inbox in (first, third):
+            assert torch.equal(inbox.take(Kind.GATHER, 0, 1, timeout=WAIT_S).tensor, torch.ones(5))
+        pair.b.detach(JOB, 1, 0)
+        again = encode_frame(Kind.GATHER, JOB, 1, 1, torch.zeros(5), Codec.RAW)
+        pair.a.send(JOB, 1, "gather", again, sender=1)
+        assert torch.equal(third.take(Kind.GATHER, 1, 1, timeout=WAIT_S).tensor, torch.zeros(5))
+        assert mine.pending == 0 and not mine.dropped and not third.dropped
+
     def test_what_the_runtime_needs_attach_everything_then_send(self, pair: Pair) -> None:
         """Once ``attach`` has returned, every frame sent to that stage is delivered."""
         inbox = pair.b.attach(JOB, 1)

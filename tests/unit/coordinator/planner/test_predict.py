@@ -228,7 +228,8 @@ def test_a_measured_device_is_scaled_by_its_best_matmul_rate_over_its_slowdown()
 
 def test_bytes_cost_each_side_its_cpu_and_a_groups_sum_its_cpu() -> None:
     """``byte_s``: a link's bytes (both ways, each member's share) and a group's sum
-    (``2 (g - 1) / g`` of its gradients, at its slowest member's rate) cost CPU on top."""
+    (the gradients' size sent, ``2 (g - 1) / g`` of them received, each side at half the
+    slowest member's rate) cost CPU on top."""
     slow = {"microbatch_s": 0.0, "step_s": 0.0, "frame_s": 0.0, "byte_s": 1e-8}
     fast = {**slow, "byte_s": 2e-9}
     problem = _problem({"a": slow, "b": fast})
@@ -247,6 +248,13 @@ def test_bytes_cost_each_side_its_cpu_and_a_groups_sum_its_cpu() -> None:
     plain = score_plan(heavy, group)
     assert predict(heavy, group).step_time_s == pytest.approx(
         plain.step_time_s + 2 * (2 - 1) / 2 * 1_000_000 * 1e-8, rel=REL
+    )
+    # Three members: each sends 1 MB (its chunks, its sum once) and receives 4/3 MB.
+    devices = [*heavy.devices, heavy.devices[1].model_copy(update={"id": "c"})]
+    trio = heavy.model_copy(update={"devices": devices})
+    three = Plan((Stage.group(["a", "b", "c"], 0, 2),))
+    assert predict(trio, three).step_time_s == pytest.approx(
+        score_plan(trio, three).step_time_s + (1 + 4 / 3) / 2 * 1_000_000 * 1e-8, rel=REL
     )
 
 

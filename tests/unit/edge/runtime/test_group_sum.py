@@ -77,12 +77,14 @@ def test_every_member_ends_with_the_same_bits_of_the_sum() -> None:
     assert [loss for _, _, loss in got] == [6.0, 6.0, 6.0]  # 1 + 2 + 3: the group's loss
 
 
-def test_a_chunk_travels_in_pieces_and_each_member_sends_two_g_minus_one_chunks() -> None:
-    numel = PIECE_BYTES // 4 + 2  # 2 members: chunks of PIECE_BYTES / 8 + 1 elements
-    for size, pieces in ((numel, 1), (5 * numel, 3)):
-        got = _sum_over(2, size, last=False)
-        summer = got[0][0]
-        assert len(summer.pieces) == pieces
-        assert summer.pieces[0][0] == 0 and summer.pieces[-1][1] == summer.chunk
-        frames = 2 * pieces * prefix_size(1)
-        assert summer.bytes_sent == frames + 2 * 4 * summer.chunk
+def test_a_chunk_travels_in_pieces_and_each_member_sends_g_chunks() -> None:
+    """``g - 1`` chunks to their owners and the member's own sum once, whatever ``g``."""
+    for g in (2, 3):
+        numel = g * (PIECE_BYTES // 8 + 1)  # chunks of PIECE_BYTES / 8 + 1 elements
+        for size, pieces in ((numel, 1), (5 * numel, 3)):
+            got = _sum_over(g, size, last=False)
+            for summer, _, _ in got:
+                assert len(summer.pieces) == pieces
+                assert summer.pieces[0][0] == 0 and summer.pieces[-1][1] == summer.chunk
+                frames = g * pieces * prefix_size(1)
+                assert summer.bytes_sent == frames + g * 4 * summer.chunk

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.transport.base import Expected, Inbox, InboxClosed
+from edge.transport.base import Channel, Expected, Inbox, InboxClosed
 from edge.wire.frames import Codec, Kind, encode_frame, prefix_size
 
 JOB = "job-7"
@@ -313,19 +313,29 @@ def test_a_one_device_link_wants_the_whole_microbatch_from_row_0() -> None:
     assert inbox.dropped == {"wrong-rows": 1}
 
 
-def test_group_chunks_come_on_the_reduce_channel_one_per_member() -> None:
+_GROUP_CHANNELS: tuple[tuple[Kind, Channel], ...] = (
+    (Kind.REDUCE, "reduce"),
+    (Kind.GATHER, "gather"),
+)
+
+
+def test_group_chunks_come_on_their_channels_one_per_member() -> None:
+    """``REDUCE`` chunks on ``reduce``, ``GATHER`` chunks on ``gather``, and not across."""
     inbox = in_group(members=3)
-    for kind in (Kind.REDUCE, Kind.GATHER):
+    for kind, channel in _GROUP_CHANNELS:
         for sender in (0, 2):
             frame = encode_frame(kind, JOB, 0, sender, torch.ones(5), Codec.RAW)
-            assert inbox.deliver(frame, "reduce", sender)
+            assert inbox.deliver(frame, channel, sender)
         stray = encode_frame(kind, JOB, 0, 3, torch.ones(5), Codec.RAW)  # no member 3
-        assert not inbox.deliver(stray, "reduce", 3)
+        assert not inbox.deliver(stray, channel, 3)
     short = encode_frame(Kind.REDUCE, JOB, 0, 0, torch.ones(4), Codec.RAW)
     assert not inbox.deliver(short, "reduce", 0)
     misrouted = encode_frame(Kind.REDUCE, JOB, 0, 1, torch.ones(5), Codec.RAW)
     assert not inbox.deliver(misrouted, "fwd")
-    assert inbox.dropped == {"wrong-microbatch": 2, "wrong-shape": 1, "wrong-kind": 1}
+    assert not inbox.deliver(misrouted, "gather", 1)
+    crossed = encode_frame(Kind.GATHER, JOB, 0, 1, torch.ones(5), Codec.RAW)
+    assert not inbox.deliver(crossed, "reduce", 1)
+    assert inbox.dropped == {"wrong-microbatch": 2, "wrong-shape": 1, "wrong-kind": 3}
     assert inbox.take(Kind.GATHER, 0, 2, timeout=1).tensor.tolist() == [1.0] * 5
 
 
@@ -353,9 +363,9 @@ def test_totals_of_a_group_count_every_piece_and_chunk() -> None:
         for mb in range(2):
             assert inbox.deliver(piece(step, (2, 4), mb), "fwd")
             assert inbox.deliver(piece(step, (4, 8), mb), "fwd")
-        for kind in (Kind.REDUCE, Kind.GATHER):
+        for kind, channel in _GROUP_CHANNELS:
             for sender in range(2):
                 frame = encode_frame(kind, JOB, step, sender, torch.ones(5), Codec.RAW)
-                assert inbox.deliver(frame, "reduce", sender)
+                assert inbox.deliver(frame, channel, sender)
     assert inbox.pending == inbox.max_frames and inbox.held_bytes == inbox.max_bytes
     assert not inbox.dropped

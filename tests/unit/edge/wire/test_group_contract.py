@@ -80,9 +80,9 @@ def test_chunks_cover_the_vector(numel: int, g: int, c: int) -> None:
 
 def test_a_group_member_may_use_exactly_its_own_topics() -> None:
     """Groups 1,2,1: member 1 of stage 1 sends to stage 2 and back to stage 0, reads its
-    own member topics and the reduce topic member 0 sends it on, may send only on its own
-    reduce topic to member 0 and publishes no weights; stage 0 sends to both members and
-    the labels to the last."""
+    own member topics, the reduce topic member 0 sends it on and member 0's gather topic,
+    may send only on its own reduce topic to member 0 and its own gather topic, and
+    publishes no weights; stage 0 sends to both members and the labels to the last."""
     root = f"{TOPIC_ROOT}/jobs/j"
     member = stage_access("j", 1, 3, "pi-c", member=1, group_sizes=[1, 2, 1])
     assert set(member.publish) == {
@@ -90,11 +90,13 @@ def test_a_group_member_may_use_exactly_its_own_topics() -> None:
         f"{root}/stage/2/fwd",
         f"{root}/stage/0/bwd",
         f"{root}/stage/1/reduce/1",
+        f"{root}/stage/1/gather/1",
     }
     assert set(member.read) == {
         f"{root}/stage/1/member/1/fwd",
         f"{root}/stage/1/member/1/bwd",
         f"{root}/stage/1/member/1/reduce/0",
+        f"{root}/stage/1/gather/0",
         f"{root}/restore/1",
     }
     first = stage_access("j", 0, 3, "pi-a", group_sizes=[1, 2, 1])
@@ -105,7 +107,7 @@ def test_a_group_member_may_use_exactly_its_own_topics() -> None:
         f"{root}/stage/1/member/1/fwd",
         f"{root}/stage/2/fwd",
     }
-    assert not any("reduce" in t for t in first.publish + first.read)
+    assert not any("reduce" in t or "gather" in t for t in first.publish + first.read)
     last = stage_access("j", 2, 3, "pi-d", group_sizes=[1, 2, 1])
     assert {f"{root}/stage/1/bwd", f"{root}/stage/1/member/1/bwd"} <= set(last.publish)
     with pytest.raises(ValueError, match=r"member 2 of stage 1 is not in groups \[1, 2, 1\]"):

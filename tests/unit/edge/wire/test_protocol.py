@@ -509,32 +509,40 @@ def test_encode_refuses_unsupported_dtypes(dtype: torch.dtype) -> None:
 @given(
     job=JOB_IDS,
     stage=st.integers(0, 10**9),
-    channel=st.sampled_from(["fwd", "bwd", "reduce"]),
+    channel=st.sampled_from(["fwd", "bwd", "reduce", "gather"]),
     member=st.integers(0, 99),
     sender=st.integers(0, 99),
 )
 def test_stage_topics_round_trip(
     job: str, stage: int, channel: str, member: int, sender: int
 ) -> None:
-    by = sender if channel == "reduce" else None
+    by = sender if channel in ("reduce", "gather") else None
+    member = 0 if channel == "gather" else member  # a gather topic names no receiver
     topic = stage_topic(job, stage, channel, member, by)
     assert topic.startswith(f"{TOPIC_ROOT}/jobs/{job}/stage/{stage}/")
     assert ("/member/" in topic) == (member > 0)
-    assert topic.endswith(f"/reduce/{sender}" if by is not None else f"/{channel}")
-    assert parse_stage_topic(topic) == (job, stage, channel, member, by)
+    assert topic.endswith(f"/{channel}/{sender}" if by is not None else f"/{channel}")
+    receiver = None if channel == "gather" else member
+    assert parse_stage_topic(topic) == (job, stage, channel, receiver, by)
 
 
-def test_a_reduce_topic_names_its_sender_and_only_it() -> None:
+def test_a_reduce_or_gather_topic_names_its_sender_and_only_it() -> None:
     with pytest.raises(ValueError, match="a reduce topic needs sender"):
         stage_topic("j", 1, "reduce", 0)
+    with pytest.raises(ValueError, match="a gather topic needs sender"):
+        stage_topic("j", 1, "gather", 0)
     with pytest.raises(ValueError, match="a fwd topic has no sender"):
         stage_topic("j", 1, "fwd", 0, 1)
+    with pytest.raises(ValueError, match="a gather topic names no receiving member"):
+        stage_topic("j", 1, "gather", 1, 0)
+    assert stage_topic("j", 1, "gather", sender=2) == f"{TOPIC_ROOT}/jobs/j/stage/1/gather/2"
+    assert parse_stage_topic(f"{TOPIC_ROOT}/jobs/j/stage/1/member/1/gather/2") is None
 
 
 @given(
     job=JOB_IDS,
     stage=st.integers(0, 999),
-    channel=st.sampled_from(["fwd", "bwd", "reduce"]),
+    channel=st.sampled_from(["fwd", "bwd", "reduce", "gather"]),
     member=st.integers(0, 3),
     where=st.integers(0, 70),
     edit=st.sampled_from(["insert", "delete", "replace"]),
@@ -544,12 +552,17 @@ def test_only_canonical_stage_topics_parse(
     job: str, stage: int, channel: str, member: int, where: int, edit: str, char: str
 ) -> None:
     """A topic one edit away from a stage topic parses only if it is one, spelled the same."""
-    topic = stage_topic(job, stage, channel, member, 1 if channel == "reduce" else None)
+    gather = channel == "gather"
+    by = 1 if channel in ("reduce", "gather") else None
+    topic = stage_topic(job, stage, channel, 0 if gather else member, by)
     i = where % (len(topic) + 1)
     cut = 0 if edit == "insert" else 1
     mutated = topic[:i] + ("" if edit == "delete" else char) + topic[i + cut :]
     parsed = parse_stage_topic(mutated)
-    assert parsed is None or stage_topic(*parsed) == mutated
+    if parsed is not None:
+        j, s, c, m, sender = parsed
+        assert (m is None) == (c == "gather")
+        assert stage_topic(j, s, c, m or 0, sender) == mutated
 
 
 @pytest.mark.parametrize(
