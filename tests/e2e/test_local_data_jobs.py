@@ -76,9 +76,9 @@ def _train(broker: str, *extra: str) -> dict[str, Any]:
     return got
 
 
-def test_samples_stay_on_their_holders_and_training_is_the_unions(
-    module_broker: str, tmp_path: Path
-) -> None:
+def _train_watched(broker: str, *extra: str) -> tuple[dict[str, Any], list[tuple[str, bytes]]]:
+    """:func:`_train` while subscribed to every topic (``#``) with the coordinator's
+    account; its JSON and every message seen meanwhile, as (topic, payload)."""
     seen: list[tuple[str, bytes]] = []
     lock = threading.Lock()
 
@@ -86,14 +86,22 @@ def test_samples_stay_on_their_holders_and_training_is_the_unions(
         with lock:
             seen.append((topic, payload))
 
-    sniffer = MqttTransport(MqttSettings(url=module_broker))
+    sniffer = MqttTransport(MqttSettings(url=broker))
     sniffer.connect(timeout=10)
     sniffer.subscribe("#", sniff)
-    weights = tmp_path / "w.safetensors"
     try:
-        got = _train(module_broker, "--save-weights", str(weights))
+        got = _train(broker, *extra)
     finally:
         sniffer.close()
+    with lock:
+        return got, list(seen)
+
+
+def test_samples_stay_on_their_holders_and_training_is_the_unions(
+    module_broker: str, tmp_path: Path
+) -> None:
+    weights = tmp_path / "w.safetensors"
+    got, frames = _train_watched(module_broker, "--save-weights", str(weights))
 
     # The plan: the three holders are stage 0 (a third of every microbatch each), and a
     # helper runs the rest.
@@ -121,8 +129,6 @@ def test_samples_stay_on_their_holders_and_training_is_the_unions(
     spec = get_model("cnn-digits", **OPTIONS)
     sample = tuple(build_dataset(spec.dataset, "train", **spec.dataset_options)[0][0].shape)
     kinds: Counter[tuple[Kind, tuple[int, ...]]] = Counter()
-    with lock:
-        frames = list(seen)
     for _topic, payload in frames:
         try:
             header = read_header(payload)
@@ -181,29 +187,9 @@ def test_with_labels_local_no_message_carries_labels_and_training_is_the_unions(
     a sample, and the run still equals one device on the union of the shards. (GPipe here;
     both schedules' parity with labels local is in ``test_local_data_parity.py``.)"""
     schedule = "gpipe"
-    seen: list[tuple[str, bytes]] = []
-    lock = threading.Lock()
-
-    def sniff(topic: str, payload: bytes) -> None:
-        with lock:
-            seen.append((topic, payload))
-
-    sniffer = MqttTransport(MqttSettings(url=module_broker))
-    sniffer.connect(timeout=10)
-    sniffer.subscribe("#", sniff)
     weights = tmp_path / "w.safetensors"
-    try:
-        got = _train(
-            module_broker,
-            "--labels",
-            "local",
-            "--schedule",
-            schedule,
-            "--save-weights",
-            str(weights),
-        )
-    finally:
-        sniffer.close()
+    extra = ["--labels", "local", "--schedule", schedule, "--save-weights", str(weights)]
+    got, messages = _train_watched(module_broker, *extra)
 
     # A U: the holders, then helpers that hold no data, then the same holders again.
     stages = got["plan"]["stages"]
@@ -233,8 +219,6 @@ def test_with_labels_local_no_message_carries_labels_and_training_is_the_unions(
 
     spec = get_model("cnn-digits", **OPTIONS)
     sample = tuple(build_dataset(spec.dataset, "train", **spec.dataset_options)[0][0].shape)
-    with lock:
-        messages = list(seen)
     crossed: Counter[tuple[str, Kind]] = Counter()
     for topic, payload in messages:
         assert not _carries(payload, patterns), topic
