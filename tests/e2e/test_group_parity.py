@@ -12,6 +12,7 @@ of its share, and members end with the same weights (the runners check that).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -202,37 +203,46 @@ def test_groups_over_mqtt_equal_one_device(
     _check(result, plan, COUNTS[shares])
 
 
+@contextlib.contextmanager
+def _secure_group(broker: OwnedBroker, members: int) -> Iterator[tuple[str, list[MqttTransport]]]:
+    """A job on ``broker`` whose stage 1 is a group of ``members`` behind a one-device
+    stage 0, every device enrolled and granted its rights, each on its own connected
+    transport: the job's id and the transports of stage 0 then of each member."""
+    accounts = broker.accounts
+    assert accounts is not None
+    job = new_job_id()
+    devices = [f"{job}-{name}" for name in "abcdefgh"[: members + 1]]
+    plan = Plan((Stage(devices[0], 0, 1), Stage.group(devices[1:], 1, 3)))
+    creds = [accounts.enroll(d) for d in devices]
+    assignments = make_assignments(job, _spec("1f1b"), plan)
+    accounts.grant(job, list(zip(devices, assignments, strict=True)))
+    transports = [MqttTransport(c.settings()) for c in creds]
+    try:
+        for t in transports:
+            t.connect(timeout=10)
+        yield job, transports
+    finally:
+        for t in transports:
+            t.close()
+        accounts.release(job)
+
+
 def test_only_a_groups_members_may_send_on_its_reduce_topics(
     secure_broker: OwnedBroker,
 ) -> None:
     """The broker grants a group's reduce topics to its members only: a frame that stage 0's
     device sends on member 1's reduce topic to member 0, claiming to be member 1, never
     arrives (its key would make member 1's real frame a duplicate); member 1's own does."""
-    accounts = secure_broker.accounts
-    assert accounts is not None
-    job = new_job_id()
-    first, m0, m1 = (f"{job}-{name}" for name in ("a", "b", "c"))
-    plan = Plan((Stage(first, 0, 1), Stage.group([m0, m1], 1, 3)))
-    creds = {d: accounts.enroll(d) for d in (first, m0, m1)}
-    assignments = make_assignments(job, _spec("1f1b"), plan)
-    accounts.grant(job, list(zip((first, m0, m1), assignments, strict=True)))
-    transports = {d: MqttTransport(creds[d].settings()) for d in creds}
-    try:
-        for t in transports.values():
-            t.connect(timeout=10)
-        inbox = transports[m0].attach(job, 1, 0, members=2)
+    with _secure_group(secure_broker, 2) as (job, (first, m0, m1)):
+        inbox = m0.attach(job, 1, 0, members=2)
         forged = encode_frame(Kind.REDUCE, job, 0, 1, torch.full((3,), 7.0), Codec.RAW)
-        transports[first].send(job, 1, "reduce", forged, 0, sender=1)
-        assert transports[first].flush(10)  # the broker has judged it before the real one
+        first.send(job, 1, "reduce", forged, 0, sender=1)
+        assert first.flush(10)  # the broker has judged it before the real one
         real = encode_frame(Kind.REDUCE, job, 0, 1, torch.ones(3), Codec.RAW)
-        transports[m1].send(job, 1, "reduce", real, 0, sender=1)
+        m1.send(job, 1, "reduce", real, 0, sender=1)
         got = inbox.take(Kind.REDUCE, 0, 1, timeout=10)
         assert torch.equal(got.tensor, torch.ones(3))
         assert inbox.frames_received == 1 and not inbox.dropped
-    finally:
-        for t in transports.values():
-            t.close()
-        accounts.release(job)
 
 
 def test_a_member_cannot_pass_its_chunk_off_as_another_members(
@@ -241,33 +251,17 @@ def test_a_member_cannot_pass_its_chunk_off_as_another_members(
     """In a group of three, member 2 forges member 1's chunk for member 0: on member 1's
     topic the broker refuses it, and on its own topic member 0 drops it, as its claim is
     not its topic's (``wrong-sender``). Member 1's real chunk is the one summed."""
-    accounts = secure_broker.accounts
-    assert accounts is not None
-    job = new_job_id()
-    first, m0, m1, m2 = (f"{job}-{name}" for name in ("a", "b", "c", "d"))
-    plan = Plan((Stage(first, 0, 1), Stage.group([m0, m1, m2], 1, 3)))
-    devices = (first, m0, m1, m2)
-    creds = {d: accounts.enroll(d) for d in devices}
-    assignments = make_assignments(job, _spec("1f1b"), plan)
-    accounts.grant(job, list(zip(devices, assignments, strict=True)))
-    transports = {d: MqttTransport(creds[d].settings()) for d in creds}
-    try:
-        for t in transports.values():
-            t.connect(timeout=10)
-        inbox = transports[m0].attach(job, 1, 0, members=3)
+    with _secure_group(secure_broker, 3) as (job, (_first, m0, m1, m2)):
+        inbox = m0.attach(job, 1, 0, members=3)
         forged = encode_frame(Kind.REDUCE, job, 0, 1, torch.full((3,), 7.0), Codec.RAW)
-        transports[m2].send(job, 1, "reduce", forged, 0, sender=1)  # not its topic: refused
-        transports[m2].send(job, 1, "reduce", forged, 0, sender=2)  # its own: arrives
-        assert transports[m2].flush(10)  # the broker has passed both on before the real one
+        m2.send(job, 1, "reduce", forged, 0, sender=1)  # not its topic: refused
+        m2.send(job, 1, "reduce", forged, 0, sender=2)  # its own: arrives
+        assert m2.flush(10)  # the broker has passed both on before the real one
         real = encode_frame(Kind.REDUCE, job, 0, 1, torch.ones(3), Codec.RAW)
-        transports[m1].send(job, 1, "reduce", real, 0, sender=1)
+        m1.send(job, 1, "reduce", real, 0, sender=1)
         got = inbox.take(Kind.REDUCE, 0, 1, timeout=10)
         assert torch.equal(got.tensor, torch.ones(3))
         assert inbox.frames_received == 1 and inbox.dropped == {"wrong-sender": 1}
-    finally:
-        for t in transports.values():
-            t.close()
-        accounts.release(job)
 
 
 def test_only_its_member_may_publish_a_gather_topic_and_the_others_read_it(
@@ -275,30 +269,14 @@ def test_only_its_member_may_publish_a_gather_topic_and_the_others_read_it(
 ) -> None:
     """In a group of three, member 2 and stage 0's device publish on member 1's gather topic:
     the broker refuses both. Member 1's one publish reaches members 0 and 2, and only it."""
-    accounts = secure_broker.accounts
-    assert accounts is not None
-    job = new_job_id()
-    first, m0, m1, m2 = (f"{job}-{name}" for name in ("a", "b", "c", "d"))
-    plan = Plan((Stage(first, 0, 1), Stage.group([m0, m1, m2], 1, 3)))
-    devices = (first, m0, m1, m2)
-    creds = {d: accounts.enroll(d) for d in devices}
-    assignments = make_assignments(job, _spec("1f1b"), plan)
-    accounts.grant(job, list(zip(devices, assignments, strict=True)))
-    transports = {d: MqttTransport(creds[d].settings()) for d in creds}
-    try:
-        for t in transports.values():
-            t.connect(timeout=10)
-        inboxes = [transports[m].attach(job, 1, i, members=3) for i, m in ((0, m0), (2, m2))]
+    with _secure_group(secure_broker, 3) as (job, (first, m0, m1, m2)):
+        inboxes = [m.attach(job, 1, i, members=3) for i, m in ((0, m0), (2, m2))]
         forged = encode_frame(Kind.GATHER, job, 0, 1, torch.full((3,), 7.0), Codec.RAW)
         for liar in (m2, first):
-            transports[liar].send(job, 1, "gather", forged, sender=1)  # not its topic: refused
-            assert transports[liar].flush(10)  # judged before the real one
+            liar.send(job, 1, "gather", forged, sender=1)  # not its topic: refused
+            assert liar.flush(10)  # judged before the real one
         real = encode_frame(Kind.GATHER, job, 0, 1, torch.ones(3), Codec.RAW)
-        transports[m1].send(job, 1, "gather", real, sender=1)
+        m1.send(job, 1, "gather", real, sender=1)
         for inbox in inboxes:
             assert torch.equal(inbox.take(Kind.GATHER, 0, 1, timeout=10).tensor, torch.ones(3))
             assert inbox.frames_received == 1 and not inbox.dropped
-    finally:
-        for t in transports.values():
-            t.close()
-        accounts.release(job)
