@@ -47,7 +47,8 @@ their agents replace the per-byte cost by their own measurement; the problem's
 devices are the profiles the agents announced.
 
     .venv/bin/python bench/hybrid.py [--models vgg11,resnet18,gpt-mini]
-        [--fleets rpi4,2fast4slow,3x,10x,30x] [--method auto|kernel|software] [--json]
+        [--fleets rpi4,2fast4slow,3x,10x,30x] [--strategies single,even,v1,data-parallel,v2]
+        [--method auto|kernel|software] [--json]
         [--results bench/results/hybrid.json] [--chart bench/results/hybrid.png]
         [--from-json FILE] [--quick]
 
@@ -372,6 +373,8 @@ def _run_model(
     first, first_units = problem(args.calibration_steps)
     rows = []
     for strategy, plan in plans(first, limits, first_units).items():
+        if strategy not in args.strategies:
+            continue
         # This host's speed drifts over minutes: price each plan with unit times measured
         # just before it runs (not in --quick, which prices every plan at the start).
         now, units = (first, first_units) if args.quick else problem(3)
@@ -493,6 +496,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fleets", default=",".join(FLEETS), help=", ".join(FLEETS))
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument(
+        "--strategies", default=",".join(STRATEGIES), help="the plans run: " + ", ".join(STRATEGIES)
+    )
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the rate")
     parser.add_argument("--seconds", type=float, default=6.0, help="steady state per run")
     parser.add_argument("--min-steps", type=int, default=3)
@@ -505,6 +511,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chart", type=Path, help="the chart written")
     parser.add_argument("--from-json", type=Path, help="render a results file; run nothing")
     args = parser.parse_args(argv)
+    args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = sorted(set(args.strategies) - set(STRATEGIES))
+    if unknown:
+        parser.error(f"--strategies: {', '.join(unknown)} not one of {', '.join(STRATEGIES)}")
     results = Path(__file__).resolve().parent / "results"
     if args.quick:
         args.models, args.fleets, args.batch_size = "vgg11", "rpi4", 16
