@@ -363,8 +363,12 @@ def run_fleet(key: str, models: list[str], args: argparse.Namespace) -> list[Row
         try:
             announced = agent_profiles(control, dict(tb.announced))
             for d in devices:
-                fixed = (announced[d.id].details or {}).get("fixed_costs", {})
-                print(f"# {d.id}: fixed costs {fixed}", file=sys.stderr)
+                details = announced[d.id].details or {}
+                print(
+                    f"# {d.id}: fixed costs {details.get('fixed_costs', {})}, "
+                    f"{details.get('cpus')} cores",
+                    file=sys.stderr,
+                )
             for model in models:
                 rows += _run_model(tb, control, devices, announced, name, model, args)
         finally:

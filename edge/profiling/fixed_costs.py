@@ -32,11 +32,10 @@ fields; the score ignores ``details``):
   (:func:`measure_transport_byte_s`, :func:`with_transport_byte_cost`): frames of
   a group sum's piece size published to itself through the broker on its
   private topic (:func:`~edge.wire.topics.device_probe`), decoded and added as
-  they arrive; the CPU time of the whole process (TLS, the client's network
-  thread and copies included; the link's time excluded, which the link's own
-  terms price) over the bytes, divided by the share of a core it gets (a CPU
-  quota's, or where its cgroup is out of sight, as in ``ip netns exec``, what a
-  short busy loop gets: :func:`measure_cpu_share`);
+  they arrive; the seconds that takes over the bytes (TLS, the client's network
+  thread and copies included, and a CPU quota's stretch: [Note: the transport
+  probe times the wall clock]; on a fast device with a slow link, the link's time
+  too, which a group's sum pays the larger of: :mod:`coordinator.planner.predict`);
   ``details["transport_byte_ms_per_mib"]`` says it was measured so.
 
 :func:`fixed_costs_of` reads them back from a device; ``None`` for a device
@@ -67,10 +66,10 @@ __all__ = [
     "PROBE_BLOCKS",
     "PROBE_MICROBATCHES",
     "TRANSPORT_PROBE_BYTES",
+    "TRANSPORT_PROBE_ROUNDS",
     "FixedCosts",
     "Loopback",
     "fixed_costs_of",
-    "measure_cpu_share",
     "measure_fixed_costs",
     "measure_transport_byte_s",
     "time_publish",
@@ -244,8 +243,13 @@ def with_publish_cost(device: DeviceSpec, seconds: float) -> DeviceSpec:
     return device.model_copy(update={"details": details})
 
 
-TRANSPORT_PROBE_BYTES = 4 << 20
-"""Bytes of frames an agent sends itself through the broker to time its transport."""
+TRANSPORT_PROBE_BYTES = 8 << 20
+"""Bytes of frames an agent sends itself through the broker in one round of timing its
+transport: under a CPU quota a round's end waits up to a period for the last frame,
+which a round of 2 MiB (80 ms at 0.18 of a core) paid a third more for, measured."""
+
+TRANSPORT_PROBE_ROUNDS = 2
+"""Rounds of :data:`TRANSPORT_PROBE_BYTES` the transport probe times (after one to warm up)."""
 
 
 class Loopback(Protocol):
@@ -269,63 +273,70 @@ def measure_transport_byte_s(
     *,
     total_bytes: int = TRANSPORT_PROBE_BYTES,
     piece_bytes: int = PIECE_BYTES,
+    rounds: int = TRANSPORT_PROBE_ROUNDS,
     timeout_s: float = 30.0,
-    cpu_share: float = 1.0,
-    cpu_clock: Callable[[], float] = time.process_time,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
     """Seconds per byte a tensor costs this device through ``transport``, both sides: frames
     of ``piece_bytes`` (``total_bytes`` in all, at least one) published to ``topic``, which
     ``transport`` subscribes to, each decoded and added into a sum as it arrives (as a
-    group's sum does). It is ``cpu_clock``'s seconds over the bytes, over ``cpu_share``
-    (the cores a CPU quota leaves this process, when under one): the CPU it costs, as the
-    time it takes, without the link's. Frames that are not all back within
-    ``timeout_s`` (no broker, or one that refuses the topic) raise a one-line
-    :class:`UserError`."""
-    if not cpu_share > 0:
-        raise ValueError(f"cpu_share must be positive (got {cpu_share})")
+    group's sum does); the ``clock``'s seconds from the first publish until the last frame
+    is added, over the bytes sent. One round warms up (buffers, the first frames' page
+    faults); the cost is the median of the next ``rounds``. Frames that are not all back
+    within ``timeout_s`` of a round's start (no broker, or one that refuses the topic)
+    raise a one-line :class:`UserError`.
+
+    [Note: the transport probe times the wall clock]
+    Time, not CPU time over a share of a core: a process under a CPU quota does
+    not get its quota's share in a short busy loop, and a group's sum on one pays
+    what the probe pays per byte in time. Measured on ``bench/hybrid.py``'s four
+    agents at 0.117 of a core (quota 4 ms every 34.1 ms), data parallel: the
+    sum's CPU per byte moved was 5.4 ns (vgg11) and 5.9 ns (resnet18), each the
+    process's CPU seconds over half of what it sent and received; its transfer
+    (the sum less the wait for the last member) 2.08 s and 2.78 s a step, within
+    3% of that CPU over 0.117 (2.13 s, 2.81 s). The probe's CPU per byte read
+    5.4-7.5 ns, but the busy loop that gave it its share of a core read
+    0.17-0.37, not 0.117, so its cost per byte came out at 19-41 ns, not the
+    46-64 ns the sum paid; on a host busy with other work it read 19-70 ns one run.
+    Timed by the clock, the probe pays the quota as the sum does.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1 (got {rounds})")
     pieces = max(1, total_bytes // piece_bytes)
     tensor = torch.randn(max(1, piece_bytes // 4))
     total = torch.zeros_like(tensor)
-    arrived, done = [0], threading.Event()
+    arrived = [0]
+    back = threading.Condition()
 
     def on_frame(_topic: str, payload: bytes) -> None:
         total.add_(decode_frame(payload).tensor)
-        arrived[0] += 1
-        if arrived[0] >= pieces:
-            done.set()
+        with back:
+            arrived[0] += 1
+            back.notify_all()
 
     transport.subscribe(topic, on_frame, qos=1)
+    times = []
     try:
-        sent = 0
-        t0 = cpu_clock()
-        for i in range(pieces):
-            frame = encode_frame(Kind.REDUCE, "fixed-costs", i, 0, tensor, Codec.RAW)
-            transport.publish(topic, frame, qos=1)
-            sent += len(frame)
-        if not done.wait(timeout_s):
-            raise UserError(
-                f"transport probe: {arrived[0]} of {pieces} frames came back on {topic} "
-                f"within {timeout_s:g} s (is the broker there, and does it allow the topic?)"
-            )
-        cpu = cpu_clock() - t0
+        for r in range(rounds + 1):
+            sent, want = 0, (r + 1) * pieces
+            t0 = clock()
+            for i in range(pieces):
+                frame = encode_frame(Kind.REDUCE, "fixed-costs", i, 0, tensor, Codec.RAW)
+                transport.publish(topic, frame, qos=1)
+                sent += len(frame)
+            with back:
+                if not back.wait_for(lambda: arrived[0] >= want, timeout_s):  # noqa: B023
+                    raise UserError(
+                        f"transport probe: {arrived[0] - r * pieces} of {pieces} frames came "
+                        f"back on {topic} within {timeout_s:g} s (is the broker there, and "
+                        "does it allow the topic?)"
+                    )
+            elapsed = clock() - t0
+            if r > 0:  # the first round warms up
+                times.append(elapsed / sent)
     finally:
         transport.unsubscribe(topic)
-    return cpu / sent / cpu_share
-
-
-def measure_cpu_share(
-    seconds: float = 0.5,
-    *,
-    cpu_clock: Callable[[], float] = time.process_time,
-    wall_clock: Callable[[], float] = time.perf_counter,
-) -> float:
-    """The share of a core this process gets, in ``(0, 1]``: the CPU seconds a busy loop
-    of ``seconds`` (several periods of a CFS quota) gets over the seconds it spun."""
-    cpu0, wall0 = cpu_clock(), wall_clock()
-    while (wall := wall_clock()) - wall0 < seconds:
-        pass
-    cpu = cpu_clock() - cpu0
-    return min(1.0, max(1e-3, cpu / max(wall - wall0, 1e-9)))
+    return statistics.median(times)
 
 
 def with_transport_byte_cost(device: DeviceSpec, seconds: float) -> DeviceSpec:

@@ -4,18 +4,17 @@
 Claims under test, on an in-memory loopback (the real broker is in
 ``tests/integration/test_agent_fixed_costs.py``):
 
-- every frame sent comes back decoded, and the cost is the CPU clock's seconds over
-  the bytes sent, over the share of a core the device has;
+- every frame sent comes back decoded, and the cost is the clock's seconds from a
+  round's first publish until its last frame is back, over the bytes sent: the
+  median of the rounds after the first, which warms up;
 - frames that do not come back raise a one-line :class:`UserError` within the
   timeout, and the subscription is ended either way;
-- the share of a core is the CPU clock over the wall clock of a busy loop, in (0, 1];
 - :func:`with_transport_byte_cost` replaces only ``byte_s`` and says so in details,
   and leaves a device without fixed costs alone.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import pytest
@@ -25,7 +24,6 @@ from edge.problem import DeviceSpec
 from edge.profiling.fixed_costs import (
     FixedCosts,
     fixed_costs_of,
-    measure_cpu_share,
     measure_transport_byte_s,
     with_transport_byte_cost,
 )
@@ -55,21 +53,22 @@ class _Loopback:
         self.callbacks.pop(topic, None)
 
 
-def test_the_cost_is_cpu_seconds_over_the_bytes_over_the_share_of_a_core() -> None:
+def test_the_cost_is_the_median_round_after_a_warm_up_over_the_bytes() -> None:
     loop = _Loopback()
-    clock = itertools.count(start=10.0, step=0.5)  # 0.5 s of CPU between the two reads
+    # Each round reads the clock twice: 9 s for the warm-up, then 0.3, 0.9 and 0.5 s.
+    reads = iter([0.0, 9.0, 10.0, 10.3, 20.0, 20.9, 30.0, 30.5])
     got = measure_transport_byte_s(
         loop,
         "probe",
         total_bytes=1 << 20,
         piece_bytes=256 << 10,
-        cpu_share=0.25,
-        cpu_clock=lambda: next(clock),
+        rounds=3,
+        clock=lambda: next(reads),
     )
-    assert len(loop.sent) == 4 and loop.unsubscribed == ["probe"]
+    assert len(loop.sent) == 4 * 4 and loop.unsubscribed == ["probe"]
     assert all(decode_frame(f).tensor.numel() == (256 << 10) // 4 for f in loop.sent)
-    sent = sum(len(f) for f in loop.sent)
-    assert got == pytest.approx(0.5 / sent / 0.25, rel=1e-12)
+    per_round = sum(len(f) for f in loop.sent[:4])
+    assert got == pytest.approx(0.5 / per_round, rel=1e-12)
 
 
 def test_frames_that_do_not_come_back_fail_clearly() -> None:
@@ -77,8 +76,8 @@ def test_frames_that_do_not_come_back_fail_clearly() -> None:
     with pytest.raises(UserError, match=r"0 of 2 frames came back on probe within 0.05 s"):
         measure_transport_byte_s(loop, "probe", total_bytes=2, piece_bytes=1, timeout_s=0.05)
     assert loop.unsubscribed == ["probe"]
-    with pytest.raises(ValueError, match="cpu_share"):
-        measure_transport_byte_s(_Loopback(), "probe", cpu_share=0.0)
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        measure_transport_byte_s(_Loopback(), "probe", rounds=0)
 
 
 def test_the_measured_cost_replaces_only_byte_s() -> None:
@@ -97,15 +96,3 @@ def test_the_measured_cost_replaces_only_byte_s() -> None:
     assert got.details["transport_byte_ms_per_mib"] == pytest.approx(2e-8 * (1 << 20) * 1e3)
     bare = device.model_copy(update={"details": None})
     assert with_transport_byte_cost(bare, 2e-8) == bare
-
-
-def test_the_share_of_a_core_is_cpu_over_wall_of_a_busy_loop() -> None:
-    wall = itertools.count(start=0.0, step=0.125)
-    cpu = itertools.count(start=0.0, step=0.025)  # 0.025 s of CPU for 0.125 s of spinning
-    share = measure_cpu_share(0.5, cpu_clock=lambda: next(cpu), wall_clock=lambda: next(wall))
-    # wall: 0 then 0.125 ... 0.5 (the loop's last read); cpu: 0 then its second read
-    assert share == pytest.approx(0.025 / 0.5, rel=1e-9)
-    wall = itertools.count(start=0.0, step=0.125)
-    busy = itertools.count(start=0.0, step=1.0)  # more CPU than wall (threads): one core
-    assert measure_cpu_share(0.5, cpu_clock=lambda: next(busy), wall_clock=lambda: next(wall)) == 1
-    assert 0 < measure_cpu_share(0.01) <= 1  # the real clocks
