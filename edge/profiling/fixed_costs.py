@@ -32,10 +32,10 @@ fields; the score ignores ``details``):
   (:func:`measure_transport_byte_s`, :func:`with_transport_byte_cost`): frames of
   a group sum's piece size published to itself through the broker on its
   private topic (:func:`~edge.wire.topics.device_probe`), decoded and added as
-  they arrive; the seconds that takes over the bytes (TLS, the client's network
-  thread and copies included, and a CPU quota's stretch: [Note: the transport
-  probe times the wall clock]; on a fast device with a slow link, the link's time
-  too, which a group's sum pays the larger of: :mod:`coordinator.planner.predict`);
+  they arrive; the CPU time of the whole process (TLS, the client's network
+  thread and copies included; the link's time excluded, which the link's own
+  terms price) over the bytes, over the share of a core it runs with (a CPU
+  quota's: [Note: the transport probe's share of a core]);
   ``details["transport_byte_ms_per_mib"]`` says it was measured so.
 
 :func:`fixed_costs_of` reads them back from a device; ``None`` for a device
@@ -58,6 +58,7 @@ from edge.errors import UserError
 from edge.problem import DeviceSpec
 from edge.runtime.group_sum import PIECE_BYTES
 from edge.runtime.stage import StageRuntime
+from edge.transport.base import Expected, Inbox
 from edge.transport.inprocess import InProcessTransport
 from edge.wire.frames import Codec, Kind, decode_frame, encode_frame
 from edge.wire.messages import StageAssignment
@@ -69,6 +70,7 @@ __all__ = [
     "TRANSPORT_PROBE_ROUNDS",
     "FixedCosts",
     "Loopback",
+    "cpu_quota_of",
     "fixed_costs_of",
     "measure_fixed_costs",
     "measure_transport_byte_s",
@@ -243,12 +245,13 @@ def with_publish_cost(device: DeviceSpec, seconds: float) -> DeviceSpec:
     return device.model_copy(update={"details": details})
 
 
-TRANSPORT_PROBE_BYTES = 8 << 20
+TRANSPORT_PROBE_BYTES = 2 << 20
 """Bytes of frames an agent sends itself through the broker in one round of timing its
-transport: under a CPU quota a round's end waits up to a period for the last frame,
-which a round of 2 MiB (80 ms at 0.18 of a core) paid a third more for, measured."""
+transport."""
 
-TRANSPORT_PROBE_ROUNDS = 2
+TRANSPORT_PROBE_ROUNDS = 3
+
+_PROBE_JOB = "fixed-costs"
 """Rounds of :data:`TRANSPORT_PROBE_BYTES` the transport probe times (after one to warm up)."""
 
 
@@ -275,68 +278,94 @@ def measure_transport_byte_s(
     piece_bytes: int = PIECE_BYTES,
     rounds: int = TRANSPORT_PROBE_ROUNDS,
     timeout_s: float = 30.0,
-    clock: Callable[[], float] = time.perf_counter,
+    cpu_share: float = 1.0,
+    cpu_clock: Callable[[], float] = time.process_time,
 ) -> float:
     """Seconds per byte a tensor costs this device through ``transport``, both sides: frames
     of ``piece_bytes`` (``total_bytes`` in all, at least one) published to ``topic``, which
     ``transport`` subscribes to, each decoded and added into a sum as it arrives (as a
-    group's sum does); the ``clock``'s seconds from the first publish until the last frame
-    is added, over the bytes sent. One round warms up (buffers, the first frames' page
-    faults); the cost is the median of the next ``rounds``. Frames that are not all back
-    within ``timeout_s`` of a round's start (no broker, or one that refuses the topic)
-    raise a one-line :class:`UserError`.
+    group's sum does); ``cpu_clock``'s seconds from the first publish until the last frame
+    is added, over the bytes sent, over ``cpu_share`` (the cores a CPU quota leaves this
+    process: [Note: the transport probe's share of a core]). One round warms up (buffers,
+    the first frames' page faults); the cost is the median of the next ``rounds``. Frames
+    that are not all back within ``timeout_s`` of a round's start (no broker, or one that
+    refuses the topic) raise a one-line :class:`UserError`.
 
-    [Note: the transport probe times the wall clock]
-    Time, not CPU time over a share of a core: a process under a CPU quota does
-    not get its quota's share in a short busy loop, and a group's sum on one pays
-    what the probe pays per byte in time. Measured on ``bench/hybrid.py``'s four
-    agents at 0.117 of a core (quota 4 ms every 34.1 ms), data parallel: the
-    sum's CPU per byte moved was 5.4 ns (vgg11) and 5.9 ns (resnet18), each the
-    process's CPU seconds over half of what it sent and received; its transfer
-    (the sum less the wait for the last member) 2.08 s and 2.78 s a step, within
-    3% of that CPU over 0.117 (2.13 s, 2.81 s). The probe's CPU per byte read
-    5.4-7.5 ns, but the busy loop that gave it its share of a core read
-    0.17-0.37, not 0.117, so its cost per byte came out at 19-41 ns, not the
-    46-64 ns the sum paid; on a host busy with other work it read 19-70 ns one run.
-    Timed by the clock, the probe pays the quota as the sum does.
+    [Note: the transport probe's share of a core]
+    CPU time, which a quota does not change, over the share of a core the device
+    will run with, given, not measured: on the testbed a quota is written only once
+    the agent is online ([Note: agents start unthrottled] in
+    :mod:`coordinator.testbed.testbed`), after this probe, so what the probe sees
+    of its share (a busy loop read 0.17-0.37 of a core under a quota of 0.117; the
+    wall clock, under one of 0.114, 24-29 ns a byte against the 46 the sum paid)
+    is not what the sum gets. Measured on ``bench/hybrid.py``'s four agents at 0.117 of a core, data
+    parallel: the sum's CPU per byte moved was 5.4 ns (vgg11) and 5.9 ns
+    (resnet18), each the process's CPU seconds over half of what it sent and
+    received, the probe's 5.4-7.5 ns; the sum's transfer (less the wait for the
+    last member) took 2.08 s and 2.78 s a step, within 3% of that CPU over 0.117
+    (2.13 s, 2.81 s).
     """
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1 (got {rounds})")
+    if not cpu_share > 0:
+        raise ValueError(f"cpu_share must be positive (got {cpu_share})")
     pieces = max(1, total_bytes // piece_bytes)
-    tensor = torch.randn(max(1, piece_bytes // 4))
-    total = torch.zeros_like(tensor)
-    arrived = [0]
-    back = threading.Condition()
+    piece = max(1, piece_bytes // 4)
+    chunk = piece * pieces
+    ranges = tuple((lo, lo + piece) for lo in range(0, chunk, piece))
+    grad = torch.randn(chunk)
+    # The frames come back into an inbox that expects them as a group's sum's chunk from
+    # member 1, and are taken and added from there, as the sum takes its peers' pieces.
+    inbox = Inbox(_PROBE_JOB, 0, 0)
+    expected = Expected((chunk,), frozenset({torch.float32}), ranges)
+    inbox.expect({Kind.REDUCE: expected}, microbatches=1, step=0, members=2)
 
     def on_frame(_topic: str, payload: bytes) -> None:
-        total.add_(decode_frame(payload).tensor)
-        with back:
-            arrived[0] += 1
-            back.notify_all()
+        inbox.deliver(payload, "reduce", 1)
 
     transport.subscribe(topic, on_frame, qos=1)
     times = []
     try:
         for r in range(rounds + 1):
-            sent, want = 0, (r + 1) * pieces
-            t0 = clock()
-            for i in range(pieces):
-                frame = encode_frame(Kind.REDUCE, "fixed-costs", i, 0, tensor, Codec.RAW)
+            inbox.forget_before(r)
+            t0, sent = cpu_clock(), 0
+            vector = torch.zeros(chunk)  # flattened, sent, summed, copied back: as the sum
+            torch.cat([grad], out=vector)
+            for lo, hi in ranges:
+                frame = encode_frame(
+                    Kind.REDUCE, _PROBE_JOB, r, 1, vector[lo:hi], Codec.RAW, first=lo
+                )
                 transport.publish(topic, frame, qos=1)
                 sent += len(frame)
-            with back:
-                if not back.wait_for(lambda: arrived[0] >= want, timeout_s):  # noqa: B023
+            mine = torch.zeros(chunk)
+            mine += vector
+            for n, (lo, hi) in enumerate(ranges):
+                try:
+                    mine[lo:hi] += inbox.take(Kind.REDUCE, r, 1, timeout_s, first=lo).tensor
+                except TimeoutError:
                     raise UserError(
-                        f"transport probe: {arrived[0] - r * pieces} of {pieces} frames came "
-                        f"back on {topic} within {timeout_s:g} s (is the broker there, and "
-                        "does it allow the topic?)"
-                    )
-            elapsed = clock() - t0
+                        f"transport probe: {n} of {pieces} frames came back on {topic} "
+                        f"within {timeout_s:g} s (is the broker there, and does it allow "
+                        "the topic?)"
+                    ) from None
+            grad.copy_(mine)
+            elapsed = cpu_clock() - t0
             if r > 0:  # the first round warms up
                 times.append(elapsed / sent)
     finally:
         transport.unsubscribe(topic)
-    return statistics.median(times)
+        inbox.close()
+    return statistics.median(times) / cpu_share
+
+
+def cpu_quota_of(device: DeviceSpec) -> float | None:
+    """The share of a core a CPU quota will hold ``device`` to, as its profile announces
+    (``details["cpu_quota"]``: a testbed's emulated device, whose quota is written once its
+    agent is online); ``None`` when it announces none, or not a positive number."""
+    got = (device.details or {}).get("cpu_quota")
+    if isinstance(got, bool) or not isinstance(got, (int, float)) or not got > 0:
+        return None
+    return float(got)
 
 
 def with_transport_byte_cost(device: DeviceSpec, seconds: float) -> DeviceSpec:

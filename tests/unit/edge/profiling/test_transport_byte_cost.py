@@ -4,11 +4,13 @@
 Claims under test, on an in-memory loopback (the real broker is in
 ``tests/integration/test_agent_fixed_costs.py``):
 
-- every frame sent comes back decoded, and the cost is the clock's seconds from a
-  round's first publish until its last frame is back, over the bytes sent: the
-  median of the rounds after the first, which warms up;
+- every frame sent comes back decoded, and the cost is the CPU clock's seconds from
+  a round's first publish until its last frame is back, over the bytes sent, over
+  the share of a core: the median of the rounds after the first, which warms up;
 - frames that do not come back raise a one-line :class:`UserError` within the
   timeout, and the subscription is ended either way;
+- a device's announced quota (:func:`cpu_quota_of`) is read back only when it is a
+  positive number;
 - :func:`with_transport_byte_cost` replaces only ``byte_s`` and says so in details,
   and leaves a device without fixed costs alone.
 """
@@ -23,6 +25,7 @@ from edge.errors import UserError
 from edge.problem import DeviceSpec
 from edge.profiling.fixed_costs import (
     FixedCosts,
+    cpu_quota_of,
     fixed_costs_of,
     measure_transport_byte_s,
     with_transport_byte_cost,
@@ -63,12 +66,13 @@ def test_the_cost_is_the_median_round_after_a_warm_up_over_the_bytes() -> None:
         total_bytes=1 << 20,
         piece_bytes=256 << 10,
         rounds=3,
-        clock=lambda: next(reads),
+        cpu_share=0.25,
+        cpu_clock=lambda: next(reads),
     )
     assert len(loop.sent) == 4 * 4 and loop.unsubscribed == ["probe"]
     assert all(decode_frame(f).tensor.numel() == (256 << 10) // 4 for f in loop.sent)
     per_round = sum(len(f) for f in loop.sent[:4])
-    assert got == pytest.approx(0.5 / per_round, rel=1e-12)
+    assert got == pytest.approx(0.5 / per_round / 0.25, rel=1e-12)
 
 
 def test_frames_that_do_not_come_back_fail_clearly() -> None:
@@ -78,6 +82,8 @@ def test_frames_that_do_not_come_back_fail_clearly() -> None:
     assert loop.unsubscribed == ["probe"]
     with pytest.raises(ValueError, match="rounds must be at least 1"):
         measure_transport_byte_s(_Loopback(), "probe", rounds=0)
+    with pytest.raises(ValueError, match="cpu_share must be positive"):
+        measure_transport_byte_s(_Loopback(), "probe", cpu_share=0.0)
 
 
 def test_the_measured_cost_replaces_only_byte_s() -> None:
@@ -96,3 +102,17 @@ def test_the_measured_cost_replaces_only_byte_s() -> None:
     assert got.details["transport_byte_ms_per_mib"] == pytest.approx(2e-8 * (1 << 20) * 1e3)
     bare = device.model_copy(update={"details": None})
     assert with_transport_byte_cost(bare, 2e-8) == bare
+
+
+@pytest.mark.parametrize(
+    ("details", "want"),
+    [({"cpu_quota": 0.117}, 0.117), ({"cpu_quota": 2}, 2.0), ({}, None), (None, None)]
+    + [({"cpu_quota": bad}, None) for bad in (0, -0.5, "0.1", True, None)],
+)
+def test_the_announced_quota_is_read_back_when_it_is_a_positive_number(
+    details: dict[str, object] | None, want: float | None
+) -> None:
+    device = DeviceSpec(
+        id="pi", gflops=7.0, memory_bytes=4e9, bandwidth_mbps=100.0, latency_ms=1.0
+    ).model_copy(update={"details": details})
+    assert cpu_quota_of(device) == want
