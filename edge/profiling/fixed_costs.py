@@ -31,8 +31,9 @@ fields; the score ignores ``details``):
   replaces it, once connected, by the same bytes through its own transport
   (:func:`measure_transport_byte_s`, :func:`with_transport_byte_cost`): frames of
   a group sum's piece size published to itself through the broker on its
-  private topic (:func:`~edge.wire.topics.device_probe`), decoded and added as
-  they arrive; the CPU time of the whole process (TLS, the client's network
+  private topic (:func:`~edge.wire.topics.device_probe`), filed in an inbox and
+  taken and added from there, a vector flattened before and copied back after, as
+  the sum does; the CPU time of the whole process (TLS, the client's network
   thread and copies included; the link's time excluded, which the link's own
   terms price) over the bytes, over the share of a core it runs with (a CPU
   quota's: [Note: the transport probe's share of a core]);
@@ -283,8 +284,9 @@ def measure_transport_byte_s(
 ) -> float:
     """Seconds per byte a tensor costs this device through ``transport``, both sides: frames
     of ``piece_bytes`` (``total_bytes`` in all, at least one) published to ``topic``, which
-    ``transport`` subscribes to, each decoded and added into a sum as it arrives (as a
-    group's sum does); ``cpu_clock``'s seconds from the first publish until the last frame
+    ``transport`` subscribes to, each filed in an inbox as a group's chunk from a peer,
+    taken and added into a sum (a vector flattened before, copied back after: what a
+    group's sum does with each byte); ``cpu_clock``'s seconds from the first publish until the last frame
     is added, over the bytes sent, over ``cpu_share`` (the cores a CPU quota leaves this
     process: [Note: the transport probe's share of a core]). One round warms up (buffers,
     the first frames' page faults); the cost is the median of the next ``rounds``. Frames
