@@ -310,7 +310,11 @@ def _sum_bytes_s(problem: PlanningProblem, stage: Stage, fixed: Mapping[str, Fix
     940 Mbit/s links, data parallel (``R_s`` 0.47 s for vgg11, 0.57 s for
     resnet18): the sum's transfer (less the wait for the last member's start,
     ``allreduce_started``) took 2.08 s and 2.78 s a step, what its process's CPU
-    takes at that share (2.13 s, 2.81 s), not that plus ``R_s``.
+    takes at that share (2.13 s, 2.81 s), not that plus ``R_s``. The rest of a
+    measured sum, each member's wait for the last member to start its own
+    (:func:`edge.wire.groups.sum_waits`: 0.09-0.40 s a step, 4-15% of the sum, in
+    six runs on a host busy with other work), is not priced: it is the spread of
+    the members' compute, which nothing a device announces predicts.
     """
     sent, received = sum_traffic(len(stage.devices))
     params = sum(unit.param_bytes for unit in problem.layers[stage.start : stage.end])

@@ -286,26 +286,25 @@ def measure_transport_byte_s(
     of ``piece_bytes`` (``total_bytes`` in all, at least one) published to ``topic``, which
     ``transport`` subscribes to, each filed in an inbox as a group's chunk from a peer,
     taken and added into a sum (a vector flattened before, copied back after: what a
-    group's sum does with each byte); ``cpu_clock``'s seconds from the first publish until the last frame
-    is added, over the bytes sent, over ``cpu_share`` (the cores a CPU quota leaves this
-    process: [Note: the transport probe's share of a core]). One round warms up (buffers,
-    the first frames' page faults); the cost is the median of the next ``rounds``. Frames
-    that are not all back within ``timeout_s`` of a round's start (no broker, or one that
-    refuses the topic) raise a one-line :class:`UserError`.
+    group's sum does with each byte); ``cpu_clock``'s seconds from the first publish
+    until the last frame is added, over the bytes sent, over ``cpu_share`` (the cores a
+    CPU quota leaves this process: [Note: the transport probe's share of a core]). One
+    round warms up (buffers, the first frames' page faults); the cost is the median of
+    the next ``rounds``. Frames that are not all back within ``timeout_s`` of a round's
+    start (no broker, or one that refuses the topic) raise a one-line :class:`UserError`.
 
     [Note: the transport probe's share of a core]
     CPU time, which a quota does not change, over the share of a core the device
     will run with, given, not measured: on the testbed a quota is written only once
     the agent is online ([Note: agents start unthrottled] in
-    :mod:`coordinator.testbed.testbed`), after this probe, so what the probe sees
-    of its share (a busy loop read 0.17-0.37 of a core under a quota of 0.117; the
-    wall clock, under one of 0.114, 24-29 ns a byte against the 46 the sum paid)
-    is not what the sum gets. Measured on ``bench/hybrid.py``'s four agents at 0.117 of a core, data
-    parallel: the sum's CPU per byte moved was 5.4 ns (vgg11) and 5.9 ns
-    (resnet18), each the process's CPU seconds over half of what it sent and
-    received, the probe's 5.4-7.5 ns; the sum's transfer (less the wait for the
-    last member) took 2.08 s and 2.78 s a step, within 3% of that CPU over 0.117
-    (2.13 s, 2.81 s).
+    :mod:`coordinator.testbed.testbed`), after this probe, so what the probe sees of
+    its share is not what the sum gets: a busy loop read 0.17-0.37 of a core under a
+    quota of 0.117, and the wall clock, under one of 0.114, 24-29 ns a byte where the
+    sum paid 46. Measured on ``bench/hybrid.py``'s four agents at 0.11-0.13 of a
+    core, data parallel, vgg11 and resnet18: a sum's transfer (less the wait for the
+    last member's start) took 0.99-1.06 times its process's CPU over the quota, and
+    that CPU was 5.1-7.5 ns per byte moved (over half of what it sent and received;
+    more on a busier host); this probe read 5.7-7.1 ns a byte on the same agents.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1 (got {rounds})")
