@@ -47,7 +47,8 @@ their agents replace the per-byte cost by their own measurement; the problem's
 devices are the profiles the agents announced.
 
     .venv/bin/python bench/hybrid.py [--models vgg11,resnet18,gpt-mini]
-        [--fleets rpi4,2fast4slow,3x,10x,30x] [--method auto|kernel|software] [--json]
+        [--fleets rpi4,2fast4slow,3x,10x,30x] [--strategies single,even,v1,data-parallel,v2]
+        [--method auto|kernel|software] [--json]
         [--results bench/results/hybrid.json] [--chart bench/results/hybrid.png]
         [--from-json FILE] [--quick]
 
@@ -69,7 +70,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -96,6 +97,8 @@ from edge.problem import DeviceSpec, PlanningProblem
 from edge.runtime.allocator import tune_malloc
 from edge.runtime.unit_times import measure_unit_times
 from edge.transport.mqtt import MqttTransport
+from edge.wire.groups import sum_waits
+from edge.wire.messages import StepReport
 
 
 def _sibling(name: str) -> ModuleType:
@@ -143,6 +146,11 @@ class Row:
     """Per stage, measured seconds a step summing a group's gradients (0 for one device)."""
     predicted_allreduce_s: list[float]
     """Per stage, the plan's ``R_s``."""
+    allreduce_wait_s: list[float] = field(default_factory=list)
+    """Per stage, the part of ``allreduce_s`` a member waited for the group's last member
+    to start its sum (:func:`~edge.wire.groups.sum_waits`); the rest is the transfer."""
+    allreduce_cpu_s: list[float] = field(default_factory=list)
+    """Per stage, CPU seconds a member's process spent in a step's sum."""
 
     @property
     def ratio(self) -> float:
@@ -288,6 +296,8 @@ class Measured:
     """Steady-state samples/s: stage 0's step times after the warm-up steps."""
     compute_s: list[float]
     allreduce_s: list[float]
+    allreduce_wait_s: list[float]
+    allreduce_cpu_s: list[float]
     bytes_per_sample: float
     """Bytes every device sent in the steady steps (``StepReport.bytes_sent``: frames that
     crossed the wire, a group's sums included) per sample trained."""
@@ -314,9 +324,26 @@ def measure(
 
     step_s = statistics.mean(r.step_s for r in steady if r.stage == 0)
     sent = sum(r.bytes_sent for r in steady) / (spec.batch_size * (spec.steps - warmup))
+    waits = [_mean_wait([r for r in steady if r.stage == s]) for s in range(len(plan.stages))]
     return Measured(
-        spec.batch_size / step_s, per_stage("compute_s"), per_stage("allreduce_s"), sent
+        spec.batch_size / step_s,
+        per_stage("compute_s"),
+        per_stage("allreduce_s"),
+        waits,
+        per_stage("allreduce_cpu_s"),
+        sent,
     )
+
+
+def _mean_wait(reports: list[StepReport]) -> float:
+    """The mean over one stage's members and steps of a member's wait in the sum for the
+    last member to start its own (0 for a stage of one device)."""
+    waits: list[float] = []
+    for step in sorted({r.step for r in reports}):
+        started = [r.allreduce_started for r in reports if r.step == step]
+        if len(started) > 1 and min(started) > 0:
+            waits += sum_waits(started)
+    return statistics.mean(waits) if waits else 0.0
 
 
 def run_fleet(key: str, models: list[str], args: argparse.Namespace) -> list[Row]:
@@ -336,8 +363,12 @@ def run_fleet(key: str, models: list[str], args: argparse.Namespace) -> list[Row
         try:
             announced = agent_profiles(control, dict(tb.announced))
             for d in devices:
-                fixed = (announced[d.id].details or {}).get("fixed_costs", {})
-                print(f"# {d.id}: fixed costs {fixed}", file=sys.stderr)
+                details = announced[d.id].details or {}
+                print(
+                    f"# {d.id}: fixed costs {details.get('fixed_costs', {})}, "
+                    f"{details.get('cpus')} cores",
+                    file=sys.stderr,
+                )
             for model in models:
                 rows += _run_model(tb, control, devices, announced, name, model, args)
         finally:
@@ -372,6 +403,8 @@ def _run_model(
     first, first_units = problem(args.calibration_steps)
     rows = []
     for strategy, plan in plans(first, limits, first_units).items():
+        if strategy not in args.strategies:
+            continue
         # This host's speed drifts over minutes: price each plan with unit times measured
         # just before it runs (not in --quick, which prices every plan at the start).
         now, units = (first, first_units) if args.quick else problem(3)
@@ -398,6 +431,8 @@ def _run_model(
             [t * args.microbatches for t in guess.compute_s],
             got.allreduce_s,
             list(guess.allreduce_s),
+            got.allreduce_wait_s,
+            got.allreduce_cpu_s,
         )
         rows.append(row)
         print(
@@ -405,8 +440,9 @@ def _run_model(
             f"predicted {row.predicted_sps:.1f} ({row.ratio:.2f}), {row.fraction:.0%} of the "
             f"ideal {row.ideal_sps:.1f}, in {time.perf_counter() - started:.0f} s; per stage "
             f"compute {_rounded(row.compute_s)} predicted {_rounded(row.predicted_compute_s)}, "
-            f"all-reduce {_rounded(row.allreduce_s)} predicted "
-            f"{_rounded(row.predicted_allreduce_s)}",
+            f"all-reduce {_rounded(row.allreduce_s)} (waiting {_rounded(row.allreduce_wait_s)}, "
+            f"CPU {_rounded(row.allreduce_cpu_s)}) predicted "
+            f"{_rounded(row.predicted_allreduce_s)} (the links' {_rounded(score.allreduce_s)})",
             file=sys.stderr,
         )
     return rows
@@ -493,6 +529,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fleets", default=",".join(FLEETS), help=", ".join(FLEETS))
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument(
+        "--strategies", default=",".join(STRATEGIES), help="the plans run: " + ", ".join(STRATEGIES)
+    )
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the rate")
     parser.add_argument("--seconds", type=float, default=6.0, help="steady state per run")
     parser.add_argument("--min-steps", type=int, default=3)
@@ -505,6 +544,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chart", type=Path, help="the chart written")
     parser.add_argument("--from-json", type=Path, help="render a results file; run nothing")
     args = parser.parse_args(argv)
+    args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    unknown = sorted(set(args.strategies) - set(STRATEGIES))
+    if unknown:
+        parser.error(f"--strategies: {', '.join(unknown)} not one of {', '.join(STRATEGIES)}")
     results = Path(__file__).resolve().parent / "results"
     if args.quick:
         args.models, args.fleets, args.batch_size = "vgg11", "rpi4", 16
