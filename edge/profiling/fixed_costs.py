@@ -251,9 +251,10 @@ TRANSPORT_PROBE_BYTES = 2 << 20
 transport."""
 
 TRANSPORT_PROBE_ROUNDS = 3
+"""Rounds of :data:`TRANSPORT_PROBE_BYTES` the transport probe times (after one to warm up)."""
 
 _PROBE_JOB = "fixed-costs"
-"""Rounds of :data:`TRANSPORT_PROBE_BYTES` the transport probe times (after one to warm up)."""
+"""The job id the probes' frames name (no job runs under it)."""
 
 
 class Loopback(Protocol):
