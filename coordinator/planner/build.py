@@ -18,8 +18,6 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from edge.errors import UserError, describe_validation_error
-from edge.models.unit_costs import profile_model
-from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem
 from edge.profiling.catalog import resolve
 
@@ -98,6 +96,11 @@ def build_problem(
     may run on device groups; a device's power figures are kept)."""
     if microbatches < 1 or batch_size < 1:
         raise UserError("batch size and microbatches must be at least 1")
+    # Imported here, not above: they import torch, and parse_fleet's callers (the testbed
+    # and plan commands) need none ([Note: commands without torch] in edgetrain.cli).
+    from edge.models.unit_costs import profile_model
+    from edge.models.zoo import get_model
+
     spec = get_model(model, **(model_options or {}))
     prof = profile_model(spec, min(batch_size, PROFILE_BATCH), timing=False)
     try:

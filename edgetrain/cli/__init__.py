@@ -6,6 +6,15 @@ Coordinator commands: ``plan``, ``train``, ``coordinator``, ``submit``/``jobs``/
 only parses, calls the library and prints; none imports FastAPI, SQLAlchemy or
 another coordinator extra at import time (they are imported inside the command
 that needs them), so an agent-only install runs every device command.
+
+[Note: commands without torch]
+Importing torch costs a process over a CPU-second, and the client and planning
+commands (``devices``, ``jobs``, ``submit``, ``fleet``, ``plan --problem``) and every
+``--help`` never touch a tensor. So no command module imports torch, or a module that
+does (the model zoo, unit costs, the runtime, transports, job specs and files), at
+import time: the command that needs one imports it in its body, and annotations name
+such types under ``TYPE_CHECKING``. rich (a tenth of a second) is imported where a
+table is printed. tests/integration/test_command_imports.py checks this.
 """
 
 from __future__ import annotations

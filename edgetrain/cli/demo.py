@@ -26,24 +26,20 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import typer
 from pydantic import SecretStr
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-from rich.table import Table
-from torch.utils.data import DataLoader
 
 from coordinator.local.broker import free_port
-from coordinator.local.fleet import LocalFleet
 from edge.errors import UserError, needs_coordinator_extras
-from edge.models.datasets import build_dataset
-from edge.models.zoo import ModelSpec, get_model
 from edge.profiling.catalog import resolve
-from edge.transport.credentials import Credentials
 
 if TYPE_CHECKING:
     import httpx
+    import torch
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from edge.models.zoo import ModelSpec
 
 __all__ = ["HOLDERS", "MODEL_OPTIONS", "demo_command", "test_accuracy"]
 
@@ -55,17 +51,22 @@ HOLDERS = 3
 """The first devices of the fleet hold the data, a shard each."""
 
 
-@torch.no_grad()
 def test_accuracy(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> float:
     """Accuracy of the trained weights on the test split of the model's dataset."""
+    import torch  # [Note: commands without torch] in edgetrain.cli
+    from torch.utils.data import DataLoader
+
+    from edge.models.datasets import build_dataset
+
     model = spec.build()
     model.load_state_dict(weights)
     model.eval()
     data = build_dataset(spec.dataset, "test", **spec.dataset_options)
     correct = total = 0
-    for x, y in DataLoader(data, batch_size=256):
-        correct += int((model(x).argmax(-1) == y).sum())
-        total += len(y)
+    with torch.no_grad():
+        for x, y in DataLoader(data, batch_size=256):
+            correct += int((model(x).argmax(-1) == y).sum())
+            total += len(y)
     return correct / total
 
 
@@ -106,6 +107,12 @@ def demo_command(
 
         from coordinator.service.serve import serve_in_thread
         from coordinator.service.settings import Settings
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from coordinator.local.fleet import LocalFleet  # [Note: commands without torch]
+    from edge.models.zoo import get_model
+    from edge.transport.credentials import Credentials
 
     console = Console(stderr=json_out, soft_wrap=True)
     names = [n for n in fleet.split(",") if n]
@@ -270,6 +277,8 @@ def _wait_plan(api: httpx.Client, job: str) -> dict[str, Any]:
 
 def _print_plan(console: Console, plan: dict[str, Any], ids: list[str], names: list[str]) -> None:
     """Which units run where, and what crosses each link (the plan's ``egress``)."""
+    from rich.table import Table
+
     table = Table("stage", "devices", "emulates", "units")
     for s, st in enumerate(plan["stages"]):
         a, b = st["layers"]

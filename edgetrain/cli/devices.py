@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from edge.errors import UserError
 from edge.profiling.catalog import (
@@ -27,6 +25,10 @@ from edge.profiling.catalog import (
     load_profile_file,
     resolve,
 )
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 __all__ = ["app", "list_command", "show_command", "validate_command"]
 
@@ -89,6 +91,8 @@ def list_command(
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
+    from rich.table import Table  # [Note: commands without torch] in edgetrain.cli
+
     console = _console()
     wide = console.width >= 120  # below that the name column makes way for the figures
     table = Table(title="edgetrain device profiles", title_justify="left")
@@ -120,6 +124,8 @@ def list_command(
 
 def _console() -> Console:
     # A terminal gets rows cut to its width; a pipe or file gets them whole.
+    from rich.console import Console
+
     console = Console()
     return console if console.is_terminal else Console(width=220)
 
@@ -160,10 +166,14 @@ def show_command(
         }
         typer.echo(json.dumps(out, indent=2))
         return
+    from rich.console import Console
+
     Console().print(_describe(resolved))
 
 
 def _describe(r: ResolvedProfile) -> Table:
+    from rich.table import Table
+
     p = r.profile
     grid = Table.grid(padding=(0, 2))
     grid.add_column(no_wrap=True, style="bold")

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
-from edge.server.job_file import DistJob, DistResults, load_job, read_results
-from edge.server.launch import launch
+if TYPE_CHECKING:
+    from edge.server.job_file import DistJob, DistResults
 
 __all__ = ["launch_command"]
 
@@ -31,6 +32,9 @@ def launch_command(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON summary at the end."),
 ) -> None:
     """Run a server-tier job over torch.distributed (torchrun semantics)."""
+    from edge.server.job_file import load_job, read_results  # [Note: commands without torch]
+    from edge.server.launch import launch
+
     job = load_job(job_file, output=str(output) if output else None)
     launch(job, nnodes=nnodes, nproc_per_node=nproc_per_node, rdzv_endpoint=rdzv_endpoint)
     done = (Path(job.output) / "losses.json").exists()  # on the node of the last stage

@@ -6,11 +6,6 @@ import json
 from typing import Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
-
-from edge.models.unit_costs import profile_model
-from edge.models.zoo import get_model, list_models, parse_options
 
 __all__ = ["app"]
 
@@ -25,6 +20,11 @@ OPTION_HELP = "Model option as key=value (e.g. norm=batch, width=32); repeatable
 @app.command("list")
 def list_command(json_out: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """List the zoo models with their unit count, parameter count and default dataset."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from edge.models.zoo import get_model, list_models  # [Note: commands without torch]
+
     rows: list[dict[str, Any]] = []
     for name in list_models():
         spec = get_model(name)
@@ -72,6 +72,12 @@ def profile_command(
 
     The JSON output's `layers` list is the `layers` of a planning problem.
     """
+    from rich.console import Console
+    from rich.table import Table
+
+    from edge.models.unit_costs import profile_model  # [Note: commands without torch]
+    from edge.models.zoo import get_model, parse_options
+
     spec = get_model(model, seed=seed, **parse_options(option))
     prof = profile_model(spec, batch_size, timing=timing, repeats=repeats, seed=seed)
     if json_out:

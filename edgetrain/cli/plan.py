@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from coordinator.planner.baselines import run_baselines
-from coordinator.planner.build import build_problem, parse_fleet
-from coordinator.planner.group_search import plan_any
-from coordinator.planner.score import PlanScore
-from coordinator.planner.simulator import simulate
-from coordinator.planner.solve import SearchResult
 from edge.errors import UserError
 from edge.files import write_atomic
-from edge.models.zoo import parse_options
 from edge.problem import Objective, PlanningProblem, load_problem
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from coordinator.planner.score import PlanScore
+    from coordinator.planner.solve import SearchResult
 
 __all__ = ["plan_command"]
 
@@ -75,6 +73,12 @@ def plan_command(
     the model's unit costs and the device catalogue). Exit status 2 for bad
     input, 3 when no plan fits the devices' memory.
     """
+    # The planner (numpy) is imported by the command, not with the module: every other
+    # command starts without it ([Note: commands without torch] in edgetrain.cli).
+    from coordinator.planner.build import build_problem, parse_fleet
+    from coordinator.planner.group_search import plan_any
+    from coordinator.planner.simulator import simulate
+
     if (problem_file is None) == (model is None):
         raise UserError("give either --problem FILE or --model NAME (with --devices)")
     if problem_file is not None:
@@ -83,6 +87,8 @@ def plan_command(
         assert model is not None
         if not devices:
             raise UserError("--model needs --devices")
+        from edge.models.zoo import parse_options  # [Note: commands without torch]
+
         problem = build_problem(
             model,
             parse_fleet(devices, power=groups),
@@ -137,6 +143,11 @@ def _write(path: Path, text: str, option: str) -> None:
 
 
 def _print_report(problem: PlanningProblem, result: SearchResult) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from coordinator.planner.simulator import simulate
+
     score = result.score
     assert score is not None
     names = [unit.name for unit in problem.layers]
@@ -193,6 +204,10 @@ def _print_report(problem: PlanningProblem, result: SearchResult) -> None:
 
 
 def _print_baselines(console: Console, problem: PlanningProblem, score: PlanScore) -> None:
+    from rich.table import Table
+
+    from coordinator.planner.baselines import run_baselines
+
     base = Table(title="baselines (same score)")
     for col in ("baseline", "samples/s", "step ms", "edgetrain speed-up", "feasible"):
         base.add_column(col, justify="left" if col == "baseline" else "right")

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import typer
 
-from coordinator.planner.build import parse_fleet
 from coordinator.testbed.compose import BROKER_SERVICE, DEFAULT_IMAGE_TAG, render_compose
 from coordinator.testbed.sizing import emulate
 from edge.errors import UserError, needs_coordinator_extras
@@ -123,6 +122,10 @@ def compose_command(
     agent; their secrets go to a directory beside the file, which it mounts. Run it
     with: docker compose up --build.
     """
+    # The planner package imports numpy: not with this module, which every command imports
+    # ([Note: commands without torch] in edgetrain.cli).
+    from coordinator.planner.build import parse_fleet
+
     host_cpus = float(cpus if cpus is not None else os.cpu_count() or 1)
     if not host_cpus > 0:
         raise UserError(f"--cpus must be positive (got {cpus:g})")

@@ -28,10 +28,8 @@ from typing import Any
 
 import typer
 
-from coordinator.engine.spec import JobSpec
 from edge.errors import UserError
 from edge.files import write_atomic
-from edge.models.zoo import parse_options
 from edge.wire.messages import StepReport
 
 __all__ = ["train_command"]
@@ -208,6 +206,9 @@ def train_command(
         raise UserError(
             f"--batch-size {batch_size} is not a multiple of --microbatches x --replicas"
         )
+    from coordinator.engine.spec import JobSpec  # [Note: commands without torch]
+    from edge.models.zoo import parse_options
+
     try:
         spec = JobSpec.model_validate(
             {

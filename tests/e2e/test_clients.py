@@ -1,7 +1,9 @@
 """``edgetrain submit``, ``jobs`` and ``fleet`` as subprocesses against a live coordinator.
 
 The coordinator is uvicorn on a free loopback port in a thread, over a real
-Mosquitto, with two real agents; the commands run as ``python -m edgetrain.cli``.
+Mosquitto, with two real agents; the commands run as ``python -m edgetrain.cli``, but
+for refusals that one real process per command already shows: those run in this process
+through the command's entry point (support.cli).
 The job file is examples/job.toml with its ``stages = 2`` line switched on, so
 the job is a 2-stage pipeline.
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from pydantic import SecretStr
+from support.cli import edgetrain
 from support.markers import needs_mosquitto
 from support.mosquitto import mosquitto_broker
 from support.waiting import until
@@ -48,6 +51,13 @@ def _cli(
         timeout=timeout,
         check=False,
     )
+
+
+def _cli_here(*args: str) -> subprocess.CompletedProcess[str]:
+    """:func:`_cli` in this process (support.cli), with the token and no other
+    ``EDGETRAIN_`` variable."""
+    unset: dict[str, str | None] = {k: None for k in os.environ if k.startswith("EDGETRAIN_")}
+    return edgetrain(*args, env={**unset, "EDGETRAIN_API_TOKEN": TOKEN})
 
 
 @pytest.fixture(scope="module")
@@ -123,12 +133,14 @@ def test_unreachable_coordinator_and_bad_toml_exit_2_with_one_line(tmp_path: Pat
     job_file = tmp_path / "job.toml"
     job_file.write_text('model = "cnn-digits"\nsteps = 4\n')
     for args in (("submit", str(job_file)), ("jobs",), ("fleet",)):
-        out = _cli(*args, "--coordinator", f"http://127.0.0.1:{port}", timeout=60)
+        where = (*args, "--coordinator", f"http://127.0.0.1:{port}")
+        # fleet as a real process (submit's and jobs' are in the test above)
+        out = _cli(*where, timeout=60) if args == ("fleet",) else _cli_here(*where)
         assert out.returncode == 2, out
         assert len(out.stderr.strip().splitlines()) == 1 and "cannot reach" in out.stderr
 
     bad = tmp_path / "bad.toml"
     bad.write_text('model = "cnn-digits\nsteps = = 4\n')
-    out = _cli("submit", str(bad), "--coordinator", f"http://127.0.0.1:{port}", timeout=60)
+    out = _cli_here("submit", str(bad), "--coordinator", f"http://127.0.0.1:{port}")
     assert out.returncode == 2
     assert len(out.stderr.strip().splitlines()) == 1 and "TOML" in out.stderr

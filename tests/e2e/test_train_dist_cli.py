@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from support.cli import edgetrain as edgetrain_here
 from support.reference import ReferenceRun, assert_matches, train_reference
 
 from edge.server.job_file import DistJob, write_job
@@ -235,8 +236,9 @@ def test_group_sizes_over_dist_train_like_one_device(
     ],
 )
 def test_bad_dist_input_exits_2_with_one_line(extra: list[str], names: str) -> None:
-    """Refused before anything runs: no plan, no stages to count."""
-    assert names in one_line_error(edgetrain("train", *ARGS, *extra))
+    """Refused before anything runs: no plan, no stages to count. In this process through
+    the command's entry point (support.cli); test_train_cli runs a refusal as a process."""
+    assert names in one_line_error(edgetrain_here("train", *ARGS, *extra))
 
 
 def test_launch_of_a_missing_file_names_it(tmp_path: Path) -> None:
@@ -247,10 +249,11 @@ def test_launch_of_a_missing_file_names_it(tmp_path: Path) -> None:
 
 
 def test_launch_of_an_invalid_file_names_the_problem(tmp_path: Path) -> None:
-    """Refused before anything runs: no plan, no stages to count."""
+    """Refused before anything runs: no plan, no stages to count. In this process (the
+    missing file above runs as a real process)."""
     path = tmp_path / "job.toml"
     path.write_text('model = "mlp"\nsteps = 2\nbatch_size = 8\nreplica = 2\n')
-    line = one_line_error(edgetrain("launch", str(path)))
+    line = one_line_error(edgetrain_here("launch", str(path)))
     assert str(path) in line and "replica" in line
 
 

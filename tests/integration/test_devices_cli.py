@@ -1,7 +1,9 @@
 """`edgetrain devices list / show / validate`, run as the real command.
 
 Corrupted copies of a profile are refused by `edgetrain devices validate` with
-status 2 and one stderr line naming the file and the field. The catalogue itself
+status 2 and one stderr line naming the file and the field; those refusals run in
+this process through the command's entry point (support.cli), an unknown name for
+`show` as a real process. The catalogue itself
 is tests/unit/edge/profiling/test_catalog.py's.
 """
 
@@ -16,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 from support.catalog import TESTBED_NAMES, rpi4_data, shipped_files
+from support.cli import edgetrain as edgetrain_here
 from support.paths import ROOT
 
 from edge.problem import DeviceSpec
@@ -168,7 +171,7 @@ def test_cli_validate_refuses_a_corrupted_copy(
     corrupt(data)
     path = tmp_path / "rpi4.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-    done = edgetrain("devices", "validate", str(path))
+    done = edgetrain_here("devices", "validate", str(path))
     assert done.returncode == 2
     assert "ok:" not in done.stdout
     lines = done.stderr.strip().splitlines()
@@ -184,7 +187,7 @@ def test_cli_validate_reports_each_bad_file_and_passes_the_good(tmp_path: Path) 
     data = rpi4_data()
     _negative_bandwidth(data)
     bad.write_text(yaml.safe_dump(data))
-    done = edgetrain("devices", "validate", str(good), str(bad))
+    done = edgetrain_here("devices", "validate", str(good), str(bad))
     assert done.returncode == 2
     assert done.stdout.strip() == f"ok: {good} (rpi4, 3 variants)"
     assert done.stderr.strip().splitlines() == [

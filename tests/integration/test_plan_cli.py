@@ -1,7 +1,8 @@
 """``edgetrain plan``: the spec's JSON, exit 2 on malformed problems, exit 3 when nothing fits.
 
-Run as the real command; building a problem from a model and a fleet is
-tests/unit/coordinator/planner/test_build.py's.
+Run as the real command; the refusals (exit 2 or 3, one line) run in this process
+through its entry point (support.cli), one of them also as a real process. Building a
+problem from a model and a fleet is tests/unit/coordinator/planner/test_build.py's.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.cli import edgetrain
 from support.paths import ROOT
 
 from coordinator.planner.score import Plan, Stage, score_plan
@@ -47,6 +49,11 @@ def run_plan(*args: str) -> subprocess.CompletedProcess[str]:
         cwd=ROOT,
         check=False,
     )
+
+
+def plan(*args: str) -> subprocess.CompletedProcess[str]:
+    """``edgetrain plan ARGS`` in this process (support.cli), for the refusals."""
+    return edgetrain("plan", *args)
 
 
 def write(tmp_path: Path, data: Any, name: str = "problem.json") -> Path:
@@ -104,7 +111,8 @@ def test_malformed_problems_exit_2_with_one_line_naming_the_field(
     with pytest.raises(UserError, match=names.replace("[", r"\[").replace("]", r"\]")):
         load_problem(path)
     if case in ("missing", "nan", "bad pin"):  # and through the command, end to end
-        done = run_plan("--problem", str(path), "--json")
+        run = run_plan if case == "missing" else plan  # one as a real process
+        done = run("--problem", str(path), "--json")
         assert done.returncode == 2
         assert done.stdout == ""
         assert len(done.stderr.strip().splitlines()) == 1
@@ -115,7 +123,7 @@ def test_no_feasible_plan_exits_3_with_the_reason(tmp_path: Path) -> None:
     data = copy.deepcopy(PROBLEM)
     for d in data["devices"]:
         d["memory_bytes"] = 1e5  # less than one unit's parameters
-    done = run_plan("--problem", str(write(tmp_path, data)), "--json")
+    done = plan("--problem", str(write(tmp_path, data)), "--json")
     assert done.returncode == 3
     out = json.loads(done.stdout)
     assert out["feasible"] is False
@@ -149,14 +157,13 @@ def test_model_and_fleet_build_the_problem_and_report_baselines(tmp_path: Path) 
     assert any(e.get("ph") == "X" for e in events)
 
 
-@pytest.mark.slow
 def test_bad_command_lines_exit_2() -> None:
-    assert run_plan("--json").returncode == 2  # neither --problem nor --model
-    done = run_plan("--model", "vgg11", "--devices", "rpi9")
+    assert plan("--json").returncode == 2  # neither --problem nor --model
+    done = plan("--model", "vgg11", "--devices", "rpi9")
     assert done.returncode == 2
     assert "rpi9" in done.stderr
     # A model option past its bound (see [Note: bounded zoo options]): one line, nothing built.
-    done = run_plan("--model", "mlp", "--devices", "laptop", "-o", "depth=1000000000")
+    done = plan("--model", "mlp", "--devices", "laptop", "-o", "depth=1000000000")
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
         "error: model mlp: depth must be an integer from 2 to 1024 (got 1000000000)"
@@ -236,10 +243,10 @@ def test_objective_energy_and_deadline_options(tmp_path: Path) -> None:
     )
     assert bound["step_time_s"] <= middle
     assert frugal["energy_j_per_step"] <= bound["energy_j_per_step"] <= fast["energy_j_per_step"]
-    late = run_plan("--problem", path, "--json", "--deadline", str(fast["step_time_s"] * 0.9))
+    late = plan("--problem", path, "--json", "--deadline", str(fast["step_time_s"] * 0.9))
     assert late.returncode == 3
     assert json.loads(late.stdout)["feasible"] is False
-    bad = run_plan("--problem", path, "--objective", "speed")
+    bad = plan("--problem", path, "--objective", "speed")
     assert bad.returncode == 2 and "--objective" in bad.stderr
 
 
