@@ -468,6 +468,18 @@ MUTANTS = [
         tests=("tests/unit/coordinator/planner/test_predict.py",),
     ),
     Mutant(
+        name="v2-job-without-v1-candidate",
+        what="a version 2 job chooses among the timed and the spec's group searches only, "
+        "not the plan a version 1 job gets, and can run a plan predicted slower than it",
+        path="coordinator/planner/partition.py",
+        old="searched.append((timed or problem).as_version(1))",
+        new="pass",
+        tests=(
+            "tests/unit/coordinator/planner/test_predict.py::"
+            "test_a_version_2_job_runs_the_timed_pipeline_when_the_model_predicts_it_fastest",
+        ),
+    ),
+    Mutant(
         name="transport-probe-ignores-share",
         what="the transport probe prices a byte at its CPU time, not at the time that CPU "
         "takes on a device with a fraction of a core",
