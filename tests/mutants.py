@@ -480,6 +480,17 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        name="refine-never-moves",
+        what="the local search under the cost model never leaves the searches' plan",
+        path="coordinator/planner/refine.py",
+        old="for _ in range(MAX_STEPS):",
+        new="for _ in range(0):",
+        tests=(
+            "tests/unit/coordinator/planner/test_predict.py::test_a_version_2_job_splits_a_"
+            "member_off_where_the_model_says_its_rows_do_not_shrink",
+        ),
+    ),
+    Mutant(
         name="transport-probe-ignores-share",
         what="the transport probe prices a byte at its CPU time, not at the time that CPU "
         "takes on a device with a fraction of a core",

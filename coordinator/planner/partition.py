@@ -34,7 +34,8 @@ the job's ``codec`` into a scored plan:
   timed by ``units`` (:func:`~coordinator.planner.predict.timed_problem`: cut where
   the measured seconds balance, not the FLOPs), for a version 2 problem also the
   spec's own plan and the plan a version 1 job would get (so never predicted slower
-  than version 1's), and their plans of fewer stages (exact searches only). See
+  than version 1's), and their plans of fewer stages (exact searches only; on such
+  a fleet the fastest is then refined by a local search under the model). See
   [Note: a job's plan by prediction]. Its score stays the spec's score of that plan.
   Under the energy objective the spec's plan stands (the model predicts no energy).
 - ``codec="auto"``: each link's codec is chosen as in
@@ -67,10 +68,12 @@ from coordinator.planner.predict import (
     predict,
     timed_problem,
 )
+from coordinator.planner.refine import refine
 from coordinator.planner.score import Plan, PlanScore, Stage, for_plan, score_plan
 from coordinator.planner.solve import EXACT_DEVICES, exact_capacity, plan_problem
 from edge.errors import UserError
 from edge.problem import PlanningProblem
+from edge.profiling.fixed_costs import FixedCosts, fixed_costs_of
 from edge.wire.groups import split_samples
 
 __all__ = ["PARTITIONS", "JobPlan", "Partition", "even_devices", "plan_holders_job", "plan_job"]
@@ -163,11 +166,18 @@ def _fastest_predicted(
     - the search on the timed problem (:func:`timed_problem`, with ``units``): stages
       cut where the measured seconds balance, a group's members at their shares;
     - for a version 2 problem, also the search on ``problem`` itself (the spec's own
-      plan) and the plan a version 1 job gets (the same searches on
+      plan), the search on the timed problem with each link slowed by the CPU its
+      bytes cost (:func:`_bytes_priced`: a group's sum then costs a slow device what
+      the model says), and the plan a version 1 job gets (the same searches on
       ``problem.as_version(1)``), so that a version 2 job's plan is never predicted
       slower than version 1's;
     - for each of those found exactly, its best plans of fewer stages: each stage adds
       a link's frames and fixed costs the spec's score does not see.
+
+    Where groups are allowed and the searches were exact (a small fleet), the fastest
+    of those is then improved by a local search under the model
+    (:func:`~coordinator.planner.refine.refine`): its best plan can be a neighbour of
+    the score's best that no search returns.
 
     A warm-started re-plan (``previous``, a fleet beyond the exact search) searches the
     timed problem alone: one warm start fits the re-plan's second; two do not. Every
@@ -178,6 +188,7 @@ def _fastest_predicted(
     warm = previous is not None and stages is None and not _exact_fleet(problem)
     if problem.version == 2 and not warm:
         searched += [problem] if timed is not None else []
+        searched += [_bytes_priced(timed or problem)] if problem.allows_groups else []
         searched.append((timed or problem).as_version(1))
     budget = _BUDGET_S / len(searched)
     best: JobPlan | None = None
@@ -208,7 +219,26 @@ def _fastest_predicted(
                 best_s = guess.step_time_s
     if best is None:
         raise refused or UserError(f"no plan fits {where}")
+    if problem.allows_groups and stages is None and best.exact:
+        plan, guess = refine(problem, best.plan, units, limits)
+        if plan != best.plan:
+            method = f"{best.method}, refined by the cost model"
+            best = replace(best, score=score_plan(problem, plan), method=method, prediction=guess)
     return best
+
+
+def _bytes_priced(problem: PlanningProblem) -> PlanningProblem:
+    """``problem`` with each device's bandwidth lowered by the CPU seconds its bytes cost
+    (its announced ``byte_s`` added to each byte's time on the link), so that the spec's
+    search prices a link's and a group's sum's bytes near as :func:`predict` does (a
+    sum of two members exactly; of more, a little above). A search heuristic: the
+    candidates it yields are judged by :func:`predict` like the others."""
+    devices = []
+    for d in problem.devices:
+        byte_s = (fixed_costs_of(d) or FixedCosts(0.0, 0.0, 0.0)).byte_s
+        per_byte = 8 / (d.bandwidth_mbps * 1e6) + byte_s
+        devices.append(d.model_copy(update={"bandwidth_mbps": 8 / per_byte / 1e6}))
+    return problem.model_copy(update={"devices": devices})
 
 
 def _exact_fleet(problem: PlanningProblem) -> bool:

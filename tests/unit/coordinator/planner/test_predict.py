@@ -18,7 +18,9 @@ Claims under test:
   says it wins;
 - a version 2 job runs the plan the model predicts fastest among the searches'
   (timed, the spec's, version 1's): the timed pipeline a version 1 job gets where
-  the model says so, a group where it wins; never predicted slower than version 1.
+  the model says so, a group where it wins; never predicted slower than version 1;
+  on a small fleet then refined by a local search under the model, which finds a
+  plan no search returns.
 """
 
 from __future__ import annotations
@@ -416,6 +418,7 @@ def test_a_version_2_job_runs_the_timed_pipeline_when_the_model_predicts_it_fast
     assert v1.plan == Plan.of(("a", 0, 1), ("b", 1, 3))
     chosen = plan_job(problem, units=flat)
     assert chosen.plan == Plan.of(("a", 0, 1), ("b", 1, 3))
+    assert chosen.method == v1.method  # version 1's search found it, not the refinement
     assert chosen.prediction == predict(problem, chosen.plan, flat)
     assert chosen.prediction.step_time_s == pytest.approx(3 * 0.8 + 1.2, rel=1e-9)
     assert predict(problem, group, flat).step_time_s == pytest.approx(4 * 1.2, rel=1e-9)
@@ -463,3 +466,40 @@ def test_a_version_2_job_is_never_predicted_slower_than_version_1(seed: int) -> 
     assert v1.prediction is not None and v2.prediction is not None
     assert v2.prediction.step_time_s <= v1.prediction.step_time_s * (1 + 1e-12)
     assert v2.prediction == predict(problem, v2.plan, units)
+
+
+def test_a_version_2_job_splits_a_member_off_where_the_model_says_its_rows_do_not_shrink() -> None:
+    """Three equal devices, two units of 0.9 and 0.3 s a microbatch; the second's time
+    does not shrink with the rows. By the spec's score (timed or not) the group of all
+    three wins (0.4 s a microbatch, 1.6 s a step); by the model each of its members takes
+    0.3 + 0.3 s (2.4 s a step), while two members on the first unit and the third alone
+    on the second take 3 x 0.45 + 0.75 = 2.1 s. No search returns that plan; the local
+    search under the model (:func:`coordinator.planner.refine.refine`) finds it."""
+    problem = PlanningProblem.model_validate(
+        {
+            "version": 2,
+            "batch_size": 4,
+            "microbatches": 4,
+            "layers": [
+                {"name": f"l{i}", "fwd_flops": f, "param_bytes": 8, "out_bytes": 8}
+                for i, f in enumerate((3e9, 1e9))
+            ],
+            "devices": [
+                {"id": d, "gflops": 10.0, "memory_bytes": 1e12, "bandwidth_mbps": 1e6}
+                | {"latency_ms": 0.0, "details": {"fixed_costs": ZERO}}
+                for d in "abc"
+            ],
+        }
+    )
+    units = UnitSeconds((0.9, 0.3), 10.0, fixed=(0.0, 0.3))
+    trio = Plan((Stage.group(["a", "b", "c"], 0, 2),))
+    assert plan_groups(problem).plan == trio
+    assert plan_groups(timed_problem(problem, units)).plan == trio
+    assert predict(problem, trio, units).step_time_s == pytest.approx(2.4, rel=1e-6)
+    chosen = plan_job(problem, units=units)
+    # The devices are equal: the first member split off (a) runs the second unit.
+    assert chosen.plan == Plan((Stage.group(["b", "c"], 0, 1), Stage.group(["a"], 1, 2)))
+    assert chosen.prediction is not None
+    assert chosen.prediction.step_time_s == pytest.approx(3 * 0.45 + 0.75, rel=1e-6)
+    assert chosen.method.endswith("refined by the cost model")
+    assert chosen.score == score_plan(problem, chosen.plan)
