@@ -53,7 +53,7 @@ devices are the profiles the agents announced.
 
     .venv/bin/python bench/hybrid.py [--models vgg11,resnet18,gpt-mini]
         [--fleets rpi4,2fast4slow,3x,10x,30x] [--strategies single,even,v1,data-parallel,v2]
-        [--batch-size 32] [--microbatches 4] [--method auto|kernel|software] [--json]
+        [--batch-size 64] [--microbatches 4] [--method auto|kernel|software] [--json]
         [--results bench/results/hybrid.json] [--chart bench/results/hybrid.png]
         [--from-json FILE] [--quick] [--predict-shapes 32x4,128x8,...]
 
@@ -61,6 +61,14 @@ devices are the profiles the agents announced.
 and two steps a plan (one of them warm-up), and writes its JSON and chart to the temporary directory
 unless ``--results``/``--chart`` say otherwise. ``--from-json`` runs nothing: it
 renders the table, the chart and the JSON again from a results file.
+The default batch, 64 samples in 4 microbatches (16 rows each), is chosen from
+``--predict-shapes`` on ``rpi4-4gb:4`` (one calibration a shape; 2026-12-02): a
+group's sum is paid once a step and a member's fixed costs once a microbatch, so
+groups gain with the rows per microbatch, and a pipeline with the microbatches.
+Predicted v2/v1 (vgg11, resnet18, gpt-mini): 32x4 1.02, 1.18, 1.21; 64x4 1.07,
+1.30, 1.46; 128x8 1.00, 1.16, 1.11; 128x4 1.15, 1.43, 1.63. 128x4 is v2's best
+throughput, but its steps (a minute for resnet18 on one Pi) take a whole run past
+12 minutes per model; 64x4 keeps each fleet and model within that.
 ``--predict-shapes`` runs no plan either: it brings each fleet up for its agents'
 profiles, and for each model and batch shape calibrates once and prints (and writes,
 to ``bench/results/hybrid-shapes.json``) every strategy's predicted samples/s and
@@ -616,7 +624,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--models", default="vgg11,resnet18,gpt-mini")
     parser.add_argument("--fleets", default=",".join(FLEETS), help=", ".join(FLEETS))
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument(
+        "--batch-size", type=int, default=64, help="samples a step (the default: see the docstring)"
+    )
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument(
         "--strategies", default=",".join(STRATEGIES), help="the plans run: " + ", ".join(STRATEGIES)
