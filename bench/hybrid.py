@@ -413,6 +413,7 @@ def _run_model(
         same = next((r for r in rows if chosen[r.strategy].stages == plan.stages), None)
         if same is not None:  # the same plan, stage for stage: one run, two rows
             rows.append(replace(same, strategy=strategy, same_as=same.strategy))
+            priced[strategy] = priced[same.strategy]
             print(f"# {model} {fleet} {strategy}: the plan of {same.strategy}", file=sys.stderr)
             continue
         # This host's speed drifts over minutes: price each plan with unit times measured
@@ -559,7 +560,8 @@ def table(rows: list[Row]) -> str:
             got = {r.strategy: r for r in rows if (r.model, r.fleet) == (model, fleet)}
             if "v2" in got and "v1" in got:
                 v2, v1 = got["v2"], got["v1"]
-                same = " (v1's plan: one run)" if v2.same_as == "v1" else ""
+                one_run = v2.same_as is not None and v2.same_as in ("v1", v1.same_as)
+                same = " (v1's plan: one run)" if one_run else ""
                 lines.append(
                     f"- {model}, {fleet}: v2 ({v2.shape}){same} = "
                     f"{v2.measured_sps / v1.measured_sps:.2f}x v1 measured, "
