@@ -72,8 +72,8 @@ from coordinator.planner.refine import refine
 from coordinator.planner.score import Plan, PlanScore, Stage, for_plan, score_plan
 from coordinator.planner.solve import EXACT_DEVICES, exact_capacity, plan_problem
 from edge.errors import UserError
-from edge.problem import PlanningProblem
-from edge.profiling.fixed_costs import FixedCosts, fixed_costs_of
+from edge.problem import DeviceSpec, PlanningProblem
+from edge.profiling.fixed_costs import fixed_costs_of
 from edge.wire.groups import split_samples
 
 __all__ = ["PARTITIONS", "JobPlan", "Partition", "even_devices", "plan_holders_job", "plan_job"]
@@ -188,7 +188,8 @@ def _fastest_predicted(
     warm = previous is not None and stages is None and not _exact_fleet(problem)
     if problem.version == 2 and not warm:
         searched += [problem] if timed is not None else []
-        searched += [_bytes_priced(timed or problem)] if problem.allows_groups else []
+        if problem.allows_groups and any(_byte_s(d) > 0 for d in problem.devices):
+            searched.append(_bytes_priced(timed or problem))
         searched.append((timed or problem).as_version(1))
     budget = _BUDGET_S / len(searched)
     best: JobPlan | None = None
@@ -235,10 +236,15 @@ def _bytes_priced(problem: PlanningProblem) -> PlanningProblem:
     candidates it yields are judged by :func:`predict` like the others."""
     devices = []
     for d in problem.devices:
-        byte_s = (fixed_costs_of(d) or FixedCosts(0.0, 0.0, 0.0)).byte_s
-        per_byte = 8 / (d.bandwidth_mbps * 1e6) + byte_s
+        per_byte = 8 / (d.bandwidth_mbps * 1e6) + _byte_s(d)
         devices.append(d.model_copy(update={"bandwidth_mbps": 8 / per_byte / 1e6}))
     return problem.model_copy(update={"devices": devices})
+
+
+def _byte_s(device: DeviceSpec) -> float:
+    """The CPU seconds a byte costs ``device`` (its announced ``byte_s``; 0 unmeasured)."""
+    costs = fixed_costs_of(device)
+    return 0.0 if costs is None else costs.byte_s
 
 
 def _exact_fleet(problem: PlanningProblem) -> bool:
