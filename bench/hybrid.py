@@ -88,7 +88,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -115,6 +115,8 @@ from edge.problem import DeviceSpec, PlanningProblem
 from edge.runtime.allocator import tune_malloc
 from edge.runtime.unit_times import measure_unit_times
 from edge.transport.mqtt import MqttTransport
+from edge.wire.groups import sum_waits
+from edge.wire.messages import StepReport
 
 
 def _sibling(name: str) -> ModuleType:
@@ -162,6 +164,11 @@ class Row:
     """Per stage, measured seconds a step summing a group's gradients (0 for one device)."""
     predicted_allreduce_s: list[float]
     """Per stage, the plan's ``R_s``."""
+    allreduce_wait_s: list[float] = field(default_factory=list)
+    """Per stage, the part of ``allreduce_s`` a member waited for the group's last member
+    to start its sum (:func:`~edge.wire.groups.sum_waits`); the rest is the transfer."""
+    allreduce_cpu_s: list[float] = field(default_factory=list)
+    """Per stage, CPU seconds a member's process spent in a step's sum."""
     same_as: str | None = None
     """The strategy whose plan this one is, stage for stage, when it ran first: this row
     is that run's measurement (one run, two rows), not a run of its own."""
@@ -324,6 +331,8 @@ class Measured:
     """Steady-state samples/s: stage 0's step times after the warm-up steps."""
     compute_s: list[float]
     allreduce_s: list[float]
+    allreduce_wait_s: list[float]
+    allreduce_cpu_s: list[float]
     bytes_per_sample: float
     """Bytes every device sent in the steady steps (``StepReport.bytes_sent``: frames that
     crossed the wire, a group's sums included) per sample trained."""
@@ -350,9 +359,26 @@ def measure(
 
     step_s = statistics.mean(r.step_s for r in steady if r.stage == 0)
     sent = sum(r.bytes_sent for r in steady) / (spec.batch_size * (spec.steps - warmup))
+    waits = [_mean_wait([r for r in steady if r.stage == s]) for s in range(len(plan.stages))]
     return Measured(
-        spec.batch_size / step_s, per_stage("compute_s"), per_stage("allreduce_s"), sent
+        spec.batch_size / step_s,
+        per_stage("compute_s"),
+        per_stage("allreduce_s"),
+        waits,
+        per_stage("allreduce_cpu_s"),
+        sent,
     )
+
+
+def _mean_wait(reports: list[StepReport]) -> float:
+    """The mean over one stage's members and steps of a member's wait in the sum for the
+    last member to start its own (0 for a stage of one device)."""
+    waits: list[float] = []
+    for step in sorted({r.step for r in reports}):
+        started = [r.allreduce_started for r in reports if r.step == step]
+        if len(started) > 1 and min(started) > 0:
+            waits += sum_waits(started)
+    return statistics.mean(waits) if waits else 0.0
 
 
 def on_fleet(key: str, models: list[str], method: MethodChoice, work: Work) -> list[Any]:
@@ -375,8 +401,12 @@ def on_fleet(key: str, models: list[str], method: MethodChoice, work: Work) -> l
         try:
             announced = agent_profiles(control, dict(tb.announced))
             for d in devices:
-                fixed = (announced[d.id].details or {}).get("fixed_costs", {})
-                print(f"# {d.id}: fixed costs {fixed}", file=sys.stderr)
+                details = announced[d.id].details or {}
+                print(
+                    f"# {d.id}: fixed costs {details.get('fixed_costs', {})}, "
+                    f"{details.get('cpus')} cores",
+                    file=sys.stderr,
+                )
             for model in models:
                 out += work(tb, control, devices, announced, name, model)
         finally:
@@ -449,6 +479,8 @@ def _run_model(
             [t * args.microbatches for t in guess.compute_s],
             got.allreduce_s,
             list(guess.allreduce_s),
+            got.allreduce_wait_s,
+            got.allreduce_cpu_s,
         )
         rows.append(row)
         print(
@@ -456,8 +488,9 @@ def _run_model(
             f"predicted {row.predicted_sps:.1f} ({row.ratio:.2f}), {row.fraction:.0%} of the "
             f"ideal {row.ideal_sps:.1f}, in {time.perf_counter() - started:.0f} s; per stage "
             f"compute {_rounded(row.compute_s)} predicted {_rounded(row.predicted_compute_s)}, "
-            f"all-reduce {_rounded(row.allreduce_s)} predicted "
-            f"{_rounded(row.predicted_allreduce_s)}",
+            f"all-reduce {_rounded(row.allreduce_s)} (waiting {_rounded(row.allreduce_wait_s)}, "
+            f"CPU {_rounded(row.allreduce_cpu_s)}) predicted "
+            f"{_rounded(row.predicted_allreduce_s)} (the links' {_rounded(score.allreduce_s)})",
             file=sys.stderr,
         )
     return rows

@@ -67,7 +67,7 @@ from edge.models.user_code import ZOO_ONLY, CodeAllowance
 from edge.problem import DeviceSpec
 from edge.profiling.device import cgroup_limits
 from edge.profiling.fixed_costs import (
-    measure_cpu_share,
+    cpu_quota_of,
     measure_transport_byte_s,
     time_publish,
     with_publish_cost,
@@ -223,30 +223,26 @@ class Agent:
 
     def _time_transport_bytes(self) -> None:
         """Replace the profile's per-byte cost by one measured through this connection,
-        the broker and back (:func:`~edge.profiling.fixed_costs.measure_transport_byte_s`;
-        over the share of a core it gets: its CPU quota's; in a CPU cgroup whose quota is
-        out of sight, :func:`~edge.profiling.fixed_costs.measure_cpu_share`; else a whole
-        core, whatever else runs on the host). Runs before the worker starts, never on the
-        network thread, whose deliveries it waits for. A failure keeps the profile's."""
+        the broker and back (:func:`~edge.profiling.fixed_costs.measure_transport_byte_s`),
+        over the share of a core it runs with: the one its profile announces a quota will
+        hold it to (``details["cpu_quota"]``, a testbed's: [Note: the transport probe's
+        share of a core]), else its cgroup's quota, else a whole core. Runs before the
+        worker starts, never on the network thread, whose deliveries it waits for. A
+        failure keeps the profile's."""
         assert self._profile is not None
-        limits = cgroup_limits()
-        share = 1.0
-        if limits.cpu_quota_cores:
-            share = min(1.0, limits.cpu_quota_cores)
-        elif limits.cpu_hidden:
-            share = measure_cpu_share()
+        share = cpu_quota_of(self._profile) or cgroup_limits().cpu_quota_cores or 1.0
         try:
             byte_s = measure_transport_byte_s(
-                self.transport, device_probe(self.device_id), cpu_share=share
+                self.transport, device_probe(self.device_id), cpu_share=min(1.0, share)
             )
         except (UserError, ConnectionError) as exc:
             log.warning("kept the probe's per-byte cost: %s", exc)
             return
         self._profile = with_transport_byte_cost(self._profile, byte_s)
         log.info(
-            "transport: %.1f ms per MiB of tensors at %.2f of a core",
+            "transport: %.1f ms per MiB of tensors at %.3f of a core",
             byte_s * (1 << 20) * 1e3,
-            share,
+            min(1.0, share),
         )
 
     def _connect(self) -> bool:

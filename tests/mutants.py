@@ -445,8 +445,17 @@ MUTANTS = [
         name="predict-free-gradient-bytes",
         what="the cost model forgets the CPU a group's members spend moving gradients",
         path="coordinator/planner/predict.py",
-        old="allreduce[s] += (sent + received) / 2 * params * worst",
-        new="allreduce[s] += 0.0",
+        old="allreduce[s] = max(allreduce[s], _sum_bytes_s(problem, st, fixed))",
+        new="allreduce[s] = max(allreduce[s], 0.0)",
+        tests=("tests/unit/coordinator/planner/test_predict.py",),
+    ),
+    Mutant(
+        name="predict-sum-links-then-bytes",
+        what="the cost model charges a group's sum its links' time and then its bytes' time, "
+        "where the pieces keep both busy at once (measured: the sum takes the longer)",
+        path="coordinator/planner/predict.py",
+        old="allreduce[s] = max(allreduce[s], _sum_bytes_s(problem, st, fixed))",
+        new="allreduce[s] += _sum_bytes_s(problem, st, fixed)",
         tests=("tests/unit/coordinator/planner/test_predict.py",),
     ),
     Mutant(
@@ -491,12 +500,12 @@ MUTANTS = [
         ),
     ),
     Mutant(
-        name="transport-probe-ignores-share",
-        what="the transport probe prices a byte at its CPU time, not at the time that CPU "
-        "takes on a device with a fraction of a core",
+        name="transport-probe-counts-warm-up",
+        what="the transport probe counts its warm-up round, whose first frames pay for "
+        "buffers and page faults the sum does not",
         path="edge/profiling/fixed_costs.py",
-        old="return cpu / sent / cpu_share",
-        new="return cpu / sent",
+        old="if r > 0:  # the first round warms up",
+        new="if True:  # the first round warms up",
         tests=("tests/unit/edge/profiling/test_transport_byte_cost.py",),
     ),
 ]

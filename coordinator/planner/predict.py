@@ -22,14 +22,15 @@ prediction every job shows and plans by, :func:`predict`:
 - link per microbatch: the spec's ``C_s`` plus one frame's fixed cost on each
   side (the activation's sender, the gradient's sender), plus the CPU its bytes
   cost each member both ways (its share of them times its ``byte_s``);
-- a group's sum: the spec's ``R_s`` (each member's link still receives
-  ``2 (g - 1) / g`` of the gradients) plus the CPU of what each member moves, at
-  the slowest member's ``byte_s``: it publishes the whole vector's size (the
-  all-gather is one publish, fanned out by the broker: [Note: the all-gather is
-  one publish] in :mod:`edge.runtime.group_sum`) and receives ``2 (g - 1) / g``
-  of it (:func:`edge.wire.groups.sum_traffic`); ``byte_s`` prices a byte sent
-  and received together (the probe publishes to itself), so each side at half
-  of it (on a slow device the sum is CPU-bound, not link-bound);
+- a group's sum: the larger of the spec's ``R_s`` (each member's link still
+  receives ``2 (g - 1) / g`` of the gradients) and the time of what each member
+  moves at the slowest member's ``byte_s``: it publishes the whole vector's size
+  (the all-gather is one publish, fanned out by the broker: [Note: the all-gather
+  is one publish] in :mod:`edge.runtime.group_sum`) and receives ``2 (g - 1) / g``
+  of it (:func:`edge.wire.groups.sum_traffic`); ``byte_s`` prices a byte sent and
+  received together (the probe publishes to itself), so each side at half of it.
+  The larger, not the sum: the pieces keep both busy at once (see [Note: a group's
+  sum is the larger of its links and its bytes]);
 - per step: the slowest stage's fixed cost per step plus one frame (its report),
   and on a pipeline the labels stage 0 sends the last stage, one frame each
   (none when the labels stay home: a U-shaped plan, whose holders compute both
@@ -58,7 +59,7 @@ from typing import Any
 
 import torch
 
-from coordinator.planner.score import Plan, for_plan, score_plan
+from coordinator.planner.score import Plan, Stage, for_plan, score_plan
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem
 from edge.profiling.fixed_costs import PROBE_BLOCKS, FixedCosts, fixed_costs_of
@@ -247,11 +248,8 @@ def predict(
     allreduce = list(spec.allreduce_s)
     for s, st in enumerate(plan.stages):
         share = spec.shares[s]
-        if len(st.devices) > 1:  # each member's CPU: what it sends and receives, half each
-            sent, received = sum_traffic(len(st.devices))
-            params = sum(unit.param_bytes for unit in problem.layers[st.start : st.end])
-            worst = max(fixed[i].byte_s for i in st.devices)
-            allreduce[s] += (sent + received) / 2 * params * worst
+        if len(st.devices) > 1:  # what each member sends and receives, half each
+            allreduce[s] = max(allreduce[s], _sum_bytes_s(problem, st, fixed))
         t = spec.compute_s[s]
         if units is not None:  # the member that takes longest on its share
             t = max(
@@ -297,6 +295,31 @@ def predict(
         allreduce_s=allreduce,
         spec_step_time_s=spec.step_time_s,
     )
+
+
+def _sum_bytes_s(problem: PlanningProblem, stage: Stage, fixed: Mapping[str, FixedCosts]) -> float:
+    """Seconds a step's sum of ``stage``'s group takes its members to move their bytes (at
+    the slowest member's ``byte_s``): the vector's size sent, ``2 (g - 1) / g`` of it
+    received, each byte at half of ``byte_s`` (which prices one sent and received).
+
+    [Note: a group's sum is the larger of its links and its bytes]
+    A chunk travels in pieces ([Note: pieces of a chunk] in
+    :mod:`edge.runtime.group_sum`), so a member's link carries one piece while its
+    CPU encodes, decodes or adds another: the sum takes the longer of the two, not
+    both. Measured on ``bench/hybrid.py``'s four agents at 0.117 of a core on
+    940 Mbit/s links, data parallel (``R_s`` 0.47 s for vgg11, 0.57 s for
+    resnet18): the sum's transfer (less the wait for the last member's start,
+    ``allreduce_started``) took 2.08 s and 2.78 s a step, what its process's CPU
+    takes at that share (2.13 s, 2.81 s), not that plus ``R_s``. The rest of a
+    measured sum, each member's wait for the last member to start its own
+    (:func:`edge.wire.groups.sum_waits`: 0.09-0.40 s a step, 4-15% of the sum, in
+    six runs on a host busy with other work), is not priced: it is the spread of
+    the members' compute, which nothing a device announces predicts.
+    """
+    sent, received = sum_traffic(len(stage.devices))
+    params = sum(unit.param_bytes for unit in problem.layers[stage.start : stage.end])
+    worst = max(fixed[i].byte_s for i in stage.devices)
+    return (sent + received) / 2 * params * worst
 
 
 def timed_problem(problem: PlanningProblem, units: UnitSeconds) -> PlanningProblem:

@@ -60,14 +60,18 @@ class EmulatedDevice:
         """What its agent announces: the emulated speed it gets here, the profile's link,
         and this machine's fixed costs (``core_fixed``, one free core's): under a CPU
         ``quota`` (the kernel method, which limits every instruction the agent runs)
-        they take ``1 / cpus`` as long, else (the software throttle, which stretches
-        compute only) as long as on a free core."""
+        they take ``1 / cpus`` as long, and ``details["cpu_quota"]`` says the share (the
+        agent prices its own transport probe by it: [Note: the transport probe's share
+        of a core] in :mod:`edge.profiling.fixed_costs`), else (the software throttle,
+        which stretches compute only) as long as on a free core."""
         details: dict[str, object] = {
             "emulates": self.source.id,
             "emulated_gflops": self.source.gflops,
             "cpus": self.cpus,
             "core_gflops": core_gflops,
         }
+        if quota:  # the agent's transport probe runs before it is written
+            details["cpu_quota"] = min(1.0, self.cpus)
         if core_fixed:
             stretch = 1 / min(1.0, self.cpus) if quota else 1.0
             details["fixed_costs"] = {k: v * stretch for k, v in core_fixed.items()}

@@ -31,12 +31,12 @@ fields; the score ignores ``details``):
   replaces it, once connected, by the same bytes through its own transport
   (:func:`measure_transport_byte_s`, :func:`with_transport_byte_cost`): frames of
   a group sum's piece size published to itself through the broker on its
-  private topic (:func:`~edge.wire.topics.device_probe`), decoded and added as
-  they arrive; the CPU time of the whole process (TLS, the client's network
+  private topic (:func:`~edge.wire.topics.device_probe`), filed in an inbox and
+  taken and added from there, a vector flattened before and copied back after, as
+  the sum does; the CPU time of the whole process (TLS, the client's network
   thread and copies included; the link's time excluded, which the link's own
-  terms price) over the bytes, divided by the share of a core it gets (a CPU
-  quota's, or where its cgroup is out of sight, as in ``ip netns exec``, what a
-  short busy loop gets: :func:`measure_cpu_share`);
+  terms price) over the bytes, over the share of a core it runs with (a CPU
+  quota's: [Note: the transport probe's share of a core]);
   ``details["transport_byte_ms_per_mib"]`` says it was measured so.
 
 :func:`fixed_costs_of` reads them back from a device; ``None`` for a device
@@ -59,6 +59,7 @@ from edge.errors import UserError
 from edge.problem import DeviceSpec
 from edge.runtime.group_sum import PIECE_BYTES
 from edge.runtime.stage import StageRuntime
+from edge.transport.base import Expected, Inbox
 from edge.transport.inprocess import InProcessTransport
 from edge.wire.frames import Codec, Kind, decode_frame, encode_frame
 from edge.wire.messages import StageAssignment
@@ -67,10 +68,11 @@ __all__ = [
     "PROBE_BLOCKS",
     "PROBE_MICROBATCHES",
     "TRANSPORT_PROBE_BYTES",
+    "TRANSPORT_PROBE_ROUNDS",
     "FixedCosts",
     "Loopback",
+    "cpu_quota_of",
     "fixed_costs_of",
-    "measure_cpu_share",
     "measure_fixed_costs",
     "measure_transport_byte_s",
     "time_publish",
@@ -244,8 +246,14 @@ def with_publish_cost(device: DeviceSpec, seconds: float) -> DeviceSpec:
     return device.model_copy(update={"details": details})
 
 
-TRANSPORT_PROBE_BYTES = 4 << 20
-"""Bytes of frames an agent sends itself through the broker to time its transport."""
+TRANSPORT_PROBE_BYTES = 2 << 20
+"""Bytes of frames an agent sends itself through the broker in one round of timing its
+transport."""
+
+TRANSPORT_PROBE_ROUNDS = 3
+
+_PROBE_JOB = "fixed-costs"
+"""Rounds of :data:`TRANSPORT_PROBE_BYTES` the transport probe times (after one to warm up)."""
 
 
 class Loopback(Protocol):
@@ -269,63 +277,96 @@ def measure_transport_byte_s(
     *,
     total_bytes: int = TRANSPORT_PROBE_BYTES,
     piece_bytes: int = PIECE_BYTES,
+    rounds: int = TRANSPORT_PROBE_ROUNDS,
     timeout_s: float = 30.0,
     cpu_share: float = 1.0,
     cpu_clock: Callable[[], float] = time.process_time,
 ) -> float:
     """Seconds per byte a tensor costs this device through ``transport``, both sides: frames
     of ``piece_bytes`` (``total_bytes`` in all, at least one) published to ``topic``, which
-    ``transport`` subscribes to, each decoded and added into a sum as it arrives (as a
-    group's sum does). It is ``cpu_clock``'s seconds over the bytes, over ``cpu_share``
-    (the cores a CPU quota leaves this process, when under one): the CPU it costs, as the
-    time it takes, without the link's. Frames that are not all back within
-    ``timeout_s`` (no broker, or one that refuses the topic) raise a one-line
-    :class:`UserError`."""
+    ``transport`` subscribes to, each filed in an inbox as a group's chunk from a peer,
+    taken and added into a sum (a vector flattened before, copied back after: what a
+    group's sum does with each byte); ``cpu_clock``'s seconds from the first publish
+    until the last frame is added, over the bytes sent, over ``cpu_share`` (the cores a
+    CPU quota leaves this process: [Note: the transport probe's share of a core]). One
+    round warms up (buffers, the first frames' page faults); the cost is the median of
+    the next ``rounds``. Frames that are not all back within ``timeout_s`` of a round's
+    start (no broker, or one that refuses the topic) raise a one-line :class:`UserError`.
+
+    [Note: the transport probe's share of a core]
+    CPU time, which a quota does not change, over the share of a core the device
+    will run with, given, not measured: on the testbed a quota is written only once
+    the agent is online ([Note: agents start unthrottled] in
+    :mod:`coordinator.testbed.testbed`), after this probe, so what the probe sees of
+    its share is not what the sum gets: a busy loop read 0.17-0.37 of a core under a
+    quota of 0.117, and the wall clock, under one of 0.114, 24-29 ns a byte where the
+    sum paid 46. Measured on ``bench/hybrid.py``'s four agents at 0.11-0.13 of a
+    core, data parallel, vgg11 and resnet18: a sum's transfer (less the wait for the
+    last member's start) took 0.99-1.06 times its process's CPU over the quota, and
+    that CPU was 5.1-7.5 ns per byte moved (over half of what it sent and received;
+    more on a busier host); this probe read 5.7-7.1 ns a byte on the same agents.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1 (got {rounds})")
     if not cpu_share > 0:
         raise ValueError(f"cpu_share must be positive (got {cpu_share})")
     pieces = max(1, total_bytes // piece_bytes)
-    tensor = torch.randn(max(1, piece_bytes // 4))
-    total = torch.zeros_like(tensor)
-    arrived, done = [0], threading.Event()
+    piece = max(1, piece_bytes // 4)
+    chunk = piece * pieces
+    ranges = tuple((lo, lo + piece) for lo in range(0, chunk, piece))
+    grad = torch.randn(chunk)
+    # The frames come back into an inbox that expects them as a group's sum's chunk from
+    # member 1, and are taken and added from there, as the sum takes its peers' pieces.
+    inbox = Inbox(_PROBE_JOB, 0, 0)
+    expected = Expected((chunk,), frozenset({torch.float32}), ranges)
+    inbox.expect({Kind.REDUCE: expected}, microbatches=1, step=0, members=2)
 
     def on_frame(_topic: str, payload: bytes) -> None:
-        total.add_(decode_frame(payload).tensor)
-        arrived[0] += 1
-        if arrived[0] >= pieces:
-            done.set()
+        inbox.deliver(payload, "reduce", 1)
 
     transport.subscribe(topic, on_frame, qos=1)
+    times = []
     try:
-        sent = 0
-        t0 = cpu_clock()
-        for i in range(pieces):
-            frame = encode_frame(Kind.REDUCE, "fixed-costs", i, 0, tensor, Codec.RAW)
-            transport.publish(topic, frame, qos=1)
-            sent += len(frame)
-        if not done.wait(timeout_s):
-            raise UserError(
-                f"transport probe: {arrived[0]} of {pieces} frames came back on {topic} "
-                f"within {timeout_s:g} s (is the broker there, and does it allow the topic?)"
-            )
-        cpu = cpu_clock() - t0
+        for r in range(rounds + 1):
+            inbox.forget_before(r)
+            t0, sent = cpu_clock(), 0
+            vector = torch.zeros(chunk)  # flattened, sent, summed, copied back: as the sum
+            torch.cat([grad], out=vector)
+            for lo, hi in ranges:
+                frame = encode_frame(
+                    Kind.REDUCE, _PROBE_JOB, r, 1, vector[lo:hi], Codec.RAW, first=lo
+                )
+                transport.publish(topic, frame, qos=1)
+                sent += len(frame)
+            mine = torch.zeros(chunk)
+            mine += vector
+            for n, (lo, hi) in enumerate(ranges):
+                try:
+                    mine[lo:hi] += inbox.take(Kind.REDUCE, r, 1, timeout_s, first=lo).tensor
+                except TimeoutError:
+                    raise UserError(
+                        f"transport probe: {n} of {pieces} frames came back on {topic} "
+                        f"within {timeout_s:g} s (is the broker there, and does it allow "
+                        "the topic?)"
+                    ) from None
+            grad.copy_(mine)
+            elapsed = cpu_clock() - t0
+            if r > 0:  # the first round warms up
+                times.append(elapsed / sent)
     finally:
         transport.unsubscribe(topic)
-    return cpu / sent / cpu_share
+        inbox.close()
+    return statistics.median(times) / cpu_share
 
 
-def measure_cpu_share(
-    seconds: float = 0.5,
-    *,
-    cpu_clock: Callable[[], float] = time.process_time,
-    wall_clock: Callable[[], float] = time.perf_counter,
-) -> float:
-    """The share of a core this process gets, in ``(0, 1]``: the CPU seconds a busy loop
-    of ``seconds`` (several periods of a CFS quota) gets over the seconds it spun."""
-    cpu0, wall0 = cpu_clock(), wall_clock()
-    while (wall := wall_clock()) - wall0 < seconds:
-        pass
-    cpu = cpu_clock() - cpu0
-    return min(1.0, max(1e-3, cpu / max(wall - wall0, 1e-9)))
+def cpu_quota_of(device: DeviceSpec) -> float | None:
+    """The share of a core a CPU quota will hold ``device`` to, as its profile announces
+    (``details["cpu_quota"]``: a testbed's emulated device, whose quota is written once its
+    agent is online); ``None`` when it announces none, or not a positive number."""
+    got = (device.details or {}).get("cpu_quota")
+    if isinstance(got, bool) or not isinstance(got, (int, float)) or not got > 0:
+        return None
+    return float(got)
 
 
 def with_transport_byte_cost(device: DeviceSpec, seconds: float) -> DeviceSpec:

@@ -39,6 +39,8 @@ place: once, after the step's last backward.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from edge.transport.base import Channel, Expected, Inbox, Transport
@@ -73,6 +75,12 @@ class GroupSum:
         """The element ranges of a chunk that travel as one frame each."""
         self.bytes_sent = 0
         """Bytes sent by the last :meth:`sum`."""
+        self.started = 0.0
+        """When the last :meth:`sum` started (Unix seconds): with the other members' own,
+        what this member waited for the last of them (:func:`edge.wire.groups.sum_waits`)."""
+        self.cpu_s = 0.0
+        """CPU seconds of this whole process (the client's network thread included) during
+        the last :meth:`sum`."""
 
     @property
     def expected(self) -> dict[Kind, Expected]:
@@ -84,6 +92,13 @@ class GroupSum:
         """Replace every gradient by the group's sum; the group's loss (``None`` off the
         last stage). A parameter without a gradient counts as zeros, so every member
         sums the same vector."""
+        self.started, cpu0 = time.time(), time.process_time()
+        try:
+            return self._sum(inbox, step, loss)
+        finally:
+            self.cpu_s = time.process_time() - cpu0
+
+    def _sum(self, inbox: Inbox, step: int, loss: float | None) -> float | None:
         a, g, me, c = self.a, self.members, self.a.member, self.chunk
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         parts = [t.detach().reshape(-1).float().cpu() for t in grads]

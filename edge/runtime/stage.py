@@ -326,7 +326,7 @@ class StageRuntime:
         timeout = a.recv_timeout_s
         started = time.perf_counter()
         received_before = self.inbox.bytes_received
-        compute = wait = send = reduce = 0.0
+        compute = wait = send = reduce = reduce_started = reduce_cpu = 0.0
         sent = reduce_bytes = 0
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
@@ -413,6 +413,7 @@ class StageRuntime:
             loss = self.group_sum.sum(self.inbox, step, loss)
             reduce = time.perf_counter() - t0
             reduce_bytes = self.group_sum.bytes_sent
+            reduce_started, reduce_cpu = self.group_sum.started, self.group_sum.cpu_s
             sent += reduce_bytes
         if self.data_parallel is not None and a.group_size > 1:
             t0 = time.perf_counter()
@@ -451,6 +452,8 @@ class StageRuntime:
             frames_dropped=sum(self.inbox.dropped.values()),
             allreduce_s=reduce,
             allreduce_bytes=reduce_bytes,
+            allreduce_started=reduce_started,
+            allreduce_cpu_s=reduce_cpu,
         )
 
     def run(self, first_step: int | None = None) -> int:

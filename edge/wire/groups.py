@@ -46,7 +46,10 @@ gradients, so a step equals single-device training on the whole batch.
   Every member then holds the same summed gradients (the whole batch's) and the
   whole step's loss, steps the same optimizer and keeps the same weights. Each
   member publishes ``g`` chunks per step, the vector's size, and receives
-  ``2 (g - 1)``, ``2 (g - 1) / g`` of it (:func:`sum_traffic`).
+  ``2 (g - 1)``, ``2 (g - 1) / g`` of it (:func:`sum_traffic`). Each member's step
+  report says when its sum started (``allreduce_started``) and the CPU it cost
+  (``allreduce_cpu_s``): a sum waits for the last member to start
+  (:func:`sum_waits`), and the rest of ``allreduce_s`` is the transfer.
   Over torch.distributed (:mod:`edge.transport.dist`) the same sum is one bucketed
   all-reduce over the members' process group instead
   (:meth:`edge.server.data_parallel.DataParallel.sum_gradients`), with no frames.
@@ -65,7 +68,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["blocks", "chunk_size", "overlap", "pieces", "split_samples", "sum_traffic"]
+__all__ = [
+    "blocks",
+    "chunk_size",
+    "overlap",
+    "pieces",
+    "split_samples",
+    "sum_traffic",
+    "sum_waits",
+]
 
 Block = tuple[int, int]
 """Rows ``[lo, hi)`` of a microbatch."""
@@ -134,3 +145,13 @@ def sum_traffic(members: int) -> tuple[float, float]:
     if members <= 1:
         return (0.0, 0.0)
     return (1.0, 2 * (members - 1) / members)
+
+
+def sum_waits(started: Sequence[float]) -> list[float]:
+    """Each member's wait, in a step's sum, for the last member to start its own: the
+    latest of the members' start times (their reports' ``allreduce_started``, one clock)
+    less its own. A member's ``allreduce_s`` less its wait is the transfer proper."""
+    if not started:
+        raise ValueError("sum_waits: no members' start times")
+    last = max(started)
+    return [last - t for t in started]

@@ -281,6 +281,14 @@ class StepReport(_Event):
     allreduce_bytes: int = 0
     """A group's member: bytes it sent summing the group's gradients (in ``bytes_sent``);
     over torch.distributed, the bytes of the vector it all-reduced (c10d's own traffic)."""
+    allreduce_started: float = Field(default=0.0, ge=0.0)
+    """A group's member over MQTT: when its sum started (Unix seconds, 0: no sum), right
+    after its last backward. The sum cannot finish before the last member starts its own,
+    so ``max(started over the group) - started`` of ``allreduce_s`` is this member's wait
+    for the slowest, the rest the transfer (:func:`edge.wire.groups.sum_waits`)."""
+    allreduce_cpu_s: float = Field(default=0.0, ge=0.0)
+    """A group's member over MQTT: CPU seconds its whole process spent during the sum
+    (encoding, the client library, TLS, decoding, adding; its network thread included)."""
 
 
 class StageDone(_Event):

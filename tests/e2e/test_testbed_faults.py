@@ -101,10 +101,14 @@ def test_kill_and_join_faults_posted_to_a_testbed_job(state_dir: Path) -> None:
             assert len(faults) == 1 and faults[0]["fired"] and "SIGKILL" in faults[0]["done"]
             victim = faults[0]["device"]
             assert [f["device"] for f in _events(api, job, "failure")] == [victim]
-            # Killed once step 6 is reported, so the last loss is step 6; with replicas every
-            # 2 steps those of step 6 were complete before it: exactly step 6 is redone.
+            # Killed once step 6 is reported: the first attempt finished step 6 (its losses
+            # reach step 6), or under load step 7 too before the kill landed and the death
+            # was seen. It rolls back to the newest replica complete by then (every 2 steps:
+            # step 6, or 8 if step 7's had all come) and redoes what it finished past it.
             recoveries = _events(api, job, "recovery")
-            assert [(r["rollback_to"], r["redo_steps"]) for r in recoveries] == [(6, 1)], recoveries
+            assert len(recoveries) == 1, recoveries
+            back, redo = recoveries[0]["rollback_to"], recoveries[0]["redo_steps"]
+            assert back in (6, 8) and back + redo in (7, 8), recoveries
             resumed = _events(api, job, "resumed")
             assert resumed and 0 < resumed[0]["recovery_s"] < 60, resumed
             attempts = _events(api, job, "attempt")

@@ -234,8 +234,10 @@ def test_group_sizes_on_agents_of_different_speeds_split_by_speed(tmp_path: Path
             "even",
             "--group-sizes",
             "2,1",
+            # One microbatch of 16: the Pi keeps a sample down to a share of 1/32 (a loaded
+            # run measured the NUC 19x the Pi, a share of 0.049: none of a microbatch of 8).
             "--microbatches",
-            "2",
+            "1",
             "--json",
             "--save-weights",
             str(out),
@@ -247,5 +249,5 @@ def test_group_sizes_on_agents_of_different_speeds_split_by_speed(tmp_path: Path
     # Unequal, by the speeds the agents measured (noisy on a busy machine): the NUC
     # computes several times what the Pi does.
     assert fast > 2 * slow
-    independent = train_reference("mlp", steps=4, batch_size=16, seed=1, microbatches=2)
+    independent = train_reference("mlp", steps=4, batch_size=16, seed=1, microbatches=1)
     assert_matches(got["losses"], safetensors.torch.load_file(str(out)), independent)

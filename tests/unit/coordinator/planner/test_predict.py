@@ -10,6 +10,8 @@ Claims under test:
 - without fixed costs or unit seconds it is the spec's score;
 - the spec's score of a problem ignores the fixed costs its devices carry, and so
   does ``edgetrain plan --problem FILE --json``;
+- a group's sum takes the longer of the spec's ``R_s`` and its members' bytes at the
+  slowest one's ``byte_s``, not both;
 - :func:`plan_job` keeps a stage only where it pays under the fixed costs: a plan
   the spec's score puts on two stages runs on one when frames cost enough;
 - a group member's compute is the units' fixed part whole plus its share of the
@@ -235,10 +237,11 @@ def test_a_measured_device_is_scaled_by_its_best_matmul_rate_over_its_slowdown()
     assert predict(measured, TWO).compute_s == pytest.approx([0.6 + 0.01 * 2 / 3, 0.32], rel=REL)
 
 
-def test_bytes_cost_each_side_its_cpu_and_a_groups_sum_its_cpu() -> None:
-    """``byte_s``: a link's bytes (both ways, each member's share) and a group's sum
-    (the gradients' size sent, ``2 (g - 1) / g`` of them received, each side at half the
-    slowest member's rate) cost CPU on top."""
+def test_bytes_cost_each_side_its_cpu_and_a_groups_sum_the_longer_of_links_and_bytes() -> None:
+    """``byte_s``: a link's bytes (both ways, each member's share) cost CPU on top; a
+    group's sum takes the longer of the spec's ``R_s`` and its members' bytes (the
+    gradients' size sent, ``2 (g - 1) / g`` of them received, each side at half the
+    slowest member's rate)."""
     slow = {"microbatch_s": 0.0, "step_s": 0.0, "frame_s": 0.0, "byte_s": 1e-8}
     fast = {**slow, "byte_s": 2e-9}
     problem = _problem({"a": slow, "b": fast})
@@ -246,7 +249,7 @@ def test_bytes_cost_each_side_its_cpu_and_a_groups_sum_its_cpu() -> None:
     got = predict(problem, TWO)
     # b = 2 samples a microbatch, 125 kB out each: 2 x 2 x 125000 bytes at a's 1e-8 s/B.
     assert got.link_s[0] == pytest.approx(spec.link_s[0] + 2 * 2 * 125_000 * 1e-8, rel=REL)
-    # A group of a and b over both layers, 1 MB of gradients: each moves half of it.
+    # A group of a and b over both layers, 1 MB of gradients.
     heavy = problem.model_copy(
         update={
             "version": 2,
@@ -255,15 +258,32 @@ def test_bytes_cost_each_side_its_cpu_and_a_groups_sum_its_cpu() -> None:
     )
     group = Plan((Stage.group(["a", "b"], 0, 2),))
     plain = score_plan(heavy, group)
-    assert predict(heavy, group).step_time_s == pytest.approx(
-        plain.step_time_s + 2 * (2 - 1) / 2 * 1_000_000 * 1e-8, rel=REL
+    # R = 2 (g - 1) x 1 ms + 2 (g - 1) / g x 1 MB x 8 / 100 Mbit/s = 0.002 + 0.08.
+    link = 0.002 + 0.08
+    assert plain.allreduce_s == pytest.approx([link], rel=REL)
+    # Each member sends 1 MB and receives 1 MB, each side at half of a's 1e-8 s/B: 0.01 s,
+    # under the links' 0.082 s, which stand alone.
+    assert predict(heavy, group).allreduce_s == pytest.approx([link], rel=REL)
+    assert predict(heavy, group).step_time_s == pytest.approx(plain.step_time_s, rel=REL)
+    # At 1e-7 s/B the bytes take 0.1 s, over the links' 0.082 s: the sum takes 0.1 s.
+    dear = {**slow, "byte_s": 1e-7}
+    costly = _problem({"a": dear, "b": fast}).model_copy(
+        update={"version": 2, "layers": heavy.layers}
     )
-    # Three members: each sends 1 MB (its chunks, its sum once) and receives 4/3 MB.
-    devices = [*heavy.devices, heavy.devices[1].model_copy(update={"id": "c"})]
-    trio = heavy.model_copy(update={"devices": devices})
+    got_dear = predict(costly, group)
+    assert got_dear.allreduce_s == pytest.approx([0.1], rel=REL)
+    assert got_dear.step_time_s == pytest.approx(plain.step_time_s - link + 0.1, rel=REL)
+    # Three members: each sends 1 MB (its chunks, its sum once) and receives 4/3 MB:
+    # (1 + 4/3) / 2 x 1 MB x 1e-7 = 0.11667 s, over R = 4 x 1 ms + 4/3 x 0.08 = 0.11067 s.
+    devices = [*costly.devices, costly.devices[1].model_copy(update={"id": "c"})]
+    trio = costly.model_copy(update={"devices": devices})
     three = Plan((Stage.group(["a", "b", "c"], 0, 2),))
-    assert predict(trio, three).step_time_s == pytest.approx(
-        score_plan(trio, three).step_time_s + (1 + 4 / 3) / 2 * 1_000_000 * 1e-8, rel=REL
+    assert score_plan(trio, three).allreduce_s == pytest.approx([0.004 + 0.08 * 4 / 3], rel=REL)
+    got_three = predict(trio, three)
+    assert got_three.allreduce_s == pytest.approx([(1 + 4 / 3) / 2 * 1e6 * 1e-7], rel=REL)
+    assert got_three.step_time_s == pytest.approx(
+        score_plan(trio, three).step_time_s - (0.004 + 0.08 * 4 / 3) + (1 + 4 / 3) / 2 * 0.1,
+        rel=REL,
     )
 
 

@@ -4,18 +4,19 @@
 Claims under test, on an in-memory loopback (the real broker is in
 ``tests/integration/test_agent_fixed_costs.py``):
 
-- every frame sent comes back decoded, and the cost is the CPU clock's seconds over
-  the bytes sent, over the share of a core the device has;
+- every frame sent comes back decoded, and the cost is the CPU clock's seconds from
+  a round's first publish until its last frame is back, over the bytes sent, over
+  the share of a core: the median of the rounds after the first, which warms up;
 - frames that do not come back raise a one-line :class:`UserError` within the
   timeout, and the subscription is ended either way;
-- the share of a core is the CPU clock over the wall clock of a busy loop, in (0, 1];
+- a device's announced quota (:func:`cpu_quota_of`) is read back only when it is a
+  positive number;
 - :func:`with_transport_byte_cost` replaces only ``byte_s`` and says so in details,
   and leaves a device without fixed costs alone.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import pytest
@@ -24,8 +25,8 @@ from edge.errors import UserError
 from edge.problem import DeviceSpec
 from edge.profiling.fixed_costs import (
     FixedCosts,
+    cpu_quota_of,
     fixed_costs_of,
-    measure_cpu_share,
     measure_transport_byte_s,
     with_transport_byte_cost,
 )
@@ -55,21 +56,23 @@ class _Loopback:
         self.callbacks.pop(topic, None)
 
 
-def test_the_cost_is_cpu_seconds_over_the_bytes_over_the_share_of_a_core() -> None:
+def test_the_cost_is_the_median_round_after_a_warm_up_over_the_bytes() -> None:
     loop = _Loopback()
-    clock = itertools.count(start=10.0, step=0.5)  # 0.5 s of CPU between the two reads
+    # Each round reads the clock twice: 9 s for the warm-up, then 0.3, 0.9 and 0.5 s.
+    reads = iter([0.0, 9.0, 10.0, 10.3, 20.0, 20.9, 30.0, 30.5])
     got = measure_transport_byte_s(
         loop,
         "probe",
         total_bytes=1 << 20,
         piece_bytes=256 << 10,
+        rounds=3,
         cpu_share=0.25,
-        cpu_clock=lambda: next(clock),
+        cpu_clock=lambda: next(reads),
     )
-    assert len(loop.sent) == 4 and loop.unsubscribed == ["probe"]
+    assert len(loop.sent) == 4 * 4 and loop.unsubscribed == ["probe"]
     assert all(decode_frame(f).tensor.numel() == (256 << 10) // 4 for f in loop.sent)
-    sent = sum(len(f) for f in loop.sent)
-    assert got == pytest.approx(0.5 / sent / 0.25, rel=1e-12)
+    per_round = sum(len(f) for f in loop.sent[:4])
+    assert got == pytest.approx(0.5 / per_round / 0.25, rel=1e-12)
 
 
 def test_frames_that_do_not_come_back_fail_clearly() -> None:
@@ -77,7 +80,9 @@ def test_frames_that_do_not_come_back_fail_clearly() -> None:
     with pytest.raises(UserError, match=r"0 of 2 frames came back on probe within 0.05 s"):
         measure_transport_byte_s(loop, "probe", total_bytes=2, piece_bytes=1, timeout_s=0.05)
     assert loop.unsubscribed == ["probe"]
-    with pytest.raises(ValueError, match="cpu_share"):
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        measure_transport_byte_s(_Loopback(), "probe", rounds=0)
+    with pytest.raises(ValueError, match="cpu_share must be positive"):
         measure_transport_byte_s(_Loopback(), "probe", cpu_share=0.0)
 
 
@@ -99,13 +104,15 @@ def test_the_measured_cost_replaces_only_byte_s() -> None:
     assert with_transport_byte_cost(bare, 2e-8) == bare
 
 
-def test_the_share_of_a_core_is_cpu_over_wall_of_a_busy_loop() -> None:
-    wall = itertools.count(start=0.0, step=0.125)
-    cpu = itertools.count(start=0.0, step=0.025)  # 0.025 s of CPU for 0.125 s of spinning
-    share = measure_cpu_share(0.5, cpu_clock=lambda: next(cpu), wall_clock=lambda: next(wall))
-    # wall: 0 then 0.125 ... 0.5 (the loop's last read); cpu: 0 then its second read
-    assert share == pytest.approx(0.025 / 0.5, rel=1e-9)
-    wall = itertools.count(start=0.0, step=0.125)
-    busy = itertools.count(start=0.0, step=1.0)  # more CPU than wall (threads): one core
-    assert measure_cpu_share(0.5, cpu_clock=lambda: next(busy), wall_clock=lambda: next(wall)) == 1
-    assert 0 < measure_cpu_share(0.01) <= 1  # the real clocks
+@pytest.mark.parametrize(
+    ("details", "want"),
+    [({"cpu_quota": 0.117}, 0.117), ({"cpu_quota": 2}, 2.0), ({}, None), (None, None)]
+    + [({"cpu_quota": bad}, None) for bad in (0, -0.5, "0.1", True, None)],
+)
+def test_the_announced_quota_is_read_back_when_it_is_a_positive_number(
+    details: dict[str, object] | None, want: float | None
+) -> None:
+    device = DeviceSpec(
+        id="pi", gflops=7.0, memory_bytes=4e9, bandwidth_mbps=100.0, latency_ms=1.0
+    ).model_copy(update={"details": details})
+    assert cpu_quota_of(device) == want

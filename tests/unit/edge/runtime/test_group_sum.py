@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -11,7 +12,7 @@ from edge.runtime.group_sum import PIECE_BYTES, GroupSum
 from edge.transport.base import Inbox
 from edge.transport.inprocess import InProcessTransport
 from edge.wire.frames import prefix_size
-from edge.wire.groups import split_samples
+from edge.wire.groups import split_samples, sum_waits
 from edge.wire.messages import StageAssignment
 
 SPEC = JobSpec(model="mlp", steps=4, batch_size=6, microbatches=1, seed=0)
@@ -34,8 +35,11 @@ def _member(g: int, m: int, last: bool) -> StageAssignment:
     )
 
 
-def _sum_over(g: int, numel: int, last: bool) -> list[tuple[GroupSum, torch.Tensor, float | None]]:
-    """Run one sum of ``g`` members on their own threads; each member's result."""
+def _sum_over(
+    g: int, numel: int, last: bool, late: float = 0.0
+) -> list[tuple[GroupSum, torch.Tensor, float | None]]:
+    """Run one sum of ``g`` members on their own threads, the last member starting ``late``
+    seconds after the others; each member's result."""
     transport = InProcessTransport()
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(g)]
@@ -55,7 +59,9 @@ def _sum_over(g: int, numel: int, last: bool) -> list[tuple[GroupSum, torch.Tens
         losses[m] = members[m][0].sum(members[m][1], 0, float(m + 1) if last else None)
 
     threads = [threading.Thread(target=run, args=(m,)) for m in range(g)]
-    for t in threads:
+    for m, t in enumerate(threads):
+        if m == g - 1 and late:
+            time.sleep(late)
         t.start()
     for t in threads:
         t.join(timeout=30)
@@ -88,3 +94,13 @@ def test_a_chunk_travels_in_pieces_and_each_member_sends_g_chunks() -> None:
                 assert summer.pieces[0][0] == 0 and summer.pieces[-1][1] == summer.chunk
                 frames = g * pieces * prefix_size(1)
                 assert summer.bytes_sent == frames + g * 4 * summer.chunk
+
+
+def test_each_member_says_when_its_sum_started_and_the_cpu_it_cost() -> None:
+    """The last of three members starts 0.2 s late: the others' sums waited at least that
+    long for it (:func:`sum_waits` over their start times), and it waited for none."""
+    got = _sum_over(3, 3 * PIECE_BYTES // 4, last=False, late=0.2)
+    started = [summer.started for summer, _, _ in got]
+    waits = sum_waits(started)
+    assert waits[2] == 0.0 and min(waits[:2]) >= 0.2
+    assert all(summer.cpu_s > 0 for summer, _, _ in got)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from edge.wire.groups import blocks, chunk_size, overlap, pieces, split_samples
+from edge.wire.groups import blocks, chunk_size, overlap, pieces, split_samples, sum_waits
 from edge.wire.topics import TOPIC_ROOT, stage_access
 
 SHARES = st.lists(st.floats(0.01, 100.0, allow_nan=False), min_size=1, max_size=6)
@@ -112,3 +112,10 @@ def test_a_group_member_may_use_exactly_its_own_topics() -> None:
     assert {f"{root}/stage/1/bwd", f"{root}/stage/1/member/1/bwd"} <= set(last.publish)
     with pytest.raises(ValueError, match=r"member 2 of stage 1 is not in groups \[1, 2, 1\]"):
         stage_access("j", 1, 3, "pi-c", member=2, group_sizes=[1, 2, 1])
+
+
+def test_a_members_wait_in_the_sum_is_the_last_start_less_its_own() -> None:
+    assert sum_waits([100.0, 100.25, 99.5]) == [0.25, 0.0, 0.75]
+    assert sum_waits([7.0]) == [0.0]
+    with pytest.raises(ValueError, match="no members' start times"):
+        sum_waits([])
