@@ -6,15 +6,20 @@ another on the same fleet:
 
 - ``single``: the best single device alone;
 - ``even``: every device, the same number of units each (one device a stage);
-- ``v1``: the version 1 planner's plan (pipeline only: one device a stage);
+- ``v1``: the plan a version 1 job gets (pipeline only: one device a stage;
+  :func:`~coordinator.planner.partition.plan_job` on the problem as version 1, with
+  the measured unit times: cut where the units' seconds balance);
 - ``data-parallel``: the best single group (the ``k`` fastest devices training the
   whole model data-parallel, each on its share of every microbatch);
-- ``v2``: the version 2 planner's plan (``shared/spec/planning-v2.md``: stages on
+- ``v2``: the plan a version 2 job gets (``shared/spec/planning-v2.md``: stages on
   device groups, hybrid), within what the runtime can train (no BatchNorm in a
-  group, a sample or more per member), as a job gets it
-  (:func:`~coordinator.planner.partition.plan_job` with the measured unit times:
-  a grouped plan only where the internal model predicts it beats the best plan of
-  one-device stages).
+  group, a sample or more per member): :func:`~coordinator.planner.partition.plan_job`
+  with the same unit times, the plan the internal model predicts fastest among the
+  timed search's, the spec's and v1's, so never predicted slower than v1.
+
+v1 and v2 are chosen and priced with the same unit times. A plan that is an earlier
+row's plan stage for stage (v2 is often v1's) is not run again: its row is that
+run's, marked ``same_as`` (``v2 (= v1)`` in the table).
 
 For each: measured samples/s (steady state: stage 0's step times after
 ``--warmup`` steps), the predicted samples/s (the planner's internal model,
@@ -48,14 +53,26 @@ devices are the profiles the agents announced.
 
     .venv/bin/python bench/hybrid.py [--models vgg11,resnet18,gpt-mini]
         [--fleets rpi4,2fast4slow,3x,10x,30x] [--strategies single,even,v1,data-parallel,v2]
-        [--method auto|kernel|software] [--json]
+        [--batch-size 64] [--microbatches 4] [--method auto|kernel|software] [--json]
         [--results bench/results/hybrid.json] [--chart bench/results/hybrid.png]
-        [--from-json FILE] [--quick]
+        [--from-json FILE] [--quick] [--predict-shapes 32x4,128x8,...]
 
 ``--quick`` runs one fleet (``rpi4-4gb:4``), one model (``vgg11``, batches of 16)
 and two steps a plan (one of them warm-up), and writes its JSON and chart to the temporary directory
 unless ``--results``/``--chart`` say otherwise. ``--from-json`` runs nothing: it
 renders the table, the chart and the JSON again from a results file.
+The default batch, 64 samples in 4 microbatches (16 rows each), is chosen from
+``--predict-shapes`` on ``rpi4-4gb:4`` (one calibration a shape; 2026-12-02): a
+group's sum is paid once a step and a member's fixed costs once a microbatch, so
+groups gain with the rows per microbatch, and a pipeline with the microbatches.
+Predicted v2/v1 (vgg11, resnet18, gpt-mini): 32x4 1.02, 1.18, 1.21; 64x4 1.07,
+1.30, 1.46; 128x8 1.00, 1.16, 1.11; 128x4 1.15, 1.43, 1.63. 128x4 is v2's best
+throughput, but its steps (a minute for resnet18 on one Pi) take a whole run past
+12 minutes per model; 64x4 keeps each fleet and model within that.
+``--predict-shapes`` runs no plan either: it brings each fleet up for its agents'
+profiles, and for each model and batch shape calibrates once and prints (and writes,
+to ``bench/results/hybrid-shapes.json``) every strategy's predicted samples/s and
+v2 against v1.
 """
 
 from __future__ import annotations
@@ -70,7 +87,8 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -85,13 +103,13 @@ from coordinator.engine.spec import JobSpec
 from coordinator.engine.watch import DeviceFeed
 from coordinator.planner.baselines import even_split, single_device
 from coordinator.planner.build import parse_fleet
-from coordinator.planner.group_search import data_parallel_only, plan_groups
+from coordinator.planner.group_search import data_parallel_only
 from coordinator.planner.group_tables import GroupLimits
 from coordinator.planner.partition import plan_job
 from coordinator.planner.predict import UnitSeconds, fit_unit_seconds, predict, small_rows
 from coordinator.planner.score import Plan, score_plan
-from coordinator.planner.solve import plan_problem
-from coordinator.testbed.testbed import Testbed, measure_core_gflops
+from coordinator.testbed.testbed import MethodChoice, Testbed, measure_core_gflops
+from edge.errors import UserError
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem
 from edge.runtime.allocator import tune_malloc
@@ -151,6 +169,9 @@ class Row:
     to start its sum (:func:`~edge.wire.groups.sum_waits`); the rest is the transfer."""
     allreduce_cpu_s: list[float] = field(default_factory=list)
     """Per stage, CPU seconds a member's process spent in a step's sum."""
+    same_as: str | None = None
+    """The strategy whose plan this one is, stage for stage, when it ran first: this row
+    is that run's measurement (one run, two rows), not a run of its own."""
 
     @property
     def ratio(self) -> float:
@@ -165,6 +186,11 @@ class Row:
     @property
     def predicted_fraction(self) -> float:
         return self.predicted_sps / self.ideal_sps
+
+    @property
+    def label(self) -> str:
+        """The strategy, and the one whose run it shares (``v2 (= v1)``)."""
+        return self.strategy if self.same_as is None else f"{self.strategy} (= {self.same_as})"
 
     @property
     def shape(self) -> str:
@@ -223,14 +249,17 @@ def plans(
     problem: PlanningProblem, limits: GroupLimits, units: UnitSeconds | None = None
 ) -> dict[str, Plan]:
     """Every strategy's plan for a version 2 ``problem``; data parallel only is missing
-    where no group holds the whole model. ``v2`` is the plan a job gets
-    (:func:`plan_job`): with ``units`` (or devices that announced fixed costs) a group
-    stays only where the internal model predicts it wins."""
+    where no group holds the whole model. ``v1`` and ``v2`` are the plans a job gets
+    (:func:`plan_job`, with the same ``units``) over ``problem`` as version 1 and as
+    version 2: the internal model chooses among the searches' plans, the version 1
+    job's plan among them for version 2 ([Note: a job's plan by prediction] in
+    :mod:`coordinator.planner.partition`)."""
     one = problem.as_version(1)
-    v1 = plan_problem(one).plan
-    if v1 is None or plan_groups(problem, limits=limits).plan is None:
-        raise SystemExit("the planner found no feasible plan for this fleet")
-    v2 = plan_job(problem, limits=limits, units=units).plan
+    try:
+        v1 = plan_job(one, units=units).plan
+        v2 = plan_job(problem, limits=limits, units=units).plan
+    except UserError as exc:
+        raise SystemExit(f"the planner found no feasible plan for this fleet: {exc}") from None
     out = {"single": single_device(one), "even": even_split(one), "v1": v1}
     group = data_parallel_only(problem, limits)
     if group is not None:
@@ -289,6 +318,12 @@ def agent_profiles(
 
 # -- running --------------------------------------------------------------------------
 
+Work = Callable[
+    [Testbed, MqttTransport, list[DeviceSpec], dict[str, DeviceSpec], str, str], list[Any]
+]
+"""What :func:`on_fleet` does per model: (testbed, control, devices, announced profiles,
+fleet name, model) to results."""
+
 
 @dataclass
 class Measured:
@@ -346,15 +381,18 @@ def _mean_wait(reports: list[StepReport]) -> float:
     return statistics.mean(waits) if waits else 0.0
 
 
-def run_fleet(key: str, models: list[str], args: argparse.Namespace) -> list[Row]:
+def on_fleet(key: str, models: list[str], method: MethodChoice, work: Work) -> list[Any]:
+    """Bring fleet ``key`` up on the testbed, read the profiles its agents announce, and
+    do ``work`` for each model there (``method``: the testbed's, ``--method``); what
+    ``work`` returned, in order."""
     devices = fleet_devices(key)
     scale = catalogue_scale(measure_core_gflops(1.0)) if key == "rpi4" else None
     name = fleet_name(key)
-    rows: list[Row] = []
+    out: list[Any] = []
     with (
         tempfile.TemporaryDirectory(prefix="edgetrain-hybrid-") as state,
         Testbed.up(
-            devices, scale=scale, state_dir=Path(state), method=args.method, coordinator=False
+            devices, scale=scale, state_dir=Path(state), method=method, coordinator=False
         ) as tb,
     ):
         print(f"# fleet {name}: limits {tb.method} ({tb.method_reason})", file=sys.stderr)
@@ -370,10 +408,10 @@ def run_fleet(key: str, models: list[str], args: argparse.Namespace) -> list[Row
                     file=sys.stderr,
                 )
             for model in models:
-                rows += _run_model(tb, control, devices, announced, name, model, args)
+                out += work(tb, control, devices, announced, name, model)
         finally:
             control.close()
-    return rows
+    return out
 
 
 def _run_model(
@@ -386,14 +424,9 @@ def _run_model(
     args: argparse.Namespace,
 ) -> list[Row]:
     def problem(steps: int) -> tuple[PlanningProblem, UnitSeconds]:
-        layers, units = calibrate(model, args.batch_size, args.microbatches, tb.core_gflops, steps)
-        return PlanningProblem(
-            version=2,
-            batch_size=args.batch_size,
-            microbatches=args.microbatches,
-            layers=layers,
-            devices=[announced[d.id] for d in devices],
-        ), units
+        return fleet_problem(
+            model, args.batch_size, args.microbatches, devices, announced, tb.core_gflops, steps
+        )
 
     spec = JobSpec(
         model=model, steps=1, batch_size=args.batch_size, microbatches=args.microbatches, seed=0
@@ -401,13 +434,28 @@ def _run_model(
     limits = group_limits(spec)
     assert limits is not None  # a zoo model
     first, first_units = problem(args.calibration_steps)
-    rows = []
-    for strategy, plan in plans(first, limits, first_units).items():
+    chosen = plans(first, limits, first_units)
+    rows: list[Row] = []
+    priced: dict[str, tuple[PlanningProblem, UnitSeconds]] = {}
+    for strategy, plan in chosen.items():
         if strategy not in args.strategies:
             continue
+        same = next((r for r in rows if chosen[r.strategy].stages == plan.stages), None)
+        if same is not None:  # the same plan, stage for stage: one run, two rows
+            rows.append(replace(same, strategy=strategy, same_as=same.strategy))
+            priced[strategy] = priced[same.strategy]
+            print(f"# {model} {fleet} {strategy}: the plan of {same.strategy}", file=sys.stderr)
+            continue
         # This host's speed drifts over minutes: price each plan with unit times measured
-        # just before it runs (not in --quick, which prices every plan at the start).
-        now, units = (first, first_units) if args.quick else problem(3)
+        # just before it runs (not in --quick, which prices every plan at the start);
+        # v2 with v1's, so that both are priced by the same units as they were chosen.
+        if args.quick:
+            now, units = first, first_units
+        elif strategy == "v2" and "v1" in priced:
+            now, units = priced["v1"]
+        else:
+            now, units = problem(3)
+        priced[strategy] = (now, units)
         score = score_plan(now, plan)
         guess = predict(now, plan, units)
         steps = args.warmup + max(
@@ -448,6 +496,77 @@ def _run_model(
     return rows
 
 
+def fleet_problem(
+    model: str,
+    batch_size: int,
+    microbatches: int,
+    devices: list[DeviceSpec],
+    announced: dict[str, DeviceSpec],
+    core_gflops: float,
+    steps: int,
+) -> tuple[PlanningProblem, UnitSeconds]:
+    """The version 2 problem of ``model`` at this batch shape over the profiles the agents
+    ``announced``, calibrated now (:func:`calibrate`), and its unit seconds."""
+    layers, units = calibrate(model, batch_size, microbatches, core_gflops, steps)
+    return PlanningProblem(
+        version=2,
+        batch_size=batch_size,
+        microbatches=microbatches,
+        layers=layers,
+        devices=[announced[d.id] for d in devices],
+    ), units
+
+
+def predicted_shapes(
+    devices: list[DeviceSpec],
+    announced: dict[str, DeviceSpec],
+    fleet: str,
+    model: str,
+    core_gflops: float,
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    """For each ``--predict-shapes`` batch shape: every strategy's plan and predicted
+    samples/s over the announced profiles, priced by one calibration at that shape (no
+    runs), and v2 against v1 predicted."""
+    out = []
+    for batch_size, microbatches in args.predict_shapes:
+        spec = JobSpec(
+            model=model, steps=1, batch_size=batch_size, microbatches=microbatches, seed=0
+        )
+        limits = group_limits(spec)
+        assert limits is not None  # a zoo model
+        now, units = fleet_problem(
+            model,
+            batch_size,
+            microbatches,
+            devices,
+            announced,
+            core_gflops,
+            args.calibration_steps,
+        )
+        chosen = plans(now, limits, units)
+        predicted = {s: predict(now, plan, units).throughput_sps for s, plan in chosen.items()}
+        shapes = {s: "+".join(str(len(st.devices)) for st in p.stages) for s, p in chosen.items()}
+        item = {
+            "model": model,
+            "fleet": fleet,
+            "batch_size": batch_size,
+            "microbatches": microbatches,
+            "predicted_sps": predicted,
+            "shape": shapes,
+            "v2_over_v1": predicted["v2"] / predicted["v1"],
+            "ideal_sps": ideal_sps(now),
+        }
+        out.append(item)
+        print(
+            f"# {model} {fleet} batch {batch_size} x {microbatches} microbatches: "
+            + ", ".join(f"{s} [{shapes[s]}] {v:.2f}" for s, v in predicted.items())
+            + f"; v2/v1 {item['v2_over_v1']:.2f}",
+            file=sys.stderr,
+        )
+    return out
+
+
 def _rounded(values: list[float]) -> list[float]:
     return [round(v, 3) for v in values]
 
@@ -464,7 +583,7 @@ def table(rows: list[Row]) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r.model} | {r.fleet} | {r.strategy} | {r.shape} | {r.measured_sps:.1f} | "
+            f"| {r.model} | {r.fleet} | {r.label} | {r.shape} | {r.measured_sps:.1f} | "
             f"{r.predicted_sps:.1f} | {r.ratio:.2f} | {r.ideal_sps:.1f} | {r.fraction:.0%} | "
             f"{r.predicted_fraction:.0%} |"
         )
@@ -474,8 +593,10 @@ def table(rows: list[Row]) -> str:
             got = {r.strategy: r for r in rows if (r.model, r.fleet) == (model, fleet)}
             if "v2" in got and "v1" in got:
                 v2, v1 = got["v2"], got["v1"]
+                one_run = v2.same_as is not None and v2.same_as in ("v1", v1.same_as)
+                same = " (v1's plan: one run)" if one_run else ""
                 lines.append(
-                    f"- {model}, {fleet}: v2 ({v2.shape}) = "
+                    f"- {model}, {fleet}: v2 ({v2.shape}){same} = "
                     f"{v2.measured_sps / v1.measured_sps:.2f}x v1 measured, "
                     f"{v2.predicted_sps / v1.predicted_sps:.2f}x predicted"
                 )
@@ -523,11 +644,24 @@ def chart(rows: list[Row], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _shape(parser: argparse.ArgumentParser, item: str) -> tuple[int, int]:
+    """``BxM`` as (batch size, microbatches), or a one-line argument error."""
+    try:
+        batch, micro = (int(x) for x in item.strip().split("x"))
+    except ValueError:
+        parser.error(f"--predict-shapes: {item!r} is not BATCHxMICROBATCHES (e.g. 128x8)")
+    if batch < 1 or micro < 1 or batch % micro:
+        parser.error(f"--predict-shapes: {item!r}: the batch must split into the microbatches")
+    return batch, micro
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--models", default="vgg11,resnet18,gpt-mini")
     parser.add_argument("--fleets", default=",".join(FLEETS), help=", ".join(FLEETS))
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument(
+        "--batch-size", type=int, default=64, help="samples a step (the default: see the docstring)"
+    )
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument(
         "--strategies", default=",".join(STRATEGIES), help="the plans run: " + ", ".join(STRATEGIES)
@@ -543,7 +677,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--results", type=Path, help="the JSON file written")
     parser.add_argument("--chart", type=Path, help="the chart written")
     parser.add_argument("--from-json", type=Path, help="render a results file; run nothing")
+    parser.add_argument(
+        "--predict-shapes",
+        default="",
+        help="batch shapes BxM, comma separated (e.g. 32x4,128x8): predict every plan at "
+        "each over the fleet's announced profiles, run nothing",
+    )
     args = parser.parse_args(argv)
+    args.predict_shapes = [_shape(parser, item) for item in args.predict_shapes.split(",") if item]
     args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = sorted(set(args.strategies) - set(STRATEGIES))
     if unknown:
@@ -555,9 +696,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.calibration_steps = 1
         results = Path(tempfile.gettempdir())
     stem = "hybrid-quick" if args.quick else "hybrid"
+    stem = f"{stem}-shapes" if args.predict_shapes else stem
     args.results = args.results or results / f"{stem}.json"
     args.chart = args.chart or results / f"{stem}.png"
     return args
+
+
+def _predict_shapes(fleets: list[str], models: list[str], args: argparse.Namespace) -> int:
+    """``--predict-shapes``: the predictions per batch shape, printed and written (no runs)."""
+
+    def sweep(
+        tb: Testbed,
+        _control: MqttTransport,
+        devices: list[DeviceSpec],
+        announced: dict[str, DeviceSpec],
+        fleet: str,
+        model: str,
+    ) -> list[dict[str, Any]]:
+        return predicted_shapes(devices, announced, fleet, model, tb.core_gflops, args)
+
+    items = [item for key in fleets for item in on_fleet(key, models, args.method, sweep)]
+    args.results.write_text(json.dumps(items, indent=2) + "\n")
+    print(f"results: {args.results}")
+    print("| model | fleet | batch | microbatches | v1 | v2 | predicted v2/v1 |")
+    print("|---|---|---|---|---|---|---|")
+    for it in items:
+        v1, v2 = (f"{it['predicted_sps'][s]:.2f} ({it['shape'][s]})" for s in ("v1", "v2"))
+        print(
+            f"| {it['model']} | {it['fleet']} | {it['batch_size']} | {it['microbatches']} "
+            f"| {v1} | {v2} | {it['v2_over_v1']:.2f} |"
+        )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -567,9 +736,21 @@ def main(argv: list[str] | None = None) -> int:
     else:
         tune_malloc()  # as the agents do: calibration and runs allocate alike
         models = [m.strip() for m in args.models.split(",") if m.strip()]
-        rows = []
-        for key in (f.strip() for f in args.fleets.split(",") if f.strip()):
-            rows += run_fleet(key, models, args)
+        fleets = [f.strip() for f in args.fleets.split(",") if f.strip()]
+        if args.predict_shapes:
+            return _predict_shapes(fleets, models, args)
+
+        def run(
+            tb: Testbed,
+            control: MqttTransport,
+            devices: list[DeviceSpec],
+            announced: dict[str, DeviceSpec],
+            fleet: str,
+            model: str,
+        ) -> list[Row]:
+            return _run_model(tb, control, devices, announced, fleet, model, args)
+
+        rows = [row for key in fleets for row in on_fleet(key, models, args.method, run)]
         args.results.write_text(json.dumps(to_json(rows), indent=2) + "\n")
     chart(rows, args.chart)
     if args.json:

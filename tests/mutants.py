@@ -477,6 +477,29 @@ MUTANTS = [
         tests=("tests/unit/coordinator/planner/test_predict.py",),
     ),
     Mutant(
+        name="v2-job-without-v1-candidate",
+        what="a version 2 job chooses among the timed and the spec's group searches only, "
+        "not the plan a version 1 job gets, and can run a plan predicted slower than it",
+        path="coordinator/planner/partition.py",
+        old="searched.append((timed or problem).as_version(1))",
+        new="pass",
+        tests=(
+            "tests/unit/coordinator/planner/test_predict.py::"
+            "test_a_version_2_job_runs_the_timed_pipeline_when_the_model_predicts_it_fastest",
+        ),
+    ),
+    Mutant(
+        name="refine-never-moves",
+        what="the local search under the cost model never leaves the searches' plan",
+        path="coordinator/planner/refine.py",
+        old="for _ in range(MAX_STEPS):",
+        new="for _ in range(0):",
+        tests=(
+            "tests/unit/coordinator/planner/test_predict.py::test_a_version_2_job_splits_a_"
+            "member_off_where_the_model_says_its_rows_do_not_shrink",
+        ),
+    ),
+    Mutant(
         name="transport-probe-counts-warm-up",
         what="the transport probe counts its warm-up round, whose first frames pay for "
         "buffers and page faults the sum does not",

@@ -8,7 +8,8 @@ the job's ``codec`` into a scored plan:
   (:func:`~coordinator.planner.solve.plan_problem`; for a version 2 problem
   :func:`~coordinator.planner.group_search.plan_groups`, which places device
   groups unless the problem says ``"groups": false``, keeps them within the
-  runtime's ``limits`` and is never worse than version 1's plan); with
+  runtime's ``limits`` and is never worse than version 1's plan under the spec's
+  score); with
   ``stages=N``, its best plan of exactly ``N`` stages, under the same score
   (provably so on small fleets).
 - ``partition="even"``: the units shared out as evenly as counts allow
@@ -28,12 +29,15 @@ the job's ``codec`` into a scored plan:
   budget), unless ``stages`` or ``codec="auto"`` ask for the full search.
 - Where the devices announced fixed costs (or ``units`` are given), every plan is
   also predicted by the internal model (:func:`~coordinator.planner.predict.predict`,
-  :attr:`JobPlan.prediction`), and the planner's plan of ``S`` stages is kept only
-  if no plan of fewer stages is predicted faster: each stage adds a link's frames
-  and fixed costs the spec's score does not see (exact searches only). Given
-  ``units``, a version 1 job is cut where the units' measured seconds balance
-  (:func:`~coordinator.planner.predict.timed_problem`), not their FLOPs; its
-  score stays the spec's score of that plan.
+  :attr:`JobPlan.prediction`), and, under the time objective, a ``plan`` job runs the
+  plan it predicts fastest among the searches' plans: the search on the problem
+  timed by ``units`` (:func:`~coordinator.planner.predict.timed_problem`: cut where
+  the measured seconds balance, not the FLOPs), for a version 2 problem also the
+  spec's own plan and the plan a version 1 job would get (so never predicted slower
+  than version 1's), and their plans of fewer stages (exact searches only; on such
+  a fleet the fastest is then refined by a local search under the model). See
+  [Note: a job's plan by prediction]. Its score stays the spec's score of that plan.
+  Under the energy objective the spec's plan stands (the model predicts no energy).
 - ``codec="auto"``: each link's codec is chosen as in
   :mod:`coordinator.planner.codecs` (for ``plan``, plans are searched per codec,
   with the same stage count), and kept only when it makes the step faster.
@@ -64,16 +68,21 @@ from coordinator.planner.predict import (
     predict,
     timed_problem,
 )
+from coordinator.planner.refine import refine
 from coordinator.planner.score import Plan, PlanScore, Stage, for_plan, score_plan
 from coordinator.planner.solve import EXACT_DEVICES, exact_capacity, plan_problem
 from edge.errors import UserError
-from edge.problem import PlanningProblem
+from edge.problem import DeviceSpec, PlanningProblem
+from edge.profiling.fixed_costs import fixed_costs_of
 from edge.wire.groups import split_samples
 
 __all__ = ["PARTITIONS", "JobPlan", "Partition", "even_devices", "plan_holders_job", "plan_job"]
 
 Partition = Literal["plan", "even"]
 PARTITIONS: tuple[str, ...] = get_args(Partition)
+
+_BUDGET_S = 8.0
+"""The full search's time budget, shared by a job's searches beyond the exact ones."""
 
 
 @dataclass(frozen=True)
@@ -121,11 +130,12 @@ def plan_job(
     model's measured unit seconds.
     """
     simple = partition == "plan" and group_sizes is None and codec.lower() != "auto"
-    timed = None
-    if units is not None and simple and problem.version == 1:  # cut where the seconds balance
-        timed = timed_problem(problem, units)
+    fixed = units is not None or calibrated(problem)
+    # The internal model predicts time, not energy: an energy objective keeps the spec's plan.
+    if simple and fixed and problem.goal.minimize == "time":
+        return _fastest_predicted(problem, stages, where, previous, limits, units)
     found = _plan_job(
-        timed or problem,
+        problem,
         partition=partition,
         stages=stages,
         codec=codec,
@@ -134,46 +144,113 @@ def plan_job(
         group_sizes=group_sizes,
         limits=limits,
     )
-    if timed is not None:
-        found = replace(found, score=score_plan(problem, found.plan))
-    found = replace(found, prediction=predict(problem, found.plan, units))
-    fixed = units is not None or calibrated(problem)
-    if fixed and simple and found.plan.grouped:
-        found = _unless_pipeline_wins(problem, found, units, stages, where)
-    if not (fixed and simple and stages is None and found.exact):
-        return found
-    best = found
-    for fewer in range(1, len(found.plan.stages)):
+    return replace(found, prediction=predict(problem, found.plan, units))
+
+
+def _fastest_predicted(
+    problem: PlanningProblem,
+    stages: int | None,
+    where: str,
+    previous: Plan | None,
+    limits: GroupLimits | None,
+    units: UnitSeconds | None,
+) -> JobPlan:
+    """The plan the internal model predicts fastest among the searches' plans (see
+    [Note: a job's plan by prediction]), scored by the spec's score of ``problem``.
+
+    [Note: a job's plan by prediction]
+    The spec's score sees FLOPs and bytes; the internal model (:func:`predict`) sees
+    measured seconds and fixed costs too, so a job is planned by searching under the
+    spec's score and choosing by prediction among what the searches return:
+
+    - the search on the timed problem (:func:`timed_problem`, with ``units``): stages
+      cut where the measured seconds balance, a group's members at their shares;
+    - for a version 2 problem, also the search on ``problem`` itself (the spec's own
+      plan), the search on the timed problem with each link slowed by the CPU its
+      bytes cost (:func:`_bytes_priced`: a group's sum then costs a slow device what
+      the model says), and the plan a version 1 job gets (the same searches on
+      ``problem.as_version(1)``), so that a version 2 job's plan is never predicted
+      slower than version 1's;
+    - for each of those found exactly, its best plans of fewer stages: each stage adds
+      a link's frames and fixed costs the spec's score does not see.
+
+    Where groups are allowed and the searches were exact (a small fleet), the fastest
+    of those is then improved by a local search under the model
+    (:func:`~coordinator.planner.refine.refine`): its best plan can be a neighbour of
+    the score's best that no search returns.
+
+    A warm-started re-plan (``previous``, a fleet beyond the exact search) searches the
+    timed problem alone: one warm start fits the re-plan's second; two do not. Every
+    candidate must be feasible under the spec's score of ``problem`` (memory, deadline).
+    """
+    timed = timed_problem(problem, units) if units is not None else None
+    searched = [timed or problem]
+    warm = previous is not None and stages is None and not _exact_fleet(problem)
+    if problem.version == 2 and not warm:
+        searched += [problem] if timed is not None else []
+        if problem.allows_groups and any(_byte_s(d) > 0 for d in problem.devices):
+            searched.append(_bytes_priced(timed or problem))
+        searched.append((timed or problem).as_version(1))
+    budget = _BUDGET_S / len(searched)
+    best: JobPlan | None = None
+    best_s = float("inf")
+    refused: UserError | None = None
+    for q in searched:
         try:
-            other = _plan_job(timed or problem, stages=fewer, limits=limits)
-        except UserError:
+            found = _plan_job(
+                q, stages=stages, where=where, previous=previous, limits=limits, budget_s=budget
+            )
+        except UserError as exc:
+            refused = refused or exc
             continue
-        guess = predict(problem, other.plan, units)
-        assert best.prediction is not None
-        if guess.step_time_s < best.prediction.step_time_s:
-            best = replace(other, score=score_plan(problem, other.plan), prediction=guess)
+        fewer: list[JobPlan] = []
+        if stages is None and found.exact:
+            for count in range(1, len(found.plan.stages)):
+                try:
+                    fewer.append(_plan_job(q, stages=count, limits=limits, budget_s=budget))
+                except UserError:
+                    continue
+        for other in (found, *fewer):
+            score = score_plan(problem, other.plan)
+            if not score.feasible:
+                continue
+            guess = predict(problem, other.plan, units)
+            if best is None or guess.step_time_s < best_s:
+                best = replace(other, score=score, prediction=guess)
+                best_s = guess.step_time_s
+    if best is None:
+        raise refused or UserError(f"no plan fits {where}")
+    if problem.allows_groups and stages is None and best.exact:
+        plan, guess = refine(problem, best.plan, units, limits)
+        if plan != best.plan:
+            method = f"{best.method}, refined by the cost model"
+            best = replace(best, score=score_plan(problem, plan), method=method, prediction=guess)
     return best
 
 
-def _unless_pipeline_wins(
-    problem: PlanningProblem,
-    grouped: JobPlan,
-    units: UnitSeconds | None,
-    stages: int | None,
-    where: str,
-) -> JobPlan:
-    """``grouped``, unless the best plan of one-device stages is predicted faster: the
-    spec's score prices a group's sum by its link alone, while on a slow device moving
-    the gradients costs CPU too (``byte_s``); the internal model decides."""
-    try:
-        one = _plan_job(problem.model_copy(update={"groups": False}), stages=stages, where=where)
-    except UserError:
-        return grouped
-    guess = predict(problem, one.plan, units)
-    assert grouped.prediction is not None
-    if guess.step_time_s < grouped.prediction.step_time_s:
-        return replace(one, score=score_plan(problem, one.plan), prediction=guess)
-    return grouped
+def _bytes_priced(problem: PlanningProblem) -> PlanningProblem:
+    """``problem`` with each device's bandwidth lowered by the CPU seconds its bytes cost
+    (its announced ``byte_s`` added to each byte's time on the link), so that the spec's
+    search prices a link's and a group's sum's bytes near as :func:`predict` does (a
+    sum of two members exactly; of more, a little above). A search heuristic: the
+    candidates it yields are judged by :func:`predict` like the others."""
+    devices = []
+    for d in problem.devices:
+        per_byte = 8 / (d.bandwidth_mbps * 1e6) + _byte_s(d)
+        devices.append(d.model_copy(update={"bandwidth_mbps": 8 / per_byte / 1e6}))
+    return problem.model_copy(update={"devices": devices})
+
+
+def _byte_s(device: DeviceSpec) -> float:
+    """The CPU seconds a byte costs ``device`` (its announced ``byte_s``; 0 unmeasured)."""
+    costs = fixed_costs_of(device)
+    return 0.0 if costs is None else costs.byte_s
+
+
+def _exact_fleet(problem: PlanningProblem) -> bool:
+    """Whether ``problem``'s fleet is small enough for the exact search (no warm start)."""
+    n_units, n_devices = len(problem.layers), len(problem.devices)
+    return n_devices <= max(EXACT_DEVICES, exact_capacity(n_units))
 
 
 def _plan_job(
@@ -186,8 +263,10 @@ def _plan_job(
     previous: Plan | None = None,
     group_sizes: Sequence[int] | None = None,
     limits: GroupLimits | None = None,
+    budget_s: float = _BUDGET_S,
 ) -> JobPlan:
-    """:func:`plan_job` under the spec's score alone."""
+    """:func:`plan_job` under the spec's score alone; a search beyond the exact ones
+    spends at most ``budget_s``."""
     if partition not in PARTITIONS:
         raise UserError(f"partition {partition!r} is not one of {', '.join(PARTITIONS)}")
     if group_sizes is not None:
@@ -220,7 +299,7 @@ def _plan_job(
             if scored.feasible and scored.step_time_s < score.step_time_s:
                 score = scored
         return JobPlan(score, f"even split over {count} devices", False)
-    exact = n_devices <= max(EXACT_DEVICES, exact_capacity(n_units))
+    exact = _exact_fleet(problem)
     if previous is not None and stages is None and not auto and not exact:
         # A version 1 problem's stages are one device each: so are its re-plan's.
         warm_problem = problem
@@ -232,11 +311,11 @@ def _plan_job(
     if problem.version == 2:  # device groups, or the job's objective (a deadline, energy)
         if auto:
             raise UserError('codec "auto" cannot be combined with an objective or deadline yet')
-        found = plan_groups(problem, stages=stages, limits=limits)
+        found = plan_groups(problem, stages=stages, limits=limits, time_budget_s=budget_s)
         if found.score is None:
             raise UserError(f"no plan fits {where}: {found.reason}")
         return JobPlan(found.score, found.method, found.exact)
-    found = plan_problem(problem, stages=stages)
+    found = plan_problem(problem, stages=stages, time_budget_s=budget_s)
     if found.score is None:
         raise UserError(f"no plan fits {where}: {found.reason}")
     score = found.score

@@ -1,13 +1,16 @@
 """bench/hybrid.py's pure parts: its fleets, the catalogue scale, every strategy's plan
 (on vgg11 over four catalogue Pis, where the version 2 plan is the group of four,
 unless the measured unit times predict that its members' small rows lose), the
-ideal bound, and its table, JSON and chart."""
+ideal bound, its table (a row that shares another's run says so), JSON and chart, and
+its arguments."""
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 from support.bench import load_bench
@@ -75,7 +78,7 @@ def test_the_v2_row_is_the_plan_the_prediction_picks(bench: ModuleType) -> None:
     assert guess["v2"] < guess["data-parallel"]
 
 
-def _row(bench: ModuleType, strategy: str, measured: float, predicted: float, shape: str) -> object:
+def _row(bench: ModuleType, strategy: str, measured: float, predicted: float, shape: str) -> Any:
     stages = [{"devices": [f"d{i}"] * int(n), "layers": [0, 9]} for i, n in enumerate(shape)]
     times = [[0.5] * len(shape), [0.4] * len(shape), [0.0] * len(shape), [0.0] * len(shape)]
     fleet, ideal = "rpi4-4gb:4", 40.0
@@ -109,3 +112,24 @@ def test_quick_mode_is_one_fleet_one_model_few_steps(bench: ModuleType) -> None:
     assert args.results == Path(tempfile.gettempdir()) / "hybrid-quick.json"
     full = bench.parse_args([])
     assert full.results.parent.name == "results" and full.fleets.split(",") == list(bench.FLEETS)
+
+
+def test_a_plan_run_once_shows_in_both_rows(bench: ModuleType) -> None:
+    """v2's plan is v1's stage for stage: one run, whose row v2 shares (``same_as``)."""
+    v1 = _row(bench, "v1", 10.0, 16.0, "1111")
+    v2 = dataclasses.replace(v1, strategy="v2", same_as="v1")
+    text = bench.table([v1, v2])
+    assert "| vgg11 | rpi4-4gb:4 | v2 (= v1) | 1+1+1+1 | 10.0 | 16.0 | 0.62 |" in text
+    assert "- vgg11, rpi4-4gb:4: v2 (1+1+1+1) (v1's plan: one run) = 1.00x v1 measured" in text
+    out = bench.to_json([v1, v2])
+    assert out[0]["same_as"] is None and out[1]["same_as"] == "v1"
+    assert bench.to_json(bench.from_json(out)) == out
+
+
+def test_predict_shapes_are_batch_by_microbatches(bench: ModuleType) -> None:
+    args = bench.parse_args(["--predict-shapes", "32x4,128x16"])
+    assert args.predict_shapes == [(32, 4), (128, 16)]
+    assert args.results.name == "hybrid-shapes.json"
+    for bad in ("128", "30x4", "axb"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--predict-shapes", bad])

@@ -17,18 +17,26 @@ Claims under test:
 - a group member's compute is the units' fixed part whole plus its share of the
   rest (:meth:`UnitSeconds.at_share`, fitted by :func:`fit_unit_seconds` through
   timings at two row counts), and a job keeps a group only where that prediction
-  says it wins.
+  says it wins;
+- a version 2 job runs the plan the model predicts fastest among the searches'
+  (timed, the spec's, version 1's): the timed pipeline a version 1 job gets where
+  the model says so, a group where it wins; never predicted slower than version 1;
+  on a small fleet then refined by a local search under the model, which finds a
+  plan no search returns.
 """
 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.planning import random_problem
 from typer.testing import CliRunner
 
+from coordinator.planner.group_search import plan_groups
 from coordinator.planner.partition import plan_job
 from coordinator.planner.predict import (
     UnitSeconds,
@@ -39,6 +47,7 @@ from coordinator.planner.predict import (
     timed_problem,
 )
 from coordinator.planner.score import Plan, Stage, score_plan
+from edge.errors import UserError
 from edge.problem import PlanningProblem
 from edge.profiling.fixed_costs import FixedCosts, fixed_costs_of
 from edge.runtime.unit_times import UnitTime
@@ -384,3 +393,133 @@ def test_a_job_keeps_a_group_only_where_its_members_small_rows_are_predicted_to_
     assert not chosen.plan.grouped and chosen.prediction is not None
     assert chosen.prediction == predict(problem, chosen.plan, flat)
     assert chosen.prediction.step_time_s < predict(problem, kept.plan, flat).step_time_s
+
+
+def _cut_by_seconds() -> PlanningProblem:
+    """Two 10 GFLOP/s devices, three layers of 1, 1 and 2 GFLOP per sample (forward),
+    one sample a microbatch, four microbatches, a free link, as a version 2 problem with
+    measured (zero) fixed costs. By FLOPs the pipeline cuts after layer 1; by the
+    seconds of :data:`SECONDS` after layer 0; by the spec's score (FLOPs or seconds) a
+    group of both wins."""
+    problem = PlanningProblem.model_validate(
+        {
+            "version": 2,
+            "batch_size": 4,
+            "microbatches": 4,
+            "layers": [
+                {"name": f"l{i}", "fwd_flops": f, "param_bytes": 8, "out_bytes": 8}
+                for i, f in enumerate((1e9, 1e9, 2e9))
+            ],
+            "devices": [
+                {"id": d, "gflops": 10.0, "memory_bytes": 1e12, "bandwidth_mbps": 1e6}
+                | {"latency_ms": 0.0, "details": {"fixed_costs": ZERO}}
+                for d in "ab"
+            ],
+        }
+    )
+    return problem
+
+
+SECONDS = (0.2, 0.05, 0.05)
+"""Each layer's seconds a microbatch at 40 GFLOP/s: 0.8, 0.2 and 0.2 s on a device here."""
+
+
+def test_a_version_2_job_runs_the_timed_pipeline_when_the_model_predicts_it_fastest() -> None:
+    """[Note: a job's plan by prediction]: nothing in the units shrinks with the rows, so
+    each member of the group takes the whole microbatch's 1.2 s (4.8 s a step); the
+    pipeline cut by FLOPs takes 3 x 1.0 + 1.2 = 4.2 s; the one a version 1 job gets, cut
+    by the seconds, 3 x 0.8 + 1.2 = 3.6 s. The version 2 job runs that one."""
+    problem = _cut_by_seconds()
+    flat = UnitSeconds(SECONDS, 40.0, fixed=SECONDS)
+    group = Plan((Stage.group(["a", "b"], 0, 3),))
+    assert plan_groups(problem).plan == group  # the spec's search
+    assert plan_groups(timed_problem(problem, flat)).plan == group
+    v1 = plan_job(problem.as_version(1), units=flat)
+    assert v1.plan == Plan.of(("a", 0, 1), ("b", 1, 3))
+    chosen = plan_job(problem, units=flat)
+    assert chosen.plan == Plan.of(("a", 0, 1), ("b", 1, 3))
+    assert chosen.method == v1.method  # version 1's search found it, not the refinement
+    assert chosen.prediction == predict(problem, chosen.plan, flat)
+    assert chosen.prediction.step_time_s == pytest.approx(3 * 0.8 + 1.2, rel=1e-9)
+    assert predict(problem, group, flat).step_time_s == pytest.approx(4 * 1.2, rel=1e-9)
+    by_flops = Plan.of(("a", 0, 2), ("b", 2, 3))
+    assert predict(problem, by_flops, flat).step_time_s == pytest.approx(3 * 1.0 + 1.2, rel=1e-9)
+    assert chosen.score == score_plan(problem, chosen.plan)  # still the spec's score
+
+
+def test_a_version_2_job_keeps_a_group_the_model_predicts_faster_than_version_1() -> None:
+    """The same fleet, with unit times proportional to the rows: each member takes half of
+    the 1.2 s, 2.4 s a step (plus a sum of 24 bytes), against version 1's 3.6 s."""
+    problem = _cut_by_seconds()
+    proportional = UnitSeconds(SECONDS, 40.0)
+    chosen = plan_job(problem, units=proportional)
+    assert chosen.plan == Plan((Stage.group(["a", "b"], 0, 3),))
+    assert chosen.prediction is not None
+    assert chosen.prediction.step_time_s == pytest.approx(4 * 0.6, rel=1e-6)
+    v1 = plan_job(problem.as_version(1), units=proportional)
+    assert v1.prediction is not None
+    assert v1.prediction.step_time_s == pytest.approx(3 * 0.8 + 1.2, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_version_2_job_is_never_predicted_slower_than_version_1(seed: int) -> None:
+    """Random fleets of four devices, five units, measured fixed costs and unit seconds
+    with a fixed part: the version 2 job's plan is predicted no slower than the plan a
+    version 1 job gets over the same devices, under the same model."""
+    rng = random.Random(seed)
+    problem = random_problem(seed, 4, 5, memory_fraction=(0.6, 2.0)).as_version(2)
+    costs = {
+        "microbatch_s": rng.uniform(0, 0.01),
+        "step_s": rng.uniform(0, 0.05),
+        "frame_s": rng.uniform(0, 0.01),
+        "byte_s": 10 ** rng.uniform(-10, -7),
+    }
+    devices = [d.model_copy(update={"details": {"fixed_costs": costs}}) for d in problem.devices]
+    problem = problem.model_copy(update={"devices": devices})
+    seconds = tuple(rng.uniform(0.01, 0.5) for _ in problem.layers)
+    units = UnitSeconds(seconds, 20.0, fixed=tuple(s * rng.uniform(0, 0.8) for s in seconds))
+    try:
+        v1 = plan_job(problem.as_version(1), units=units)
+    except UserError:
+        pytest.skip("no one-device-a-stage plan fits this fleet")
+    v2 = plan_job(problem, units=units)
+    assert v1.prediction is not None and v2.prediction is not None
+    assert v2.prediction.step_time_s <= v1.prediction.step_time_s * (1 + 1e-12)
+    assert v2.prediction == predict(problem, v2.plan, units)
+
+
+def test_a_version_2_job_splits_a_member_off_where_the_model_says_its_rows_do_not_shrink() -> None:
+    """Three equal devices, two units of 0.9 and 0.3 s a microbatch; the second's time
+    does not shrink with the rows. By the spec's score (timed or not) the group of all
+    three wins (0.4 s a microbatch, 1.6 s a step); by the model each of its members takes
+    0.3 + 0.3 s (2.4 s a step), while two members on the first unit and the third alone
+    on the second take 3 x 0.45 + 0.75 = 2.1 s. No search returns that plan; the local
+    search under the model (:func:`coordinator.planner.refine.refine`) finds it."""
+    problem = PlanningProblem.model_validate(
+        {
+            "version": 2,
+            "batch_size": 4,
+            "microbatches": 4,
+            "layers": [
+                {"name": f"l{i}", "fwd_flops": f, "param_bytes": 8, "out_bytes": 8}
+                for i, f in enumerate((3e9, 1e9))
+            ],
+            "devices": [
+                {"id": d, "gflops": 10.0, "memory_bytes": 1e12, "bandwidth_mbps": 1e6}
+                | {"latency_ms": 0.0, "details": {"fixed_costs": ZERO}}
+                for d in "abc"
+            ],
+        }
+    )
+    units = UnitSeconds((0.9, 0.3), 10.0, fixed=(0.0, 0.3))
+    trio = Plan((Stage.group(["a", "b", "c"], 0, 2),))
+    assert plan_groups(problem).plan == trio
+    assert plan_groups(timed_problem(problem, units)).plan == trio
+    assert predict(problem, trio, units).step_time_s == pytest.approx(2.4, rel=1e-6)
+    chosen = plan_job(problem, units=units)
+    # The devices are equal: the first member split off (a) runs the second unit.
+    assert chosen.plan == Plan((Stage.group(["b", "c"], 0, 1), Stage.group(["a"], 1, 2)))
+    assert chosen.prediction is not None
+    assert chosen.prediction.step_time_s == pytest.approx(3 * 0.45 + 0.75, rel=1e-6)
+    assert chosen.method.endswith("refined by the cost model")
+    assert chosen.score == score_plan(problem, chosen.plan)
