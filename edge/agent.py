@@ -3,8 +3,8 @@
 Lifecycle:
 
 1. Connect to the broker with a last-will that marks the device ``offline``
-   (retained), then publish ``online`` and the device's profile (both
-   retained), and again after every reconnect (noticed at the next heartbeat),
+   (retained), then publish the device's profile and ``online`` (both
+   retained, the profile first), and again after every reconnect (noticed at the next heartbeat),
    so a coordinator that starts later, or a broker that restarted, still
    learns about the device. The profile lists the datasets the device holds
    (``local_data``), by size and shape only ([Note: local data] in
@@ -200,26 +200,29 @@ class Agent:
         )
 
     def _announce(self) -> None:
-        """On every (re)connect: status and profile, retained. The first time, a few
-        heartbeats at QoS 1 first time a publish on this connection: part of the fixed
-        cost of every frame and report; then the CPU each byte of a tensor costs through
-        this connection (:mod:`edge.profiling.fixed_costs`)."""
+        """On every (re)connect: profile, then status, both retained. The first time, it
+        first times a few small QoS 1 publishes on its probe topic (part of the fixed cost
+        of every frame and report), then the CPU each byte of a tensor costs through this
+        connection (:mod:`edge.profiling.fixed_costs`)."""
         state: Literal["online", "busy"] = "busy" if self._runtime is not None else "online"
         if not self._publish_timed and self._profile is not None:
             self._publish_timed = True
+            # On the probe topic: a heartbeat before the profile would be a sign of life
+            # of a device nobody can plan on yet.
             beat = Heartbeat(device=self.device_id).model_dump_json()
             seconds = time_publish(
-                lambda: self.transport.publish(device_heartbeat(self.device_id), beat, 1)
+                lambda: self.transport.publish(device_probe(self.device_id), beat, 1)
             )
             self._profile = with_publish_cost(self._profile, seconds)
             self._time_transport_bytes()
-        self.transport.publish(
-            device_status(self.device_id), self._status(state).model_dump_json(), 1, True
-        )
+        # The profile first: a coordinator that hears ``online`` can plan on the device.
         if self._profile is not None:
             self.transport.publish(
                 device_profile(self.device_id), self._profile.model_dump_json(), 1, True
             )
+        self.transport.publish(
+            device_status(self.device_id), self._status(state).model_dump_json(), 1, True
+        )
 
     def _time_transport_bytes(self) -> None:
         """Replace the profile's per-byte cost by one measured through this connection,

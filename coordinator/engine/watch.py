@@ -62,10 +62,12 @@ class DeviceFeed:
     ) -> None:
         self.control = control
         self._routes: list[tuple[str, Callable[[str, bytes], None], int]] = []
-        if on_status is not None:
-            self._routes.append((device_status("+"), self._status(on_status), 1))
+        # Profiles before statuses: retained messages arrive in the order of the
+        # subscriptions, so a device is known by its profile when its status says online.
         if on_profile is not None:
             self._routes.append((device_profile("+"), self._profile(on_profile), 1))
+        if on_status is not None:
+            self._routes.append((device_status("+"), self._status(on_status), 1))
         if on_heartbeat is not None:
             self._routes.append((device_heartbeat("+"), self._heartbeat(on_heartbeat), 0))
         self._started = False

@@ -4,10 +4,12 @@ The registry listens to every device's retained ``status`` and ``profile``
 topics and to heartbeats, through a :class:`~coordinator.engine.watch.DeviceFeed`.
 A device is ``online`` (or ``busy``) from its status until its last-will says
 ``offline`` or no heartbeat has come for ``heartbeat_timeout_s``; it is then
-marked ``offline`` with the time it was last seen. A device's profile may list
-the datasets it holds ([Note: local data] in :mod:`edge.models.local_data`):
-:attr:`DeviceView.datasets` reads them and :meth:`DeviceRegistry.holders` finds
-the online devices that hold a dataset of a name. Every change is written to
+marked ``offline`` with the time it was last seen, and a heartbeat brings it back.
+A heartbeat of a device whose profile never came is ignored: it cannot be planned
+on. A device's profile may list the datasets it holds ([Note: local data] in
+:mod:`edge.models.local_data`): :attr:`DeviceView.datasets` reads them and
+:meth:`DeviceRegistry.holders` finds the online devices that hold a dataset of a
+name. Every change is written to
 the store (heartbeats at most every few seconds per device) and announced on
 the event bus, and every change of state is one log line (``device pi-1: online
 -> offline``, with ``device`` and, when the registry decided it, ``reason``).
@@ -184,6 +186,8 @@ class DeviceRegistry:
         with self._lock:
             current = self._devices.get(device)
             state = current.state if current is not None else "offline"
+        if current is None or current.profile is None:
+            return  # not announced yet: its status and profile come first
         if state == "offline":
             state = "busy" if beat.job else "online"
         self._update(device, persist=False, state=state, last_seen=time.time())

@@ -61,12 +61,21 @@ def test_a_restarted_coordinator_finishes_the_job(tmp_path: Path) -> None:
         "replicate_every": 2,
         "stages": 3,
     }
+    data.mkdir()
     try:
-        with mosquitto_broker() as broker, LocalFleet(3, broker.url, threads=1):
-            with coordinator_process(port, broker.url, data) as first:
+        with (
+            (data / "first.log").open("wb") as log,
+            mosquitto_broker() as broker,
+            LocalFleet(3, broker.url, threads=1),
+        ):
+            with coordinator_process(port, broker.url, data, stderr=log) as first:
                 assert until(up, 60) and until(lambda: online() == 3, 60)
                 job = api.post("/api/v1/jobs", json=body).json()["id"]
-                assert until(lambda: (job_state(job).get("steps_done") or 0) >= 8, 120)
+                assert until(lambda: (job_state(job).get("steps_done") or 0) >= 8, 120), (
+                    job_state(job),
+                    api.get(f"/api/v1/jobs/{job}/events").json(),
+                    (data / "first.log").read_text()[-4000:],
+                )
                 assert len(job_state(job)["plan"]["stages"]) == 3
                 first.send_signal(signal.SIGKILL)
                 first.wait(10)

@@ -25,8 +25,8 @@ from coordinator.service.settings import Settings
 from coordinator.service.store.sqlite import Store
 from edge.models.local_data import LocalDatasetInfo
 from edge.problem import DeviceSpec
-from edge.wire.messages import DeviceStatus
-from edge.wire.topics import device_profile, device_status
+from edge.wire.messages import DeviceStatus, Heartbeat
+from edge.wire.topics import device_heartbeat, device_profile, device_status
 
 SHARD: dict[str, Any] = {
     "kind": "zoo",
@@ -95,3 +95,24 @@ def test_holders_are_the_devices_not_offline_that_hold_the_name(
     info = LocalDatasetInfo.model_validate(SHARD)
     assert registry.holders("digits") == {"pi-1": info, "pi-3": info}
     assert registry.holders("junk") == {} and registry.holders("cifar") == {}
+
+
+def test_a_heartbeat_counts_only_for_a_device_that_announced_its_profile(
+    fleet: tuple[TestClient, DeviceRegistry],
+) -> None:
+    """A device is never listed online before the planner can use it: a heartbeat of an
+    unknown device is ignored, and one of a known device that went offline revives it."""
+    client, registry = fleet
+    control = registry.control
+
+    def beat(device: str) -> None:
+        payload = Heartbeat(device=device).model_dump_json().encode()
+        control.publish(device_heartbeat(device), payload)
+
+    beat("pi-9")
+    assert registry.get("pi-9") is None
+    assert "pi-9" not in {d["id"] for d in client.get("/api/v1/devices").json()["data"]}
+    assert "pi-9" not in {d.id for d in registry.available()}
+    beat("pi-2")
+    assert registry.get("pi-2").state == "online"  # type: ignore[union-attr]
+    assert "pi-2" in {d.id for d in registry.available()}
