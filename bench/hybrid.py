@@ -462,14 +462,17 @@ def _run_model(
             args.min_steps, min(args.max_steps, math.ceil(args.seconds / guess.step_time_s))
         )
         started = time.perf_counter()
-        shares = score.shares if plan.grouped else None
+        # A group splits its microbatches by the shares it was planned with: the ones of
+        # the re-priced problem can round a slow member down to no sample.
+        planned = score_plan(first, plan).shares
+        shares = planned if plan.grouped else None
         job = spec.model_copy(update={"steps": steps})
         got = measure(control, job, plan, args.warmup, tb, shares)
         row = Row(
             model,
             fleet,
             strategy,
-            plan.to_json(score.shares),
+            plan.to_json(planned),
             guess.throughput_sps,
             got.sps,
             ideal_sps(now),

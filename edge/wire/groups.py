@@ -82,6 +82,10 @@ Block = tuple[int, int]
 """Rows ``[lo, hi)`` of a microbatch."""
 
 
+_TIE = 1e-9
+"""Samples within this of a whole number count as that number (rounding errors)."""
+
+
 def split_samples(n: int, shares: Sequence[float]) -> list[int]:
     """``n`` samples split by ``shares`` (largest remainder; ties to the earlier member).
 
@@ -91,8 +95,11 @@ def split_samples(n: int, shares: Sequence[float]) -> list[int]:
         raise ValueError(f"shares must be positive numbers, got {list(shares)}")
     total = math.fsum(shares)
     exact = [n * s / total for s in shares]
-    counts = [math.floor(x) for x in exact]
-    order = sorted(range(len(shares)), key=lambda i: (-(exact[i] - counts[i]), i))
+    counts = [math.floor(x + _TIE) for x in exact]
+    # Remainders within rounding of each other tie, and ties go to the earlier member:
+    # the same counts from speeds as from those speeds over their sum (the planner checks
+    # a group with the one, the runtime splits by the other).
+    order = sorted(range(len(shares)), key=lambda i: (-round(exact[i] - counts[i], 9), i))
     for i in order[: n - sum(counts)]:
         counts[i] += 1
     if min(counts) < 1:

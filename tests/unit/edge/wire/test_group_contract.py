@@ -42,6 +42,39 @@ def test_largest_remainder(n: int, shares: list[float], counts: list[int]) -> No
     assert split_samples(n, shares) == counts
 
 
+@given(
+    n=st.integers(1, 64),
+    speeds=st.lists(st.integers(1, 10), min_size=1, max_size=6),
+    scale=st.floats(1e-3, 1e3),
+)
+def test_the_split_does_not_depend_on_the_shares_scale(
+    n: int, speeds: list[int], scale: float
+) -> None:
+    """The planner checks a group's split with its members' speeds and the runtime splits
+    by the plan's shares (those speeds over their sum): rounding must not tell them apart,
+    as it did when 16 samples over speeds 10, 10, 1, 1, 1, 1 tied within a rounding error
+    (a plan the planner accepted that the runtime refused)."""
+
+    def split(of: list[float]) -> list[int] | None:
+        try:
+            return split_samples(n, of)
+        except ValueError:
+            return None
+
+    scaled = [s * scale for s in speeds]  # ties in exact arithmetic, not always in floats
+    total = sum(scaled)
+    assert split([float(s) for s in speeds]) == split(scaled)
+    assert split(scaled) == split([s / total for s in scaled])
+
+
+def test_ties_within_rounding_go_to_the_earlier_member() -> None:
+    core = 50.891636708655525  # a testbed's GFLOP/s a core: two devices at 0.625, four at a tenth
+    speeds = [0.625 * core] * 2 + [0.0625 * core] * 4
+    for of in (speeds, [s / sum(speeds) for s in speeds]):
+        with pytest.raises(ValueError, match="leaves a member without samples"):
+            split_samples(16, of)  # 6.67 and 0.67 each: the fast members' remainders first
+
+
 @pytest.mark.parametrize("shares", [[], [1.0, 0.0], [1.0, -1.0], [float("nan")], [float("inf")]])
 def test_bad_shares_are_refused(shares: list[float]) -> None:
     with pytest.raises(ValueError, match="shares must be positive numbers"):
