@@ -508,6 +508,24 @@ MUTANTS = [
         new="if True:  # the first round warms up",
         tests=("tests/unit/edge/profiling/test_transport_byte_cost.py",),
     ),
+    Mutant(
+        name="split-ties-by-rounding",
+        what="a group's samples split by remainders as floats compute them, so speeds and "
+        "their shares can split differently (the planner accepts what the runtime refuses)",
+        path="edge/wire/groups.py",
+        old="key=lambda i: (-round(exact[i] - counts[i], 9), i)",
+        new="key=lambda i: (-(exact[i] - counts[i]), i)",
+        tests=("tests/unit/edge/wire/test_group_contract.py",),
+    ),
+    Mutant(
+        name="heartbeat-before-profile-is-online",
+        what="a heartbeat of a device whose profile never came lists it online, so a job "
+        "is planned while it is still measuring itself",
+        path="coordinator/service/registry.py",
+        old="        if current is None or current.profile is None:\n            return",
+        new="        if False:\n            return",
+        tests=("tests/unit/coordinator/service/api/routes/test_device_routes.py",),
+    ),
 ]
 
 
