@@ -22,7 +22,9 @@ def serve_in_thread(settings: Settings, start_timeout_s: float = 60.0) -> Iterat
     """Run the app on ``settings.host:settings.port`` for the block; yields its base URL.
 
     The graceful-shutdown wait is short (3 s) because an open event stream would
-    otherwise hold the server up for its keep-alive period.
+    otherwise hold the server up for its keep-alive period. ``log_config=None``
+    leaves the process's logging as its owner set it up: uvicorn's default config
+    would stop its loggers propagating, for the rest of the process.
     """
     import uvicorn
 
@@ -34,6 +36,7 @@ def serve_in_thread(settings: Settings, start_timeout_s: float = 60.0) -> Iterat
         port=settings.port,
         log_level="warning",
         timeout_graceful_shutdown=3,
+        log_config=None,
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="coordinator", daemon=True)
