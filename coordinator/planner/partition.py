@@ -35,7 +35,8 @@ the job's ``codec`` into a scored plan:
   the measured seconds balance, not the FLOPs), for a version 2 problem also the
   spec's own plan and the plan a version 1 job would get (so never predicted slower
   than version 1's), and their plans of fewer stages (exact searches only; on such
-  a fleet the fastest is then refined by a local search under the model). See
+  a fleet the fastest is then refined by a local search under the model), a plan with
+  groups only where it is predicted 10% ahead of the fastest without. See
   [Note: a job's plan by prediction]. Its score stays the spec's score of that plan.
   Under the energy objective the spec's plan stands (the model predicts no energy).
 - ``codec="auto"``: each link's codec is chosen as in
@@ -83,6 +84,11 @@ PARTITIONS: tuple[str, ...] = get_args(Partition)
 
 _BUDGET_S = 8.0
 """The full search's time budget, shared by a job's searches beyond the exact ones."""
+
+GROUP_MARGIN = 0.10
+"""How far a plan with groups must be predicted ahead of the fastest plan without them
+(as a fraction of that plan's throughput) for a job to run it; see [Note: a job's plan
+by prediction]."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +185,13 @@ def _fastest_predicted(
     (:func:`~coordinator.planner.refine.refine`): its best plan can be a neighbour of
     the score's best that no search returns.
 
+    A plan with groups is run only where it is predicted at least :data:`GROUP_MARGIN`
+    (10%) ahead of the fastest candidate without groups; otherwise that one runs. On
+    the testbed (``bench/hybrid.py``, 15 fleet and model pairs) grouped plans measured
+    0.69-1.10 of their prediction and pipelines 0.77-1.13: a group's sum and its
+    members' small rows are the model's least certain terms, and the two grouped plans
+    that measured below 0.95x version 1's had been predicted 1.01x and 1.07x ahead.
+
     A warm-started re-plan (``previous``, a fleet beyond the exact search) searches the
     timed problem alone: one warm start fits the re-plan's second; two do not. Every
     candidate must be feasible under the spec's score of ``problem`` (memory, deadline).
@@ -194,6 +207,8 @@ def _fastest_predicted(
     budget = _BUDGET_S / len(searched)
     best: JobPlan | None = None
     best_s = float("inf")
+    flat: JobPlan | None = None  # the fastest candidate without groups
+    flat_s = float("inf")
     refused: UserError | None = None
     for q in searched:
         try:
@@ -218,6 +233,9 @@ def _fastest_predicted(
             if best is None or guess.step_time_s < best_s:
                 best = replace(other, score=score, prediction=guess)
                 best_s = guess.step_time_s
+            if not other.plan.grouped and guess.step_time_s < flat_s:
+                flat = replace(other, score=score, prediction=guess)
+                flat_s = guess.step_time_s
     if best is None:
         raise refused or UserError(f"no plan fits {where}")
     if problem.allows_groups and stages is None and best.exact:
@@ -225,6 +243,9 @@ def _fastest_predicted(
         if plan != best.plan:
             method = f"{best.method}, refined by the cost model"
             best = replace(best, score=score_plan(problem, plan), method=method, prediction=guess)
+            best_s = guess.step_time_s
+    if best.plan.grouped and flat is not None and flat_s < best_s * (1 + GROUP_MARGIN):
+        return flat
     return best
 
 
