@@ -11,7 +11,7 @@ import torch
 from support.mosquitto import Broker
 
 from coordinator.engine.spec import JobSpec
-from edge.runtime.group_sum import PIECE_BYTES, GroupSum
+from edge.runtime.group_sum import MIN_PIECE_BYTES, GroupSum
 from edge.transport.mqtt import MqttSettings, MqttTransport
 from edge.wire.groups import split_samples
 from edge.wire.messages import StageAssignment
@@ -58,7 +58,7 @@ def test_each_member_publishes_g_chunks_and_receives_two_g_minus_one(
     """Three members, chunks of two pieces: each publishes its ``g - 1`` reduce-scatter
     chunks and its summed chunk once (``g`` chunks, ``2 g`` frames), receives ``2 (g - 1)``
     chunks, and every member ends with the bits of the sum in member order."""
-    numel = G * (PIECE_BYTES // 4 + 7)  # chunks of PIECE_BYTES / 4 + 7 elements: two pieces
+    numel = G * (MIN_PIECE_BYTES // 4 + 7)  # chunks of 2^16 + 7 elements: two pieces
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(numel, generator=gen) for _ in range(G)]
     params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(G)]

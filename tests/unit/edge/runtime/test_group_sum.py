@@ -8,7 +8,13 @@ import time
 import torch
 
 from coordinator.engine.spec import JobSpec
-from edge.runtime.group_sum import PIECE_BYTES, GroupSum
+from edge.runtime.group_sum import (
+    MIN_PIECE_BYTES,
+    PIECE_BYTES,
+    PIECES_PER_CHUNK,
+    GroupSum,
+    piece_elements,
+)
 from edge.transport.base import Inbox
 from edge.transport.inprocess import InProcessTransport
 from edge.wire.frames import prefix_size
@@ -83,12 +89,22 @@ def test_every_member_ends_with_the_same_bits_of_the_sum() -> None:
     assert [loss for _, _, loss in got] == [6.0, 6.0, 6.0]  # 1 + 2 + 3: the group's loss
 
 
+def test_a_chunk_goes_in_about_eight_pieces_of_256_kib_to_1_mib() -> None:
+    """[Note: pieces of a chunk]."""
+    small, large = MIN_PIECE_BYTES // 4, PIECE_BYTES // 4
+    assert PIECES_PER_CHUNK == 8 and (small, large) == (1 << 16, 1 << 18)
+    assert piece_elements(1) == small  # one short piece
+    assert piece_elements(4 * small) == small  # four of the smallest
+    assert piece_elements(8 * small + 8) == small + 1  # eight, each just over the smallest
+    assert piece_elements(2 * PIECES_PER_CHUNK * large) == large  # sixteen of the largest
+
+
 def test_a_chunk_travels_in_pieces_and_each_member_sends_g_chunks() -> None:
     """``g - 1`` chunks to their owners and the member's own sum once, whatever ``g``."""
+    small, large = MIN_PIECE_BYTES // 4, PIECE_BYTES // 4
     for g in (2, 3):
-        numel = g * (PIECE_BYTES // 8 + 1)  # chunks of PIECE_BYTES / 8 + 1 elements
-        for size, pieces in ((numel, 1), (5 * numel, 3)):
-            got = _sum_over(g, size, last=False)
+        for chunk, pieces in ((small // 2, 1), (4 * small, 4), (9 * large + 3, 10)):
+            got = _sum_over(g, g * chunk, last=False)
             for summer, _, _ in got:
                 assert len(summer.pieces) == pieces
                 assert summer.pieces[0][0] == 0 and summer.pieces[-1][1] == summer.chunk
