@@ -172,6 +172,8 @@ class Row:
     same_as: str | None = None
     """The strategy whose plan this one is, stage for stage, when it ran first: this row
     is that run's measurement (one run, two rows), not a run of its own."""
+    batch: str = ""
+    """The step's shape, samples x microbatches (``64x4``)."""
 
     @property
     def ratio(self) -> float:
@@ -484,6 +486,7 @@ def _run_model(
             list(guess.allreduce_s),
             got.allreduce_wait_s,
             got.allreduce_cpu_s,
+            batch=f"{args.batch_size}x{args.microbatches}",
         )
         rows.append(row)
         print(
@@ -580,13 +583,13 @@ def _rounded(values: list[float]) -> list[float]:
 def table(rows: list[Row]) -> str:
     """The rows as a Markdown table, then version 2 against version 1 per model and fleet."""
     lines = [
-        "| model | fleet | plan | devices per stage | measured sps | predicted sps "
+        "| model | fleet | batch | plan | devices per stage | measured sps | predicted sps "
         "| measured/predicted | ideal sps | measured of ideal | predicted of ideal |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.model} | {r.fleet} | {r.label} | {r.shape} | {r.measured_sps:.1f} | "
+            f"| {r.model} | {r.fleet} | {r.batch} | {r.label} | {r.shape} | {r.measured_sps:.1f} | "
             f"{r.predicted_sps:.1f} | {r.ratio:.2f} | {r.ideal_sps:.1f} | {r.fraction:.0%} | "
             f"{r.predicted_fraction:.0%} |"
         )
