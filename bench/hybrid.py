@@ -17,6 +17,10 @@ another on the same fleet:
   with the same unit times, the plan the internal model predicts fastest among the
   timed search's, the spec's and v1's, so never predicted slower than v1.
 
+With ``--repeat N`` the same plans run ``N`` times, the strategies in turn (so a
+drift of this host's speed over minutes falls on each alike), each run priced by its
+own calibration; a row is its median pass, and the table gives v2/v1 for each pass.
+
 v1 and v2 are chosen and priced with the same unit times. A plan that is an earlier
 row's plan stage for stage (v2 is often v1's) is not run again: its row is that
 run's, marked ``same_as`` (``v2 (= v1)`` in the table).
@@ -55,7 +59,7 @@ devices are the profiles the agents announced.
         [--fleets rpi4,2fast4slow,3x,10x,30x] [--strategies single,even,v1,data-parallel,v2]
         [--batch-size 64] [--microbatches 4] [--method auto|kernel|software] [--json]
         [--results bench/results/hybrid.json] [--chart bench/results/hybrid.png]
-        [--from-json FILE] [--quick] [--predict-shapes 32x4,128x8,...]
+        [--from-json FILE] [--quick] [--predict-shapes 32x4,128x8,...] [--repeat N]
 
 ``--quick`` runs one fleet (``rpi4-4gb:4``), one model (``vgg11``, batches of 16)
 and two steps a plan (one of them warm-up), and writes its JSON and chart to the temporary directory
@@ -174,6 +178,9 @@ class Row:
     is that run's measurement (one run, two rows), not a run of its own."""
     batch: str = ""
     """The step's shape, samples x microbatches (``64x4``)."""
+    repeats: list[list[float]] = field(default_factory=list)
+    """With ``--repeat``: each pass's measured and predicted samples/s, in pass order; the
+    row is the pass whose measured samples/s is the median (:func:`median_rows`)."""
 
     @property
     def ratio(self) -> float:
@@ -437,6 +444,45 @@ def _run_model(
     assert limits is not None  # a zoo model
     first, first_units = problem(args.calibration_steps)
     chosen = plans(first, limits, first_units)
+    passes = []
+    for n in range(args.repeat):
+        if args.repeat > 1:
+            print(f"# {model} {fleet}: pass {n + 1} of {args.repeat}", file=sys.stderr)
+        passes.append(
+            _run_plans(tb, control, fleet, spec, args, chosen, problem, (first, first_units))
+        )
+    return median_rows(passes)
+
+
+def median_rows(passes: list[list[Row]]) -> list[Row]:
+    """One row per strategy from ``--repeat`` passes over the same plans: the pass whose
+    measured samples/s is the median (the lower of the middle two for an even count),
+    with every pass's measured and predicted samples/s in ``repeats``."""
+    if len(passes) == 1:
+        return passes[0]
+    out = []
+    for runs in zip(*passes, strict=True):
+        ordered = sorted(range(len(runs)), key=lambda i: runs[i].measured_sps)
+        middle = runs[ordered[(len(runs) - 1) // 2]]
+        repeats = [[r.measured_sps, r.predicted_sps] for r in runs]
+        out.append(replace(middle, repeats=repeats))
+    return out
+
+
+def _run_plans(
+    tb: Testbed,
+    control: MqttTransport,
+    fleet: str,
+    spec: JobSpec,
+    args: argparse.Namespace,
+    chosen: dict[str, Plan],
+    problem: Callable[[int], tuple[PlanningProblem, UnitSeconds]],
+    calibrated: tuple[PlanningProblem, UnitSeconds],
+) -> list[Row]:
+    """One pass: each strategy's plan run once (a plan an earlier row ran is its row);
+    ``calibrated`` is the problem and unit seconds the plans were chosen with."""
+    model = spec.model
+    first, first_units = calibrated
     rows: list[Row] = []
     priced: dict[str, tuple[PlanningProblem, UnitSeconds]] = {}
     for strategy, plan in chosen.items():
@@ -601,9 +647,13 @@ def table(rows: list[Row]) -> str:
                 v2, v1 = got["v2"], got["v1"]
                 one_run = v2.same_as is not None and v2.same_as in ("v1", v1.same_as)
                 same = " (v1's plan: one run)" if one_run else ""
+                each = ""
+                if v2.repeats and len(v2.repeats) == len(v1.repeats):
+                    ratios = [a[0] / b[0] for a, b in zip(v2.repeats, v1.repeats, strict=True)]
+                    each = " (passes: " + ", ".join(f"{r:.2f}x" for r in ratios) + ")"
                 lines.append(
                     f"- {model}, {fleet}: v2 ({v2.shape}){same} = "
-                    f"{v2.measured_sps / v1.measured_sps:.2f}x v1 measured, "
+                    f"{v2.measured_sps / v1.measured_sps:.2f}x v1 measured{each}, "
                     f"{v2.predicted_sps / v1.predicted_sps:.2f}x predicted"
                 )
     return "\n".join(lines)
@@ -677,6 +727,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-steps", type=int, default=3)
     parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument("--calibration-steps", type=int, default=5)
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="passes over the same plans, strategies in turn; each row is its median pass",
+    )
     parser.add_argument("--method", choices=["auto", "kernel", "software"], default="auto")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--quick", action="store_true", help="rpi4-4gb:4, vgg11, few steps")
@@ -695,6 +751,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.strategies) - set(STRATEGIES))
     if unknown:
         parser.error(f"--strategies: {', '.join(unknown)} not one of {', '.join(STRATEGIES)}")
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1 (got {args.repeat})")
     results = Path(__file__).resolve().parent / "results"
     if args.quick:
         args.models, args.fleets, args.batch_size = "vgg11", "rpi4", 16

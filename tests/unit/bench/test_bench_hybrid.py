@@ -146,3 +146,24 @@ def test_predict_shapes_are_batch_by_microbatches(bench: ModuleType) -> None:
     for bad in ("128", "30x4", "axb"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--predict-shapes", bad])
+
+
+def test_repeated_passes_give_each_strategy_its_median_pass(bench: ModuleType) -> None:
+    """``--repeat 3``: each row is its strategy's median pass by measured samples/s, with
+    every pass's figures; the table gives v2/v1 pass by pass."""
+    measured = {"v1": (10.0, 12.0, 8.0), "v2": (15.0, 13.0, 16.0)}
+    passes = [
+        [_row(bench, s, measured[s][n], 20.0 + n, "1111" if s == "v1" else "4") for s in measured]
+        for n in range(3)
+    ]
+    v1, v2 = bench.median_rows(passes)
+    assert (v1.measured_sps, v1.predicted_sps) == (10.0, 20.0)  # pass 1 of 8, 10, 12
+    assert (v2.measured_sps, v2.predicted_sps) == (15.0, 20.0)  # pass 1 of 13, 15, 16
+    assert v2.repeats == [[15.0, 20.0], [13.0, 21.0], [16.0, 22.0]]
+    text = bench.table([v1, v2])
+    assert "v2 (4) = 1.50x v1 measured (passes: 1.50x, 1.08x, 2.00x), 1.00x predicted" in text
+    assert bench.to_json(bench.from_json(bench.to_json([v1, v2]))) == bench.to_json([v1, v2])
+    assert bench.median_rows(passes[:1]) == passes[0]  # one pass: its rows as they are
+    assert bench.median_rows(passes[:2])[0].measured_sps == 10.0  # the lower middle of two
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--repeat", "0"])
