@@ -19,7 +19,8 @@ another on the same fleet:
 
 With ``--repeat N`` the same plans run ``N`` times, the strategies in turn (so a
 drift of this host's speed over minutes falls on each alike), each run priced by its
-own calibration; a row is its median pass, and the table gives v2/v1 for each pass.
+own calibration; a row is its median pass, and the table gives v2/v1 for each pass
+and their medians.
 
 v1 and v2 are chosen and priced with the same unit times. A plan that is an earlier
 row's plan stage for stage (v2 is often v1's) is not run again: its row is that
@@ -647,14 +648,21 @@ def table(rows: list[Row]) -> str:
                 v2, v1 = got["v2"], got["v1"]
                 one_run = v2.same_as is not None and v2.same_as in ("v1", v1.same_as)
                 same = " (v1's plan: one run)" if one_run else ""
-                each = ""
+                measured = v2.measured_sps / v1.measured_sps
+                predicted = v2.predicted_sps / v1.predicted_sps
+                each = ["", ""]
                 if v2.repeats and len(v2.repeats) == len(v1.repeats):
-                    ratios = [a[0] / b[0] for a, b in zip(v2.repeats, v1.repeats, strict=True)]
-                    each = " (passes: " + ", ".join(f"{r:.2f}x" for r in ratios) + ")"
+                    # Pass by pass: each pass's v2 and v1 ran minutes apart, priced alike.
+                    passes = list(zip(v2.repeats, v1.repeats, strict=True))
+                    by_pass = [[a[k] / b[k] for a, b in passes] for k in (0, 1)]
+                    measured, predicted = (statistics.median(r) for r in by_pass)
+                    each = [
+                        " (passes: " + ", ".join(f"{r:.2f}x" for r in ratios) + ")"
+                        for ratios in by_pass
+                    ]
                 lines.append(
                     f"- {model}, {fleet}: v2 ({v2.shape}){same} = "
-                    f"{v2.measured_sps / v1.measured_sps:.2f}x v1 measured{each}, "
-                    f"{v2.predicted_sps / v1.predicted_sps:.2f}x predicted"
+                    f"{measured:.2f}x v1 measured{each[0]}, {predicted:.2f}x predicted{each[1]}"
                 )
     return "\n".join(lines)
 

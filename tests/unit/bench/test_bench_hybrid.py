@@ -161,7 +161,10 @@ def test_repeated_passes_give_each_strategy_its_median_pass(bench: ModuleType) -
     assert (v2.measured_sps, v2.predicted_sps) == (15.0, 20.0)  # pass 1 of 13, 15, 16
     assert v2.repeats == [[15.0, 20.0], [13.0, 21.0], [16.0, 22.0]]
     text = bench.table([v1, v2])
-    assert "v2 (4) = 1.50x v1 measured (passes: 1.50x, 1.08x, 2.00x), 1.00x predicted" in text
+    assert (
+        "v2 (4) = 1.50x v1 measured (passes: 1.50x, 1.08x, 2.00x), "
+        "1.00x predicted (passes: 1.00x, 1.00x, 1.00x)"
+    ) in text
     assert bench.to_json(bench.from_json(bench.to_json([v1, v2]))) == bench.to_json([v1, v2])
     assert bench.median_rows(passes[:1]) == passes[0]  # one pass: its rows as they are
     assert bench.median_rows(passes[:2])[0].measured_sps == 10.0  # the lower middle of two
