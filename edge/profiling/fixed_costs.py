@@ -30,7 +30,9 @@ fields; the score ignores ``details``):
   client library's own copies are in it, so it is a lower bound. An agent
   replaces it, once connected, by the same bytes through its own transport
   (:func:`measure_transport_byte_s`, :func:`with_transport_byte_cost`): frames of
-  a group sum's piece size published to itself through the broker on its
+  a group sum's largest piece (a large sum's; a sum of chunks up to 2 MiB goes in
+  smaller pieces, which cost more a byte: [Note: pieces of a chunk] in
+  :mod:`edge.runtime.group_sum`) published to itself through the broker on its
   private topic (:func:`~edge.wire.topics.device_probe`), filed in an inbox and
   taken and added from there, a vector flattened before and copied back after, as
   the sum does; the CPU time of the whole process (TLS, the client's network

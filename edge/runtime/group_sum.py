@@ -37,7 +37,7 @@ sum's bytes cost 3.8-4.0 ns each in pieces of 256 KiB and 2.0-2.8 in pieces of
 1 MiB. So a chunk goes in about :data:`PIECES_PER_CHUNK` pieces, each at least
 :data:`MIN_PIECE_BYTES` and at most :data:`PIECE_BYTES` (:func:`piece_elements`):
 a chunk of 1 MiB keeps four pieces of 256 KiB and its links overlapped, one of vgg11's
-9 MB chunks over four members goes in nine of 1 MiB and half the CPU a byte.
+9 MB chunks over four members goes in nine of 1 MiB at 0.5-0.7 of the CPU a byte.
 
 This is the MQTT-side counterpart of :class:`edge.server.data_parallel.DataParallel`
 (which averages copies of a stage over torch.distributed), and runs at the same
