@@ -23,6 +23,9 @@ Lifecycle:
    model or dataset (``package.module:function``) outside ``allow_code`` is
    answered with ``failed`` before anything is imported ([Note: user code on
    devices] in :mod:`edge.models.user_code`).
+   ``time-units`` times a model's units in a training step here, under the device's
+   own limits, and answers on its ``units`` topic (the planner's per-device unit
+   seconds: :mod:`coordinator.engine.unit_profiles`); never while a stage is held.
    One exception to one stage at a time: a job whose labels stay home gives each
    holder two stages, 0 and the last ([Note: labels stay home] in
    :mod:`edge.runtime.stage`). The second assignment of that job (``labels_local``,
@@ -50,6 +53,7 @@ network thread free).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import queue
@@ -64,6 +68,7 @@ from edge.files import write_atomic
 from edge.logs import bind
 from edge.models.local_data import LocalData, announce
 from edge.models.user_code import ZOO_ONLY, CodeAllowance
+from edge.models.zoo import get_model
 from edge.problem import DeviceSpec
 from edge.profiling.device import cgroup_limits
 from edge.profiling.fixed_costs import (
@@ -75,6 +80,7 @@ from edge.profiling.fixed_costs import (
 )
 from edge.runtime.checkpoint import ReplicaKeeper
 from edge.runtime.stage import Replicator, StageRuntime
+from edge.runtime.unit_times import UnitTime, measure_unit_times
 from edge.server.groups import join_group, leave_group
 from edge.transport.base import Transport
 from edge.transport.credentials import device_client_id
@@ -94,6 +100,9 @@ from edge.wire.messages import (
     StartJob,
     StepReport,
     Throttle,
+    TimeUnits,
+    UnitTimes,
+    UnitTiming,
     parse_command,
 )
 from edge.wire.topics import (
@@ -102,6 +111,7 @@ from edge.wire.topics import (
     device_probe,
     device_profile,
     device_status,
+    device_units,
     job_events,
     job_replica,
     job_restore,
@@ -113,7 +123,7 @@ __all__ = ["Agent"]
 log = logging.getLogger("edgetrain.agent")
 
 _KEEP = "keep-replicas"  # work item: store the neighbour replicas that arrived
-_Work = StageAssignment | StartJob | CancelJob | HandOver | Throttle | str | None
+_Work = StageAssignment | StartJob | CancelJob | HandOver | Throttle | TimeUnits | str | None
 
 
 class _Cancelled(RuntimeError):
@@ -355,6 +365,8 @@ class Agent:
                         rt.slowdown = cmd.slowdown
                 elif isinstance(cmd, HandOver):
                     self._hand_over(cmd)
+                elif isinstance(cmd, TimeUnits):
+                    self._time_units(cmd)
                 elif (
                     isinstance(cmd, CancelJob) and self._runtime and self._runtime.a.job == cmd.job
                 ):
@@ -384,6 +396,55 @@ class Agent:
                         error=f"{type(exc).__name__}: {exc}",
                     )
                 )
+
+    def _time_units(self, cmd: TimeUnits) -> None:
+        """Answer ``cmd`` on this device's ``units`` topic: its model's units timed here, on
+        the worker (a job's assignment waits behind it), at the device's throttle (each
+        time times ``slowdown``: the throttle sleeps that much longer than it computes);
+        or, with no times, why not: a stage is held, the model is not allowed or cannot
+        be built, the timing failed."""
+        started = time.perf_counter()
+        full: list[UnitTiming] = []
+        small: list[UnitTiming] | None = None
+        error = None
+        if self._runtimes:
+            error = f"busy with job {self._runtimes[0].a.job}"
+        else:
+            try:
+                spec = get_model(cmd.model, allow_code=self.allow_code, **cmd.model_options)
+                timed = functools.partial(
+                    measure_unit_times,
+                    microbatches=cmd.microbatches,
+                    steps=cmd.steps,
+                    warmup=cmd.warmup,
+                    optimizer=cmd.optimizer,
+                    timed_microbatches=cmd.timed_microbatches,
+                )
+                full = self._timings(timed(spec, cmd.batch_size))
+                if cmd.small_batch_size is not None:
+                    small = self._timings(timed(spec, cmd.small_batch_size))
+            except Exception as exc:  # any failure is the answer, never the daemon's end
+                error = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+                full, small = [], None
+        answer = UnitTimes(
+            request=cmd.request, device=self.device_id, full=full, small=small, error=error
+        )
+        if error is None:
+            log.info(
+                "timed the units of %s at batch %d in %.1f s",
+                cmd.model,
+                cmd.batch_size,
+                time.perf_counter() - started,
+            )
+        else:
+            log.warning("could not time the units of %s: %s", cmd.model, error)
+        with contextlib.suppress(ConnectionError):
+            self.transport.publish(device_units(self.device_id), answer.model_dump_json(), 1)
+
+    def _timings(self, times: Sequence[UnitTime]) -> list[UnitTiming]:
+        """``times`` on the wire, at this device's throttle."""
+        k = self.slowdown
+        return [UnitTiming(name=t.name, fwd_s=t.fwd_s * k, bwd_s=t.bwd_s * k) for t in times]
 
     def _event(self, event: StageReady | StepReport | StageDone | StageFailed | StageHeld) -> None:
         if isinstance(event, StepReport):

@@ -69,6 +69,7 @@ from edge.wire.topics import (
     device_probe,
     device_profile,
     device_status,
+    device_units,
     stage_access,
     valid_device_id,
 )
@@ -86,14 +87,15 @@ def _role(device: str) -> str:
 
 
 def _own_rules(device: str) -> list[_Rule]:
-    """What a device may always do: announce itself, hear its commands, and send its
-    transport probe to itself."""
+    """What a device may always do: announce itself, hear its commands, answer one that
+    times its units, and send its transport probe to itself."""
     return [
         ("publishClientSend", device_status(device)),
         ("publishClientSend", device_profile(device)),
         ("publishClientSend", device_heartbeat(device)),
         ("subscribeLiteral", device_cmd(device)),
         ("publishClientReceive", device_cmd(device)),
+        ("publishClientSend", device_units(device)),
         ("publishClientSend", device_probe(device)),
         ("subscribeLiteral", device_probe(device)),
         ("publishClientReceive", device_probe(device)),

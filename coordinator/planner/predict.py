@@ -9,7 +9,7 @@ prediction every job shows and plans by, :func:`predict`:
   (:class:`UnitSeconds`, timed once per model and batch shape on this machine
   through the real training step) scaled from this machine's best matmul rate to
   each member's speed (a measured device's best rate over its software slowdown,
-  else its ``gflops``; see :func:`_speed`), at the member's share of the rows
+  else its ``gflops``; see :func:`device_speed`), at the member's share of the rows
   (:meth:`UnitSeconds.at_share`: a part of each unit's time does not shrink with
   the rows, so a member of a group of four takes more than a quarter of the
   whole microbatch's time; but not on a device that emulates a slower one with
@@ -54,7 +54,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -74,6 +74,7 @@ __all__ = [
     "Prediction",
     "UnitSeconds",
     "calibrated",
+    "device_speed",
     "fit_unit_seconds",
     "measure_unit_seconds",
     "predict",
@@ -102,6 +103,11 @@ class UnitSeconds:
     rows): the intercept of the line through its timings at two row counts
     (:func:`fit_unit_seconds`). Empty: time proportional to the rows."""
 
+    devices: Mapping[str, UnitSeconds] = field(default_factory=dict, hash=False)
+    """Devices that timed the units themselves, under their own limits
+    (:mod:`coordinator.engine.unit_profiles`): each one's own seconds, which it takes
+    as they are, instead of these scaled to its speed."""
+
     def at_share(self, start: int, end: int, share: float, *, fixed_whole: bool = True) -> float:
         """Seconds per microbatch of units ``start..end-1`` for a member computing
         ``share`` of each microbatch's rows: the fixed part whole, the rest by share
@@ -109,6 +115,38 @@ class UnitSeconds:
         total = sum(self.seconds[start:end])
         fixed = sum(self.fixed[start:end]) if self.fixed and fixed_whole else 0.0
         return fixed + (total - fixed) * share
+
+    def on_device(self, device: DeviceSpec, start: int, end: int, share: float) -> float:
+        """Seconds per microbatch of units ``start..end-1`` on ``device`` at ``share`` of the
+        rows: its own seconds where it timed them, else these at its speed
+        (:func:`devicedevice_speed`); the fixed part whole unless it runs the software
+        throttle ([Note: the fixed part under a throttle])."""
+        whole = not _throttled(device)
+        own = self.devices.get(device.id)
+        if own is not None:
+            return own.at_share(start, end, share, fixed_whole=whole)
+        return (
+            self.at_share(start, end, share, fixed_whole=whole) * self.gflops / device_speed(device)
+        )
+
+    def speed(self, device: DeviceSpec) -> float:
+        """The GFLOP/s ``device`` computes these units at: :func:`devicedevice_speed`, or where it
+        timed them itself, what its own seconds of the whole model are worth at
+        ``gflops`` (a speed for the spec's search of :func:`timed_problem`; a prediction
+        takes its seconds unit by unit)."""
+        own = self.devices.get(device.id)
+        if own is None or sum(own.seconds) <= 0:
+            return device_speed(device)
+        return self.gflops * sum(self.seconds) / sum(own.seconds)
+
+    def check(self, problem: PlanningProblem) -> None:
+        """:class:`ValueError` unless these, and each device's own, have one entry per
+        layer of ``problem``."""
+        for who, u in [("", self), *((f" of {d}", u) for d, u in self.devices.items())]:
+            if len(u.seconds) != len(problem.layers):
+                raise ValueError(
+                    f"{len(u.seconds)} unit times{who} for {len(problem.layers)} layers"
+                )
 
 
 SMALL_ROWS_DIVISOR = 4
@@ -188,7 +226,7 @@ def _unit_seconds(key: str) -> UnitSeconds:
     torch.set_num_threads(1)  # as an agent's stage runs; its gflops are measured the same way
     try:
         # The best matmul rate before and after the units: what this machine does alone,
-        # as each measured device's best rate says what it does (see _speed).
+        # as each measured device's best rate says what it does (see device_speed).
         before = matmul_benchmark(torch.float32, 0.3).best_gflops
         m, optimizer = args["microbatches"], OptimizerSpec.model_validate(args["optimizer"])
         rows = args["batch_size"] // m
@@ -236,8 +274,8 @@ def predict(
     """The predicted step of ``plan`` (see the module docstring); ``units`` must have one
     entry per layer of ``problem`` when given; ``fixed_shares`` as for
     :func:`~coordinator.planner.score.score_plan` (the holders of local data)."""
-    if units is not None and len(units.seconds) != len(problem.layers):
-        raise ValueError(f"{len(units.seconds)} unit times for {len(problem.layers)} layers")
+    if units is not None:
+        units.check(problem)
     spec = score_plan(for_plan(problem, plan), plan, fixed_shares=fixed_shares)
     dev = {d.id: d for d in problem.devices}
     fixed = {d.id: fixed_costs_of(d) or _NONE for d in problem.devices}
@@ -253,9 +291,7 @@ def predict(
         t = spec.compute_s[s]
         if units is not None:  # the member that takes longest on its share
             t = max(
-                units.at_share(st.start, st.end, w, fixed_whole=not _throttled(dev[i]))
-                * units.gflops
-                / _speed(dev[i])
+                units.on_device(dev[i], st.start, st.end, w)
                 for i, w in zip(st.devices, share, strict=True)
             )
         # The probe's microbatch ran PROBE_BLOCKS compute blocks; only the last stage runs
@@ -327,14 +363,13 @@ def timed_problem(problem: PlanningProblem, units: UnitSeconds) -> PlanningProbl
     ``units.gflops`` (a third forward, two thirds backward) and each device's speed the
     one :func:`predict` scales them by: the spec's search on it balances stages by
     measured time. Memory and links are unchanged."""
-    if len(units.seconds) != len(problem.layers):
-        raise ValueError(f"{len(units.seconds)} unit times for {len(problem.layers)} layers")
+    units.check(problem)
     b = problem.batch_size / problem.microbatches
     layers = []
     for layer, seconds in zip(problem.layers, units.seconds, strict=True):
         flops = seconds * units.gflops * 1e9 / b  # per sample, forward and backward
         layers.append(layer.model_copy(update={"fwd_flops": flops / 3, "bwd_flops": flops * 2 / 3}))
-    devices = [d.model_copy(update={"gflops": _speed(d)}) for d in problem.devices]
+    devices = [d.model_copy(update={"gflops": units.speed(d)}) for d in problem.devices]
     return problem.model_copy(update={"layers": layers, "devices": devices})
 
 
@@ -361,7 +396,7 @@ def _throttled(device: DeviceSpec) -> bool:
     return isinstance(slowdown, (int, float)) and slowdown > 1
 
 
-def _speed(device: DeviceSpec) -> float:
+def device_speed(device: DeviceSpec) -> float:
     """The GFLOP/s unit seconds scale by: a measured device's best matmul rate (over its
     software slowdown, when it emulates a slower one), else its ``gflops``.
 

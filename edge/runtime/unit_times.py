@@ -58,10 +58,19 @@ def measure_unit_times(
     optimizer: OptimizerSpec | None = None,
     seed: int = 0,
     clock: Callable[[], float] = time.perf_counter,
+    timed_microbatches: int | None = None,
 ) -> list[UnitTime]:
-    """Time every unit of ``spec`` in ``steps`` training steps (see the module docstring)."""
+    """Time every unit of ``spec`` in ``steps`` training steps (see the module docstring).
+
+    ``timed_microbatches``: run only that many of each step's microbatches (their rows
+    as many as a whole step's); the optimizer step is still shared by ``microbatches``.
+    What a slow device can afford: a step of vgg11 at 64 rows a microbatch is minutes
+    on a Pi, one microbatch is a quarter of that."""
     if batch_size < microbatches or microbatches < 1 or steps < 1:
         raise ValueError("need steps >= 1 and batch_size >= microbatches >= 1")
+    if timed_microbatches is not None and not 1 <= timed_microbatches <= microbatches:
+        raise ValueError("need 1 <= timed_microbatches <= microbatches")
+    timed = microbatches if timed_microbatches is None else timed_microbatches
     units = [spec.build_segment(i, i + 1).train() for i in range(spec.num_units)]
     opt_spec = optimizer or OptimizerSpec()
     optimizers = [build_optimizer(opt_spec, u.parameters()) for u in units]
@@ -72,8 +81,9 @@ def measure_unit_times(
     bwd: list[list[float]] = [[] for _ in range(n)]
     for step in range(warmup + steps):
         x, y = load_batch(dataset, sampler, step)
-        f_step, b_step = [0.0] * n, [0.0] * n
-        for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches), strict=True):
+        f_step, b_step, opt_s = [0.0] * n, [0.0] * n, [0.0] * n
+        pairs = list(zip(x.chunk(microbatches), y.chunk(microbatches), strict=True))
+        for xs, ys in pairs[:timed]:
             inputs, outputs = [], []
             inp = xs
             for i, unit in enumerate(units):
@@ -99,11 +109,12 @@ def measure_unit_times(
             if opt is not None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            b_step[i] += clock() - t0
+            opt_s[i] = clock() - t0
+            b_step[i] += opt_s[i]
         if step >= warmup:
-            for i in range(n):
-                fwd[i].append(f_step[i] / microbatches)
-                bwd[i].append(b_step[i] / microbatches)
+            for i in range(n):  # the optimizer's time is shared by all microbatches
+                fwd[i].append(f_step[i] / timed)
+                bwd[i].append((b_step[i] - opt_s[i]) / timed + opt_s[i] / microbatches)
     return [
         UnitTime(spec.units[i].name, statistics.median(fwd[i]), statistics.median(bwd[i]))
         for i in range(n)

@@ -16,13 +16,17 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from edge.config import (
+    BatchSize,
     CodecName,
     DatasetName,
+    Microbatches,
+    ModelName,
     OptimizerSpec,
     RecvTimeout,
     Replicas,
     ReplicateEvery,
     TrainConfigBase,
+    check_batch_split,
 )
 from edge.errors import describe_validation_error
 
@@ -44,9 +48,21 @@ __all__ = [
     "StartJob",
     "StepReport",
     "Throttle",
+    "TimeUnits",
+    "UnitTimes",
+    "UnitTiming",
     "parse_command",
     "parse_event",
+    "parse_unit_times",
 ]
+
+
+MAX_UNITS = 4096
+"""Units a :class:`UnitTimes` may list (a zoo model has at most a few hundred)."""
+MAX_UNIT_NAME = 128
+MAX_UNIT_TIMES_BYTES = 1 << 20
+"""The largest :class:`UnitTimes` payload a coordinator reads."""
+MAX_TIMED_STEPS = 5
 
 
 class MessageError(ValueError):
@@ -235,8 +251,44 @@ class Throttle(_Message):
     slowdown: float = Field(ge=1.0, le=1000.0, allow_inf_nan=False)
 
 
+class TimeUnits(_Message):
+    """Time each unit of ``model`` in a training step on this device, as its stages would
+    run it (its threads, its CPU quota, its throttle), and answer :class:`UnitTimes` on
+    the device's ``units`` topic (:func:`edge.wire.topics.device_units`): the planner's
+    per-device unit seconds ([Note: a device's own unit seconds] in
+    :mod:`coordinator.engine.unit_profiles`). Zoo models on their own datasets only
+    (or code the device's ``allow_code`` allows); never while a stage is held."""
+
+    type: Literal["time-units"] = "time-units"
+    request: JobId
+    """Echoed in the answer: which request it answers."""
+    model: ModelName
+    model_options: dict[str, Any] = Field(default_factory=dict)
+    optimizer: OptimizerSpec = OptimizerSpec()
+    batch_size: BatchSize
+    microbatches: Microbatches = 1
+    small_batch_size: BatchSize | None = None
+    """Also time the units at this batch (the same ``microbatches``, fewer rows each)."""
+    timed_microbatches: Microbatches = 1
+    """Microbatches run per timed step (:func:`edge.runtime.unit_times.measure_unit_times`)."""
+    steps: int = Field(default=1, ge=1, le=MAX_TIMED_STEPS)
+    warmup: int = Field(default=1, ge=0, le=MAX_TIMED_STEPS)
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> TimeUnits:
+        check_batch_split(self.batch_size, self.microbatches)
+        if self.small_batch_size is not None:
+            check_batch_split(self.small_batch_size, self.microbatches)
+            if self.small_batch_size >= self.batch_size:
+                raise ValueError("small_batch_size must be below batch_size")
+        if self.timed_microbatches > self.microbatches:
+            raise ValueError("timed_microbatches must be at most microbatches")
+        return self
+
+
 Command = Annotated[
-    StageAssignment | StartJob | CancelJob | HandOver | Throttle, Field(discriminator="type")
+    StageAssignment | StartJob | CancelJob | HandOver | Throttle | TimeUnits,
+    Field(discriminator="type"),
 ]
 
 
@@ -329,6 +381,30 @@ class DeviceStatus(_Message):
     version: str = ""
 
 
+Seconds = Annotated[float, Field(ge=0.0, le=86_400.0, allow_inf_nan=False)]
+
+
+class UnitTiming(_Message):
+    """One unit's median seconds per microbatch (:class:`edge.runtime.unit_times.UnitTime`)."""
+
+    name: str = Field(min_length=1, max_length=MAX_UNIT_NAME)
+    fwd_s: Seconds
+    bwd_s: Seconds
+
+
+class UnitTimes(_Message):
+    """A device's answer to :class:`TimeUnits`, on its own ``units`` topic: each unit's
+    times at ``batch_size`` (``full``) and at ``small_batch_size`` (``small``), or why
+    it could not time them (``error``, and no times)."""
+
+    type: Literal["unit-times"] = "unit-times"
+    request: JobId
+    device: str = Field(min_length=1, max_length=64)
+    full: list[UnitTiming] = Field(default_factory=list, max_length=MAX_UNITS)
+    small: list[UnitTiming] | None = Field(default=None, max_length=MAX_UNITS)
+    error: str | None = Field(default=None, max_length=500)
+
+
 class Heartbeat(_Message):
     device: str
     ts: float = Field(default_factory=time.time)
@@ -337,8 +413,8 @@ class Heartbeat(_Message):
     step: int | None = None
 
 
-_COMMAND: TypeAdapter[StageAssignment | StartJob | CancelJob | HandOver | Throttle] = TypeAdapter(
-    Command
+_COMMAND: TypeAdapter[StageAssignment | StartJob | CancelJob | HandOver | Throttle | TimeUnits] = (
+    TypeAdapter(Command)
 )
 _EVENT: TypeAdapter[StageReady | StepReport | StageDone | StageFailed | StageHeld] = TypeAdapter(
     Event
@@ -347,7 +423,7 @@ _EVENT: TypeAdapter[StageReady | StepReport | StageDone | StageFailed | StageHel
 
 def parse_command(
     payload: bytes | str,
-) -> StageAssignment | StartJob | CancelJob | HandOver | Throttle:
+) -> StageAssignment | StartJob | CancelJob | HandOver | Throttle | TimeUnits:
     """A command from JSON, or :class:`MessageError` with one line saying what is wrong."""
     try:
         return _COMMAND.validate_json(payload)
@@ -363,3 +439,14 @@ def parse_event(
         return _EVENT.validate_json(payload)
     except ValidationError as exc:
         raise MessageError(describe_validation_error(exc, "event")) from None
+
+
+def parse_unit_times(payload: bytes | str) -> UnitTimes:
+    """A :class:`UnitTimes` from JSON, or :class:`MessageError` with one line saying what
+    is wrong (payloads over :data:`MAX_UNIT_TIMES_BYTES` are refused unread)."""
+    if len(payload) > MAX_UNIT_TIMES_BYTES:
+        raise MessageError(f"unit times: {len(payload)} bytes, more than {MAX_UNIT_TIMES_BYTES}")
+    try:
+        return UnitTimes.model_validate_json(payload)
+    except ValidationError as exc:
+        raise MessageError(describe_validation_error(exc, "unit times")) from None

@@ -2,9 +2,10 @@
 
 Device topics: ``devices/{id}/status`` (retained; last-will ``offline``),
 ``devices/{id}/profile`` (retained), ``devices/{id}/heartbeat``,
-``devices/{id}/cmd`` and ``devices/{id}/probe`` (:func:`device_probe`: the device
+``devices/{id}/cmd``, ``devices/{id}/probe`` (:func:`device_probe`: the device
 publishes tensor frames to itself there, once, to time its transport's CPU per
-byte; :mod:`edge.profiling.fixed_costs`). Job topics: the stage frames
+byte; :mod:`edge.profiling.fixed_costs`) and ``devices/{id}/units`` (:func:`device_units`:
+its answers to a ``time-units`` command). Job topics: the stage frames
 (``jobs/{job}/stage/{s}/fwd|bwd``,
 :mod:`edge.wire.frames`; for member ``m > 0`` of a group
 ``jobs/{job}/stage/{s}/member/{m}/fwd|bwd``, and a group's gradient sum:
@@ -51,6 +52,7 @@ __all__ = [
     "device_probe",
     "device_profile",
     "device_status",
+    "device_units",
     "job_events",
     "job_events_all",
     "job_replica",
@@ -103,6 +105,12 @@ def device_heartbeat(device: str) -> str:
 
 def device_probe(device: str) -> str:
     return f"{TOPIC_ROOT}/devices/{device}/probe"
+
+
+def device_units(device: str) -> str:
+    """Where a device answers :class:`~edge.wire.messages.TimeUnits` (its own: the broker's
+    ACL, not the payload, says who timed)."""
+    return f"{TOPIC_ROOT}/devices/{device}/units"
 
 
 def stage_topic(

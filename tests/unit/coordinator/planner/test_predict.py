@@ -130,6 +130,30 @@ def test_unit_seconds_replace_flops_scaled_by_speed() -> None:
         predict(problem, TWO, UnitSeconds(seconds=(0.2,), gflops=50.0))
 
 
+def test_a_device_that_timed_its_units_takes_its_own_seconds_as_they_are() -> None:
+    problem = _problem(FIXED)
+    # b timed the units itself: 0.3 and 0.6 s, not the host's 0.1 scaled to 20 GFLOP/s.
+    own = UnitSeconds(seconds=(0.3, 0.6), gflops=20.0, fixed=(0.0, 0.2))
+    units = UnitSeconds(seconds=(0.2, 0.1), gflops=50.0, devices={"b": own})
+    got = predict(problem, TWO, units)
+    first = 1.0 + 0.01 * 2 / 3  # a: the host's 0.2 s scaled from 50 to 10 GFLOP/s
+    assert got.compute_s == pytest.approx([first, 0.6 + 0.02], rel=REL)
+    assert got.step_time_s == pytest.approx(2 * first + 0.62 + 0.047 + 0.056, rel=REL)
+    # A group, b on 0.8 of the rows: its own fixed part whole and 0.8 of the rest, more
+    # than a's 0.2 of the host's 0.3 s at 10 GFLOP/s (0.3 s).
+    group = Plan(stages=(Stage("a", 0, 2, ("b",)),))
+    shared = predict(problem.as_version(2), group, units, fixed_shares={0: [0.2, 0.8]})
+    assert shared.compute_s[0] == pytest.approx(0.2 + (0.9 - 0.2) * 0.8 + 0.02, rel=REL)
+    # The spec's search on the timed problem sees b at what its seconds are worth: the
+    # host's 0.3 s of the model at 50 GFLOP/s take it 0.9 s, so 50 / 3 GFLOP/s.
+    timed = timed_problem(problem, units)
+    assert [d.gflops for d in timed.devices] == pytest.approx([10.0, 50 / 3], rel=REL)
+    with pytest.raises(ValueError, match="1 unit times of b for 2 layers"):
+        predict(
+            problem, TWO, UnitSeconds((0.2, 0.1), 50.0, devices={"b": UnitSeconds((1.0,), 1.0)})
+        )
+
+
 def test_without_fixed_costs_the_prediction_is_the_spec_score() -> None:
     problem = _problem()
     assert not calibrated(problem) and calibrated(_problem(FIXED))

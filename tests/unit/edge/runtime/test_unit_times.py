@@ -34,9 +34,30 @@ def test_training_state_is_not_touched_by_measuring() -> None:
     assert all((after[k] == v).all() for k, v in before.items())
 
 
+def test_timing_some_microbatches_still_shares_the_optimizer_over_all() -> None:
+    """Each timed region on a clock that ticks once a call takes exactly 1 s: a unit's
+    forward 1 s a microbatch, its backward 1 s plus a quarter of the optimizer's 1 s,
+    whether one or all four microbatches of the step run."""
+    calls = iter(range(1_000_000))
+    spec = get_model("mlp")
+    for timed in (1, 4):
+        times = measure_unit_times(
+            spec,
+            8,
+            4,
+            steps=1,
+            warmup=0,
+            clock=lambda: float(next(calls)),
+            timed_microbatches=timed,
+        )
+        assert [(t.fwd_s, t.bwd_s) for t in times] == [(1.0, 1.25)] * spec.num_units
+
+
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="microbatches"):
         measure_unit_times(get_model("mlp"), 2, 4)
+    with pytest.raises(ValueError, match="timed_microbatches"):
+        measure_unit_times(get_model("mlp"), 8, 4, timed_microbatches=5)
 
 
 def _runtime(slowdown: float) -> StageRuntime:
