@@ -544,6 +544,38 @@ MUTANTS = [
         new="flat_s < best_s",
         tests=("tests/unit/coordinator/planner/test_predict.py",),
     ),
+    Mutant(
+        name="own-unit-seconds-ignored",
+        what="a device that timed the model's units itself is priced by the host's seconds "
+        "scaled to its matmul rate, as if it had not",
+        path="coordinator/planner/predict.py",
+        old="own = self.devices.get(device.id)\n        if own is not None:\n            return",
+        new="own = None\n        if own is not None:\n            return",
+        tests=(
+            "tests/unit/coordinator/planner/test_predict.py",
+            "tests/integration/test_agent_unit_times.py",
+        ),
+    ),
+    Mutant(
+        name="unit-times-devices-not-asked",
+        what="a job with unit_times devices is planned without asking its devices to time "
+        "the units",
+        path="coordinator/engine/engine.py",
+        old='own = self.device_units(spec, devices) if spec.unit_times == "devices" else None',
+        new="own = None",
+        tests=(
+            "tests/e2e/test_train_cli.py::"
+            "test_unit_times_from_the_devices_price_the_plan_and_it_still_trains_exactly",
+        ),
+    ),
+    Mutant(
+        name="timed-microbatch-takes-the-whole-optimizer",
+        what="timing one microbatch of a step charges it the whole optimizer step, not its share",
+        path="edge/runtime/unit_times.py",
+        old="bwd[i].append((b_step[i] - opt_s[i]) / timed + opt_s[i] / microbatches)",
+        new="bwd[i].append(b_step[i] / timed)",
+        tests=("tests/unit/edge/runtime/test_unit_times.py",),
+    ),
 ]
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -37,6 +37,7 @@ from coordinator.engine.replicas import ReplicaStore
 from coordinator.engine.resilient import ResilientResult, ResilientRun
 from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobAccess, JobResult, JobSpec, batchnorm_units
+from coordinator.engine.unit_profiles import time_units_on_devices, timing_request
 from coordinator.planner.build import build_problem
 from coordinator.planner.group_tables import GroupLimits
 from coordinator.planner.holders import HolderPlans
@@ -110,6 +111,8 @@ class PlannedJob:
     """Set when a re-plan had fewer devices than the job's ``stages``: what it did."""
     holders: HolderPlans | None = None
     """On local data: the alternatives the job allows (the holders alone, each alone)."""
+    own_units: tuple[str, ...] = ()
+    """The devices whose own unit seconds (``unit_times="devices"``) priced the plan."""
 
     @property
     def plan(self) -> Plan:
@@ -192,6 +195,7 @@ def plan_over(
     where: str = "the devices",
     previous: Plan | None = None,
     groups: bool | None = None,
+    device_units: Mapping[str, UnitSeconds] | None = None,
 ) -> PlannedJob:
     """Plan ``spec`` over ``devices`` with its ``partition``, ``stages`` and ``codec``; a
     one-line :class:`UserError` when it cannot be. ``again``: a re-plan, which plans one
@@ -200,7 +204,9 @@ def plan_over(
     of a job with ``group_sizes`` keeps the previous plan's groups, less the devices
     that are gone (a group left empty is dropped and the units split over the rest).
     ``groups``: whether the planner may place device groups (``None``:
-    :func:`plans_groups` of the spec alone)."""
+    :func:`plans_groups` of the spec alone). ``device_units``: the unit seconds devices
+    timed themselves (:mod:`coordinator.engine.unit_profiles`), which the cost model
+    takes for those devices instead of this machine's scaled."""
     if not devices:
         raise UserError(f"no device of {where} may run this job")
     first = pin_first or spec.pin_first
@@ -216,7 +222,11 @@ def plan_over(
         stages = len(devices)
     if spec.data is not None:
         return _plan_on_holders(
-            spec, devices, where, groups=plans_groups(spec) if groups is None else groups
+            spec,
+            devices,
+            where,
+            groups=plans_groups(spec) if groups is None else groups,
+            device_units=device_units,
         )
     sizes = spec.group_sizes
     if again and sizes is not None and previous is not None:
@@ -231,7 +241,7 @@ def plan_over(
     groups = limits is not None
     problem = job_problem(spec, devices, first, groups=groups)
     # Agents that measured their fixed costs: predict what they will do.
-    units = _unit_seconds(spec) if calibrated(problem) else None
+    units = _unit_seconds(spec, device_units) if calibrated(problem) else None
     found = plan_job(
         problem,
         partition=spec.partition,
@@ -243,17 +253,21 @@ def plan_over(
         limits=limits,
         units=units,
     )
-    return PlannedJob(problem=problem, found=found, fewer_stages=fewer)
+    own = tuple(sorted(units.devices)) if units is not None else ()
+    return PlannedJob(problem=problem, found=found, fewer_stages=fewer, own_units=own)
 
 
-def _unit_seconds(spec: JobSpec) -> UnitSeconds | None:
-    """The model's units timed on this machine for the cost model (cached per shape);
-    ``None`` (the spec's FLOPs then) for a job on another dataset than its model's own,
-    whose samples the timing cannot make, or a model that cannot be timed here."""
+def _unit_seconds(
+    spec: JobSpec, device_units: Mapping[str, UnitSeconds] | None = None
+) -> UnitSeconds | None:
+    """The model's units timed on this machine for the cost model (cached per shape), with
+    the ``device_units`` devices timed themselves; ``None`` (the spec's FLOPs then) for
+    a job on another dataset than its model's own, whose samples the timing cannot
+    make, or a model that cannot be timed here."""
     try:
         if spec.dataset is not None and spec.dataset != get_model(spec.model).dataset:
             return None
-        return measure_unit_seconds(
+        units = measure_unit_seconds(
             spec.model,
             spec.batch_size,
             spec.microbatches,
@@ -263,10 +277,16 @@ def _unit_seconds(spec: JobSpec) -> UnitSeconds | None:
     except Exception as exc:  # a user model: the prediction falls back to FLOPs
         log.warning("could not time the units of %s: %s", spec.model, exc)
         return None
+    return replace(units, devices=dict(device_units)) if device_units else units
 
 
 def _plan_on_holders(
-    spec: JobSpec, devices: list[DeviceSpec], where: str, *, groups: bool
+    spec: JobSpec,
+    devices: list[DeviceSpec],
+    where: str,
+    *,
+    groups: bool,
+    device_units: Mapping[str, UnitSeconds] | None = None,
 ) -> PlannedJob:
     """The plan of a job on local data (``spec.data``): the devices that announce the
     dataset are stage 0, each with a share of every microbatch by how many samples it
@@ -293,11 +313,12 @@ def _plan_on_holders(
         where=where,
         labels_local=spec.data.labels_local,
     )
-    units = _unit_seconds(spec) if calibrated(problem) else None
+    units = _unit_seconds(spec, device_units) if calibrated(problem) else None
     ends = {0: shares, len(found.plan.stages) - 1: shares} if found.plan.u_shaped else {0: shares}
     guess = predict(problem, found.plan, units, fixed_shares=ends)
     found = replace(found, prediction=guess)
-    return PlannedJob(problem=problem, found=found, holders=alternatives)
+    own = tuple(sorted(units.devices)) if units is not None else ()
+    return PlannedJob(problem=problem, found=found, holders=alternatives, own_units=own)
 
 
 def _data_left(old: Plan, new: Plan) -> dict[str, Any]:
@@ -333,6 +354,9 @@ class JobEngine:
         self.ready_timeout_s = ready_timeout_s
         self.servers = servers or dict
         """Device -> host of the server-tier devices, whose stages form one process group."""
+        self._own_units: dict[tuple[str, str], UnitSeconds] = {}
+        """(device, what was timed) -> the unit seconds that device timed itself."""
+        self._own_units_lock = threading.Lock()
 
     # -- planning -------------------------------------------------------------------------
 
@@ -352,6 +376,7 @@ class JobEngine:
         will have fault tolerance, which the spec may not say)."""
         devices = self.fleet.available(allowed)
         groups = plans_groups(spec, resilient=resilient, servers=bool(self.servers()))
+        own = self.device_units(spec, devices) if spec.unit_times == "devices" else None
         return plan_over(
             spec,
             devices,
@@ -360,7 +385,34 @@ class JobEngine:
             where=where,
             previous=previous,
             groups=groups,
+            device_units=own,
         )
+
+    def device_units(
+        self, spec: JobSpec, devices: list[DeviceSpec], timeout_s: float = 900.0
+    ) -> dict[str, UnitSeconds]:
+        """The unit seconds each of ``devices`` timed itself for ``spec``'s model and batch
+        shape (:mod:`coordinator.engine.unit_profiles`): asked of those that have not
+        timed it yet (all at once, at most ``timeout_s``), kept for later jobs and
+        re-plans. A device that could not time them is asked again next time."""
+        request = timing_request(spec)
+        what = request.model_dump_json(exclude={"request"})
+        with self._own_units_lock:
+            known = {d.id: self._own_units.get((d.id, what)) for d in devices}
+            ask = [d for d in devices if known[d.id] is None]
+            if ask:
+                got = time_units_on_devices(self.control, ask, request, timeout_s=timeout_s)
+                log.info(
+                    "%d of %d devices timed the units of %s in %.0f s",
+                    len(got.seconds),
+                    len(ask),
+                    spec.model,
+                    got.took_s,
+                )
+                for device, units in got.seconds.items():
+                    self._own_units[(device, what)] = units
+                    known[device] = units
+        return {d: u for d, u in known.items() if u is not None}
 
     # -- running --------------------------------------------------------------------------
 

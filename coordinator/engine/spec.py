@@ -104,6 +104,13 @@ class JobSpec(TrainConfig):
     devices' power figures: predictions); planning only."""
     max_step_time_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Only plans whose predicted step time is at most this; planning only."""
+    unit_times: Literal["host", "devices"] = "host"
+    """Where the cost model's seconds of each unit come from: ``host``, the coordinator's
+    machine, scaled to each device by its matmul rate; ``devices``, each device times
+    the units itself before the job is planned, under its own limits (once per device,
+    model and batch shape; [Note: a device's own unit seconds] in
+    :mod:`coordinator.engine.unit_profiles`): a slower start, a closer prediction where
+    a device differs from the host unit by unit. Planning only."""
     faults: tuple[str, ...] = ()
     """Faults the service injects into this job (``kill:STAGE@STEP`` and the other forms
     of :mod:`coordinator.engine.faults`); for testing fault tolerance, so only with it."""

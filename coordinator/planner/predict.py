@@ -13,7 +13,10 @@ prediction every job shows and plans by, :func:`predict`:
   (:meth:`UnitSeconds.at_share`: a part of each unit's time does not shrink with
   the rows, so a member of a group of four takes more than a quarter of the
   whole microbatch's time; but not on a device that emulates a slower one with
-  the software throttle, see [Note: the fixed part under a throttle]); the
+  the software throttle, see [Note: the fixed part under a throttle]); a device
+  that timed the units itself (``UnitSeconds.devices``, a job's
+  ``unit_times="devices"``: [Note: a device's own unit seconds] in
+  :mod:`coordinator.engine.unit_profiles`) takes its own seconds unscaled; the
   slowest member's; without them, the spec's
   ``T_s``. A job is also cut by these seconds (:func:`timed_problem`). Plus the device's
   fixed cost per microbatch (two thirds of it before the last stage, which alone

@@ -102,6 +102,14 @@ def train_command(
     deadline: float | None = typer.Option(
         None, "--deadline", help="Only plans whose predicted step takes at most S seconds."
     ),
+    unit_times: str = typer.Option(
+        "host",
+        "--unit-times",
+        help="Where the planner's seconds of each unit come from: host (this machine's, "
+        "scaled to each device by its matmul rate) or devices (each agent times the model's "
+        "units itself before the plan, under its own limits: slower to start, closer on "
+        "devices unlike this one).",
+    ),
     group_sizes_opt: str | None = typer.Option(
         None,
         "--group-sizes",
@@ -227,6 +235,7 @@ def train_command(
                 "group_sizes": group_sizes,
                 "objective": objective,
                 "max_step_time_s": deadline,
+                "unit_times": unit_times,
                 "data": {
                     "name": _holders_data(model, dataset, parse_options(option)),
                     "labels": labels,
@@ -248,6 +257,8 @@ def train_command(
     faults = [parse_fault(f) for f in fault]
     if replicate_every is None:
         replicate_every = -1 if faults else 0  # -1: from the plan's measured costs
+    if unit_times == "devices" and transport != "mqtt":
+        raise UserError("--unit-times devices needs --transport mqtt (agents to time the units)")
     if replicate_every and transport != "mqtt":
         raise UserError("--fault and --replicate-every need --transport mqtt (agents to lose)")
     for f in faults:

@@ -161,6 +161,8 @@ def test_a_user_model_and_dataset_train_on_agents_that_allow_their_modules(
         (["--stages", "2", "--transport", "mqtt", "--fault", "kill:2@1"], "below --stages"),
         (["--partition", "even", "--group-sizes", "2,2"], "adds up to 4, not --devices 3"),
         (["--group-sizes", "2,1"], "--group-sizes needs --partition even"),
+        (["--unit-times", "devices"], "--unit-times devices needs --transport mqtt"),
+        (["--unit-times", "gpu"], "unit_times"),
         (["--partition", "even", "--group-sizes", "2,0,1"], "not a list of positive counts"),
         (["--devices", "laptop,pi9"], "unknown device profile 'pi9'"),
         (
@@ -258,4 +260,34 @@ def test_group_sizes_on_agents_of_different_speeds_split_by_speed(tmp_path: Path
     # computes several times what the Pi does.
     assert fast > 2 * slow
     independent = train_reference("mlp", steps=4, batch_size=16, seed=1, microbatches=1)
+    assert_matches(got["losses"], safetensors.torch.load_file(str(out)), independent)
+
+
+@pytest.mark.broker
+@pytest.mark.skipif(find_mosquitto() is None, reason=NO_MOSQUITTO)
+@pytest.mark.slow
+def test_unit_times_from_the_devices_price_the_plan_and_it_still_trains_exactly(
+    tmp_path: Path,
+) -> None:
+    """``--unit-times devices``: both agents time the model's units before the plan, the
+    plan is priced by their own seconds (``own_unit_times`` names both), and the job
+    still equals the plain PyTorch loop."""
+    out = tmp_path / "own.safetensors"
+    got = ok_json(
+        train(
+            "--devices",
+            "2",
+            "--stages",
+            "2",
+            "--unit-times",
+            "devices",
+            "--json",
+            "--save-weights",
+            str(out),
+        )
+    )
+    assert len(got["plan"]["stages"]) == 2
+    ids = [d for s in got["plan"]["stages"] for d in s["devices"]]
+    assert sorted(got["own_unit_times"]) == sorted(ids)
+    independent = train_reference("mlp", steps=4, batch_size=16, seed=1)
     assert_matches(got["losses"], safetensors.torch.load_file(str(out)), independent)
