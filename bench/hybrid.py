@@ -31,7 +31,10 @@ For each: measured samples/s (steady state: stage 0's step times after
 :func:`coordinator.planner.predict.predict`: the version 2 score of that plan with
 each unit's measured seconds, a group member at its share of the rows with the
 part of each unit's time that does not shrink with rows (units timed at a whole
-microbatch and at a quarter of it), plus each device's fixed costs per microbatch,
+microbatch and at a quarter of it; with ``--unit-times devices``, the default, by
+each device's own agent under its own CPU quota just before each run:
+:func:`own_unit_seconds`, [Note: a device's own unit seconds] in
+:mod:`coordinator.engine.unit_profiles`), plus each device's fixed costs per microbatch,
 step, frame and byte, as its agent announced them: the per-byte cost timed
 through its own connection and the broker),
 measured / predicted, and both as a fraction of the **ideal bound**: the fleet's
@@ -61,6 +64,7 @@ devices are the profiles the agents announced.
         [--batch-size 64] [--microbatches 4] [--method auto|kernel|software] [--json]
         [--results bench/results/hybrid.json] [--chart bench/results/hybrid.png]
         [--from-json FILE] [--quick] [--predict-shapes 32x4,128x8,...] [--repeat N]
+        [--unit-times devices|host]
 
 ``--quick`` runs one fleet (``rpi4-4gb:4``), one model (``vgg11``, batches of 16)
 and two steps a plan (one of them warm-up), and writes its JSON and chart to the temporary directory
@@ -87,6 +91,7 @@ import functools
 import importlib.util
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -105,6 +110,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's p
 from coordinator.engine.engine import group_limits
 from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobSpec
+from coordinator.engine.unit_profiles import time_units_on_devices, timing_request
 from coordinator.engine.watch import DeviceFeed
 from coordinator.planner.baselines import even_split, single_device
 from coordinator.planner.build import parse_fleet
@@ -117,6 +123,7 @@ from coordinator.testbed.testbed import MethodChoice, Testbed, measure_core_gflo
 from edge.errors import UserError
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem
+from edge.profiling.fixed_costs import cpu_quota_of
 from edge.runtime.allocator import tune_malloc
 from edge.runtime.unit_times import measure_unit_times
 from edge.transport.mqtt import MqttTransport
@@ -179,6 +186,9 @@ class Row:
     is that run's measurement (one run, two rows), not a run of its own."""
     batch: str = ""
     """The step's shape, samples x microbatches (``64x4``)."""
+    unit_times: str = "host"
+    """Where the prediction's unit seconds came from: ``host`` (this machine's, scaled by
+    each device's matmul rate) or ``devices`` (each device's own, ``--unit-times``)."""
     repeats: list[list[float]] = field(default_factory=list)
     """With ``--repeat``: each pass's measured and predicted samples/s, in pass order; the
     row is the pass whose measured samples/s is the median (:func:`median_rows`)."""
@@ -433,14 +443,18 @@ def _run_model(
     model: str,
     args: argparse.Namespace,
 ) -> list[Row]:
-    def problem(steps: int) -> tuple[PlanningProblem, UnitSeconds]:
-        return fleet_problem(
-            model, args.batch_size, args.microbatches, devices, announced, tb.core_gflops, steps
-        )
-
     spec = JobSpec(
         model=model, steps=1, batch_size=args.batch_size, microbatches=args.microbatches, seed=0
     )
+
+    def problem(steps: int) -> tuple[PlanningProblem, UnitSeconds]:
+        now, units = fleet_problem(
+            model, args.batch_size, args.microbatches, devices, announced, tb.core_gflops, steps
+        )
+        if args.unit_times == "devices":
+            units = replace(units, devices=own_unit_seconds(control, devices, announced, spec))
+        return now, units
+
     limits = group_limits(spec)
     assert limits is not None  # a zoo model
     first, first_units = problem(args.calibration_steps)
@@ -534,6 +548,7 @@ def _run_plans(
             got.allreduce_wait_s,
             got.allreduce_cpu_s,
             batch=f"{args.batch_size}x{args.microbatches}",
+            unit_times=args.unit_times,
         )
         rows.append(row)
         print(
@@ -570,7 +585,35 @@ def fleet_problem(
     ), units
 
 
+def own_unit_seconds(
+    control: MqttTransport,
+    devices: list[DeviceSpec],
+    announced: dict[str, DeviceSpec],
+    spec: JobSpec,
+) -> dict[str, UnitSeconds]:
+    """Each device's own unit seconds for ``spec``'s model and shape, timed by its agent
+    under its limits (:mod:`coordinator.engine.unit_profiles`): all at once where the
+    agents' CPU quotas fit this host's cores with one to spare (for the broker and this
+    process), else one at a time, so that none times the others' load."""
+    profiles = [announced[d.id] for d in devices]
+    quota = sum(min(1.0, cpu_quota_of(p) or 1.0) for p in profiles)
+    one_at_a_time = quota > (os.cpu_count() or 1) - 1
+    got = time_units_on_devices(
+        control, profiles, timing_request(spec), timeout_s=1800, one_at_a_time=one_at_a_time
+    )
+    how = "one at a time" if one_at_a_time else "all at once"
+    print(
+        f"# {spec.model} {spec.batch_size}x{spec.microbatches}: {len(got.seconds)} of "
+        f"{len(profiles)} devices timed the units themselves ({how}, {got.took_s:.0f} s); "
+        + ", ".join(f"{d} {sum(u.seconds):.3f} s" for d, u in got.seconds.items())
+        + "".join(f"; {d}: {why}" for d, why in got.missing.items()),
+        file=sys.stderr,
+    )
+    return got.seconds
+
+
 def predicted_shapes(
+    control: MqttTransport,
     devices: list[DeviceSpec],
     announced: dict[str, DeviceSpec],
     fleet: str,
@@ -597,6 +640,8 @@ def predicted_shapes(
             core_gflops,
             args.calibration_steps,
         )
+        if args.unit_times == "devices":
+            units = replace(units, devices=own_unit_seconds(control, devices, announced, spec))
         chosen = plans(now, limits, units)
         predicted = {s: predict(now, plan, units).throughput_sps for s, plan in chosen.items()}
         shapes = {s: "+".join(str(len(st.devices)) for st in p.stages) for s, p in chosen.items()}
@@ -742,6 +787,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="passes over the same plans, strategies in turn; each row is its median pass",
     )
     parser.add_argument("--method", choices=["auto", "kernel", "software"], default="auto")
+    parser.add_argument(
+        "--unit-times",
+        choices=["host", "devices"],
+        default="devices",
+        help="the cost model's unit seconds: each device's own, timed by its agent under its "
+        "limits before each run (devices), or this host's scaled by matmul rates (host)",
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--quick", action="store_true", help="rpi4-4gb:4, vgg11, few steps")
     parser.add_argument("--results", type=Path, help="the JSON file written")
@@ -779,13 +831,13 @@ def _predict_shapes(fleets: list[str], models: list[str], args: argparse.Namespa
 
     def sweep(
         tb: Testbed,
-        _control: MqttTransport,
+        control: MqttTransport,
         devices: list[DeviceSpec],
         announced: dict[str, DeviceSpec],
         fleet: str,
         model: str,
     ) -> list[dict[str, Any]]:
-        return predicted_shapes(devices, announced, fleet, model, tb.core_gflops, args)
+        return predicted_shapes(control, devices, announced, fleet, model, tb.core_gflops, args)
 
     items = [item for key in fleets for item in on_fleet(key, models, args.method, sweep)]
     args.results.write_text(json.dumps(items, indent=2) + "\n")
