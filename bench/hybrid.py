@@ -97,7 +97,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
@@ -110,7 +110,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's p
 from coordinator.engine.engine import group_limits
 from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobSpec
-from coordinator.engine.unit_profiles import time_units_on_devices, timing_request
+from coordinator.engine.unit_profiles import (
+    time_units_on_devices,
+    timing_request,
+    whole_model_bytes,
+)
 from coordinator.engine.watch import DeviceFeed
 from coordinator.planner.baselines import even_split, single_device
 from coordinator.planner.build import parse_fleet
@@ -452,8 +456,11 @@ def _run_model(
             model, args.batch_size, args.microbatches, devices, announced, tb.core_gflops, steps
         )
         if args.unit_times == "devices":
-            units = replace(units, devices=own_unit_seconds(control, devices, announced, spec))
+            units = replace(units, devices=retime(now))
         return now, units
+
+    def retime(now: PlanningProblem) -> dict[str, UnitSeconds]:
+        return own_unit_seconds(control, devices, announced, spec, whole_model_bytes(now))
 
     limits = group_limits(spec)
     assert limits is not None  # a zoo model
@@ -464,7 +471,9 @@ def _run_model(
         if args.repeat > 1:
             print(f"# {model} {fleet}: pass {n + 1} of {args.repeat}", file=sys.stderr)
         passes.append(
-            _run_plans(tb, control, fleet, spec, args, chosen, problem, (first, first_units))
+            _run_plans(
+                tb, control, fleet, spec, args, chosen, problem, (first, first_units), retime
+            )
         )
     return median_rows(passes)
 
@@ -493,9 +502,18 @@ def _run_plans(
     chosen: dict[str, Plan],
     problem: Callable[[int], tuple[PlanningProblem, UnitSeconds]],
     calibrated: tuple[PlanningProblem, UnitSeconds],
+    retime: Callable[[PlanningProblem], dict[str, UnitSeconds]],
 ) -> list[Row]:
     """One pass: each strategy's plan run once (a plan an earlier row ran is its row);
-    ``calibrated`` is the problem and unit seconds the plans were chosen with."""
+    ``calibrated`` is the problem and unit seconds the plans were chosen with.
+
+    With ``--unit-times devices`` each run is priced by the devices' own unit seconds
+    timed just before it and again just after it (``retime``), their mean
+    (:func:`mean_own`): this host's speed drifts by a third within minutes (the devices'
+    vgg11 microbatch at 64 rows read 9.7 s, then 6.0 s, four minutes apart), and a
+    prediction is checked against its run under the conditions the run met. The
+    timings are of single units, not of the plan: composing them into a step (stages,
+    links, sums, fixed costs) is still the cost model's."""
     model = spec.model
     first, first_units = calibrated
     rows: list[Row] = []
@@ -512,9 +530,10 @@ def _run_plans(
         # This host's speed drifts over minutes: price each plan with unit times measured
         # just before it runs (not in --quick, which prices every plan at the start);
         # v2 with v1's, so that both are priced by the same units as they were chosen.
+        own = args.unit_times == "devices"
         if args.quick:
             now, units = first, first_units
-        elif strategy == "v2" and "v1" in priced:
+        elif strategy == "v2" and "v1" in priced and not own:
             now, units = priced["v1"]
         else:
             now, units = problem(3)
@@ -531,6 +550,11 @@ def _run_plans(
         shares = planned if plan.grouped else None
         job = spec.model_copy(update={"steps": steps})
         got = measure(control, job, plan, args.warmup, tb, shares)
+        if own and not args.quick:
+            units = replace(units, devices=mean_own(units.devices, retime(now)))
+            priced[strategy] = (now, units)
+            score = score_plan(now, plan)
+            guess = predict(now, plan, units)
         row = Row(
             model,
             fleet,
@@ -585,11 +609,29 @@ def fleet_problem(
     ), units
 
 
+def mean_own(
+    before: Mapping[str, UnitSeconds], after: Mapping[str, UnitSeconds]
+) -> dict[str, UnitSeconds]:
+    """Each device's unit seconds timed before and after a run, unit by unit their mean
+    (a device timed only once keeps that timing)."""
+    out = dict(before)
+    for device, later in after.items():
+        early = before.get(device)
+        if early is None:
+            out[device] = later
+            continue
+        seconds = tuple((a + b) / 2 for a, b in zip(early.seconds, later.seconds, strict=True))
+        fixed = tuple((a + b) / 2 for a, b in zip(early.fixed, later.fixed, strict=True))
+        out[device] = UnitSeconds(seconds, later.gflops, fixed)
+    return out
+
+
 def own_unit_seconds(
     control: MqttTransport,
     devices: list[DeviceSpec],
     announced: dict[str, DeviceSpec],
     spec: JobSpec,
+    needs_bytes: float,
 ) -> dict[str, UnitSeconds]:
     """Each device's own unit seconds for ``spec``'s model and shape, timed by its agent
     under its limits (:mod:`coordinator.engine.unit_profiles`): all at once where the
@@ -599,7 +641,12 @@ def own_unit_seconds(
     quota = sum(min(1.0, cpu_quota_of(p) or 1.0) for p in profiles)
     one_at_a_time = quota > (os.cpu_count() or 1) - 1
     got = time_units_on_devices(
-        control, profiles, timing_request(spec), timeout_s=1800, one_at_a_time=one_at_a_time
+        control,
+        profiles,
+        timing_request(spec),
+        timeout_s=1800,
+        one_at_a_time=one_at_a_time,
+        needs_bytes=needs_bytes,
     )
     how = "one at a time" if one_at_a_time else "all at once"
     print(
@@ -641,7 +688,8 @@ def predicted_shapes(
             args.calibration_steps,
         )
         if args.unit_times == "devices":
-            units = replace(units, devices=own_unit_seconds(control, devices, announced, spec))
+            own = own_unit_seconds(control, devices, announced, spec, whole_model_bytes(now))
+            units = replace(units, devices=own)
         chosen = plans(now, limits, units)
         predicted = {s: predict(now, plan, units).throughput_sps for s, plan in chosen.items()}
         shapes = {s: "+".join(str(len(st.devices)) for st in p.stages) for s, p in chosen.items()}

@@ -37,7 +37,11 @@ from coordinator.engine.replicas import ReplicaStore
 from coordinator.engine.resilient import ResilientResult, ResilientRun
 from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobAccess, JobResult, JobSpec, batchnorm_units
-from coordinator.engine.unit_profiles import time_units_on_devices, timing_request
+from coordinator.engine.unit_profiles import (
+    time_units_on_devices,
+    timing_request,
+    whole_model_bytes,
+)
 from coordinator.planner.build import build_problem
 from coordinator.planner.group_tables import GroupLimits
 from coordinator.planner.holders import HolderPlans
@@ -393,15 +397,19 @@ class JobEngine:
     ) -> dict[str, UnitSeconds]:
         """The unit seconds each of ``devices`` timed itself for ``spec``'s model and batch
         shape (:mod:`coordinator.engine.unit_profiles`): asked of those that have not
-        timed it yet (all at once, at most ``timeout_s``), kept for later jobs and
-        re-plans. A device that could not time them is asked again next time."""
+        timed it yet (all at once, at most ``timeout_s``; not those too small to hold the
+        whole model), kept for later jobs and re-plans. A device that could not time
+        them is asked again next time."""
         request = timing_request(spec)
         what = request.model_dump_json(exclude={"request"})
         with self._own_units_lock:
             known = {d.id: self._own_units.get((d.id, what)) for d in devices}
             ask = [d for d in devices if known[d.id] is None]
             if ask:
-                got = time_units_on_devices(self.control, ask, request, timeout_s=timeout_s)
+                needs = whole_model_bytes(job_problem(spec, devices))
+                got = time_units_on_devices(
+                    self.control, ask, request, timeout_s=timeout_s, needs_bytes=needs
+                )
                 log.info(
                     "%d of %d devices timed the units of %s in %.0f s",
                     len(got.seconds),

@@ -21,8 +21,10 @@ Every answer is checked before it is used: it came on the topic of a device that
 was asked, it names this request and that device, it lists the model's units by
 name and in order at both row counts, and its values are bounded
 (:func:`~edge.wire.messages.parse_unit_times`). A device whose answer fails, says
-why it could not time, or does not come in time keeps the scaled seconds; the
-result says which and why.
+why it could not time, or does not come in time keeps the scaled seconds, as does
+a device too small to hold the whole model, which is not asked (timing builds
+every unit; a split model's stages would each need timing on their own inputs,
+which is not done); the result says which and why.
 """
 
 from __future__ import annotations
@@ -37,14 +39,15 @@ from dataclasses import dataclass, field
 
 from coordinator.engine.spec import JobSpec
 from coordinator.planner.predict import UnitSeconds, device_speed, fit_unit_seconds, small_rows
+from coordinator.planner.score import Plan, score_plan
 from edge.models.zoo import get_model
-from edge.problem import DeviceSpec
+from edge.problem import DeviceSpec, PlanningProblem
 from edge.runtime.unit_times import UnitTime
 from edge.transport.mqtt import MqttTransport
 from edge.wire.messages import MessageError, TimeUnits, UnitTimes, UnitTiming, parse_unit_times
 from edge.wire.topics import device_cmd, device_units
 
-__all__ = ["DeviceUnitSeconds", "time_units_on_devices", "timing_request"]
+__all__ = ["DeviceUnitSeconds", "time_units_on_devices", "timing_request", "whole_model_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +88,23 @@ def time_units_on_devices(
     *,
     timeout_s: float = 900.0,
     one_at_a_time: bool = False,
+    needs_bytes: float = 0.0,
 ) -> DeviceUnitSeconds:
     """Ask each of ``devices`` to time ``request``'s units and wait, at most ``timeout_s``
     in all, for their checked answers (see the module docstring). ``one_at_a_time``: ask
     the next device only once the last answered (devices that share one host, such as a
-    testbed's, would otherwise time each other's load)."""
+    testbed's, would otherwise time each other's load). ``needs_bytes``: the memory the
+    whole model trains in on one device (:func:`whole_model_bytes`); a device with less
+    is not asked, as timing builds every unit (the fleet exists because such devices
+    cannot hold the model)."""
     names = [u.name for u in get_model(request.model, **request.model_options).units]
+    out = DeviceUnitSeconds()
+    for d in (d for d in devices if d.memory_bytes < needs_bytes):
+        out.missing[d.id] = (
+            f"holds {d.memory_bytes / 1e9:.3f} GB; the whole model needs "
+            f"{needs_bytes / 1e9:.3f} GB to be timed"
+        )
+    devices = [d for d in devices if d.memory_bytes >= needs_bytes]
     rows = request.batch_size // request.microbatches
     rows_small = (request.small_batch_size or request.batch_size) // request.microbatches
     answers: dict[str, UnitTimes | str] = {}
@@ -132,7 +146,7 @@ def time_units_on_devices(
     finally:
         for topic in topics:
             control.unsubscribe(topic)
-    out = DeviceUnitSeconds(took_s=time.perf_counter() - started)
+    out.took_s = time.perf_counter() - started
     with done:
         got_all = dict(answers)
     for d in devices:
@@ -163,6 +177,13 @@ def _check(got: UnitTimes, device: str, names: list[str], *, small: bool) -> str
         if times is None or [t.name for t in times] != names:
             return f"its {label}-row times do not list the model's {len(names)} units in order"
     return None
+
+
+def whole_model_bytes(problem: PlanningProblem) -> float:
+    """The memory ``problem``'s model trains in on one device, by the spec's 1F1B memory
+    model: what a device needs to time every unit."""
+    plan = Plan.of((problem.devices[0].id, 0, len(problem.layers)))
+    return score_plan(problem, plan).memory_bytes[0]
 
 
 def _answered(answers: dict[str, UnitTimes | str], devices: list[str]) -> bool:

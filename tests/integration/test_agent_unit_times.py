@@ -14,7 +14,8 @@ Claims:
   import answers with the refusal and imports nothing;
 - answers that do not check out are not used: one naming another device, one
   listing other units, one that does not parse; an answer to an earlier request is
-  ignored (the device then has no answer in time).
+  ignored (the device then has no answer in time); a device too small to hold the
+  whole model is not asked.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ from support.mosquitto import Broker, owned_mosquitto
 from support.waiting import until
 
 from coordinator.engine.spec import JobSpec
-from coordinator.engine.unit_profiles import time_units_on_devices, timing_request
+from coordinator.engine.unit_profiles import (
+    time_units_on_devices,
+    timing_request,
+    whole_model_bytes,
+)
 from coordinator.local.fleet import LocalFleet
 from coordinator.local.owned import OwnedBroker
 from coordinator.planner.build import build_problem
@@ -167,6 +172,7 @@ def test_a_busy_agent_and_a_refused_model_say_why_and_keep_the_scaled_seconds(
         ("other-units", "its full-row times do not list the model's"),
         ("garbage", "unit times"),
         ("stale", "no answer in 3 s"),
+        ("too-small", "holds 0.000 GB; the whole model needs"),
         ("good", None),
     ],
 )
@@ -199,9 +205,19 @@ def test_answers_that_do_not_check_out_are_not_used(
         device.publish(device_units("ghost"), raw, 1)
 
     device.subscribe(device_cmd("ghost"), answer)
-    ghost = DeviceSpec(id="ghost", gflops=1.0, memory_bytes=1e9, bandwidth_mbps=100, latency_ms=1)
+    memory = 1e3 if case == "too-small" else 1e9
+    ghost = DeviceSpec(
+        id="ghost", gflops=1.0, memory_bytes=memory, bandwidth_mbps=100, latency_ms=1
+    )
+    problem = build_problem(
+        SPEC.model, [ghost], batch_size=SPEC.batch_size, microbatches=SPEC.microbatches
+    )
+    needs = whole_model_bytes(problem)
+    assert 1e3 < needs < 1e9
     try:
-        got = time_units_on_devices(coordinator, [ghost], timing_request(SPEC), timeout_s=3)
+        got = time_units_on_devices(
+            coordinator, [ghost], timing_request(SPEC), timeout_s=3, needs_bytes=needs
+        )
     finally:
         device.close()
         coordinator.close()
