@@ -170,3 +170,14 @@ def test_repeated_passes_give_each_strategy_its_median_pass(bench: ModuleType) -
     assert bench.median_rows(passes[:2])[0].measured_sps == 10.0  # the lower middle of two
     with pytest.raises(SystemExit):
         bench.parse_args(["--repeat", "0"])
+
+
+def test_a_run_is_priced_by_the_mean_of_the_timings_before_and_after_it(
+    bench: ModuleType,
+) -> None:
+    before = {"a": UnitSeconds((1.0, 3.0), 5.0, (0.2, 0.4)), "b": UnitSeconds((2.0,), 5.0)}
+    after = {"a": UnitSeconds((2.0, 1.0), 6.0, (0.4, 0.0)), "c": UnitSeconds((4.0,), 5.0)}
+    got = bench.mean_own(before, after)
+    assert got["a"] == UnitSeconds((1.5, 2.0), 6.0, (0.3, 0.2))
+    assert got["b"] == before["b"] and got["c"] == after["c"]  # timed once: that timing
+    assert bench.parse_args([]).unit_times == "devices"
