@@ -472,8 +472,8 @@ MUTANTS = [
         what="the cost model charges a throttled group member the fixed part of its units "
         "whole, which the demo's measurements say its fixed cost per microbatch already holds",
         path="coordinator/planner/predict.py",
-        old="fixed_whole=not _throttled(dev[i])",
-        new="fixed_whole=True",
+        old="whole = not _throttled(device)",
+        new="whole = True",
         tests=("tests/unit/coordinator/planner/test_predict.py",),
     ),
     Mutant(

@@ -178,6 +178,7 @@ def test_a_run_is_priced_by_the_mean_of_the_timings_before_and_after_it(
     before = {"a": UnitSeconds((1.0, 3.0), 5.0, (0.2, 0.4)), "b": UnitSeconds((2.0,), 5.0)}
     after = {"a": UnitSeconds((2.0, 1.0), 6.0, (0.4, 0.0)), "c": UnitSeconds((4.0,), 5.0)}
     got = bench.mean_own(before, after)
-    assert got["a"] == UnitSeconds((1.5, 2.0), 6.0, (0.3, 0.2))
+    assert got["a"].seconds == (1.5, 2.0) and got["a"].gflops == 6.0
+    assert got["a"].fixed == pytest.approx((0.3, 0.2), rel=1e-12)
     assert got["b"] == before["b"] and got["c"] == after["c"]  # timed once: that timing
     assert bench.parse_args([]).unit_times == "devices"

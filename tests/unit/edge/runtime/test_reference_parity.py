@@ -116,8 +116,11 @@ def test_four_stages_of_a_longer_model() -> None:
     _assert_equal_training(spec, stages=4)
 
 
-# Measured here (50 steps of cnn-digits, batch 64, mean loss of the last 10 steps against
-# fp32): fp16 +0.08%, int8 -0.9%, bf16 +5.9%. The tolerances are the README's.
+# Measured here (50 steps of cnn-digits, batch 64, mean loss of the last 25 steps against
+# fp32; seed 3): fp16 +0.30%, int8 -0.94%, bf16 +1.77%; over seeds 0-5 at most 1.27%,
+# 0.94% and 1.77%. The last 10 steps' mean moved up to 4.5% (fp16) and 8.7% (bf16)
+# from seed to seed and machine to machine: too noisy to hold a codec to 2%. The
+# tolerances are the README's.
 CODEC_TOLERANCE = {"fp16": 0.02, "int8": 0.02, "bf16": 0.10}
 
 
@@ -126,7 +129,7 @@ def test_lossy_codecs_stay_within_their_tolerance(codec: str) -> None:
     spec = _spec("cnn-digits", steps=50, batch_size=64, codec=codec)
     reference = _reference(spec)
     got = _run(spec, 3)
-    curve = statistics.mean(got.losses[-10:]) / statistics.mean(reference.losses[-10:]) - 1
+    curve = statistics.mean(got.losses[-25:]) / statistics.mean(reference.losses[-25:]) - 1
     assert abs(curve) < CODEC_TOLERANCE[codec], curve
     assert got.losses != reference.losses  # the codec really changed what crossed the links
     assert got.losses[-1] < 0.5 * got.losses[0]  # and training still learned
