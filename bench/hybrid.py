@@ -723,13 +723,15 @@ def _rounded(values: list[float]) -> list[float]:
 def table(rows: list[Row]) -> str:
     """The rows as a Markdown table, then version 2 against version 1 per model and fleet."""
     lines = [
-        "| model | fleet | batch | plan | devices per stage | measured sps | predicted sps "
-        "| measured/predicted | ideal sps | measured of ideal | predicted of ideal |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | fleet | batch | unit times | plan | devices per stage | measured sps "
+        "| predicted sps | measured/predicted | ideal sps | measured of ideal "
+        "| predicted of ideal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.model} | {r.fleet} | {r.batch} | {r.label} | {r.shape} | {r.measured_sps:.1f} | "
+            f"| {r.model} | {r.fleet} | {r.batch} | {r.unit_times} | {r.label} | {r.shape} | "
+            f"{r.measured_sps:.1f} | "
             f"{r.predicted_sps:.1f} | {r.ratio:.2f} | {r.ideal_sps:.1f} | {r.fraction:.0%} | "
             f"{r.predicted_fraction:.0%} |"
         )

@@ -106,10 +106,13 @@ def test_table_json_and_chart(bench: ModuleType, tmp_path: Path) -> None:
     ]
     text = bench.table(rows)
     assert (
-        "| vgg11 | rpi4-4gb:4 | 64x4 | v1 | 1+1+1+1 | 10.0 | 16.0 | 0.62 | 40.0 | 25% | 40% |"
+        "| vgg11 | rpi4-4gb:4 | 64x4 | host | v1 | 1+1+1+1 | 10.0 | 16.0 | 0.62 | 40.0 | 25% "
+        "| 40% |" in text
+    )
+    assert (
+        "| vgg11 | rpi4-4gb:4 | 64x4 | host | v2 | 4 | 20.0 | 25.0 | 0.80 | 40.0 | 50% | 62% |"
         in text
     )
-    assert "| vgg11 | rpi4-4gb:4 | 64x4 | v2 | 4 | 20.0 | 25.0 | 0.80 | 40.0 | 50% | 62% |" in text
     assert "- vgg11, rpi4-4gb:4: v2 (4) = 2.00x v1 measured, 1.56x predicted" in text
     out = bench.to_json(rows)
     assert out[1]["ratio"] == 0.625 and out[1]["fraction"] == 0.25 and out[1]["shape"] == "1+1+1+1"
@@ -132,7 +135,7 @@ def test_a_plan_run_once_shows_in_both_rows(bench: ModuleType) -> None:
     v1 = _row(bench, "v1", 10.0, 16.0, "1111")
     v2 = dataclasses.replace(v1, strategy="v2", same_as="v1")
     text = bench.table([v1, v2])
-    assert "| vgg11 | rpi4-4gb:4 | 64x4 | v2 (= v1) | 1+1+1+1 | 10.0 | 16.0 | 0.62 |" in text
+    assert "| vgg11 | rpi4-4gb:4 | 64x4 | host | v2 (= v1) | 1+1+1+1 | 10.0 | 16.0 | 0.62 |" in text
     assert "- vgg11, rpi4-4gb:4: v2 (1+1+1+1) (v1's plan: one run) = 1.00x v1 measured" in text
     out = bench.to_json([v1, v2])
     assert out[0]["same_as"] is None and out[1]["same_as"] == "v1"
