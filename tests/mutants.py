@@ -326,6 +326,14 @@ MUTANTS = [
         new="got &= k * self.params + depth * self.b * self.acts <= d.memory_bytes",
         tests=("tests/unit/coordinator/planner/test_groups_exact.py",),
     ),
+    Mutant(
+        name="groups-spare-dominance-ignores-memory",
+        what="the group search leaves out an unused device that only its memory sets apart",
+        path="coordinator/planner/group_search.py",
+        old="        and da.memory_bytes >= db.memory_bytes\n",
+        new="",
+        tests=("tests/unit/coordinator/planner/test_group_spares.py",),
+    ),
     # Issue 16: groups in the runtime.
     Mutant(
         name="group-loss-not-shared",

@@ -91,6 +91,7 @@ class GroupCosts:
     idle_w: float
     """The members' idle watts, summed: each pays it for the whole step."""
     _fits: dict[int, np.ndarray] = field(default_factory=dict)
+    _terms: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -194,6 +195,18 @@ class GroupTables:
                 if not _splits(self.problem, [d.gflops for d in devs], self.limits.whole_samples):
                     got[:] = False
             c._fits[depth] = got
+        return got
+
+    def stage_terms(self, group: Group, position_from_end: int) -> np.ndarray:
+        """``[L+1, L+1]``: ``compute + allreduce`` of ``group`` holding range ``[h, i)``
+        that many stages from the end, ``inf`` where a member cannot hold it
+        (:meth:`fits`); cached."""
+        c = self.costs(group)
+        depth = min(position_from_end, self.m)
+        got = c._terms.get(depth)
+        if got is None:
+            got = np.where(self.fits(group, depth), c.compute + c.allreduce, np.inf)
+            c._terms[depth] = got
         return got
 
     def link(self, a: Group, b: Group) -> np.ndarray:

@@ -42,6 +42,8 @@ Every plan returned is re-scored by :func:`coordinator.planner.score.score_plan`
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -65,14 +67,19 @@ class ThresholdResult:
 
 
 def threshold_search(
-    inner: Inner, candidates: np.ndarray, m: int, bottleneck: Callable[[Plan], float]
+    inner: Inner,
+    candidates: np.ndarray,
+    m: int,
+    bottleneck: Callable[[Plan], float],
+    deadline: float = math.inf,
 ) -> ThresholdResult:
     """Minimise ``(m - 1) * t + G(t)`` over sorted ``candidates``; ``inner(t)`` is ``G``.
 
     ``bottleneck(plan)`` is the plan's own ``tau``. A plan that achieves ``G(t)``
     with ``tau <= t`` shows ``G`` is flat on ``[tau, t]`` (``G`` is
     non-increasing and the plan is feasible at ``tau``), which lets whole ranges
-    of candidates be settled by one evaluation.
+    of candidates be settled by one evaluation. Past ``deadline`` (a
+    ``time.perf_counter()`` reading) it stops with the best plan found so far.
     """
     evaluations = 0
     cache: dict[int, tuple[float, Plan | None, float]] = {}
@@ -110,6 +117,8 @@ def threshold_search(
     if g(hi)[1] is None:
         return ThresholdResult(best_plan, best_obj, evaluations)
     while lo < hi:
+        if time.perf_counter() > deadline:
+            return ThresholdResult(best_plan, best_obj, evaluations)
         mid = (lo + hi) // 2
         if g(mid)[1] is None:
             lo = mid + 1
@@ -119,7 +128,7 @@ def threshold_search(
             if g(hi)[1] is None:  # rounding guard: tau should be a candidate
                 hi = mid
     stack = [(lo, top)]
-    while stack:
+    while stack and time.perf_counter() <= deadline:
         a, z = stack.pop()
         offer(a)
         if a >= z:
