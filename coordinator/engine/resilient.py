@@ -281,11 +281,13 @@ class ResilientRun:
         return "migrating to a faster plan" if self.migration is not None else None
 
     def _attempt_end(self, job: str) -> None:
-        """The attempt's steady samples/s: stage 0's step times after its first two steps."""
+        """The attempt's steady samples/s (stage 0's step times after its first two steps)
+        and how many steps it finished: those whose loss came, as the rollback counts them
+        (a step a stage began when the broker or a device went is not one)."""
         first = self.first_step
         times = [r.step_s for r in self.attempt_reports if r.stage == 0 and r.step >= first + 2]
         sps = self.spec.batch_size * len(times) / sum(times) if times and sum(times) > 0 else None
-        steps = len({r.step for r in self.attempt_reports})
+        steps = len({r.step for r in self.attempt_reports if r.loss is not None})
         self._event("attempt_end", job=job, first_step=first, samples_per_s=sps, steps=steps)
 
     # -- the run --------------------------------------------------------------------------
