@@ -240,6 +240,8 @@ def train_on_local_fleet(
         planned = engine.plan(spec, pin_first=first, where="these devices", resilient=every != 0)
         check_fault_stages(faults or [], [len(st.devices) for st in planned.plan.stages])
         extra["egress"] = egress(spec, planned.plan)
+        # The speeds the agents announced, which the plan and a group's shares follow.
+        extra["gflops"] = {d.id: d.gflops for d in planned.problem.devices}
         if spec.unit_times == "devices":  # who timed the units the plan was priced by
             extra["own_unit_times"] = list(planned.own_units)
         if planned.holders is not None:  # what the job's constraints allow, side by side

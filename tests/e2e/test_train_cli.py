@@ -255,10 +255,15 @@ def test_group_sizes_on_agents_of_different_speeds_split_by_speed(tmp_path: Path
     )
     stages = got["plan"]["stages"]
     assert [len(s["devices"]) for s in stages] == [2, 1]
+    nuc, pi = stages[0]["devices"]
     fast, slow = stages[0]["shares"]
-    # Unequal, by the speeds the agents measured (noisy on a busy machine): the NUC
-    # computes several times what the Pi does.
-    assert fast > 2 * slow
+    # The shares follow the speeds the agents announced. Those are this machine's measured
+    # rate over each device's slowdown (the catalogue says 5.2x; CI has read under 2x on a
+    # busy host), so only their order is the catalogue's for certain.
+    speed = got["gflops"]
+    assert fast == pytest.approx(speed[nuc] / (speed[nuc] + speed[pi]), rel=1e-9)
+    assert slow == pytest.approx(speed[pi] / (speed[nuc] + speed[pi]), rel=1e-9)
+    assert fast > slow
     independent = train_reference("mlp", steps=4, batch_size=16, seed=1, microbatches=1)
     assert_matches(got["losses"], safetensors.torch.load_file(str(out)), independent)
 
