@@ -16,6 +16,7 @@ they share), and says to migrate only when
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from coordinator.planner.solve import plan_problem
 from edge.problem import PlanningProblem
 
 __all__ = ["REPLICATION_BUDGET", "Rebalancer", "replication_interval"]
+
+log = logging.getLogger(__name__)
 
 REPLICATION_BUDGET = 0.05
 """Replication may cost each stage at most this share of the step time, on average."""
@@ -132,6 +135,16 @@ class Rebalancer:
                 "saved_s": saved,
             }
         )
-        if gain > self.threshold and saved > cost:
-            return new.plan
-        return None
+        move = gain > self.threshold and saved > cost
+        log.info(
+            "rebalance: %.3f s/step now, %.3f s proposed (%.0f%% faster), moving costs %.1f s "
+            "and saves %.1f s over %d steps: %s",
+            now.step_time_s,
+            new.step_time_s,
+            100 * gain,
+            cost,
+            saved,
+            steps_left,
+            "move" if move else "stay",
+        )
+        return new.plan if move else None

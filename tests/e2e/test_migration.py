@@ -16,6 +16,7 @@ Real agent processes and a real Mosquitto in both.
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -119,8 +120,9 @@ def test_a_faster_device_that_joins_is_taken_in(broker: str) -> None:
 
 
 def test_a_service_job_with_a_slowed_device_migrates_with_the_same_result(
-    broker: str, tmp_path: Path
+    broker: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="coordinator.engine.rebalance")  # shown on failure
     body = {
         "model": "gpt-mini",
         "steps": STEPS,
