@@ -13,7 +13,10 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from support.markers import NO_MOSQUITTO, BrokerMarkers
-from support.mosquitto import Broker, find_mosquitto, mosquitto_broker
+from support.mosquitto import Broker, find_mosquitto, mosquitto_broker, owned_mosquitto
+
+from coordinator.local.owned import OwnedBroker
+from edge.transport.mqtt import MqttTransport
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -28,3 +31,21 @@ def mosquitto() -> Iterator[Broker]:
         pytest.skip(NO_MOSQUITTO)
     with mosquitto_broker() as broker:
         yield broker
+
+
+@pytest.fixture(scope="module")
+def secure_broker() -> Iterator[OwnedBroker]:
+    """The broker ``edgetrain train`` and ``coordinator`` start (Mosquitto over TLS with
+    the dynamic-security plugin, :mod:`coordinator.local.owned`), one per test module:
+    each device may use only what its grant says."""
+    with owned_mosquitto() as owned:
+        yield owned
+
+
+@pytest.fixture(scope="module")
+def secure_control(secure_broker: OwnedBroker) -> Iterator[MqttTransport]:
+    """A connection to ``secure_broker`` of the coordinator's own account."""
+    transport = MqttTransport(secure_broker.settings())
+    transport.connect(timeout=10)
+    yield transport
+    transport.close()

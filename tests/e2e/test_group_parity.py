@@ -17,7 +17,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from support.mosquitto import owned_mosquitto
 from support.reference import ReferenceRun, assert_matches, train_reference
 
 from coordinator.engine.runners import run_inprocess, run_on_agents
@@ -158,24 +157,9 @@ def test_a_group_refuses_batchnorm() -> None:
 
 
 @pytest.fixture(scope="module")
-def secure_broker() -> Iterator[OwnedBroker]:
-    """A Mosquitto with TLS and accounts: each device may use only what its grant says."""
-    with owned_mosquitto() as owned:
-        yield owned
-
-
-@pytest.fixture(scope="module")
-def control(secure_broker: OwnedBroker) -> Iterator[MqttTransport]:
-    transport = MqttTransport(secure_broker.settings())
-    transport.connect(timeout=10)
-    yield transport
-    transport.close()
-
-
-@pytest.fixture(scope="module")
-def fleet(secure_broker: OwnedBroker, control: MqttTransport) -> Iterator[LocalFleet]:
+def fleet(secure_broker: OwnedBroker, secure_control: MqttTransport) -> Iterator[LocalFleet]:
     with LocalFleet(4, secure_broker, threads=1) as local:
-        local.wait_online(control, timeout=90)
+        local.wait_online(secure_control, timeout=90)
         yield local
 
 
@@ -184,7 +168,7 @@ def fleet(secure_broker: OwnedBroker, control: MqttTransport) -> Iterator[LocalF
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_groups_over_mqtt_equal_one_device(
     fleet: LocalFleet,
-    control: MqttTransport,
+    secure_control: MqttTransport,
     secure_broker: OwnedBroker,
     schedule: str,
     sizes: str,
@@ -194,7 +178,7 @@ def test_groups_over_mqtt_equal_one_device(
     result = run_on_agents(
         _spec(schedule),
         plan,
-        control,
+        secure_control,
         shares=_shares(SIZES[sizes], SHARES[shares]),
         access=secure_broker.accounts,
         timeout_s=120,

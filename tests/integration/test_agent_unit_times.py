@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.mosquitto import Broker, owned_mosquitto
+from support.mosquitto import Broker
 from support.waiting import until
 
 from coordinator.engine.spec import JobSpec
@@ -59,34 +59,20 @@ SPEC = JobSpec(model="cnn-digits", steps=1, batch_size=16, microbatches=2)
 
 
 @pytest.fixture(scope="module")
-def secure_broker() -> Iterator[OwnedBroker]:
-    with owned_mosquitto() as owned:
-        yield owned
-
-
-@pytest.fixture(scope="module")
-def control(secure_broker: OwnedBroker) -> Iterator[MqttTransport]:
-    transport = MqttTransport(secure_broker.settings())
-    transport.connect(timeout=10)
-    yield transport
-    transport.close()
-
-
-@pytest.fixture(scope="module")
 def fleet(
-    secure_broker: OwnedBroker, control: MqttTransport
+    secure_broker: OwnedBroker, secure_control: MqttTransport
 ) -> Iterator[tuple[LocalFleet, dict[str, DeviceSpec]]]:
     with LocalFleet(2, secure_broker, threads=1, slowdowns=[1.0, 2.0]) as local:
-        profiles = local.wait_online(control, timeout=90)
+        profiles = local.wait_online(secure_control, timeout=90)
         yield local, profiles
 
 
 def test_every_agent_times_the_units_and_the_prediction_takes_each_ones_own(
-    control: MqttTransport, fleet: tuple[LocalFleet, dict[str, DeviceSpec]]
+    secure_control: MqttTransport, fleet: tuple[LocalFleet, dict[str, DeviceSpec]]
 ) -> None:
     local, profiles = fleet
     devices = [profiles[d] for d in local.ids]
-    got = time_units_on_devices(control, devices, timing_request(SPEC), timeout_s=120)
+    got = time_units_on_devices(secure_control, devices, timing_request(SPEC), timeout_s=120)
     assert got.missing == {} and set(got.seconds) == set(local.ids)
     n = get_model(SPEC.model).num_units
     for own in got.seconds.values():
@@ -114,14 +100,14 @@ def test_every_agent_times_the_units_and_the_prediction_takes_each_ones_own(
 
 def test_a_busy_agent_and_a_refused_model_say_why_and_keep_the_scaled_seconds(
     secure_broker: OwnedBroker,
-    control: MqttTransport,
+    secure_control: MqttTransport,
     fleet: tuple[LocalFleet, dict[str, DeviceSpec]],
     tmp_path: Path,
 ) -> None:
     local, profiles = fleet
     busy, other = local.ids
     events: list[object] = []
-    control.subscribe(job_events("jbusy", busy), lambda _t, p: events.append(parse_event(p)))
+    secure_control.subscribe(job_events("jbusy", busy), lambda _t, p: events.append(parse_event(p)))
     assignment = {
         "type": "assign",
         "job": "jbusy",
@@ -136,27 +122,29 @@ def test_a_busy_agent_and_a_refused_model_say_why_and_keep_the_scaled_seconds(
     }
     assert secure_broker.accounts is not None
     secure_broker.accounts.grant("jbusy", [(busy, StageAssignment.model_validate(assignment))])
-    control.publish(device_cmd(busy), json.dumps(assignment), 1)
+    secure_control.publish(device_cmd(busy), json.dumps(assignment), 1)
     assert until(lambda: any(isinstance(e, StageReady) for e in events), 60)
     try:
-        got = time_units_on_devices(control, [profiles[busy]], timing_request(SPEC), timeout_s=60)
+        got = time_units_on_devices(
+            secure_control, [profiles[busy]], timing_request(SPEC), timeout_s=60
+        )
         assert got.seconds == {} and got.missing == {busy: "busy with job jbusy"}
     finally:
-        control.publish(device_cmd(busy), CancelJob(job="jbusy").model_dump_json(), 1)
-        control.unsubscribe(job_events("jbusy", busy))
+        secure_control.publish(device_cmd(busy), CancelJob(job="jbusy").model_dump_json(), 1)
+        secure_control.unsubscribe(job_events("jbusy", busy))
         secure_broker.accounts.release("jbusy")
     # Sent as anyone could: the coordinator itself never builds what it asks for here.
     pwned = tmp_path / "pwned"
     answers: list[UnitTimes] = []
-    control.subscribe(device_units(other), lambda _t, p: answers.append(parse_unit_times(p)))
+    secure_control.subscribe(device_units(other), lambda _t, p: answers.append(parse_unit_times(p)))
     evil = timing_request(SPEC).model_copy(
         update={"model": "os:system", "model_options": {"command": f"touch {pwned}"}}
     )
     try:
-        control.publish(device_cmd(other), evil.model_dump_json(), 1)
+        secure_control.publish(device_cmd(other), evil.model_dump_json(), 1)
         assert until(lambda: bool(answers), 60)
     finally:
-        control.unsubscribe(device_units(other))
+        secure_control.unsubscribe(device_units(other))
     (answer,) = answers
     assert answer.request == evil.request and answer.full == [] and answer.small is None
     assert answer.error is not None
