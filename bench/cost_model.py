@@ -34,6 +34,7 @@ if str(ROOT) not in sys.path:  # run from a checkout: its packages, not an insta
 from coordinator.engine.spec import JobSpec  # noqa: E402
 from coordinator.local.train import train_on_local_fleet  # noqa: E402
 from edge.models.zoo import list_models  # noqa: E402
+from edgetrain.cli.signals import exit_on_sigterm  # noqa: E402
 
 TARGET = (0.8, 1.2)
 STEPS = {"vgg11": 8, "resnet18": 6, "mobilenetv2": 8, "gpt-mini": 10}
@@ -126,4 +127,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # a stopped run stops the broker and agents it started
     main()

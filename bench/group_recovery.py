@@ -48,6 +48,7 @@ from coordinator.local.fleet import LocalFleet
 from coordinator.planner.score import Plan, Stage
 from edge.models.zoo import get_model
 from edge.transport.mqtt import MqttSettings, MqttTransport
+from edgetrain.cli.signals import exit_on_sigterm
 
 HEARTBEAT_TIMEOUT_S = 3.0
 STEPS, KILL_STEP, EVERY = 16, 6, 4
@@ -183,4 +184,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # a stopped run stops the broker and agents it started
     sys.exit(main())

@@ -46,6 +46,7 @@ from edge.transport.base import Inbox
 from edge.transport.mqtt import MqttSettings, MqttTransport
 from edge.wire.groups import sum_traffic
 from edge.wire.messages import StageAssignment
+from edgetrain.cli.signals import exit_on_sigterm
 
 RESULTS = Path(__file__).resolve().parent / "results" / "group_reduce.json"
 JOB = "bench-group"
@@ -180,4 +181,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # a stopped run stops the broker and agents it started
     main()

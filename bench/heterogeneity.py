@@ -72,6 +72,7 @@ from edge.problem import DeviceSpec, PlanningProblem, UnitSpec
 from edge.runtime.allocator import tune_malloc
 from edge.runtime.unit_times import UnitTime, measure_unit_times
 from edge.transport.mqtt import MqttTransport
+from edgetrain.cli.signals import exit_on_sigterm
 
 STRATEGIES = ("single", "even", "pipedream", "ftpipehd", "edgetrain")
 FASTEST_GFLOPS = 100.0  # catalogue-like speed of the fastest device; only ratios matter
@@ -441,4 +442,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # a stopped run stops the broker and agents it started
     sys.exit(main())

@@ -133,6 +133,7 @@ from edge.runtime.unit_times import measure_unit_times
 from edge.transport.mqtt import MqttTransport
 from edge.wire.groups import sum_waits
 from edge.wire.messages import StepReport
+from edgetrain.cli.signals import exit_on_sigterm
 
 
 def _sibling(name: str) -> ModuleType:
@@ -936,4 +937,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # a stopped run stops the broker and agents it started
     sys.exit(main())

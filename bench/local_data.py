@@ -77,6 +77,7 @@ from edge.models.zoo import get_model
 from edge.problem import DeviceSpec
 from edge.runtime.allocator import tune_malloc
 from edge.transport.mqtt import MqttTransport
+from edgetrain.cli.signals import exit_on_sigterm
 
 
 def _sibling(name: str) -> ModuleType:
@@ -498,4 +499,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # a stopped run stops the broker and agents it started
     sys.exit(main())

@@ -56,6 +56,7 @@ from coordinator.planner.score import Plan
 from edge.models.zoo import get_model
 from edge.transport.mqtt import MqttSettings, MqttTransport
 from edge.wire.messages import StepReport
+from edgetrain.cli.signals import exit_on_sigterm
 
 HEARTBEAT_TIMEOUT_S = 3.0
 AGENTS = 3
@@ -358,4 +359,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # a stopped run stops the broker and agents it started
     sys.exit(main())

@@ -77,6 +77,7 @@ from edge.transport.credentials import Credentials
 from edge.transport.mqtt import MqttSettings, MqttTransport
 from edge.wire.frames import Codec, Kind, decode_frame, encode_frame
 from edge.wire.messages import StageAssignment
+from edgetrain.cli.signals import exit_on_sigterm
 
 SIZES = {"64 KiB": 64 << 10, "1 MiB": 1 << 20, "16 MiB": 16 << 20}
 HOST = "127.0.0.1"
@@ -560,4 +561,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # a stopped run stops the broker and agents it started
     sys.exit(main())
