@@ -419,6 +419,7 @@ class Agent:
                     warmup=cmd.warmup,
                     optimizer=cmd.optimizer,
                     timed_microbatches=cmd.timed_microbatches,
+                    budget_s=cmd.budget_s,
                 )
                 full = self._timings(timed(spec, cmd.batch_size))
                 if cmd.small_batch_size is not None:

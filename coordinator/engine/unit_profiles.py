@@ -44,7 +44,14 @@ from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem
 from edge.runtime.unit_times import UnitTime
 from edge.transport.mqtt import MqttTransport
-from edge.wire.messages import MessageError, TimeUnits, UnitTimes, UnitTiming, parse_unit_times
+from edge.wire.messages import (
+    MAX_TIMED_STEPS,
+    MessageError,
+    TimeUnits,
+    UnitTimes,
+    UnitTiming,
+    parse_unit_times,
+)
 from edge.wire.topics import device_cmd, device_units
 
 __all__ = ["DeviceUnitSeconds", "time_units_on_devices", "timing_request", "whole_model_bytes"]
@@ -62,9 +69,19 @@ class DeviceUnitSeconds:
     took_s: float = 0.0
 
 
-def timing_request(spec: JobSpec, *, steps: int = 1) -> TimeUnits:
+TIMED_STEPS = MAX_TIMED_STEPS
+TIMING_BUDGET_S = 3.0
+"""Seconds of measured steps after which a device times no further step, at each row
+count: a fast device takes the median of up to :data:`TIMED_STEPS`, a Pi's one step of
+a big model is a minute ([Note: several timed steps] in :mod:`edge.runtime.unit_times`)."""
+
+
+def timing_request(
+    spec: JobSpec, *, steps: int = TIMED_STEPS, budget_s: float | None = TIMING_BUDGET_S
+) -> TimeUnits:
     """The command that times ``spec``'s model at its batch shape: a whole microbatch's
-    rows and :func:`small_rows` of them, one microbatch a step after one warm-up."""
+    rows and :func:`small_rows` of them, one microbatch a step after one warm-up, up to
+    ``steps`` steps or ``budget_s`` seconds of them, whichever ends first."""
     rows = spec.batch_size // spec.microbatches
     few = small_rows(rows)
     return TimeUnits(
@@ -78,6 +95,7 @@ def timing_request(spec: JobSpec, *, steps: int = 1) -> TimeUnits:
         timed_microbatches=1,
         steps=steps,
         warmup=1,
+        budget_s=budget_s,
     )
 
 

@@ -13,6 +13,16 @@ the wall clock unless the caller passes another: on one torch thread,
 ``time.thread_time`` (the CPU seconds of the timing thread, which runs every op
 then) does not count the time other processes of a busy host take from it.
 
+``budget_s`` ends the measuring early: once the measured steps have taken that many
+seconds on the clock, no further step runs (at least one always does), so a fast
+device takes the median of several steps while a slow one, whose one step is long
+enough to average out a hiccup, is not kept for minutes. [Note: several timed
+steps] One step is not enough on a fast device: a testbed device of 0.84 cores timed
+gpt-mini's units (16 rows) at 0.134-0.204 s a microbatch over four single-step
+requests in a row, the first in a fresh agent the highest, and 0.155-0.165 s with
+the median of three (its training run: 0.153 s); a step that takes a second or more
+varied by a few percent.
+
 A unit's figures are per microbatch: ``fwd_s``, and ``bwd_s`` which includes
 its share of the optimizer step (the step's time / ``microbatches``, as the
 runtime steps once per batch) and, for the last unit, the loss. Their sum over
@@ -59,8 +69,10 @@ def measure_unit_times(
     seed: int = 0,
     clock: Callable[[], float] = time.perf_counter,
     timed_microbatches: int | None = None,
+    budget_s: float | None = None,
 ) -> list[UnitTime]:
-    """Time every unit of ``spec`` in ``steps`` training steps (see the module docstring).
+    """Time every unit of ``spec`` in ``steps`` training steps (see the module docstring),
+    or in fewer once the measured ones have taken ``budget_s`` on ``clock``.
 
     ``timed_microbatches``: run only that many of each step's microbatches (their rows
     as many as a whole step's); the optimizer step is still shared by ``microbatches``.
@@ -70,6 +82,8 @@ def measure_unit_times(
         raise ValueError("need steps >= 1 and batch_size >= microbatches >= 1")
     if timed_microbatches is not None and not 1 <= timed_microbatches <= microbatches:
         raise ValueError("need 1 <= timed_microbatches <= microbatches")
+    if budget_s is not None and budget_s <= 0:
+        raise ValueError("need budget_s > 0")
     timed = microbatches if timed_microbatches is None else timed_microbatches
     units = [spec.build_segment(i, i + 1).train() for i in range(spec.num_units)]
     opt_spec = optimizer or OptimizerSpec()
@@ -79,7 +93,10 @@ def measure_unit_times(
     n = len(units)
     fwd: list[list[float]] = [[] for _ in range(n)]
     bwd: list[list[float]] = [[] for _ in range(n)]
+    measured = 0.0
     for step in range(warmup + steps):
+        if budget_s is not None and step > warmup and measured >= budget_s:
+            break
         x, y = load_batch(dataset, sampler, step)
         f_step, b_step, opt_s = [0.0] * n, [0.0] * n, [0.0] * n
         pairs = list(zip(x.chunk(microbatches), y.chunk(microbatches), strict=True))
@@ -112,6 +129,7 @@ def measure_unit_times(
             opt_s[i] = clock() - t0
             b_step[i] += opt_s[i]
         if step >= warmup:
+            measured += sum(f_step) + sum(b_step)
             for i in range(n):  # the optimizer's time is shared by all microbatches
                 fwd[i].append(f_step[i] / timed)
                 bwd[i].append((b_step[i] - opt_s[i]) / timed + opt_s[i] / microbatches)

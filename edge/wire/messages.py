@@ -63,6 +63,7 @@ MAX_UNIT_NAME = 128
 MAX_UNIT_TIMES_BYTES = 1 << 20
 """The largest :class:`UnitTimes` payload a coordinator reads."""
 MAX_TIMED_STEPS = 5
+MAX_TIMING_BUDGET_S = 600.0
 
 
 class MessageError(ValueError):
@@ -273,6 +274,10 @@ class TimeUnits(_Message):
     """Microbatches run per timed step (:func:`edge.runtime.unit_times.measure_unit_times`)."""
     steps: int = Field(default=1, ge=1, le=MAX_TIMED_STEPS)
     warmup: int = Field(default=1, ge=0, le=MAX_TIMED_STEPS)
+    budget_s: float | None = Field(default=None, gt=0, le=MAX_TIMING_BUDGET_S)
+    """Measure no further step once the measured ones took this long (at least one runs):
+    ``steps`` is then a most ([Note: several timed steps] in
+    :mod:`edge.runtime.unit_times`)."""
 
     @model_validator(mode="after")
     def _check_shapes(self) -> TimeUnits:

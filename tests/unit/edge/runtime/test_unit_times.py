@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from coordinator.engine.spec import JobSpec, make_assignments
+from coordinator.engine.unit_profiles import timing_request
 from coordinator.planner.score import Plan
 from edge.models.zoo import get_model
 from edge.runtime.stage import StageRuntime
 from edge.runtime.unit_times import measure_unit_times
 from edge.transport.inprocess import InProcessTransport
+from edge.wire.messages import MAX_TIMING_BUDGET_S, MessageError, parse_command
 
 
 @pytest.mark.parametrize("model", ["cnn-digits", "gpt-mini"])
@@ -51,6 +53,43 @@ def test_timing_some_microbatches_still_shares_the_optimizer_over_all() -> None:
             timed_microbatches=timed,
         )
         assert [(t.fwd_s, t.bwd_s) for t in times] == [(1.0, 1.25)] * spec.num_units
+
+
+def test_a_budget_ends_the_measured_steps_after_at_least_one() -> None:
+    """On a clock that ticks once a call, a step is as many clock calls as it has timed
+    regions: the budget stops the steps once the measured ones exceed it, never before
+    the first measured step, and without it every step runs."""
+    spec = get_model("mlp")
+    ticks = 0
+
+    def clock() -> float:
+        nonlocal ticks
+        ticks += 1
+        return float(ticks)
+
+    def calls(steps: int, warmup: int, budget_s: float | None) -> int:
+        nonlocal ticks
+        ticks = 0
+        measure_unit_times(spec, 8, 2, steps=steps, warmup=warmup, clock=clock, budget_s=budget_s)
+        return ticks
+
+    one = calls(1, 0, None)
+    step_s = one / 2  # each timed region: two calls, one second
+    assert calls(5, 0, None) == 5 * one
+    assert calls(5, 0, 0.5) == one  # the first measured step always runs
+    assert calls(5, 1, 0.5) == 2 * one  # the warm-up does not count
+    assert calls(5, 0, 2 * step_s) == 2 * one
+    assert calls(5, 0, 2 * step_s + 1) == 3 * one
+    with pytest.raises(ValueError, match="budget_s"):
+        measure_unit_times(spec, 8, 2, budget_s=0)
+
+
+@pytest.mark.parametrize("budget", [0, -1, MAX_TIMING_BUDGET_S * 2])
+def test_a_timing_command_with_a_budget_out_of_bounds_is_refused(budget: float) -> None:
+    request = timing_request(JobSpec(model="mlp", steps=1, batch_size=8, microbatches=2))
+    assert parse_command(request.model_dump_json()) == request
+    with pytest.raises(MessageError, match="budget_s"):
+        parse_command(request.model_copy(update={"budget_s": budget}).model_dump_json())
 
 
 def test_bad_arguments_are_refused() -> None:
