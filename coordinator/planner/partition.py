@@ -65,6 +65,7 @@ from coordinator.planner.holders import HolderPlans, plan_with_holders
 from coordinator.planner.predict import (
     Prediction,
     UnitSeconds,
+    balanced_shares,
     calibrated,
     predict,
     timed_problem,
@@ -226,10 +227,9 @@ def _fastest_predicted(
                 except UserError:
                     continue
         for other in (found, *fewer):
-            score = score_plan(problem, other.plan)
+            score, guess = _scored(problem, other.plan, units)
             if not score.feasible:
                 continue
-            guess = predict(problem, other.plan, units)
             if best is None or guess.step_time_s < best_s:
                 best = replace(other, score=score, prediction=guess)
                 best_s = guess.step_time_s
@@ -241,12 +241,26 @@ def _fastest_predicted(
     if problem.allows_groups and stages is None and best.exact:
         plan, guess = refine(problem, best.plan, units, limits)
         if plan != best.plan:
-            method = f"{best.method}, refined by the cost model"
-            best = replace(best, score=score_plan(problem, plan), method=method, prediction=guess)
-            best_s = guess.step_time_s
+            score, guess = _scored(problem, plan, units)
+            if score.feasible and guess.step_time_s < best_s:
+                method = f"{best.method}, refined by the cost model"
+                best = replace(best, score=score, method=method, prediction=guess)
+                best_s = guess.step_time_s
     if best.plan.grouped and flat is not None and flat_s < best_s * (1 + GROUP_MARGIN):
         return flat
     return best
+
+
+def _scored(
+    problem: PlanningProblem, plan: Plan, units: UnitSeconds | None
+) -> tuple[PlanScore, Prediction]:
+    """``plan``'s score on ``problem`` and its prediction, its groups split by their
+    members' own seconds where they timed the units ([Note: shares by a device's own
+    seconds] in :mod:`coordinator.planner.predict`): the score's shares are what the job
+    runs, and its memory check is at them."""
+    shares = balanced_shares(problem, plan, units) if units is not None else {}
+    score = score_plan(problem, plan, fixed_shares=shares or None)
+    return score, predict(problem, plan, units, fixed_shares=shares or None)
 
 
 def _bytes_priced(problem: PlanningProblem) -> PlanningProblem:

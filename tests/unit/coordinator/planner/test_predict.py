@@ -18,6 +18,9 @@ Claims under test:
   rest (:meth:`UnitSeconds.at_share`, fitted by :func:`fit_unit_seconds` through
   timings at two row counts), and a job keeps a group only where that prediction
   says it wins;
+- a group whose members timed the units themselves runs at the shares that make them
+  finish together by those seconds (:func:`balanced_shares`), and a job's score
+  carries them;
 - a version 2 job runs the plan the model predicts fastest among the searches'
   (timed, the spec's, version 1's): the timed pipeline a version 1 job gets where
   the model says so, a group where it wins; never predicted slower than version 1;
@@ -40,6 +43,7 @@ from coordinator.planner.group_search import plan_groups
 from coordinator.planner.partition import GROUP_MARGIN, plan_job
 from coordinator.planner.predict import (
     UnitSeconds,
+    balanced_shares,
     calibrated,
     fit_unit_seconds,
     predict,
@@ -152,6 +156,51 @@ def test_a_device_that_timed_its_units_takes_its_own_seconds_as_they_are() -> No
         predict(
             problem, TWO, UnitSeconds((0.2, 0.1), 50.0, devices={"b": UnitSeconds((1.0,), 1.0)})
         )
+
+
+def test_a_group_with_a_member_that_timed_the_units_is_split_so_its_members_finish_together() -> (
+    None
+):
+    problem = _problem(FIXED, microbatches=1).as_version(2)  # 4 rows a microbatch
+    group = Plan(stages=(Stage("a", 0, 2, ("b",)),))
+    # a: the host's 0.3 s at 50 GFLOP/s on 10: 1.5 w at share w; b, its own: 0.2 + 0.7 w.
+    own = UnitSeconds(seconds=(0.3, 0.6), gflops=20.0, fixed=(0.0, 0.2))
+    units = UnitSeconds(seconds=(0.2, 0.1), gflops=50.0, devices={"b": own})
+    shares = balanced_shares(problem, group, units)
+    assert shares == {0: pytest.approx([9 / 22, 13 / 22], rel=REL)}  # 1.5 w = 0.2 + 0.7 (1 - w)
+    balanced = predict(problem, group, units, fixed_shares=shares)
+    assert balanced.compute_s[0] == pytest.approx(1.5 * 9 / 22 + 0.02, rel=REL)
+    # The spec's shares, by GFLOP/s (1/3, 2/3), leave b the last: 0.2 + 0.7 * 2/3.
+    by_speed = predict(problem, group, units)
+    assert by_speed.compute_s[0] == pytest.approx(0.2 + 0.7 * 2 / 3 + 0.02, rel=REL)
+    assert balanced.step_time_s < by_speed.step_time_s
+    # b's fixed part alone outlasts a's whole microbatch: b gets one sample, a the rest.
+    slow = UnitSeconds((0.3, 0.6), 20.0, fixed=(0.25, 0.6))
+    fast = UnitSeconds(seconds=(0.02, 0.01), gflops=50.0, devices={"b": slow})
+    assert balanced_shares(problem, group, fast) == {0: pytest.approx([0.75, 0.25], rel=REL)}
+    # No member timed the units: the spec's shares stand.
+    assert balanced_shares(problem, group, UnitSeconds((0.2, 0.1), 50.0)) == {}
+    assert balanced_shares(problem, TWO, units) == {}  # and a stage of one device has none
+
+
+def test_a_jobs_group_runs_at_the_shares_its_members_own_seconds_balance() -> None:
+    """Two devices of 10 GFLOP/s on fast links: the job trains both layers on a group of
+    both. b timed the units itself (1.5 s a microbatch, 0.2 of it fixed), a takes the
+    host's 0.3 s scaled to 1.5 s: the score the job runs (its shares, its memory check)
+    is at the balanced shares, not at the spec's even ones."""
+    problem = _problem(
+        FIXED, microbatches=1, gflops=(10.0, 10.0), bandwidth_mbps=1e5, latency_ms=0.01
+    ).as_version(2)
+    own = UnitSeconds(seconds=(0.6, 0.9), gflops=20.0, fixed=(0.1, 0.1))
+    units = UnitSeconds(seconds=(0.2, 0.1), gflops=50.0, devices={"b": own})
+    found = plan_job(problem, units=units)
+    assert found.plan.grouped and sorted(found.plan.stages[0].devices) == ["a", "b"]
+    balanced = balanced_shares(problem, found.plan, units)[0]
+    assert found.score.shares == [balanced] and balanced != pytest.approx([0.5, 0.5])
+    assert found.prediction is not None
+    expected = predict(problem, found.plan, units, fixed_shares={0: balanced})
+    assert found.prediction.step_time_s == pytest.approx(expected.step_time_s, rel=REL)
+    assert found.prediction.step_time_s < predict(problem, found.plan, units).step_time_s
 
 
 def test_without_fixed_costs_the_prediction_is_the_spec_score() -> None:
