@@ -121,7 +121,13 @@ from coordinator.planner.build import parse_fleet
 from coordinator.planner.group_search import data_parallel_only
 from coordinator.planner.group_tables import GroupLimits
 from coordinator.planner.partition import plan_job
-from coordinator.planner.predict import UnitSeconds, fit_unit_seconds, predict, small_rows
+from coordinator.planner.predict import (
+    UnitSeconds,
+    balanced_shares,
+    fit_unit_seconds,
+    predict,
+    small_rows,
+)
 from coordinator.planner.score import Plan, score_plan
 from coordinator.testbed.testbed import MethodChoice, Testbed, measure_core_gflops
 from edge.errors import UserError
@@ -383,6 +389,9 @@ def measure(
         ]
 
     step_s = statistics.mean(r.step_s for r in steady if r.stage == 0)
+    grouped = [r for r in steady if len(plan.stages[r.stage].devices) > 1]
+    if grouped:  # a group's members one by one: who the others wait for
+        print(f"# members of {plan}: {_members(grouped)}", file=sys.stderr)
     sent = sum(r.bytes_sent for r in steady) / (spec.batch_size * (spec.steps - warmup))
     waits = [_mean_wait([r for r in steady if r.stage == s]) for s in range(len(plan.stages))]
     return Measured(
@@ -393,6 +402,16 @@ def measure(
         per_stage("allreduce_cpu_s"),
         sent,
     )
+
+
+def _members(reports: list[StepReport]) -> str:
+    """Each group member's samples and mean compute seconds a step, as ``stage/device``."""
+    out = []
+    for stage, member, device in sorted({(r.stage, r.member, r.device) for r in reports}):
+        mine = [r for r in reports if (r.stage, r.member) == (stage, member)]
+        compute = statistics.mean(r.compute_s for r in mine)
+        out.append(f"{stage}/{device} {mine[-1].samples} samples {compute:.3f} s")
+    return ", ".join(out)
 
 
 def _mean_wait(reports: list[StepReport]) -> float:
@@ -539,23 +558,37 @@ def _run_plans(
         else:
             now, units = problem(3)
         priced[strategy] = (now, units)
-        score = score_plan(now, plan)
-        guess = predict(now, plan, units)
+        # A group splits its microbatches by the shares it was planned with (by its
+        # members' own seconds where they timed the units, as a job's: [Note: shares by a
+        # device's own seconds]); the re-priced problem's could round a member to nothing.
+        fixed = balanced_shares(first, plan, first_units) or None
+        planned = score_plan(first, plan, fixed_shares=fixed).shares
+        score = score_plan(now, plan, fixed_shares=fixed)
+        guess = predict(now, plan, units, fixed_shares=fixed)
         steps = args.warmup + max(
             args.min_steps, min(args.max_steps, math.ceil(args.seconds / guess.step_time_s))
         )
         started = time.perf_counter()
-        # A group splits its microbatches by the shares it was planned with: the ones of
-        # the re-priced problem can round a slow member down to no sample.
-        planned = score_plan(first, plan).shares
         shares = planned if plan.grouped else None
         job = spec.model_copy(update={"steps": steps})
         got = measure(control, job, plan, args.warmup, tb, shares)
         if own and not args.quick:
             units = replace(units, devices=mean_own(units.devices, retime(now)))
             priced[strategy] = (now, units)
-            score = score_plan(now, plan)
-            guess = predict(now, plan, units)
+            score = score_plan(now, plan, fixed_shares=fixed)
+            guess = predict(now, plan, units, fixed_shares=fixed)
+        if plan.grouped:  # what each member is predicted to compute a step, at its share
+            dev, m = {d.id: d for d in now.devices}, args.microbatches
+            print(
+                f"# predicted members of {plan}: "
+                + ", ".join(
+                    f"{s}/{i} {m * units.on_device(dev[i], st.start, st.end, w):.3f} s"
+                    for s, (st, ws) in enumerate(zip(plan.stages, planned, strict=True))
+                    if len(st.devices) > 1
+                    for i, w in zip(st.devices, ws, strict=True)
+                ),
+                file=sys.stderr,
+            )
         row = Row(
             model,
             fleet,
