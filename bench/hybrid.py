@@ -471,16 +471,19 @@ def _run_model(
         model=model, steps=1, batch_size=args.batch_size, microbatches=args.microbatches, seed=0
     )
 
-    def problem(steps: int) -> tuple[PlanningProblem, UnitSeconds]:
+    def problem(steps: int, among: Plan | None = None) -> tuple[PlanningProblem, UnitSeconds]:
         now, units = fleet_problem(
             model, args.batch_size, args.microbatches, devices, announced, tb.core_gflops, steps
         )
         if args.unit_times == "devices":
-            units = replace(units, devices=retime(now))
+            units = replace(units, devices=retime(now, among))
         return now, units
 
-    def retime(now: PlanningProblem) -> dict[str, UnitSeconds]:
-        return own_unit_seconds(control, devices, announced, spec, whole_model_bytes(now))
+    def retime(now: PlanningProblem, among: Plan | None = None) -> dict[str, UnitSeconds]:
+        """Every device's own unit seconds, or only those of ``among``'s devices (what
+        pricing that plan needs: the slowest device of 30x times vgg11 for a minute)."""
+        used = devices if among is None else [d for d in devices if d.id in among.devices]
+        return own_unit_seconds(control, used, announced, spec, whole_model_bytes(now))
 
     limits = group_limits(spec)
     assert limits is not None  # a zoo model
@@ -520,15 +523,15 @@ def _run_plans(
     spec: JobSpec,
     args: argparse.Namespace,
     chosen: dict[str, Plan],
-    problem: Callable[[int], tuple[PlanningProblem, UnitSeconds]],
+    problem: Callable[[int, Plan], tuple[PlanningProblem, UnitSeconds]],
     calibrated: tuple[PlanningProblem, UnitSeconds],
-    retime: Callable[[PlanningProblem], dict[str, UnitSeconds]],
+    retime: Callable[[PlanningProblem, Plan], dict[str, UnitSeconds]],
 ) -> list[Row]:
     """One pass: each strategy's plan run once (a plan an earlier row ran is its row);
     ``calibrated`` is the problem and unit seconds the plans were chosen with.
 
     With ``--unit-times devices`` each run is priced by the devices' own unit seconds
-    timed just before it and again just after it (``retime``), their mean
+    timed just before it and again just after it (``retime``, the plan's devices), their mean
     (:func:`mean_own`): this host's speed drifts by a third within minutes (the devices'
     vgg11 microbatch at 64 rows read 9.7 s, then 6.0 s, four minutes apart), and a
     prediction is checked against its run under the conditions the run met. The
@@ -556,7 +559,7 @@ def _run_plans(
         elif strategy == "v2" and "v1" in priced and not own:
             now, units = priced["v1"]
         else:
-            now, units = problem(3)
+            now, units = problem(3, plan)
         priced[strategy] = (now, units)
         # A group splits its microbatches by the shares it was planned with (by its
         # members' own seconds where they timed the units, as a job's: [Note: shares by a
@@ -573,7 +576,7 @@ def _run_plans(
         job = spec.model_copy(update={"steps": steps})
         got = measure(control, job, plan, args.warmup, tb, shares)
         if own and not args.quick:
-            units = replace(units, devices=mean_own(units.devices, retime(now)))
+            units = replace(units, devices=mean_own(units.devices, retime(now, plan)))
             priced[strategy] = (now, units)
             score = score_plan(now, plan, fixed_shares=fixed)
             guess = predict(now, plan, units, fixed_shares=fixed)
