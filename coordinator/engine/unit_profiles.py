@@ -69,15 +69,15 @@ class DeviceUnitSeconds:
     took_s: float = 0.0
 
 
-TIMED_STEPS = MAX_TIMED_STEPS
 TIMING_BUDGET_S = 3.0
 """Seconds of measured steps after which a device times no further step, at each row
-count: a fast device takes the median of up to :data:`TIMED_STEPS`, a Pi's one step of
+count: a fast device takes the median of up to
+:data:`~edge.wire.messages.MAX_TIMED_STEPS`, a Pi's one step of
 a big model is a minute ([Note: several timed steps] in :mod:`edge.runtime.unit_times`)."""
 
 
 def timing_request(
-    spec: JobSpec, *, steps: int = TIMED_STEPS, budget_s: float | None = TIMING_BUDGET_S
+    spec: JobSpec, *, steps: int = MAX_TIMED_STEPS, budget_s: float | None = TIMING_BUDGET_S
 ) -> TimeUnits:
     """The command that times ``spec``'s model at its batch shape: a whole microbatch's
     rows and :func:`small_rows` of them, one microbatch a step after one warm-up, up to
