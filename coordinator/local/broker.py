@@ -371,19 +371,23 @@ def _start_mosquitto_once(
         proc = subprocess.Popen(
             [binary, "-c", str(conf)], stdin=subprocess.DEVNULL, stdout=log, stderr=log
         )
-    deadline = time.monotonic() + timeout_s
-    while not _listening(proc, HOST, port):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            what = (
-                f"did not listen on {HOST}:{port} within {timeout_s:g} s"
-                if proc.poll() is None
-                else f"exited with status {proc.returncode} before listening on {HOST}:{port}"
-            )
-            _stop_process(proc, 5.0)
-            raise BrokerStartError(f"mosquitto {what}:\n{log_path.read_text(errors='replace')}")
-        # The pause between tries doubles as a check that the process is still alive.
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=0.05)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not _listening(proc, HOST, port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                what = (
+                    f"did not listen on {HOST}:{port} within {timeout_s:g} s"
+                    if proc.poll() is None
+                    else f"exited with status {proc.returncode} before listening on {HOST}:{port}"
+                )
+                said = log_path.read_text(errors="replace")
+                raise BrokerStartError(f"mosquitto {what}:\n{said}")
+            # The pause between tries doubles as a check that the process is still alive.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.05)
+    except BaseException:  # a failed start, or SIGTERM/Ctrl-C while waiting: no orphan
+        _stop_process(proc, 5.0)
+        raise
     return proc, conf, log_path
 
 
@@ -400,6 +404,7 @@ def _start_mosquitto(
     # The config (and a password copy) live in a directory of the broker's own, removed at
     # stop; the log goes to log_dir when one is given, so that it outlives the broker.
     tmp = Path(tempfile.mkdtemp(prefix="edgetrain-mosquitto-"))
+    proc: subprocess.Popen[bytes] | None = None
     try:
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -424,10 +429,13 @@ def _start_mosquitto(
                 taken = "Address already in use" in str(exc)
                 if port or attempt == _ATTEMPTS - 1 or not taken:
                     raise
+        version = _mosquitto_version(binary)
     except BaseException:
+        if proc is not None:  # started, then interrupted (SIGTERM while asking its version)
+            _stop_process(proc, 5.0)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    version = _mosquitto_version(binary)
+    assert proc is not None  # the loop either started one or raised
     name = f"mosquitto {version}" if version else "mosquitto"
     return MosquittoBroker(chosen, proc, log_path, conf, name, tls=security is not None)
 

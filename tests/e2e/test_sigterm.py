@@ -1,4 +1,5 @@
-"""SIGTERM to a command that started a broker and agents ends them all, as Ctrl-C does.
+"""SIGTERM to a command (or a bench) that started a broker and agents ends them all, as
+Ctrl-C does.
 
 Each test starts the command as a process of its own and waits until the processes
 it started exist, found as its children with psutil (Mosquitto and the agents), and,
@@ -47,13 +48,14 @@ class Command:
 
 
 @contextlib.contextmanager
-def _command(tmp_path: Path, *args: str) -> Iterator[Command]:
-    """``edgetrain ARGS``; whatever of it and of its children a failed test left running is
-    killed, by pid."""
+def _command(tmp_path: Path, *args: str, script: str | None = None) -> Iterator[Command]:
+    """``edgetrain ARGS`` (or ``python SCRIPT ARGS``); whatever of it and of its children a
+    failed test left running is killed, by pid."""
     stderr = tmp_path / "stderr"
+    program = [str(ROOT / script)] if script is not None else ["-m", "edgetrain.cli"]
     with stderr.open("wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "edgetrain.cli", *args],
+            [sys.executable, *program, *args],
             cwd=ROOT,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -136,4 +138,12 @@ def test_sigterm_to_coordinator_stops_its_broker(tmp_path: Path) -> None:
     with _command(tmp_path, *args) as cmd:
         _started(cmd, 0)
         assert until(lambda: "Application startup complete" in cmd.stderr.read_text(), 60)
+        _terminate(cmd)
+
+
+def test_sigterm_to_a_bench_stops_its_broker(tmp_path: Path) -> None:
+    """A bench that starts a Mosquitto (here the group sum's, run for far more steps than
+    the test waits) ends it on SIGTERM: the benches install the same handler."""
+    with _command(tmp_path, "--steps", "100000", script="bench/group_reduce.py") as cmd:
+        _started(cmd, 0)
         _terminate(cmd)

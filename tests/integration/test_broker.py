@@ -237,6 +237,37 @@ def test_mosquitto_tries_another_port_when_the_picked_one_is_taken(
 
 @pytest.mark.broker
 @pytest.mark.skipif(not HAS_MOSQUITTO, reason="mosquitto binary not found")
+@pytest.mark.parametrize("where", ["_listening", "_mosquitto_version"])
+def test_an_interrupt_while_mosquitto_starts_leaves_no_process(
+    monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """SIGTERM (``SystemExit`` from :mod:`edgetrain.cli.signals`) or Ctrl-C arriving while
+    the broker is waited for, or while its version is asked, stops the process started."""
+    started: list[subprocess.Popen[bytes]] = []
+    commands: list[list[str]] = []
+    popen = subprocess.Popen
+
+    def recording(command: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        proc = popen(command, **kwargs)  # type: ignore[call-overload]
+        started.append(proc)
+        commands.append(command)
+        return proc
+
+    def interrupted(*_args: object) -> bool:
+        assert started and started[0].poll() is None  # the broker runs: now the signal
+        raise SystemExit(143)
+
+    monkeypatch.setattr(broker_mod.subprocess, "Popen", recording)
+    monkeypatch.setattr(broker_mod, where, interrupted)
+    with pytest.raises(SystemExit):
+        start_broker(prefer="mosquitto")
+    assert len(started) == 1 and started[0].poll() is not None  # stopped and reaped
+    conf = Path(commands[0][2])  # mosquitto -c CONF, in the broker's own directory
+    assert not conf.parent.exists()
+
+
+@pytest.mark.broker
+@pytest.mark.skipif(not HAS_MOSQUITTO, reason="mosquitto binary not found")
 def test_mosquitto_log_dir_and_password_file(tmp_path: Path) -> None:
     if shutil.which("mosquitto_passwd") is None:
         pytest.skip("mosquitto_passwd not found")
