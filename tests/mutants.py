@@ -584,6 +584,55 @@ MUTANTS = [
         new="bwd[i].append(b_step[i] / timed)",
         tests=("tests/unit/edge/runtime/test_unit_times.py",),
     ),
+    Mutant(
+        name="balanced-shares-ignore-fixed-seconds",
+        what="a group's members that timed the units themselves are balanced by their "
+        "per-row seconds only, as if the fixed part of a microbatch shrank with the rows",
+        path="coordinator/planner/predict.py",
+        old="a = [units.on_device(dev[i], st.start, st.end, 0.0) for i in st.devices]",
+        new="a = [0.0 for i in st.devices]",
+        tests=(
+            "tests/unit/coordinator/planner/test_predict.py::"
+            "test_a_group_with_a_member_that_timed_the_units_is_split_so_its_members_finish_"
+            "together",
+        ),
+    ),
+    Mutant(
+        name="balanced-shares-no-sample-floor",
+        what="a member whose fixed seconds outlast the others' microbatch is balanced to a "
+        "share below one sample (negative, even), not clamped to one",
+        path="coordinator/planner/predict.py",
+        old="low = {k for k in free if w[k] < floor}",
+        new="low: set[int] = set()",
+        tests=(
+            "tests/unit/coordinator/planner/test_predict.py::"
+            "test_a_group_with_a_member_that_timed_the_units_is_split_so_its_members_finish_"
+            "together",
+        ),
+    ),
+    Mutant(
+        name="job-runs-at-the-spec-shares",
+        what="a job scores and runs its groups at the spec's shares by GFLOP/s although a "
+        "member timed the units itself",
+        path="coordinator/planner/partition.py",
+        old="score = score_plan(problem, plan, fixed_shares=shares or None)",
+        new="score = score_plan(problem, plan, fixed_shares=None)",
+        tests=(
+            "tests/unit/coordinator/planner/test_predict.py::"
+            "test_a_jobs_group_runs_at_the_shares_its_members_own_seconds_balance",
+        ),
+    ),
+    Mutant(
+        name="timing-budget-ignored",
+        what="a device's timing runs every requested step however long they take",
+        path="edge/runtime/unit_times.py",
+        old="if budget_s is not None and step > warmup and measured >= budget_s:",
+        new="if False:",
+        tests=(
+            "tests/unit/edge/runtime/test_unit_times.py::"
+            "test_a_budget_ends_the_measured_steps_after_at_least_one",
+        ),
+    ),
 ]
 
 
