@@ -80,7 +80,7 @@ from edge.profiling.fixed_costs import (
 )
 from edge.runtime.checkpoint import ReplicaKeeper
 from edge.runtime.stage import Replicator, StageRuntime
-from edge.runtime.unit_times import UnitTime, measure_unit_times
+from edge.runtime.unit_times import UnitTime, cpu_seconds_clock, measure_unit_times
 from edge.server.groups import join_group, leave_group
 from edge.transport.base import Transport
 from edge.transport.credentials import device_client_id
@@ -420,6 +420,7 @@ class Agent:
                     optimizer=cmd.optimizer,
                     timed_microbatches=cmd.timed_microbatches,
                     budget_s=cmd.budget_s,
+                    cpu_clock=cpu_seconds_clock(),  # [Note: a stall lands on one unit]
                 )
                 full = self._timings(timed(spec, cmd.batch_size))
                 if cmd.small_batch_size is not None:

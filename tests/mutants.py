@@ -633,6 +633,18 @@ MUTANTS = [
             "test_a_budget_ends_the_measured_steps_after_at_least_one",
         ),
     ),
+    Mutant(
+        name="timing-stall-stays-on-its-unit",
+        what="a device's timing keeps each unit's wall seconds although it has a CPU clock, "
+        "so a quota's stall stays on the unit it landed on",
+        path="edge/runtime/unit_times.py",
+        old="by = self.cpu if self.cpu_clock is not None and cpu_total > 0 else self.wall",
+        new="by = self.wall",
+        tests=(
+            "tests/unit/edge/runtime/test_unit_times.py::"
+            "test_a_stall_is_spread_over_the_units_by_their_cpu_seconds",
+        ),
+    ),
 ]
 
 

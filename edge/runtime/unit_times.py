@@ -23,6 +23,18 @@ requests in a row, the first in a fresh agent the highest, and 0.155-0.165 s wit
 the median of three (its training run: 0.153 s); a step that takes a second or more
 varied by a few percent.
 
+``cpu_clock`` (an agent's timing passes one) splits each step's wall seconds over
+the units by the CPU seconds each took on it, rather than by the wall seconds each
+region saw. [Note: a stall lands on one unit] Under a CPU quota (the testbed's
+cgroups; any throttled container) the device runs its quota, then stalls until the
+next period: 139 ms of every 143 ms on the testbed's slowest 30x device. A stall
+lands on whichever unit is running when the quota runs out, so a unit's wall seconds
+carry whole stalls at random while the step's sum stays right. On that device, in two
+runs of ``bench/hybrid.py``, a stage of vgg11's last two units was priced at 10.1 s
+and 4.9 s a step from the device's timings and took 6.5 s and 7.0 s. The CPU seconds
+of a unit do not carry the stall. With one torch thread the timing thread's CPU
+seconds hold all of the work; with more, the process's do.
+
 A unit's figures are per microbatch: ``fwd_s``, and ``bwd_s`` which includes
 its share of the optimizer step (the step's time / ``microbatches``, as the
 runtime steps once per batch) and, for the last unit, the loss. Their sum over
@@ -32,10 +44,12 @@ transfers are not included: a plan's links price those.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -45,7 +59,7 @@ from edge.runtime.data import EpochSampler, load_batch
 from edge.runtime.stage import build_optimizer, loss_fn
 from edge.wire.messages import OptimizerSpec
 
-__all__ = ["UnitTime", "measure_unit_times"]
+__all__ = ["UnitTime", "cpu_seconds_clock", "measure_unit_times"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +84,7 @@ def measure_unit_times(
     clock: Callable[[], float] = time.perf_counter,
     timed_microbatches: int | None = None,
     budget_s: float | None = None,
+    cpu_clock: Callable[[], float] | None = None,
 ) -> list[UnitTime]:
     """Time every unit of ``spec`` in ``steps`` training steps (see the module docstring),
     or in fewer once the measured ones have taken ``budget_s`` on ``clock``.
@@ -77,7 +92,10 @@ def measure_unit_times(
     ``timed_microbatches``: run only that many of each step's microbatches (their rows
     as many as a whole step's); the optimizer step is still shared by ``microbatches``.
     What a slow device can afford: a step of vgg11 at 64 rows a microbatch is minutes
-    on a Pi, one microbatch is a quarter of that."""
+    on a Pi, one microbatch is a quarter of that.
+
+    ``cpu_clock``: split each step's seconds on ``clock`` over its regions by their
+    seconds on this clock ([Note: a stall lands on one unit])."""
     if batch_size < microbatches or microbatches < 1 or steps < 1:
         raise ValueError("need steps >= 1 and batch_size >= microbatches >= 1")
     if timed_microbatches is not None and not 1 <= timed_microbatches <= microbatches:
@@ -98,7 +116,7 @@ def measure_unit_times(
         if budget_s is not None and step > warmup and measured >= budget_s:
             break
         x, y = load_batch(dataset, sampler, step)
-        f_step, b_step, opt_s = [0.0] * n, [0.0] * n, [0.0] * n
+        times = _StepTimes(n, clock, cpu_clock)
         pairs = list(zip(x.chunk(microbatches), y.chunk(microbatches), strict=True))
         for xs, ys in pairs[:timed]:
             inputs, outputs = [], []
@@ -107,27 +125,24 @@ def measure_unit_times(
                 if i > 0 and inp.is_floating_point():
                     inp = inp.detach().requires_grad_()
                 inputs.append(inp)
-                t0 = clock()
-                out = unit(inp)
-                if i == n - 1:
-                    out = loss_fn(out, ys) / microbatches
-                f_step[i] += clock() - t0
+                with times.region("fwd", i):
+                    out = unit(inp)
+                    if i == n - 1:
+                        out = loss_fn(out, ys) / microbatches
                 outputs.append(out)
                 inp = out
             grad: torch.Tensor | None = None
             for i in reversed(range(n)):
-                t0 = clock()
-                if outputs[i].requires_grad:
-                    outputs[i].backward(grad)
-                b_step[i] += clock() - t0
+                with times.region("bwd", i):
+                    if outputs[i].requires_grad:
+                        outputs[i].backward(grad)
                 grad = inputs[i].grad if inputs[i].is_floating_point() else None
         for i, opt in enumerate(optimizers):
-            t0 = clock()
-            if opt is not None:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            opt_s[i] = clock() - t0
-            b_step[i] += opt_s[i]
+            with times.region("opt", i):
+                if opt is not None:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+        f_step, b_step, opt_s = times.seconds()
         if step >= warmup:
             measured += sum(f_step) + sum(b_step)
             for i in range(n):  # the optimizer's time is shared by all microbatches
@@ -137,3 +152,46 @@ def measure_unit_times(
         UnitTime(spec.units[i].name, statistics.median(fwd[i]), statistics.median(bwd[i]))
         for i in range(n)
     ]
+
+
+Kind = Literal["fwd", "bwd", "opt"]
+
+
+class _StepTimes:
+    """One step's seconds of each unit's forward, backward and optimizer step, on the
+    wall ``clock`` and, given one, on ``cpu_clock`` too."""
+
+    def __init__(
+        self, n: int, clock: Callable[[], float], cpu_clock: Callable[[], float] | None
+    ) -> None:
+        self.clock, self.cpu_clock = clock, cpu_clock
+        self.wall: dict[Kind, list[float]] = {k: [0.0] * n for k in ("fwd", "bwd", "opt")}
+        self.cpu: dict[Kind, list[float]] = {k: [0.0] * n for k in ("fwd", "bwd", "opt")}
+
+    @contextlib.contextmanager
+    def region(self, kind: Kind, i: int) -> Iterator[None]:
+        cpu = self.cpu_clock
+        t0, c0 = self.clock(), cpu() if cpu is not None else 0.0
+        yield
+        if cpu is not None:
+            self.cpu[kind][i] += cpu() - c0
+        self.wall[kind][i] += self.clock() - t0
+
+    def seconds(self) -> tuple[list[float], list[float], list[float]]:
+        """Forward, backward with the optimizer, and optimizer seconds of each unit: the
+        wall seconds, or with a CPU clock the CPU seconds scaled to the wall's sum."""
+        wall_total = sum(sum(v) for v in self.wall.values())
+        cpu_total = sum(sum(v) for v in self.cpu.values())
+        by = self.cpu if self.cpu_clock is not None and cpu_total > 0 else self.wall
+        k = wall_total / cpu_total if by is self.cpu else 1.0
+        return (
+            [t * k for t in by["fwd"]],
+            [(b + o) * k for b, o in zip(by["bwd"], by["opt"], strict=True)],
+            [t * k for t in by["opt"]],
+        )
+
+
+def cpu_seconds_clock() -> Callable[[], float]:
+    """The CPU clock that holds all of a timing's work: this thread's with one torch
+    thread, else the process's (the intra-op threads compute too)."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.process_time

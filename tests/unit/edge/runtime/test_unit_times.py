@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -53,6 +53,41 @@ def test_timing_some_microbatches_still_shares_the_optimizer_over_all() -> None:
             timed_microbatches=timed,
         )
         assert [(t.fwd_s, t.bwd_s) for t in times] == [(1.0, 1.25)] * spec.num_units
+
+
+def test_a_stall_is_spread_over_the_units_by_their_cpu_seconds() -> None:
+    """A quota's stall lands on whichever unit runs when the quota is spent ([Note: a
+    stall lands on one unit]). Here every region takes 1 s of CPU and 1 s of wall time,
+    but the second unit's first forward also waits 10 s. On the wall clock alone that
+    unit carries the 10 s; with the CPU clock each unit takes its CPU share of the
+    step's wall seconds, and the step's sum is still every second the wall saw."""
+    spec = get_model("mlp")
+    n = spec.num_units
+    regions = 5 * n  # 2 microbatches x (forward + backward) + the optimizer, per unit
+    stall = 10.0
+
+    def clocks() -> tuple[Callable[[], float], Callable[[], float]]:
+        wall_calls, cpu_calls = iter(range(1_000_000)), iter(range(1_000_000))
+
+        def wall() -> float:
+            k = next(wall_calls)
+            return float(k) + (stall if k >= 2 * 1 + 1 else 0.0)  # region 1 ends late
+
+        return wall, lambda: float(next(cpu_calls))
+
+    def times(with_cpu: bool) -> list[tuple[float, float]]:
+        wall, cpu = clocks()
+        got = measure_unit_times(
+            spec, 8, 2, steps=1, warmup=0, clock=wall, cpu_clock=cpu if with_cpu else None
+        )
+        return [(t.fwd_s, t.bwd_s) for t in got]
+
+    plain = times(False)
+    assert plain[1] == (1.0 + stall / 2, 1.5) and plain[0] == plain[2] == (1.0, 1.5)
+    k = (regions + stall) / regions
+    spread = times(True)
+    assert spread == [pytest.approx((k, 1.5 * k))] * n
+    assert sum(2 * (f + b) for f, b in spread) == pytest.approx(regions + stall)
 
 
 def test_a_budget_ends_the_measured_steps_after_at_least_one() -> None:
