@@ -44,6 +44,7 @@ from support.faults import (
     derived_rollback,
     even_plan,
     events_of,
+    flops_of,
     job_spec,
 )
 from support.markers import NO_MOSQUITTO
@@ -54,7 +55,6 @@ from coordinator.engine.replicas import ReplicaStore
 from coordinator.engine.resilient import ResilientResult, ResilientRun
 from coordinator.local.broker import start_broker
 from coordinator.local.fleet import LocalFleet
-from edge.models.unit_costs import profile_model
 from edge.models.zoo import get_model
 from edge.runtime.checkpoint import StageState
 from edge.transport.mqtt import MqttSettings, MqttTransport
@@ -290,25 +290,11 @@ def test_a_slowed_device_makes_the_job_migrate_with_the_same_result(
     migration = events_of(events, "migration")[0]
     # It moved because the slowed device measured slowest, and it moved work off it.
     assert max(migration["compute_s"], key=migration["compute_s"].get) == slowed
-    # Less work: fewer FLOPs on it (it may keep as many units, cheaper ones: gpt-mini's
-    # last two, a block and the head, against two blocks).
-    assert _flops_of(migration["plan"], slowed) < _flops_of(before, slowed)
+    assert flops_of(migration["plan"], slowed, "gpt-mini") < flops_of(before, slowed, "gpt-mini")
     assert got["migrations"] and got["migrations"][0]["before_sps"] > 0
     assert got["rolled_back_steps"] == derived_rollback(events)
     trained = safetensors.torch.load_file(str(weights))
     assert_same_training(got["losses"], trained, "gpt-mini", steps, seed=0)
-
-
-def _flops_of(plan: list[dict[str, Any]], device: str, model: str = "gpt-mini") -> float:
-    """The training FLOPs per sample of the units ``device`` runs in ``plan`` (as events
-    record it), counted (:func:`profile_model` without timing)."""
-    units = profile_model(get_model(model), 1, timing=False).units
-    return sum(
-        u.fwd_flops + u.bwd_flops
-        for st in plan
-        if st["device"] == device
-        for u in units[st["layers"][0] : st["layers"][1]]
-    )
 
 
 @pytest.mark.broker

@@ -29,7 +29,7 @@ from support.faults import (
     derived_rollback,
     even_plan,
     events_of,
-    units_of,
+    flops_of,
 )
 from support.markers import needs_mosquitto
 from support.mosquitto import Broker
@@ -171,7 +171,7 @@ def test_a_service_job_with_a_slowed_device_migrates_with_the_same_result(
     move = migrations[0]
     # It moved because the slowed device measured slowest, and it moved work off it.
     assert max(move["compute_s"], key=move["compute_s"].get) == slowed
-    assert units_of(move["plan"], slowed) < units_of(first, slowed)
+    assert flops_of(move["plan"], slowed, "gpt-mini") < flops_of(first, slowed, "gpt-mini")
     attempts = [e["detail"] for e in events if e["kind"] == "attempt"]
     assert len(attempts) >= 2 and attempts[1]["first_step"] == move["rollback_to"]
     # Every step's loss (the last report of a step redone after the move) and the weights.

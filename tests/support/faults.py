@@ -12,6 +12,7 @@ import torch
 from coordinator.engine.runners import run_inprocess
 from coordinator.engine.spec import JobSpec
 from coordinator.planner.score import Plan, Stage
+from edge.models.unit_costs import profile_model
 from edge.models.zoo import get_model
 from support.reference import ReferenceRun, assert_matches, train_reference
 
@@ -82,9 +83,18 @@ def events_of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [e for e in events if e["type"] == kind]
 
 
-def units_of(plan: list[dict[str, Any]], device: str) -> int:
-    """How many units ``device`` runs in a plan as events record it."""
-    return sum(st["layers"][1] - st["layers"][0] for st in plan if st["device"] == device)
+def flops_of(plan: list[dict[str, Any]], device: str, model: str) -> float:
+    """The training FLOPs per sample of the units ``device`` runs in ``plan`` (as events
+    record it), counted (:func:`profile_model` without timing). What a rebalancer moves
+    off a slow device is work, not units: it may keep as many units, cheaper ones
+    (gpt-mini's last two, a block and the head: 88 M against two blocks' 164 M)."""
+    units = profile_model(get_model(model), 1, timing=False).units
+    return sum(
+        u.fwd_flops + u.bwd_flops
+        for st in plan
+        if st["device"] == device
+        for u in units[st["layers"][0] : st["layers"][1]]
+    )
 
 
 def derived_rollback(events: list[dict[str, Any]]) -> int:
