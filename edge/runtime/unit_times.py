@@ -154,7 +154,7 @@ def measure_unit_times(
     ]
 
 
-Kind = Literal["fwd", "bwd", "opt"]
+_Kind = Literal["fwd", "bwd", "opt"]
 
 
 class _StepTimes:
@@ -165,11 +165,11 @@ class _StepTimes:
         self, n: int, clock: Callable[[], float], cpu_clock: Callable[[], float] | None
     ) -> None:
         self.clock, self.cpu_clock = clock, cpu_clock
-        self.wall: dict[Kind, list[float]] = {k: [0.0] * n for k in ("fwd", "bwd", "opt")}
-        self.cpu: dict[Kind, list[float]] = {k: [0.0] * n for k in ("fwd", "bwd", "opt")}
+        self.wall: dict[_Kind, list[float]] = {k: [0.0] * n for k in ("fwd", "bwd", "opt")}
+        self.cpu: dict[_Kind, list[float]] = {k: [0.0] * n for k in ("fwd", "bwd", "opt")}
 
     @contextlib.contextmanager
-    def region(self, kind: Kind, i: int) -> Iterator[None]:
+    def region(self, kind: _Kind, i: int) -> Iterator[None]:
         cpu = self.cpu_clock
         t0, c0 = self.clock(), cpu() if cpu is not None else 0.0
         yield

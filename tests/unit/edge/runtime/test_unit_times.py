@@ -70,8 +70,8 @@ def test_a_stall_is_spread_over_the_units_by_their_cpu_seconds() -> None:
         wall_calls, cpu_calls = iter(range(1_000_000)), iter(range(1_000_000))
 
         def wall() -> float:
-            k = next(wall_calls)
-            return float(k) + (stall if k >= 2 * 1 + 1 else 0.0)  # region 1 ends late
+            k = next(wall_calls)  # region r starts at call 2r and ends at call 2r + 1
+            return float(k) + (stall if k >= 3 else 0.0)  # region 1 ends late
 
         return wall, lambda: float(next(cpu_calls))
 
