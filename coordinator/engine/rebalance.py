@@ -2,6 +2,9 @@
 
 A device's speed drifts (thermal throttling, another process, a phone picked
 up). :class:`Rebalancer` turns the stages' measured compute seconds per step
+(each device's own: the time other processes of a busy host took is not counted,
+[Note: a device's own compute seconds] in :mod:`edge.runtime.stage`, so a host
+busy with other work does not hide a slow device among the ones it slows)
 into a speed factor per device (measured / predicted by the plan's score), plans
 again over the living devices with their announced GFLOP/s divided by those
 factors (devices without a measurement get the median factor, the model error
@@ -9,7 +12,8 @@ they share), and says to migrate only when
 
 - the predicted step time falls by more than ``threshold`` (default 10%), and
 - the time saved over the steps left exceeds what moving costs: the steps redone
-  from the newest replica (at most ``replicate_every``), a restart of the
+  from the newest replica (as many as the caller says would be redone now, else
+  the most there can be, ``replicate_every``), a restart of the
   stages (``restart_s``, measured about 0.7 s on this machine), and sending the
   moved state (weights and optimizer state) over the slowest link of the new plan.
 """
@@ -100,8 +104,17 @@ class Rebalancer:
         return {d.id: measured.get(d.id, typical) for d in problem.devices}
 
     def __call__(
-        self, plan: Plan, alive: list[str], compute_s: dict[str, float], steps_left: int
+        self,
+        plan: Plan,
+        alive: list[str],
+        compute_s: dict[str, float],
+        steps_left: int,
+        redo_steps: int | None = None,
     ) -> Plan | None:
+        """A better plan to move to now, or ``None``. ``redo_steps``: the steps a move
+        would run again, from the newest complete replica (``None``: the most there can
+        be, ``replicate_every``)."""
+        redo = self.replicate_every if redo_steps is None else redo_steps
         problem = self.problem_for(alive)
         factors = self.factors(problem, plan, compute_s)
         devices = [
@@ -124,7 +137,7 @@ class Rebalancer:
             for d in measured.devices
             if d.id in {s.device for s in new.plan.stages}
         )
-        cost = self.replicate_every * now.step_time_s + self.restart_s + moved * 8 / (slowest * 1e6)
+        cost = redo * now.step_time_s + self.restart_s + moved * 8 / (slowest * 1e6)
         saved = steps_left * (now.step_time_s - new.step_time_s)
         self.decisions.append(
             {
@@ -137,8 +150,9 @@ class Rebalancer:
         )
         move = gain > self.threshold and saved > cost
         log.info(
-            "rebalance: %.3f s/step now, %.3f s proposed (%.0f%% faster), moving costs %.1f s "
-            "and saves %.1f s over %d steps: %s",
+            "rebalance: speed factors %s; %.3f s/step now, %.3f s proposed (%.0f%% faster), "
+            "moving costs %.1f s and saves %.1f s over %d steps: %s",
+            ", ".join(f"{d} {f:.2f}" for d, f in factors.items()),
             now.step_time_s,
             new.step_time_s,
             100 * gain,

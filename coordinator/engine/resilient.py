@@ -62,8 +62,9 @@ __all__ = ["Rebalance", "ResilientResult", "ResilientRun"]
 
 log = logging.getLogger(__name__)
 
-Rebalance = Callable[[Plan, list[str], dict[str, float], int], Plan | None]
-"""``rebalance(plan, alive, compute_s, steps_left)``: a better plan, or ``None``."""
+Rebalance = Callable[[Plan, list[str], dict[str, float], int, int], Plan | None]
+"""``rebalance(plan, alive, compute_s, steps_left, redo_steps)``: a better plan, or
+``None``; ``redo_steps``: the steps a move now would run again."""
 Shares = Callable[[Plan], Sequence[Sequence[float]] | None]
 """``shares(plan)``: each group member's share of a microbatch, per stage (``None``: equal)."""
 
@@ -128,11 +129,14 @@ class ResilientRun:
 
     ``replan(alive)`` gives the plan for the devices still alive (in ``devices``' order;
     the caller may append devices that join, once they are online); ``faults`` fire as
-    their steps are reported. ``rebalance(plan, alive, compute_s, steps_left)`` is asked
+    their steps are reported. ``rebalance(plan, alive, compute_s, steps_left, redo)`` is asked
     (on the calling thread) after every step, once an attempt has run ``settle_steps``
     steps, with each stage device's measured compute seconds per step (mean of the last
-    two): a plan it returns is migrated to at once (the stages roll back to the newest
-    replica, as after a failure, and resume).
+    two; the device's own seconds where its reports say them, so that other processes of
+    a busy host do not count: [Note: a device's own compute seconds] in
+    :mod:`edge.runtime.stage`): a plan it returns is migrated to at once (the stages
+    roll back to the newest replica, as after a failure, and resume; ``redo`` says how
+    many finished steps that would run again, by the replicas that have come so far).
 
     A plan with groups splits each microbatch by ``shares(plan)`` (equal without it);
     when a member of a group dies, the survivors hand over instead of rolling back.
@@ -255,14 +259,20 @@ class ResilientRun:
         last = [report.step - 1, report.step]
         compute: dict[str, float] = {}
         for s, st in enumerate(plan.stages):
-            got = [r.compute_s for r in self.attempt_reports if r.stage == s and r.step in last]
+            got = [
+                r.compute_s if r.own_compute_s is None else r.own_compute_s
+                for r in self.attempt_reports
+                if r.stage == s and r.step in last
+            ]
             if len(got) < 2:
                 return
             compute[st.device] = sum(got) / len(got)
         step_s = [r.step_s for r in self.attempt_reports if r.stage == 0 and r.step in last]
         self.watch.follow(self.devices)  # the caller appends devices that joined
         alive = self.watch.alive(self.devices)
-        better = self.rebalance(plan, alive, compute, self.spec.steps - report.step - 1)
+        done = max(self.losses, default=-1) + 1
+        redo = done - self.replicas.newest_complete(done)
+        better = self.rebalance(plan, alive, compute, self.spec.steps - report.step - 1, redo)
         if better is not None and better != plan:
             before = self.spec.batch_size / (sum(step_s) / len(step_s)) if step_s else None
             self.migration = _Migration(

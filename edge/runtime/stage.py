@@ -74,6 +74,22 @@ gradients, is the mean over the whole batch: a step equals single-device
 training on the same batch, and gradients accumulate over microbatches in the
 same order whatever the number of stages, so the results agree bit for bit on
 CPU with the fp32 codec.
+
+[Note: a device's own compute seconds]
+A step report's ``compute_s`` is wall time: what the step took here, including the
+time other processes of the host held a CPU this stage wanted. Its ``own_compute_s``
+leaves that out where it can be told apart: on the CPU with one torch thread and no
+CPU quota, the compute thread's CPU seconds hold all of its work, and nothing but
+other processes makes its wall time longer, so the CPU seconds (times the
+throttle's slowdown, which emulates a device that much slower) are what the device
+itself took. Elsewhere it is the wall time: a CUDA stage runs asynchronously, with
+several threads the work is not on one thread, and under a CPU quota (a container's,
+the kernel testbed's) the stalls are the device's own limit. A decision that
+compares devices (:mod:`coordinator.engine.rebalance`) weighs ``own_compute_s``:
+on a host busy with other work, devices emulated side by side are slowed alike in
+wall time but a throttled one is not (it sleeps to ``slowdown`` x its CPU seconds,
+so contention the sleep absorbs does not add up), and wall times would shrink a
+4x slowdown towards 1x as the host gets busier.
 """
 
 from __future__ import annotations
@@ -176,12 +192,24 @@ class StageRuntime:
         # slowdown x the CPU time it took (duty-cycling: the software throttle).
         self.slowdown = slowdown
         self._cpu0 = 0.0
+        self._own_s = 0.0
+        """The step's compute seconds on the device itself ([Note: a device's own compute
+        seconds]), summed by :meth:`_throttle`."""
         self.a = assignment
         self.transport = transport
         self.device = device
         self.report: Reporter = report or (lambda _event: None)
         self.replicate = replicate
         self.torch_device = torch.device(torch_device)
+        # (edge.profiling times stages with this module: import it here, not above.)
+        from edge.profiling.device import cgroup_limits
+
+        limits = cgroup_limits() if self.torch_device.type == "cpu" else None
+        self._cpu_is_own = (
+            limits is not None and limits.cpu_quota_cores is None and not limits.cpu_hidden
+        )
+        """Whether, on one torch thread, the thread's CPU seconds are the device's own
+        compute seconds: on the CPU, under no CPU quota (nor a hidden one)."""
         self.data_parallel = data_parallel
         self._cancelled = threading.Event()
         self.hold = False
@@ -241,12 +269,12 @@ class StageRuntime:
 
     def _start(self) -> float:
         """Start timing a compute block: its wall-clock start (and CPU start, kept here)."""
-        if self.slowdown > 1:
-            self._cpu0 = time.thread_time()
+        self._cpu0 = time.thread_time()
         return time.perf_counter()
 
     def _throttle(self, t0: float) -> float:
-        """Wall time since ``t0`` (from :meth:`_start`), stretched by the slowdown.
+        """Wall time since ``t0`` (from :meth:`_start`), stretched by the slowdown; the
+        block's own seconds ([Note: a device's own compute seconds]) go to ``_own_s``.
 
         The block is made to last ``slowdown`` x the CPU time this thread spent in
         it, not x its wall time: time lost waiting for a CPU another process holds
@@ -255,12 +283,14 @@ class StageRuntime:
         wall time is stretched instead.
         """
         spent = time.perf_counter() - t0
+        single = torch.get_num_threads() == 1
+        cpu = time.thread_time() - self._cpu0
+        wall = spent
         if self.slowdown > 1:
-            single = torch.get_num_threads() == 1
-            work = time.thread_time() - self._cpu0 if single else spent
-            time.sleep(max(0.0, work * self.slowdown - spent))
-            return time.perf_counter() - t0
-        return spent
+            time.sleep(max(0.0, (cpu if single else spent) * self.slowdown - spent))
+            wall = time.perf_counter() - t0
+        self._own_s += cpu * self.slowdown if single and self._cpu_is_own else wall
+        return wall
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         """bf16 autocast for ``precision="bf16"``, nothing for fp32."""
@@ -327,6 +357,7 @@ class StageRuntime:
         started = time.perf_counter()
         received_before = self.inbox.bytes_received
         compute = wait = send = reduce = reduce_started = reduce_cpu = 0.0
+        self._own_s = 0.0
         sent = reduce_bytes = 0
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
@@ -444,6 +475,7 @@ class StageRuntime:
             samples=(self.rows[1] - self.rows[0]) * m,
             loss=loss,
             compute_s=compute,
+            own_compute_s=self._own_s,
             wait_s=wait,
             send_s=send,
             step_s=time.perf_counter() - started,

@@ -320,6 +320,10 @@ class StepReport(_Event):
     step: int = Field(ge=0)
     loss: float | None = None
     compute_s: float = 0.0
+    own_compute_s: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    """The compute seconds the device itself took (``compute_s`` less the time other
+    processes held a CPU, where that can be told apart: [Note: a device's own compute
+    seconds] in :mod:`edge.runtime.stage`); ``None`` from an agent that does not say."""
     wait_s: float = 0.0
     send_s: float = 0.0
     step_s: float = 0.0

@@ -30,14 +30,16 @@ RTOL, ATOL = 1e-5, 1e-7
 survived faults rounds like one that did not."""
 
 
-def job_spec(model: str, steps: int = STEPS, seed: int = 5) -> JobSpec:
-    return JobSpec(model=model, steps=steps, batch_size=16, microbatches=4, seed=seed)
+def job_spec(model: str, steps: int = STEPS, seed: int = 5, batch_size: int = 16) -> JobSpec:
+    return JobSpec(model=model, steps=steps, batch_size=batch_size, microbatches=4, seed=seed)
 
 
 @functools.cache
-def references(model: str, steps: int = STEPS, seed: int = 5) -> tuple[ReferenceRun, ...]:
+def references(
+    model: str, steps: int = STEPS, seed: int = 5, batch_size: int = 16
+) -> tuple[ReferenceRun, ...]:
     """The run without faults, twice: the plain PyTorch loop, and edgetrain's one stage."""
-    spec = job_spec(model, steps, seed)
+    spec = job_spec(model, steps, seed, batch_size)
     plain = train_reference(
         model,
         steps=steps,
@@ -58,8 +60,9 @@ def assert_same_training(
     seed: int = 5,
     rtol: float = RTOL,
     atol: float = ATOL,
+    batch_size: int = 16,
 ) -> None:
-    for reference in references(model, steps, seed):
+    for reference in references(model, steps, seed, batch_size):
         assert_matches(losses, weights, reference, rtol=rtol, atol=atol)
 
 

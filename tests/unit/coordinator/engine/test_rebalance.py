@@ -143,3 +143,14 @@ def test_replication_interval_can_be_capped() -> None:
     )
     assert replication_interval(slow_link, EVEN) > 3
     assert replication_interval(slow_link, EVEN, most=3) == 3
+
+
+def test_moving_is_priced_with_the_steps_it_would_redo() -> None:
+    """The steps a move runs again are those since the newest complete replica, as the
+    caller counts them; without a count, the most there can be (``replicate_every``)."""
+    rebalance = Rebalancer(problem_for, replicate_every=4, restart_s=0.5)
+    slow = measured({"d1": 4.0})
+    rebalance(EVEN, ["d0", "d1", "d2"], slow, 100, 1)
+    rebalance(EVEN, ["d0", "d1", "d2"], slow, 100)
+    one, most = rebalance.decisions
+    assert most["cost_s"] - one["cost_s"] == pytest.approx(3 * one["now_s"], rel=1e-9)

@@ -188,3 +188,45 @@ def test_no_throttle_at_slowdown_one() -> None:
     t0 = rt._start()
     _burn(0.01)
     assert rt._throttle(t0) < 0.01 + 0.04
+
+
+# [Note: a device's own compute seconds] in edge/runtime/stage.py: what a step report's
+# own_compute_s sums, block by block.
+
+
+def test_time_another_process_takes_is_not_the_devices_own(one_thread: None) -> None:
+    rt = _runtime(1.0)
+    if not rt._cpu_is_own:
+        pytest.skip("this machine holds the tests under a CPU quota: its stalls are the device's")
+    t0 = rt._start()
+    _burn(0.01)
+    time.sleep(0.05)  # off the CPU: as if another process held it
+    took = rt._throttle(t0)
+    assert took >= 0.06
+    assert 0.01 <= rt._own_s < 0.01 + 0.01  # the CPU seconds only
+
+
+def test_a_throttled_devices_own_seconds_are_its_cpu_seconds_times_the_slowdown(
+    one_thread: None,
+) -> None:
+    rt = _runtime(3.0)
+    if not rt._cpu_is_own:
+        pytest.skip("this machine holds the tests under a CPU quota: its stalls are the device's")
+    t0 = rt._start()
+    _burn(0.02)
+    time.sleep(0.05)  # as if the host were busy: the throttle's sleep absorbs it
+    rt._throttle(t0)
+    assert 3.0 * 0.02 <= rt._own_s < 3.0 * (0.02 + 0.01)  # not the 0.07 s of wall time
+
+
+def test_with_several_threads_the_own_seconds_are_the_wall_seconds() -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rt = _runtime(1.0)
+        t0 = rt._start()
+        time.sleep(0.02)
+        took = rt._throttle(t0)
+        assert rt._own_s == took >= 0.02
+    finally:
+        torch.set_num_threads(threads)
