@@ -10,6 +10,7 @@ them. Repeated devices get ids ``NAME-1``, ``NAME-2``...
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from edge.errors import UserError, describe_validation_error
-from edge.problem import DeviceSpec, PlanningProblem
+from edge.problem import DeviceSpec, PlanningProblem, UnitSpec
 from edge.profiling.catalog import resolve
 
 __all__ = ["build_problem", "parse_fleet"]
@@ -81,6 +82,21 @@ def parse_fleet(text: str, *, files: bool = True, power: bool = False) -> list[D
     return named
 
 
+@functools.lru_cache(maxsize=32)
+def _layers(model: str, options: str, batch_size: int) -> tuple[UnitSpec, ...]:
+    """The counted units of ``model`` with ``options`` (JSON): the same every time (no
+    timing), so kept. A job's rebalancer builds its problem after every step it weighs,
+    and counting a model's FLOPs took most of that (0.07 of 0.09 s for gpt-mini here;
+    several times as long on a busy host, where steps went by unweighed meanwhile)."""
+    # Imported here, not above: they import torch, and parse_fleet's callers (the testbed
+    # and plan commands) need none ([Note: commands without torch] in edgetrain.cli).
+    from edge.models.unit_costs import profile_model
+    from edge.models.zoo import get_model
+
+    spec = get_model(model, **json.loads(options))
+    return tuple(profile_model(spec, batch_size, timing=False).to_unit_specs())
+
+
 def build_problem(
     model: str,
     devices: list[DeviceSpec],
@@ -96,13 +112,8 @@ def build_problem(
     may run on device groups; a device's power figures are kept)."""
     if microbatches < 1 or batch_size < 1:
         raise UserError("batch size and microbatches must be at least 1")
-    # Imported here, not above: they import torch, and parse_fleet's callers (the testbed
-    # and plan commands) need none ([Note: commands without torch] in edgetrain.cli).
-    from edge.models.unit_costs import profile_model
-    from edge.models.zoo import get_model
-
-    spec = get_model(model, **(model_options or {}))
-    prof = profile_model(spec, min(batch_size, PROFILE_BATCH), timing=False)
+    options = json.dumps(model_options or {}, sort_keys=True, default=repr)
+    layers = list(_layers(model, options, min(batch_size, PROFILE_BATCH)))
     try:
         if version == 1:  # version 1 has no power figures
             devices = [
@@ -114,7 +125,7 @@ def build_problem(
             microbatches=microbatches,
             optimizer_state_factor=optimizer_state_factor,
             pin_first=pin_first,
-            layers=prof.to_unit_specs(),
+            layers=layers,
             devices=devices,
         )
     except ValidationError as exc:
