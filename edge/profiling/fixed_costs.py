@@ -126,14 +126,8 @@ def fixed_costs_of(device: DeviceSpec) -> FixedCosts | None:
         return None
 
 
-def _probe(microbatches: int, steps: int, slowdown: float) -> tuple[float, float]:
-    """The least ``step_s`` and ``compute_s`` of a one-stage tiny job with ``microbatches``
-    over ``steps`` steps (after two to warm up).
-
-    Least, not median: agents starting beside each other measure while the others load
-    torch, and a throttled probe (it sleeps between blocks) pays every such busy moment
-    in full; the least is the cost of the machinery itself, as a device's best matmul
-    rate is its speed."""
+def _probe_stage(microbatches: int, steps: int, slowdown: float) -> StageRuntime:
+    """The one-stage tiny job the probe times."""
     assignment = StageAssignment(
         **_PROBE_MODEL,
         job="fixed-costs",
@@ -146,7 +140,28 @@ def _probe(microbatches: int, steps: int, slowdown: float) -> tuple[float, float
         batch_size=PROBE_MICROBATCHES,
         microbatches=microbatches,
     )
-    stage = StageRuntime(assignment, InProcessTransport(), slowdown=slowdown)
+    return StageRuntime(assignment, InProcessTransport(), slowdown=slowdown)
+
+
+def prepare_fixed_costs() -> None:
+    """Build the probe's stage once, untimed, so that what only its first build does is
+    done: loading the dataset, and torch's compiler front end, which torch imports at
+    a process's first optimizer (1.3 CPU-seconds here, more than the timing itself).
+    Agents that share a machine call it before they take turns to measure (``edgetrain
+    agent --measure-lock``), so that they load side by side and hold the lock only to
+    time."""
+    _probe_stage(1, 3, 1.0)
+
+
+def _probe(microbatches: int, steps: int, slowdown: float) -> tuple[float, float]:
+    """The least ``step_s`` and ``compute_s`` of a one-stage tiny job with ``microbatches``
+    over ``steps`` steps (after two to warm up).
+
+    Least, not median: agents starting beside each other measure while the others load
+    torch, and a throttled probe (it sleeps between blocks) pays every such busy moment
+    in full; the least is the cost of the machinery itself, as a device's best matmul
+    rate is its speed."""
+    stage = _probe_stage(microbatches, steps, slowdown)
     reports = [stage.run_step(step) for step in range(steps)][2:]  # the first warm up
     return (
         min(r.step_s for r in reports),

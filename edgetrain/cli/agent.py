@@ -402,6 +402,10 @@ def agent_command(
     tier = {"server": True, "torch_device": device} if server or device != "cpu" else {}
 
     def measure() -> DeviceSpec:
+        if announced is None and measure_lock is not None:
+            from edge.profiling.fixed_costs import prepare_fixed_costs
+
+            prepare_fixed_costs()  # loading, not timing: beside the others, not in turn
         with _exclusive(measure_lock if announced is None else None):
             spec = announced or _measured(device_id, measure_seconds, device, precision, slowdown)
         if emulate is not None:
