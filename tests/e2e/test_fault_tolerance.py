@@ -298,7 +298,9 @@ def test_a_slowed_device_makes_the_job_migrate_with_the_same_result(
         (e["fault"], e["stage"], e["device"], e["step"]) for e in events_of(events, "fault")
     ] == [("slow:1@4:4", 1, slowed, 4)]
     migration = events_of(events, "migration")[0]
-    # It moved because the slowed device measured slowest, and it moved work off it.
+    # It moved after the fault, because the slowed device measured slowest, and it moved
+    # work off it.
+    assert migration["decided_at"] > events_of(events, "fault")[0]["ts"]
     assert max(migration["compute_s"], key=migration["compute_s"].get) == slowed
     assert flops_of(migration["plan"], slowed, "gpt-mini") < flops_of(before, slowed, "gpt-mini")
     assert got["migrations"] and got["migrations"][0]["before_sps"] > 0

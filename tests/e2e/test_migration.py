@@ -179,7 +179,9 @@ def test_a_service_job_with_a_slowed_device_migrates_with_the_same_result(
     migrations = [e["detail"] for e in events if e["kind"] == "migration"]
     assert migrations, kinds
     move = migrations[0]
-    # It moved because the slowed device measured slowest, and it moved work off it.
+    # It moved after the fault, because the slowed device measured slowest, and it moved
+    # work off it.
+    assert kinds.index("fault") < kinds.index("migration"), kinds
     assert max(move["compute_s"], key=move["compute_s"].get) == slowed
     assert flops_of(move["plan"], slowed, "gpt-mini") < flops_of(first, slowed, "gpt-mini")
     attempts = [e["detail"] for e in events if e["kind"] == "attempt"]
