@@ -115,6 +115,25 @@ MUTANTS = [
         tests=("tests/unit/coordinator/engine/test_rebalance.py",),
     ),
     Mutant(
+        name="own-seconds-count-the-host",
+        what="a stage's own compute seconds count the time other processes held the CPU",
+        path="edge/runtime/stage.py",
+        old="self._own_s += cpu * self.slowdown if single and self._cpu_is_own else wall",
+        new="self._own_s += wall",
+        tests=(
+            "tests/unit/edge/runtime/test_unit_times.py"
+            "::test_time_another_process_takes_is_not_the_devices_own",
+        ),
+    ),
+    Mutant(
+        name="move-priced-at-worst-redo",
+        what="the rebalancer prices every move as redoing replicate_every steps",
+        path="coordinator/engine/rebalance.py",
+        old="cost = redo * now.step_time_s + self.restart_s",
+        new="cost = self.replicate_every * now.step_time_s + self.restart_s",
+        tests=("tests/unit/coordinator/engine/test_rebalance.py",),
+    ),
+    Mutant(
         name="last-microbatch-skipped",
         what="every stage skips the last microbatch of each step",
         path="edge/runtime/stage.py",

@@ -112,7 +112,7 @@ def build_problem(
     may run on device groups; a device's power figures are kept)."""
     if microbatches < 1 or batch_size < 1:
         raise UserError("batch size and microbatches must be at least 1")
-    options = json.dumps(model_options or {}, sort_keys=True, default=repr)
+    options = json.dumps(model_options or {}, sort_keys=True)  # JSON: they go on the wire
     layers = list(_layers(model, options, min(batch_size, PROFILE_BATCH)))
     try:
         if version == 1:  # version 1 has no power figures

@@ -178,7 +178,9 @@ def test_with_several_threads_wall_time_is_stretched() -> None:
         rt = _runtime(3.0)
         t0 = rt._start()
         time.sleep(0.02)
-        assert rt._throttle(t0) >= 3.0 * 0.02 * 0.99
+        took = rt._throttle(t0)
+        assert took >= 3.0 * 0.02 * 0.99
+        assert rt._own_s == took  # the device's own seconds are the stretched wall time
     finally:
         torch.set_num_threads(threads)
 
@@ -217,16 +219,3 @@ def test_a_throttled_devices_own_seconds_are_its_cpu_seconds_times_the_slowdown(
     time.sleep(0.05)  # as if the host were busy: the throttle's sleep absorbs it
     rt._throttle(t0)
     assert 3.0 * 0.02 <= rt._own_s < 3.0 * (0.02 + 0.01)  # not the 0.07 s of wall time
-
-
-def test_with_several_threads_the_own_seconds_are_the_wall_seconds() -> None:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        rt = _runtime(1.0)
-        t0 = rt._start()
-        time.sleep(0.02)
-        took = rt._throttle(t0)
-        assert rt._own_s == took >= 0.02
-    finally:
-        torch.set_num_threads(threads)
