@@ -287,6 +287,17 @@ MUTANTS = [
             "tests/unit/edge/transport/test_inbox.py",
         ),
     ),
+    Mutant(
+        name="bf16-clipped-to-fp16-range",
+        what="the bf16 codec clips values to fp16's largest (65504) before rounding",
+        path="edge/wire/frames.py",
+        old="        t = t.to(_WIRE_DTYPE[codec])",
+        new=(
+            "        t = (t.clamp(-65504, 65504) if codec is Codec.BF16 else t)"
+            ".to(_WIRE_DTYPE[codec])"
+        ),
+        tests=("tests/unit/edge/wire/test_codec_range.py",),
+    ),
     # The REST API's hardening.
     Mutant(
         name="chunked-body-unbounded",

@@ -37,6 +37,22 @@ Other codecs must convert, which makes the one copy they need. The payload is
 aligned is copied: CPU matmul kernels take a different path on unaligned
 inputs and round differently, which would break bit-exact pipeline parity.
 
+[Note: what each codec promises]
+``raw`` carries the tensor's bytes bit for bit: integers always travel raw.
+``fp32``, ``fp16`` and ``bf16`` round each value to the nearest (ties to even)
+value of their type, as a cast does, and the receiver widens it back to the
+tensor's dtype; a tensor already of that type travels bit for bit. In the type's
+normal range the relative error is at most 2^-24, 2^-11 and 2^-8; among its
+subnormals the error is at most half the smallest one. A value beyond the
+type's largest finite one becomes +-inf, as a cast makes it (fp16's is 65504, so
+large gradients must not travel fp16). NaN and +-inf travel as themselves.
+``int8`` sends ``q = round(t / scale)``, where ``scale`` is the float32 at or just
+above ``max |t| / 127``. So every value comes back within ``scale / 2``, plus the
+rounding of ``q * scale`` to the tensor's dtype, at every magnitude float32
+holds, subnormal peaks included. It carries finite values that float32 can hold:
+a tensor with inf or NaN, or a float64 beyond float32's range, is refused by
+:func:`encode_frame` (``ValueError``) rather than sent as zeros or garbage.
+
 [Note: bounded decoding]
 A receiver must know what a frame will cost before it pays for it. So decoding
 is two calls: :func:`read_header` checks every header field against the bytes
@@ -57,6 +73,7 @@ import warnings
 from dataclasses import dataclass
 from enum import IntEnum
 
+import numpy as np
 import torch
 from crc32c import crc32c
 
@@ -139,6 +156,7 @@ _WIRE_DTYPE = {
 
 
 _ALIGN = 16
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _padding(ndim: int) -> int:
@@ -293,10 +311,25 @@ def encode_frame(
 
 
 def _quantize(t: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """The int8 codec: ``round(t / scale)`` where ``scale = max |t| / 127`` (1 if that is 0)."""
+    """The int8 codec: ``round(t / scale)`` ([Note: what each codec promises]).
+
+    ``scale`` is the float32 the header stores, at or above ``max |t| / 127`` (1 for
+    an all-zero tensor), so no value is clipped. Rounding it down, or to zero
+    for a subnormal peak, would clip the largest values or zero them all.
+    """
     peak = float(t.abs().amax()) if t.numel() else 0.0
-    scale = peak / 127.0 if peak > 0 else 1.0
-    return torch.div(t.float(), scale).round_().clamp_(-127, 127).to(torch.int8), scale
+    if not peak <= _F32_MAX:  # NaN fails this too
+        raise ValueError(
+            f"the int8 codec carries finite values float32 can hold; this tensor's peak is {peak}"
+        )
+    if peak == 0:
+        return t.to(torch.int8), 1.0
+    scale = np.float32(peak / 127.0)
+    if float(scale) * 127.0 < peak:
+        scale = np.nextafter(scale, np.float32(np.inf))
+    return torch.div(t.float(), float(scale)).round_().clamp_(-127, 127).to(torch.int8), float(
+        scale
+    )
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

@@ -190,7 +190,7 @@ def test_every_dtype_and_codec_round_trips(
     assert got.tensor.shape == t.shape
     if t.numel():
         assert got.tensor.data_ptr() % 16 == 0
-    stored_scale = header(frame)["scale"]
+    stored_scale: float = HEADER.unpack_from(frame)[FIELDS.index("scale")]
     if got.codec is not Codec.INT8:
         assert stored_scale == 0.0
 
@@ -203,7 +203,11 @@ def test_every_dtype_and_codec_round_trips(
         torch.testing.assert_close(got.tensor, t, rtol=2.0**-23, atol=1e-40)
     elif codec is Codec.INT8:
         peak = float(t.abs().max()) if t.numel() else 0.0
-        assert stored_scale == (float(np.float32(peak / 127)) if peak else 1.0)
+        if peak:  # the smallest float32 step that reaches the peak
+            below = float(np.nextafter(np.float32(stored_scale), np.float32(0)))
+            assert below * 127 < peak <= stored_scale * 127
+        else:
+            assert stored_scale == 1.0
         if t.numel():
             # Within half a step, plus the rounding of the result to the tensor's dtype.
             eps = max(torch.finfo(got.tensor.dtype).eps, torch.finfo(torch.float32).eps)
@@ -226,7 +230,10 @@ def test_int8_keeps_an_all_zero_tensor_zero(dtype: torch.dtype, shape: tuple[int
 def test_int8_stores_its_scale() -> None:
     t = torch.tensor([[-2.54, 0.0], [1.0, 0.01]])
     frame = encode_frame(Kind.ACTIVATION, "j", 0, 0, t, Codec.INT8)
-    assert header(frame)["scale"] == float(np.float32(2.54 / 127))
+    peak = float(np.float32(2.54))
+    scale = np.float32(peak / 127)  # a float32 just short of the step: the next one up
+    assert float(scale) * 127 < peak
+    assert header(frame)["scale"] == float(np.nextafter(scale, np.float32(1)))
     assert header(frame)["length"] == 4  # one byte per element
     got = decode_frame(frame).tensor
     assert float(got[0, 0]) == pytest.approx(-2.54, rel=1e-6)
