@@ -164,6 +164,35 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        name="forwards-first-whatever-the-schedule",
+        what="every stage runs all its forwards before any backward (GPipe), whatever the "
+        "job names: parity cannot tell, the memory it holds can",
+        path="edge/runtime/stage.py",
+        old="self.actions = make_schedule(a.schedule, a.num_stages, a.microbatches)[a.stage]",
+        new=(
+            "self.actions = sorted(make_schedule(a.schedule, a.num_stages, a.microbatches)"
+            '[a.stage], key=lambda x: x.kind == "B")'
+        ),
+        tests=(
+            "tests/unit/edge/runtime/test_schedule_run.py",
+            "tests/e2e/test_pipeline_parity.py::test_three_stages_over_mqtt_equal_one_device",
+        ),
+    ),
+    Mutant(
+        name="engine-shares-only-for-holders",
+        what="the job engine hands the agents the plan's shares only on local data: other "
+        "groups split equally",
+        path="coordinator/engine/engine.py",
+        old="                access=self.access,\n                shares=planned.shares,",
+        new=(
+            "                access=self.access,\n"
+            "                shares=planned.shares if planned.holders else None,"
+        ),
+        tests=(
+            "tests/e2e/test_planned_groups.py::test_the_engine_hands_real_agents_the_plans_unequal_shares",
+        ),
+    ),
+    Mutant(
         name="duplicate-frame-accepted",
         what="an inbox accepts a frame whose key it has already seen",
         path="edge/transport/base.py",
@@ -209,6 +238,19 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        name="cancel-keeps-no-reason",
+        what="a job the user cancels while it is queued ends cancelled with no reason",
+        path="coordinator/service/manager.py",
+        old='self.store.set_job_state(job, "cancelled", reason="cancelled by the user")',
+        new='self.store.set_job_state(job, "cancelled")',
+        tests=(
+            "tests/unit/coordinator/service/test_final_jobs.py::"
+            "test_a_job_the_manager_ends_has_every_final_field",
+            "tests/unit/coordinator/service/api/routes/test_final_job_routes.py::"
+            "test_an_ended_job_shows_every_final_field",
+        ),
+    ),
+    Mutant(
         name="feed-trusts-any-sender",
         what="a device status naming another device is believed on any device's topic",
         path="coordinator/engine/watch.py",
@@ -223,6 +265,22 @@ MUTANTS = [
         old='"publishClientSend": False,',
         new='"publishClientSend": True,',
         tests=("tests/security/test_attacker.py",),
+    ),
+    # Issue 35: a stage's device may read its stage's own inputs, not their siblings.
+    Mutant(
+        name="stage-reads-siblings",
+        what="a stage's grant reads its topics' whole level ('+'): every stage's restore "
+        "state and replica",
+        path="coordinator/access/accounts.py",
+        old='        rules += [("subscribeLiteral", topic), ("publishClientReceive", topic)]',
+        new=(
+            '        level = topic.rsplit("/", 1)[0] + "/+"\n'
+            '        rules += [("subscribePattern", level), ("publishClientReceive", level)]'
+        ),
+        tests=(
+            "tests/integration/test_stage_grants.py",
+            "tests/security/test_stage_holder.py",
+        ),
     ),
     Mutant(
         name="monitor-trusts-payload",
@@ -457,6 +515,17 @@ MUTANTS = [
         old="share = list(fixed[s]) if s in fixed else shares_of(group)",
         new="share = shares_of(group)",
         tests=("tests/unit/coordinator/planner/test_holders.py",),
+    ),
+    Mutant(
+        name="u-head-sends-labels",
+        what="with labels local the head still sends its labels; the tail's inbox drops them",
+        path="edge/runtime/stage.py",
+        old="            if not a.is_last and not a.labels_local:",
+        new="            if not a.is_last:",
+        tests=(
+            "tests/e2e/test_local_data_parity.py::"
+            "test_labels_that_stay_home_equal_one_device_on_the_union",
+        ),
     ),
     Mutant(
         name="u-tail-wrong-labels",

@@ -364,6 +364,8 @@ class StageRuntime:
         losses: dict[int, torch.Tensor] = {}
         xs: tuple[torch.Tensor, ...] = ()
         ys: tuple[torch.Tensor, ...] = ()
+        ran: list[str] = []  # what this step ran, action by action, and the most it held
+        peak_held = 0
         # A group's member: its share of each microbatch's loss ([Note: groups on the wire]).
         lo, hi = self.rows
         loss_share = None if a.group_size == 1 else (hi - lo) / sum(a.samples_of(a.stage))
@@ -420,6 +422,8 @@ class StageRuntime:
                     )
                     send += time.perf_counter() - t0
                     outputs[mb] = out
+                ran.append(f"F{mb}")
+                peak_held = max(peak_held, len(inputs.keys() | outputs.keys()))
             else:
                 if a.is_last:
                     t0 = self._start()
@@ -438,6 +442,7 @@ class StageRuntime:
                         a.stage - 1, "bwd", Kind.GRADIENT, step, mb, inp.grad, self.codec_in
                     )
                     send += time.perf_counter() - t0
+                ran.append(f"B{mb}")
         loss = float(sum(v.item() for v in losses.values())) if a.is_last else None
         if self.group_sum is not None:
             t0 = time.perf_counter()
@@ -486,6 +491,8 @@ class StageRuntime:
             allreduce_bytes=reduce_bytes,
             allreduce_started=reduce_started,
             allreduce_cpu_s=reduce_cpu,
+            actions=" ".join(ran),
+            peak_held=peak_held,
         )
 
     def run(self, first_step: int | None = None) -> int:

@@ -350,6 +350,13 @@ class StepReport(_Event):
     allreduce_cpu_s: float = Field(default=0.0, ge=0.0)
     """A group's member over MQTT: CPU seconds its whole process spent during the sum
     (encoding, the client library, TLS, decoding, adding; its network thread included)."""
+    actions: str = Field(default="", max_length=65536, pattern=r"^([FB]\d+( [FB]\d+)*)?$")
+    """The forwards and backwards the stage ran in the step, in the order it ran them, as
+    a schedule row (``"F0 F1 B0 B1"``: :func:`edge.runtime.schedules.format_schedule`);
+    empty from an agent that does not say."""
+    peak_held: int = Field(default=0, ge=0)
+    """The most microbatches whose forward had run and backward had not, at once: how
+    many microbatches' activations the stage held at its peak."""
 
 
 class StageDone(_Event):

@@ -6,7 +6,9 @@ The holders register zoo shards as agents do (``--data digits=digits:shard=K/N``
 microbatch from its own shard with its own sampler, and microbatch ``j`` of the job
 is the holders' rows, holder after holder (the order the module docstring of
 :mod:`edge.runtime.stage` defines). The reference rebuilds those batches from the
-shards with its own sampler and trains a plain PyTorch loop on them.
+shards with its own sampler and trains a plain PyTorch loop on them. As in the
+reference parity tests, no stage may have dropped a frame: the runtime drops a frame
+its plan does not expect, which training cannot show.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ def test_holders_as_stage_0_equal_one_device_on_the_union(
             shares=[list(shares), [1.0]],
             local=dict(zip(holders, held, strict=True)),
         )
+    # Nothing a stage sent was refused: a frame the plan does not expect (labels from
+    # a head that keeps them home) would be dropped and counted, not trained on.
+    assert [r.frames_dropped for r in got.reports] == [0] * len(got.reports)
     # Every holder computed its own samples of every microbatch.
     for holder, count in zip(holders, counts, strict=True):
         samples = {r.samples for r in got.reports if r.device == holder}
@@ -126,6 +131,9 @@ def test_labels_that_stay_home_equal_one_device_on_the_union(
             shares=[shares, [1.0], shares],
             local=dict(zip(holders, held, strict=True)),
         )
+    # Nothing a stage sent was refused: labels the head still sent, though they stay
+    # home, would reach the tail's inbox and be dropped there, silently for training.
+    assert [r.frames_dropped for r in got.reports] == [0] * len(got.reports)
     # Each holder ran both ends, on its own samples, and reported the loss of its rows.
     for holder, count in zip(holders, counts, strict=True):
         mine = {(r.stage, r.samples) for r in got.reports if r.device == holder}

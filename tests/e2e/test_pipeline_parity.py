@@ -4,7 +4,10 @@ Three real agent processes and a real Mosquitto; for each model and schedule
 the per-step losses and the final parameters of the 3-stage run equal, within
 1e-5, those of the independent reference (:mod:`support.reference`, a plain
 PyTorch loop sharing no training code with edgetrain) and those of the
-single-stage run (the same code path, one stage, no pipeline).
+single-stage run (the same code path, one stage, no pipeline). Every stage also
+reports the actions it ran, in order, and the most microbatches it held: they
+must be the job's schedule as the simulator draws it for the same plan, since
+parity alone cannot tell schedules apart.
 """
 
 from __future__ import annotations
@@ -16,12 +19,16 @@ import paho.mqtt.client as mqtt
 import pytest
 import torch
 from support.reference import ReferenceRun, assert_matches, train_reference
+from support.schedules import drawn
 
 from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobSpec
 from coordinator.local.fleet import LocalFleet
+from coordinator.planner.build import build_problem
 from coordinator.planner.score import Plan
 from edge.models.zoo import get_model
+from edge.problem import DeviceSpec
+from edge.runtime.schedules import SCHEDULES
 from edge.transport.mqtt import MqttTransport
 from edge.wire.frames import HEADER, Codec, Kind, encode_frame
 from edge.wire.messages import StepReport
@@ -74,18 +81,28 @@ def _close(a: float, b: float, rel: float = 1e-5) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def _drawn(plan: Plan, spec: JobSpec) -> tuple[list[str], list[int]]:
+    """What the simulator draws for ``plan``: each stage's actions and peak held (the
+    order does not depend on the devices' speeds, so any figures do)."""
+    devices = [
+        DeviceSpec(id=d, gflops=10.0, memory_bytes=8 << 30, bandwidth_mbps=100.0, latency_ms=1)
+        for st in plan.stages
+        for d in st.devices
+    ]
+    problem = build_problem(
+        spec.model, devices, batch_size=spec.batch_size, microbatches=spec.microbatches
+    )
+    return drawn(problem, plan, spec.schedule)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("model", list(MODELS))
 def test_three_stages_over_mqtt_equal_one_device(
     fleet: LocalFleet, control: MqttTransport, model: str, schedule: str
 ) -> None:
     ref_losses, ref_weights = _reference(fleet, control, model, 6)
-    result = run_on_agents(
-        _spec(model, 6, schedule=schedule),
-        _three_stages(fleet, MODELS[model]),
-        control,
-        timeout_s=300,
-    )
+    spec, plan = _spec(model, 6, schedule=schedule), _three_stages(fleet, MODELS[model])
+    result = run_on_agents(spec, plan, control, timeout_s=300)
     assert len(result.plan.stages) == 3
     assert len(result.losses) == 6
     assert_matches(result.losses, result.weights, _independent(model, 6))
@@ -99,6 +116,11 @@ def test_three_stages_over_mqtt_equal_one_device(
         (s, t) for s in range(3) for t in range(6)
     }
     assert all(r.bytes_sent > 0 for r in result.reports if r.stage < 2)
+    # ...and ran the schedule the job names, as the simulator draws it for this plan.
+    rows, peaks = _drawn(plan, spec)
+    assert [(r.actions, r.peak_held) for r in result.reports] == [
+        (rows[r.stage], peaks[r.stage]) for r in result.reports
+    ]
 
 
 @pytest.mark.parametrize("model", ["mlp", "cnn-digits"])

@@ -8,7 +8,9 @@ of three devices (data-parallel), and beats every plan of one-device stages by t
 ``train`` they emulate the Pis and measure theirs, and the job is sized so that a group
 still wins). Through ``edgetrain train`` and through the REST API the job runs that plan
 on real agent processes and a real Mosquitto, and its losses and weights equal a plain
-PyTorch loop's within 1e-5 (:mod:`support.reference`).
+PyTorch loop's within 1e-5 (:mod:`support.reference`). On a fleet of unequal devices
+(two Pi 4s and a Pi 5) the job engine hands the agents the plan's shares, and each
+member runs its own rows of every microbatch (:mod:`support.shares`).
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ from fastapi.testclient import TestClient
 from support.markers import needs_mosquitto
 from support.mosquitto import mosquitto_broker
 from support.reference import ReferenceRun, assert_matches, train_reference
+from support.shares import assert_ran_planned_shares
 from support.waiting import until
 
+from coordinator.engine.spec import JobSpec
 from coordinator.local.fleet import LocalFleet
+from coordinator.local.train import train_on_local_fleet
 from coordinator.service.app import create_app
 from coordinator.service.settings import Settings
 
@@ -128,3 +133,25 @@ def test_a_rest_job_runs_the_planners_group_plan(tmp_path: Path) -> None:
             losses = [m["loss"] for m in metrics]
             weights = safetensors.torch.load(client.get(f"/api/v1/jobs/{job}/model").content)
             assert_matches(losses, weights, _reference())
+
+
+def test_the_engine_hands_real_agents_the_plans_unequal_shares() -> None:
+    """Two Pi 4s and a Pi 5, emulated by agent processes that measure their fixed costs,
+    driven by the job engine as ``train`` and the service drive them: the planner groups
+    them, the Pi 5 taking about three times a Pi 4's rows, and the agents run exactly the
+    planned rows (equal ones would still train exactly, only slower)."""
+    options = {"width": 64}
+    spec = JobSpec(
+        model="cnn-digits",
+        model_options=options,
+        steps=2,
+        batch_size=256,
+        microbatches=2,
+        seed=1,
+    )
+    run = train_on_local_fleet(spec, 3, threads=1, profiles=["rpi4", "rpi4", "rpi5"])
+    assert_ran_planned_shares(run.result, run.score.shares, spec.batch_size, spec.microbatches)
+    reference = train_reference(
+        "cnn-digits", steps=2, batch_size=256, seed=1, model_options=options, microbatches=2
+    )
+    assert_matches(run.result.losses, run.result.weights, reference)
