@@ -335,6 +335,14 @@ MUTANTS = [
         tests=("tests/e2e/test_testbed.py::test_software_method_trains_through_the_coordinator",),
     ),
     Mutant(
+        name="testbed-coordinator-open-api",
+        what="testbed up starts its coordinator without its API token: anyone here may enrol",
+        path="coordinator/testbed/procs.py",
+        old="    env = {**os.environ, API_TOKEN_ENV: state.api_token}\n",
+        new="    env = {k: v for k, v in os.environ.items() if k != API_TOKEN_ENV}\n",
+        tests=("tests/e2e/test_testbed.py::test_up_prints_the_api_token_that_enrolment_needs",),
+    ),
+    Mutant(
         name="shape-check-skipped",
         what="an inbox keeps a frame whatever shape and dtype its stage's plan implies",
         path="edge/transport/base.py",

@@ -13,9 +13,11 @@ is recorded in the state (pid and start time) as soon as it runs:
   its own (``python -m coordinator.testbed.procs amqtt PORT``);
 - the **coordinator**: ``edgetrain coordinator`` on a free port, awaited on ``/healthz``,
   given the state directory (``--testbed-state``) so that jobs' kill and join
-  faults act on the testbed's agents (:mod:`coordinator.testbed.actuator`), and the
+  faults act on the testbed's agents (:mod:`coordinator.testbed.actuator`), the
   broker's accounts record (``--broker-accounts``) so that its jobs' ACLs follow their
-  plans;
+  plans, and the state's API token as ``EDGETRAIN_API_TOKEN``, in its environment
+  (its owner's to read) rather than on its command line (anyone's), so that no other
+  local process may enrol, revoke or submit;
 - the **delay proxy** (kernel method): :mod:`coordinator.testbed.proxy`;
 - one **agent** per device: ``edgetrain agent --credentials FILE`` announcing the
   profile file the testbed wrote; under the kernel method it is started by a tiny ``sh`` that
@@ -51,6 +53,7 @@ from edge.transport.settings import MqttSettings
 from edge.wire.messages import DeviceStatus
 
 __all__ = [
+    "API_TOKEN_ENV",
     "CGROUP_EXEC",
     "agent_command",
     "agent_states",
@@ -61,6 +64,9 @@ __all__ = [
     "wait_http",
     "wait_online",
 ]
+
+API_TOKEN_ENV = "EDGETRAIN_API_TOKEN"
+"""The coordinator's setting that holds its API token (``Settings.api_token``)."""
 
 PRIVATE_PREFIX = "edgetrain-testbed-broker-"
 """Name prefix of the broker's private directory (in the system's temporary directory)."""
@@ -166,7 +172,10 @@ def start_coordinator(
     state: State, broker_url: str, accounts: Path | None
 ) -> tuple[subprocess.Popen[bytes], str]:
     """``edgetrain coordinator`` on a free port (not awaited: see :func:`wait_http`), with
-    the broker's accounts record ``accounts`` (``None``: an anonymous broker)."""
+    the broker's accounts record ``accounts`` (``None``: an anonymous broker) and the API
+    token ``state.api_token``, which it requires."""
+    if not state.api_token:
+        raise ValueError("a testbed's coordinator needs its API token (State.api_token)")
     port = free_port()
     cmd = [
         sys.executable,
@@ -188,7 +197,8 @@ def start_coordinator(
     ]
     if accounts is not None:
         cmd += ["--broker-accounts", str(accounts)]
-    return spawn(state, "coordinator", cmd), f"http://127.0.0.1:{port}"
+    env = {**os.environ, API_TOKEN_ENV: state.api_token}
+    return spawn(state, "coordinator", cmd, env), f"http://127.0.0.1:{port}"
 
 
 def login_args(credentials: Path | None, broker_url: str) -> list[str]:

@@ -14,6 +14,10 @@ also carries ``EDGETRAIN_TESTBED_TOKEN=<token>`` in its environment: a process
 that started but whose pid never reached the file (a crash between ``fork`` and
 the write) is still found, by that token, in ``/proc/<pid>/environ``.
 
+The file also holds the testbed coordinator's API token (:attr:`State.api_token`,
+another secret than the process token): the file is its owner's only (mode 0600)
+and ``down`` removes it with the rest.
+
 One testbed per state directory: ``up`` refuses while a ``testbed.json`` exists
 there, and ``up`` and ``down`` hold an ``flock`` on ``lock`` while they work.
 """
@@ -91,6 +95,9 @@ class State:
     """What ``up`` printed after ``limits:``."""
     broker_url: str = ""
     coordinator_url: str | None = None
+    api_token: str | None = None
+    """The coordinator's API token (its ``EDGETRAIN_API_TOKEN``): what a client of its
+    write routes sends as ``Authorization: Bearer``; ``None`` without a coordinator."""
     core_gflops: float = 0.0
     core_fixed_costs: dict[str, float] = field(default_factory=dict)
     """This machine's fixed costs (:mod:`edge.profiling.fixed_costs`) on one free core;
@@ -144,7 +151,7 @@ class State:
 
     def save(self) -> None:
         """Write the file atomically: a reader sees the old state or the new, never half."""
-        # Private: it holds the token that marks the testbed's processes.
+        # Private: it holds the token that marks the testbed's processes and the API token.
         write_atomic(self.path, json.dumps(self.to_json(), indent=1), mode=PRIVATE)
 
     def remove(self) -> None:

@@ -11,7 +11,10 @@ recorded in the state before it exists (:mod:`coordinator.testbed.state`):
    (:mod:`coordinator.testbed.access`); and, unless ``coordinator=False``, the
    coordinator, which administers those accounts (it creates them in the broker at
    its start, so it is awaited before the agents start); without it the testbed
-   attaches them itself (:attr:`Testbed.accounts`);
+   attaches them itself (:attr:`Testbed.accounts`). The coordinator requires an API
+   token generated here (:attr:`Testbed.api_token`, kept in the state) on its
+   write routes, so that no other process on this machine enrols a device in its
+   name or submits a job;
 2. kernel method: per agent a cgroup in the cpu and memory hierarchies, a
    namespace with a tbf-shaped veth pair, and one delay proxy for all of them (the
    links' addresses are fixed before the broker starts: its certificate names them);
@@ -114,6 +117,12 @@ class Testbed:
         return self.state.coordinator_url
 
     @property
+    def api_token(self) -> str | None:
+        """The token the coordinator's write routes require (``Authorization: Bearer``;
+        clients: ``--token`` or ``EDGETRAIN_API_TOKEN``); ``None`` without a coordinator."""
+        return self.state.api_token
+
+    @property
     def method(self) -> str:
         """``kernel`` or ``software``."""
         return self.state.method
@@ -169,6 +178,7 @@ class Testbed:
                 dir=state_dir,
                 id=secrets.token_hex(2),
                 token=secrets.token_hex(8),
+                api_token=secrets.token_urlsafe(24) if coordinator else None,
                 method=detection.method,
                 method_reason=detection.reason,
                 method_line=detection.line,

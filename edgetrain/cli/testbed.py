@@ -2,9 +2,12 @@
 
 ``up`` starts the broker (TLS and an account per agent where Mosquitto is
 installed), the coordinator and one agent per emulated device in the background
-and returns; ``status`` reports on them; ``down`` removes every
-process, cgroup, namespace and veth ``up`` made, from the state directory alone
-(also after a crash). The work is done by :mod:`coordinator.testbed.testbed`.
+and returns, printing once the API token that the coordinator's write routes
+require (the clients take it as ``EDGETRAIN_API_TOKEN`` or ``--token``; the state
+file keeps it); ``status`` reports on them; ``down`` removes every process,
+cgroup, namespace and veth ``up`` made, and the token with the state, from the
+state directory alone (also after a crash). The work is done by
+:mod:`coordinator.testbed.testbed`.
 """
 
 from __future__ import annotations
@@ -133,6 +136,13 @@ def up_command(
     where = f"--state-dir {bed.state_dir}"
     if bed.coordinator_url:
         typer.echo(f"coordinator: {bed.coordinator_url}  (dashboard {bed.coordinator_url}/)")
+        typer.echo(
+            f"API token: {bed.api_token}  (write requests and the dashboard need it; "
+            f"kept in {bed.state.path}, mode 0600)"
+        )
+        typer.echo(
+            f"for edgetrain submit, jobs and fleet: export EDGETRAIN_API_TOKEN={bed.api_token}"
+        )
         typer.echo(f"submit a job: edgetrain submit JOB.toml --coordinator {bed.coordinator_url}")
         typer.echo(f"see the fleet: edgetrain fleet --coordinator {bed.coordinator_url}")
     typer.echo(f"stop it: edgetrain testbed down {where}")
@@ -143,6 +153,7 @@ def status_command(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Whether the testbed's processes are alive and its agents online; exit 1 if not all."""
+    from coordinator.testbed.state import STATE_FILE
     from coordinator.testbed.testbed import status
 
     report = status(_state_dir(state_dir))
@@ -156,7 +167,8 @@ def status_command(
         typer.echo(f"limits: {report['method_line']}")
         typer.echo(f"broker: {report['broker_url']}")
         if report["coordinator_url"]:
-            typer.echo(f"coordinator: {report['coordinator_url']}")
+            where = Path(report["state_dir"]) / STATE_FILE
+            typer.echo(f"coordinator: {report['coordinator_url']}  (API token in {where})")
         for p in report["processes"]:
             typer.echo(f"  {p['name']}: pid {p['pid']} {'alive' if p['alive'] else 'GONE'}")
     if not report["up"]:

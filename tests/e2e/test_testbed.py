@@ -6,7 +6,9 @@ test downs its testbed in a fixture, so nothing is left behind even when it fail
 and then checks that nothing was. The jobs that run are 3-stage pipelines: an
 explicit plan on the kernel testbed, ``stages=3`` through the coordinator. The
 testbed's broker is secure by default: TLS, no anonymous client, an account per
-agent (credentials files of mode 0600), and rights that follow the job's plan.
+agent (credentials files of mode 0600), and rights that follow the job's plan;
+its coordinator's write routes (enrolment among them) need the API token ``up``
+prints.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import stat
 import subprocess
@@ -97,6 +100,13 @@ def linear_macs(model: str, options: dict[str, Any], start: int, end: int) -> in
     return sum(
         m.in_features * m.out_features for m in segment.modules() if isinstance(m, torch.nn.Linear)
     )
+
+
+def api_of(bed: Testbed) -> httpx.Client:
+    """A client of the testbed's coordinator that sends its API token."""
+    assert bed.coordinator_url is not None and bed.api_token is not None
+    auth = {"Authorization": f"Bearer {bed.api_token}"}
+    return httpx.Client(base_url=bed.coordinator_url, timeout=30, headers=auth)
 
 
 def control_for(login: MqttSettings) -> MqttTransport:
@@ -274,6 +284,51 @@ def test_down_after_killed_agents_and_proxy(state_dir: Path) -> None:
     assert _cli("down", "--state-dir", str(state_dir)).returncode == 0
 
 
+def test_up_prints_the_api_token_that_enrolment_needs(state_dir: Path, tmp_path: Path) -> None:
+    """Issue 31: another local process re-enrolled a testbed device through an open API,
+    locking its agent out. The coordinator of ``testbed up`` refuses a write without the
+    token ``up`` printed; the client commands take it as ``EDGETRAIN_API_TOKEN``."""
+    up = _cli("up", "--devices", "laptop", "--method", "software", "--state-dir", str(state_dir))
+    assert up.returncode == 0, up.stdout + up.stderr
+    printed = re.search(r"^API token: (\S+) ", up.stdout, re.MULTILINE)
+    assert printed is not None, up.stdout
+    token = printed.group(1)
+    assert f"export EDGETRAIN_API_TOKEN={token}\n" in up.stdout
+    state = State.load(state_dir)
+    assert state is not None and state.api_token == token and state.coordinator_url
+    assert stat.S_IMODE(state.path.stat().st_mode) == 0o600
+    coordinator = next(p for p in state.processes if p.name == "coordinator")
+    # Not on its command line, which any user may read.
+    assert token not in Path(f"/proc/{coordinator.pid}/cmdline").read_text()
+    laptop = state.devices[0]["id"]
+    enrol = "/api/v1/devices/enroll"
+    with httpx.Client(base_url=state.coordinator_url, timeout=30) as api:
+        for auth in ({}, {"Authorization": f"Bearer {token[:-1]}x"}):
+            refused = api.post(enrol, json={"device_id": laptop}, headers=auth)
+            assert refused.status_code == 401, refused.text
+        auth = {"Authorization": f"Bearer {token}"}
+        enrolled = api.post(enrol, json={"device_id": "newcomer"}, headers=auth)
+        assert enrolled.status_code == 201, enrolled.text
+        assert Credentials(**enrolled.json()).broker == state.broker_url
+    status = _cli("status", "--state-dir", str(state_dir), "--json")
+    assert [d["state"] for d in json.loads(status.stdout)["devices"]] == ["online"]
+
+    client = [sys.executable, "-m", "edgetrain.cli", "fleet", "enroll", "other", "--out"]
+    client += [str(tmp_path / "other.json"), "--coordinator", state.coordinator_url]
+    env = {k: v for k, v in os.environ.items() if k != "EDGETRAIN_API_TOKEN"}
+    anonymous = subprocess.run(client, capture_output=True, text=True, env=env, timeout=60)
+    assert anonymous.returncode == 2 and ": 401: " in anonymous.stderr, anonymous.stderr
+    env["EDGETRAIN_API_TOKEN"] = token
+    done = subprocess.run(client, capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+    gone = _cli("down", "--state-dir", str(state_dir))
+    assert gone.returncode == 0, gone.stderr
+    assert leftovers(state) == []
+    left = [f for f in state_dir.rglob("*") if f.is_file() and token in f.read_text("latin-1")]
+    assert left == []  # down forgets it (the logs stay, without it)
+
+
 def test_software_method_trains_through_the_coordinator(state_dir: Path) -> None:
     fleet = [device("a", 40, mbps=200), device("b", 20, mbps=100, latency_ms=5), device("c", 20)]
     with Testbed.up(fleet, state_dir=state_dir, method="software", measure_s=0.3) as bed:
@@ -291,8 +346,7 @@ def test_software_method_trains_through_the_coordinator(state_dir: Path) -> None
         assert argv[argv.index("--credentials") + 1] == str(credentials)
         assert "--insecure" not in argv
         assert stat.S_IMODE(credentials.stat().st_mode) == 0o600
-        assert bed.coordinator_url is not None
-        with httpx.Client(base_url=bed.coordinator_url, timeout=30) as api:
+        with api_of(bed) as api:
             body = {
                 "model": "mlp",
                 "steps": 3,
@@ -317,6 +371,6 @@ def test_software_method_trains_through_the_coordinator(state_dir: Path) -> None
         stages = record["plan"]["stages"]
         assert len(stages) == 3 and stages[0]["device"] == "a", stages
         assert {st["device"] for st in stages} == {"a", "b", "c"}
-        with httpx.Client(base_url=bed.coordinator_url, timeout=30) as api:
+        with api_of(bed) as api:
             assert_only_the_plan_gets_through(bed, api, job)
     assert leftovers(state) == []

@@ -82,8 +82,9 @@ def _events(api: httpx.Client, job: str, kind: str) -> list[dict[str, Any]]:
 
 def test_kill_and_join_faults_posted_to_a_testbed_job(state_dir: Path) -> None:
     with Testbed.up(FLEET, state_dir=state_dir, method="software", measure_s=0.3) as bed:
-        assert bed.coordinator_url is not None
-        with httpx.Client(base_url=bed.coordinator_url, timeout=30) as api:
+        assert bed.coordinator_url is not None and bed.api_token is not None
+        auth = {"Authorization": f"Bearer {bed.api_token}"}
+        with httpx.Client(base_url=bed.coordinator_url, timeout=30, headers=auth) as api:
             body = {**BODY, "stages": 3, "replicate_every": 2, "faults": ["kill:1@6"]}
             created = api.post("/api/v1/jobs", json=body)
             assert created.status_code == 201, created.text

@@ -64,6 +64,13 @@ def test_a_reused_pid_is_never_signalled(state: State, spawn: Callable[[str], No
     assert proc_alive(record.pid, record.start - 1)
 
 
+def test_the_coordinator_never_starts_without_its_api_token(state: State) -> None:
+    assert state.api_token is None  # an open API: anyone here could enrol (issue 31)
+    with pytest.raises(ValueError, match="needs its API token"):
+        procs.start_coordinator(state, state.broker_url, None)
+    assert State.load(state.dir).processes == []  # type: ignore[union-attr]
+
+
 def test_marked_processes_are_found_and_stopped() -> None:
     token = f"unit-{os.getpid()}"
     env = {**os.environ, ENV_TOKEN: token}

@@ -5,6 +5,7 @@ tests/integration/test_testbed_processes.py finds, stops and kills real processe
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -22,6 +23,7 @@ def test_state_round_trips_through_its_file(tmp_path: Path) -> None:
         method="kernel",
         method_reason="root",
         broker_url="mqtt://127.0.0.1:1",
+        api_token="an-api-token-of-32-characters-xx",
     )
     state.intend("cgroups", "/sys/fs/cgroup/cpu/edgetrain-testbed-ab12")
     state.intend("cgroups", "/sys/fs/cgroup/cpu/edgetrain-testbed-ab12")  # listed once
@@ -32,7 +34,16 @@ def test_state_round_trips_through_its_file(tmp_path: Path) -> None:
     assert loaded is not None and loaded.cgroups == ["/sys/fs/cgroup/cpu/edgetrain-testbed-ab12"]
     assert loaded.processes[0].start == proc_start(os.getpid())
     assert [p.name for p in tmp_path.iterdir()] == [STATE_FILE]  # no temporary left
-    assert (tmp_path / STATE_FILE).stat().st_mode & 0o777 == 0o600  # it holds the token
+    assert (tmp_path / STATE_FILE).stat().st_mode & 0o777 == 0o600  # it holds the tokens
+
+
+def test_a_state_from_before_api_tokens_still_loads(tmp_path: Path) -> None:
+    """``down`` must work on a testbed brought up before ``api_token`` was recorded."""
+    old = State(dir=tmp_path, id="ab12", token="t0k3n").to_json()
+    del old["api_token"]
+    (tmp_path / STATE_FILE).write_text(json.dumps(old))
+    loaded = State.load(tmp_path)
+    assert loaded is not None and loaded.api_token is None
 
 
 def test_missing_and_bad_state(tmp_path: Path) -> None:
