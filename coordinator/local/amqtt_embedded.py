@@ -9,7 +9,11 @@ is no Mosquitto (imported late: a device install has no amqtt):
   its plugins, so anyone who can reach the port could cut a device off with its
   client id and no password. And it closes a client's socket when the broker stops.
   :meth:`EmbeddedBroker.kick` disconnects the clients of some accounts and forgets
-  their sessions (revocation).
+  their sessions (revocation). amqtt speaks MQTT 3.1.1 only, and reads the rest of
+  any CONNECT as 3.1.1's: an MQTT v5 one (properties first) is misread, and with a
+  login it waits for bytes that never come, the client left without an answer. So the
+  protocol level is read first and any other is refused at once with CONNACK 0x01, as
+  3.1.1 says (a v5 client reads it as Unsupported Protocol Version).
 - :class:`AccountsAuth` and :class:`AccountsAcl`, plugins on amqtt's own plugin API
   that ask a :class:`~coordinator.access.dynsec_tables.DynSecTables` (Mosquitto's
   dynamic-security semantics, in memory): no anonymous client, each password checked
@@ -28,9 +32,13 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+from amqtt.adapters import ReaderAdapter
 from amqtt.broker import Broker
 from amqtt.contexts import Action
 from amqtt.errors import AMQTTError, MQTTError, NoDataError
+from amqtt.mqtt.connack import UNACCEPTABLE_PROTOCOL_VERSION, ConnackPacket
+from amqtt.mqtt.connect import ConnectVariableHeader
+from amqtt.mqtt.packet import CONNECT, MQTTFixedHeader
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 from amqtt.session import Session
@@ -91,6 +99,28 @@ class AccountsAcl(BaseTopicPlugin):
         return _tables(self.config).allowed(session.username, _KIND[action], topic)
 
 
+_MQTT_311 = 4
+"""The protocol level of MQTT 3.1.1 in a CONNECT, the only one amqtt speaks."""
+
+
+class _Replay(ReaderAdapter):
+    """A reader that gives ``head`` (bytes already read from ``reader``) again first."""
+
+    def __init__(self, head: bytes, reader: ReaderAdapter) -> None:
+        self._head = head
+        self._reader = reader
+
+    async def read(self, n: int = -1) -> bytes:
+        if n < 0:
+            head, self._head = self._head, b""
+            return head + await self._reader.read(n)
+        head, self._head = self._head[:n], self._head[n:]
+        return head + (await self._reader.read(n - len(head)) if n > len(head) else b"")
+
+    def feed_eof(self) -> None:
+        self._reader.feed_eof()
+
+
 class EmbeddedBroker(Broker):
     """amqtt's broker, authenticating before any session is touched (module docstring)."""
 
@@ -105,14 +135,17 @@ class EmbeddedBroker(Broker):
     async def _initialize_client_session(
         self, reader: Any, writer: Any, remote_address: str, remote_port: int
     ) -> tuple[BrokerProtocolHandler, Session]:
-        # amqtt 0.12.1's own, with the authentication moved before the session lookup.
+        # amqtt 0.12.1's own, with the authentication moved before the session lookup
+        # and other protocol levels than 3.1.1's refused first.
         where = format_client_message(address=remote_address, port=remote_port)
         try:
+            connect = await self._mqtt_311_only(reader, writer)
             handler, session = await BrokerProtocolHandler.init_from_connect(
-                reader, writer, self.plugins_manager
+                connect, writer, self.plugins_manager
             )
         except MQTTError as exc:
-            await writer.close()
+            with contextlib.suppress(OSError):  # refused: the client may hang up first
+                await writer.close()
             raise MQTTError(f"invalid connection from {where}: {exc}") from exc
         except (AMQTTError, NoDataError) as exc:
             raise AMQTTError(f"{where}: cannot read a CONNECT: {exc}") from exc
@@ -140,6 +173,23 @@ class EmbeddedBroker(Broker):
         else:
             session.parent = 0
         return handler, session
+
+    @staticmethod
+    async def _mqtt_311_only(reader: Any, writer: Any) -> ReaderAdapter:
+        """Refuse a CONNECT of another protocol level than 3.1.1's before amqtt reads its
+        payload (module docstring); else a reader that gives its headers again."""
+        fixed = await MQTTFixedHeader.from_stream(reader)
+        if fixed is None:
+            raise NoDataError("no CONNECT")
+        head = fixed.to_bytes()
+        if fixed.packet_type == CONNECT:  # anything else: amqtt's own answer
+            variable = await ConnectVariableHeader.from_stream(reader, fixed)
+            if variable.proto_level != _MQTT_311:
+                with contextlib.suppress(OSError):  # the client may hang up first
+                    await ConnackPacket.build(0, UNACCEPTABLE_PROTOCOL_VERSION).to_stream(writer)
+                raise MQTTError(f"protocol level {variable.proto_level}: MQTT 3.1.1 only")
+            head += variable.to_bytes()
+        return _Replay(head, reader)
 
     async def kick(self, usernames: list[str]) -> None:
         """Disconnect every client logged in as one of ``usernames`` and forget its session."""

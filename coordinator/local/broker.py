@@ -257,7 +257,22 @@ def _stop_process(proc: subprocess.Popen[bytes], grace_s: float) -> None:
         proc.wait(timeout=grace_s)
 
 
-MAX_PACKET = 268_435_460
+MAX_PACKET = 268_435_455
+"""MQTT's own ceiling on a packet (its remaining length): a broker limited to it has no
+limit of its own (see [Note: the broker's packet limit])."""
+
+# [Note: the broker's packet limit]
+# A broker started here takes anything MQTT can carry: tensor frames and stage states
+# are large (edge.transport.mqtt sends payloads up to MAX_PACKET less 1 KiB). One started
+# for a job takes that job's largest message (coordinator.engine.spec.largest_message_bytes,
+# at most MAX_PACKET; Mosquitto 2.0.11 refuses a packet whose remaining length + 1
+# exceeds it). Mosquitto announces ``max_packet_size`` to MQTT v5 clients in CONNACK
+# (Maximum Packet Size), and paho-mqtt 2.2 takes a value over 268,435,455 for a malformed
+# packet and drops the connection ("Protocol error"), although MQTT v5 allows any
+# non-zero four-byte value and the largest packet is 268,435,460 bytes. So MQTT's own
+# limit is written as no ``max_packet_size`` (Mosquitto's default: no limit but MQTT's,
+# nothing announced), and a job's, always below it, as itself. The embedded amqtt broker
+# has no limit of its own (and speaks MQTT 3.1.1 only: coordinator.local.amqtt_embedded).
 
 
 def _mosquitto_conf(
@@ -287,9 +302,8 @@ def _mosquitto_conf(
         "log_type error\nlog_type warning\nlog_type notice\n"
         # Pipelines queue many QoS 1 frames per client; the default (1000) drops them.
         "max_queued_messages 10000\n"
-        # By default MQTT's own ceiling (256 MiB payload + header); a broker started for
-        # one job takes that job's largest message (largest_message_bytes).
-        f"max_packet_size {max_packet}\n"
+        # See [Note: the broker's packet limit].
+        + (f"max_packet_size {max_packet}\n" if max_packet < MAX_PACKET else "")
     )
 
 
