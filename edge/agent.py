@@ -18,8 +18,13 @@ Lifecycle:
    newest step it finished, and publishes the state of the step a later
    ``handover`` names on the stage's replica topic: [Note: a group member dies] in
    :mod:`coordinator.engine.handover`). A command that cannot be parsed is logged
-   and counted, never fatal. One job at a time: an assignment for another job while
-   busy is answered with ``failed`` (reason ``busy``). An assignment naming a user
+   and counted, never fatal; an assignment refused so (options that are not what
+   the model takes: [Note: options are data] in :mod:`edge.models.options`) is
+   answered with ``failed`` and the reason when its job and stage can be read, as
+   is one whose dataset would need more memory than the device has free
+   (:func:`edge.runtime.data.check_data_fits`, before any weight is built). One
+   job at a time: an assignment for another job while busy is answered with
+   ``failed`` (reason ``busy``). An assignment naming a user
    model or dataset (``package.module:function``) outside ``allow_code`` is
    answered with ``failed`` before anything is imported ([Note: user code on
    devices] in :mod:`edge.models.user_code`).
@@ -60,6 +65,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -104,6 +110,7 @@ from edge.wire.messages import (
     UnitTimes,
     UnitTiming,
     parse_command,
+    refused_assignment,
 )
 from edge.wire.topics import (
     device_cmd,
@@ -123,7 +130,21 @@ __all__ = ["Agent"]
 log = logging.getLogger("edgetrain.agent")
 
 _KEEP = "keep-replicas"  # work item: store the neighbour replicas that arrived
-_Work = StageAssignment | StartJob | CancelJob | HandOver | Throttle | TimeUnits | str | None
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """Work item: an assignment that could not be used, to be answered ``failed``."""
+
+    job: str
+    stage: int
+    member: int
+    reason: str
+
+
+_Work = (
+    StageAssignment | StartJob | CancelJob | HandOver | Throttle | TimeUnits | _Refused | str | None
+)
 
 
 class _Cancelled(RuntimeError):
@@ -337,6 +358,9 @@ class Agent:
         except MessageError as exc:
             self.bad_commands += 1
             log.warning("ignored a command: %s", exc)
+            place = refused_assignment(payload)
+            if place is not None:  # answered by the worker: no publishing in a callback
+                self._commands.put(_Refused(*place, reason=str(exc)))
             return
         if isinstance(cmd, CancelJob):  # seen at once, also by a worker waiting on a restore
             self._cancelled[cmd.job] = None
@@ -352,6 +376,8 @@ class Agent:
             try:
                 if cmd == _KEEP:
                     self._keep_replicas()
+                elif isinstance(cmd, _Refused):
+                    raise UserError(cmd.reason)
                 elif isinstance(cmd, StageAssignment) and cmd.job in self._cancelled:
                     log.info("skipped an assignment of a cancelled job", extra={"job": cmd.job})
                 elif isinstance(cmd, StageAssignment):

@@ -18,7 +18,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from edge.errors import UserError
 
 __all__ = [
     "LINK_CODECS",
@@ -39,6 +50,7 @@ __all__ = [
     "TrainConfig",
     "TrainConfigBase",
     "check_batch_split",
+    "check_model_options_field",
 ]
 
 LINK_CODECS = ("fp32", "fp16", "bf16", "int8")
@@ -87,6 +99,22 @@ RecvTimeout = Annotated[float, Field(gt=0, le=86_400)]
 """Seconds a stage waits for one frame before it gives up on the job."""
 
 
+def check_model_options_field(model: str | None, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` of ``model``, as a field validator of ``model_options`` (after
+    ``model``) gives them: an error of the field unless they are what the model takes
+    ([Note: options are data] in :mod:`edge.models.options`). An unknown model is
+    left to be refused where it is built, by its own name."""
+    from edge.models.zoo import MODELS, check_model_options
+
+    if model is None or (":" not in model and model not in MODELS):
+        return options
+    try:
+        check_model_options(model, options)
+    except UserError as exc:
+        raise PydanticCustomError("options", exc.message) from None
+    return options
+
+
 def check_batch_split(batch_size: int, microbatches: int, replicas: int | None = None) -> None:
     """Raise :class:`ValueError` unless ``batch_size`` splits into ``microbatches`` equal
     microbatches (each split again over ``replicas`` data-parallel copies, if given)."""
@@ -100,7 +128,7 @@ def check_batch_split(batch_size: int, microbatches: int, replicas: int | None =
 class OptimizerSpec(BaseModel):
     """Which optimizer a stage builds over its own parameters."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: Literal["sgd", "adamw"] = "sgd"
     lr: float = Field(default=0.05, gt=0, allow_inf_nan=False)
@@ -113,7 +141,7 @@ class OptimizerSpec(BaseModel):
 class TrainConfigBase(BaseModel):
     """Every setting of :class:`TrainConfig` but the codec, which a stage has per link."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     model: ModelName = Field(examples=["cnn-digits"])
     model_options: dict[str, Any] = Field(default_factory=dict)
@@ -142,6 +170,34 @@ class TrainConfigBase(BaseModel):
         # A shape with data-parallel replicas splits every microbatch over them too.
         check_batch_split(self.batch_size, self.microbatches, getattr(self, "replicas", None))
         return self
+
+    @field_validator("model_options")
+    @classmethod
+    def _model_options(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        return check_model_options_field(info.data.get("model"), value)
+
+    @field_validator("dataset_options")
+    @classmethod
+    def _dataset_options(
+        cls, value: dict[str, Any] | None, info: ValidationInfo
+    ) -> dict[str, Any] | None:
+        # Options are data ([Note: options are data] in edge.models.options): checked in
+        # every shape, so a device refuses bad ones in an assignment before building.
+        from edge.models.datasets import DATASETS, check_dataset_options
+        from edge.models.options import DATASET_RESERVED, check_reserved
+
+        dataset = info.data.get("dataset")
+        if value is None:
+            return value
+        try:
+            if dataset is None:  # the model's own dataset: known once the model is built
+                where = f"model {info.data.get('model')}'s dataset"
+                check_reserved(where, "dataset_options", value, DATASET_RESERVED)
+            elif ":" in dataset or dataset in DATASETS:  # else refused, by name, where built
+                check_dataset_options(dataset, value)
+        except UserError as exc:
+            raise PydanticCustomError("options", exc.message) from None
+        return value
 
     def resolve_data(self) -> tuple[str, dict[str, Any]]:
         """The dataset and its options, with the model's filling in what is absent.

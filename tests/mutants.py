@@ -752,6 +752,53 @@ MUTANTS = [
             "test_a_stall_is_spread_over_the_units_by_their_cpu_seconds",
         ),
     ),
+    Mutant(
+        name="options-passed-unchecked",
+        what="a job's model options reach the builder unchecked: a reserved name clashes (500)",
+        path="edge/config.py",
+        old=(
+            '    if model is None or (":" not in model and model not in MODELS):\n'
+            "        return options\n"
+        ),
+        new="    if True:\n        return options\n",
+        tests=(
+            "tests/unit/edge/models/test_options.py::test_a_models_reserved_names_are_refused_by_name",
+        ),
+    ),
+    Mutant(
+        name="option-types-unchecked",
+        what="an option's value is not checked against the type its builder takes",
+        path="edge/models/options.py",
+        old="        schema.model_validate_json(json.dumps(options))\n",
+        new="        pass\n",
+        tests=(
+            "tests/unit/edge/models/test_options.py::test_every_option_is_checked_against_its_builder",
+        ),
+    ),
+    Mutant(
+        name="422-echoes-nan",
+        what="a 422 echoes a NaN it was sent, which JSON cannot encode: a 500 instead",
+        path="coordinator/service/api/routes/errors.py",
+        old='        if "input" in error and not _encodable(error["input"]):\n',
+        new="        if False:\n",
+        tests=("tests/e2e/test_hostile_requests.py",),
+    ),
+    Mutant(
+        name="job-data-memory-unchecked",
+        what="a job is stored whose sample order no device that may run stage 0 can hold",
+        path="coordinator/service/api/routes/jobs.py",
+        old="        _check_data_memory(body, data, dataset, registry, data_field)\n",
+        new="        pass\n",
+        tests=("tests/e2e/test_hostile_requests.py",),
+    ),
+    Mutant(
+        name="stage-data-memory-unchecked",
+        what="an agent takes a stage whose sample order exceeds its free memory",
+        path="edge/runtime/stage.py",
+        old="            check_data_fits(self.dataset, a.dataset, usable_memory_bytes())\n",
+        new="",
+        tests=("tests/integration/test_agent_memory.py",),
+    ),
 ]
 
 

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
@@ -31,7 +32,7 @@ from coordinator.access.accounts import BrokerAccounts
 from coordinator.engine.faults import FaultActuator, ThrottleActuator
 from coordinator.service.api.deps import Services
 from coordinator.service.api.routes import devices, jobs, plans, system
-from coordinator.service.api.routes.errors import validation_detail
+from coordinator.service.api.routes.errors import validation_detail, validation_error
 from coordinator.service.body_limit import BodyLimitMiddleware
 from coordinator.service.events import EventBus
 from coordinator.service.manager import JobManager
@@ -159,6 +160,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     def dashboard() -> FileResponse:
         """The dashboard (static HTML, CSS and JavaScript; see coordinator.service.dashboard)."""
         return FileResponse(INDEX_HTML, headers={"Cache-Control": "no-cache"})
+
+    app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
 
     @app.exception_handler(UserError)
     async def user_error(_request: Request, exc: UserError) -> JSONResponse:

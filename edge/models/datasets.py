@@ -37,7 +37,7 @@ import inspect
 import io
 import math
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ import torch
 from torch.utils.data import Dataset
 
 from edge.errors import UserError
+from edge.models.options import DATASET_RESERVED, check_options, check_reserved
 from edge.models.user_code import ANY_CODE, CodeAllowance, import_reference
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "SyntheticImages",
     "TextDataset",
     "build_dataset",
+    "check_dataset_options",
     "dataset_info",
     "decode",
     "digits_split_indices",
@@ -232,6 +234,11 @@ class DigitsDataset(Dataset[Sample]):
     def __len__(self) -> int:
         return len(self.indices)
 
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes this dataset holds in memory: its images and labels."""
+        return self.images.nbytes + self.labels.nbytes
+
     def __getitem__(self, index: int) -> Sample:
         return self.images[index], self.labels[index]
 
@@ -293,6 +300,14 @@ class SyntheticImages(Dataset[Sample]):
 
     def __len__(self) -> int:
         return self.size
+
+    @property
+    def resident_bytes(self) -> int:
+        """Most bytes this dataset holds in memory: every class's prototype (float64),
+        when they are few enough to be kept; samples are made when read."""
+        if self._cache is None:
+            return 0
+        return self.num_classes * math.prod(self.shape) * 8
 
     def __getitem__(self, index: int) -> Sample:
         if not -self.size <= index < self.size:
@@ -382,6 +397,11 @@ class TextDataset(Dataset[Sample]):
     def __len__(self) -> int:
         return self._len
 
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes this dataset holds in memory: the corpus's codes (one byte each)."""
+        return _corpus_codes().nbytes
+
     def __getitem__(self, index: int) -> Sample:
         if not -self._len <= index < self._len:
             raise IndexError(f"sample {index} out of range for {self._len} samples")
@@ -450,8 +470,23 @@ def build_dataset(
     attribute, or a result that is not a ``Dataset``.
     """
     _check_split(name, split)
+    check_dataset_options(name, options)
     if ":" in name:
         return _build_user_dataset(name, split, options, allow_code)
+    return DATASETS[name].builder(split=split, **options)
+
+
+def check_dataset_options(name: str, options: Mapping[str, Any]) -> None:
+    """A one-line :class:`UserError` unless ``name`` is a built-in dataset (or a user's
+    ``package.module:function``) and ``options`` are what it takes ([Note: options are
+    data] in :mod:`edge.models.options`); nothing is built or imported.
+
+    Call it before passing options on as keywords: a reserved name (``split``,
+    ``name``, ``allow_code``) would clash with the call itself.
+    """
+    if ":" in name:
+        check_reserved(f"dataset {name!r}", "dataset_options", options, DATASET_RESERVED)
+        return
     entry = DATASETS.get(name)
     if entry is None:
         close = difflib.get_close_matches(name, DATASETS, n=3, cutoff=0.5)
@@ -460,12 +495,8 @@ def build_dataset(
             f"unknown dataset {name!r}{hint} (known: {', '.join(sorted(DATASETS))}; "
             "or give 'package.module:function')"
         )
-    accepted = [p for p in inspect.signature(entry.builder).parameters if p != "split"]
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        takes = ", ".join(accepted) or "no options"
-        raise UserError(f"dataset {name!r}: unknown option {unknown[0]!r} (takes: {takes})")
-    return entry.builder(split=split, **options)
+    where = f"dataset {name!r}"
+    check_options(where, "dataset_options", entry.builder, options, DATASET_RESERVED)
 
 
 def dataset_info(name: str, **options: Any) -> DatasetInfo:

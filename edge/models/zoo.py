@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -38,6 +38,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from edge.errors import UserError
+from edge.models.options import MODEL_RESERVED, check_options, check_reserved
 from edge.models.units import (
     BasicBlock,
     ConvNormAct,
@@ -56,6 +57,7 @@ __all__ = [
     "ModelSpec",
     "Segment",
     "UnitDef",
+    "check_model_options",
     "get_model",
     "list_models",
     "model_size",
@@ -382,24 +384,11 @@ def get_model(
     if ":" in name:
         from edge.models.flatten import user_model
 
+        check_model_options(name, options)
         return user_model(name, seed=seed, allow_code=allow_code, **options)
-    if name not in MODELS:
-        import difflib
-
-        close = difflib.get_close_matches(name, MODELS, n=3)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise UserError(f"model: unknown model {name!r} (known: {', '.join(MODELS)}){hint}")
-    builder = MODELS[name]
-    if options.get("norm", "group") not in NORMS:
-        raise UserError(f"model {name}: norm: {options['norm']!r} is not one of {', '.join(NORMS)}")
-    _check_bounds(name, options)
+    check_model_options(name, options)
     try:
-        spec = builder(seed, **options)
-    except TypeError as exc:
-        import inspect
-
-        known = [p for p in inspect.signature(builder).parameters if p != "seed"]
-        raise UserError(f"model {name}: bad option ({exc}); known options: {known}") from None
+        spec = MODELS[name](seed, **options)
     except ValueError as exc:
         raise UserError(f"model {name}: {exc}") from None
     if options:  # the defaults are within bounds (a test keeps them so)
@@ -417,7 +406,30 @@ def get_model(
     return spec
 
 
-def _check_bounds(name: str, options: dict[str, Any]) -> None:
+def check_model_options(name: str, options: Mapping[str, Any]) -> None:
+    """A one-line :class:`UserError` unless ``name`` is a zoo model (or a user model's
+    ``package.module:function``) and ``options`` are what it takes, within bounds
+    ([Note: options are data], [Note: bounded zoo options]); nothing is built or imported.
+
+    Call it before passing options on as keywords: a reserved name (``seed``,
+    ``name``, ``allow_code``) would clash with the call itself.
+    """
+    if ":" in name:
+        check_reserved(f"model {name}", "model_options", options, MODEL_RESERVED)
+        return
+    if name not in MODELS:
+        import difflib
+
+        close = difflib.get_close_matches(name, MODELS, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise UserError(f"model: unknown model {name!r} (known: {', '.join(MODELS)}){hint}")
+    check_options(f"model {name}", "model_options", MODELS[name], options, MODEL_RESERVED)
+    if options.get("norm", "group") not in NORMS:
+        raise UserError(f"model {name}: norm: {options['norm']!r} is not one of {', '.join(NORMS)}")
+    _check_bounds(name, options)
+
+
+def _check_bounds(name: str, options: Mapping[str, Any]) -> None:
     """A :class:`UserError` naming the first integer option outside its range."""
     for key, (low, high) in OPTION_BOUNDS[name].items():
         value = options.get(key, low)

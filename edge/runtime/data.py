@@ -10,6 +10,11 @@ pipeline.
 
 A dataset that lives on the device ([Note: local data] in :mod:`edge.models.local_data`)
 is read the same way: :func:`open_local` gives it by name with its sampler.
+
+The sampler holds an epoch's order whole, :data:`ORDER_BYTES` a sample, so a
+dataset's size is memory on the device that reads it: :func:`data_bytes` counts it
+(with what the dataset keeps resident), and :func:`check_data_fits` refuses a
+dataset that would not fit before anything is allocated.
 """
 
 from __future__ import annotations
@@ -22,7 +27,18 @@ from torch.utils.data import Dataset
 from edge.errors import UserError
 from edge.models.local_data import LocalData
 
-__all__ = ["EpochSampler", "collate", "load_batch", "open_local"]
+__all__ = [
+    "ORDER_BYTES",
+    "EpochSampler",
+    "check_data_fits",
+    "collate",
+    "data_bytes",
+    "load_batch",
+    "open_local",
+]
+
+ORDER_BYTES = 8
+"""Bytes an :class:`EpochSampler` holds per sample: the epoch's order, as int64."""
 
 
 class EpochSampler:
@@ -45,6 +61,29 @@ class EpochSampler:
             self._perm = torch.randperm(self.size, generator=gen)
             self._epoch = epoch
         return self._perm[k * self.batch_size : (k + 1) * self.batch_size]
+
+
+def data_bytes(dataset: Dataset[Any]) -> int:
+    """Bytes a stage that reads ``dataset`` holds for it before its first batch: the
+    epoch's order (:data:`ORDER_BYTES` a sample) and what the dataset keeps in memory
+    (its ``resident_bytes``, where it tells: the built-in datasets do)."""
+    resident = getattr(dataset, "resident_bytes", 0)
+    return ORDER_BYTES * len(dataset) + (resident if isinstance(resident, int) else 0)  # type: ignore[arg-type]
+
+
+def check_data_fits(
+    dataset: Dataset[Any], name: str, usable_bytes: int, whose: str = "this device has free"
+) -> None:
+    """A one-line :class:`UserError` when reading ``dataset`` (named ``name``) needs more
+    than ``usable_bytes`` (see :func:`data_bytes`), the bytes ``whose`` says."""
+    need = data_bytes(dataset)
+    if need > usable_bytes:
+        samples = len(dataset)  # type: ignore[arg-type]
+        raise UserError(
+            f"dataset {name!r}: reading it takes {need:,} bytes (the order of {samples:,} "
+            f"samples at {ORDER_BYTES} bytes each, and its resident data), more than the "
+            f"{usable_bytes:,} bytes {whose}"
+        )
 
 
 def _stack(items: tuple[Any, ...]) -> torch.Tensor:

@@ -109,7 +109,7 @@ from edge.models.datasets import build_dataset
 from edge.models.user_code import ANY_CODE, CodeAllowance
 from edge.models.zoo import get_model
 from edge.runtime.checkpoint import load_state, read_state, select, stage_state
-from edge.runtime.data import EpochSampler, load_batch, open_local
+from edge.runtime.data import EpochSampler, check_data_fits, load_batch, open_local
 from edge.runtime.group_sum import GroupSum
 from edge.runtime.links import block, expected_frames
 from edge.runtime.schedules import make_schedule
@@ -202,7 +202,7 @@ class StageRuntime:
         self.replicate = replicate
         self.torch_device = torch.device(torch_device)
         # (edge.profiling times stages with this module: import it here, not above.)
-        from edge.profiling.device import cgroup_limits
+        from edge.profiling.device import cgroup_limits, usable_memory_bytes
 
         limits = cgroup_limits() if self.torch_device.type == "cpu" else None
         self._cpu_is_own = (
@@ -226,16 +226,7 @@ class StageRuntime:
         if a.end > spec.num_units:
             raise ValueError(f"segment [{a.start}, {a.end}) beyond the {spec.num_units} units")
         self.unit_names = spec.unit_names
-        self.segment = spec.build_segment(a.start, a.end).train().to(self.torch_device)
-        self.rows = block(a)
-        """The rows ``[lo, hi)`` of every microbatch this member computes."""
-        norm = batchnorm_in(self.segment) if a.group_size > 1 else None
-        if norm is not None:
-            raise ValueError(group_batchnorm_error(a.stage, a.group_size, norm))
-        self.optimizer = build_optimizer(a.optimizer, self.segment.parameters())
-        self.actions = make_schedule(a.schedule, a.num_stages, a.microbatches)[a.stage]
-        self.codec_out = Codec.parse(a.codec_out)
-        self.codec_in = Codec.parse(a.codec_in)
+        # The data first: a dataset this device cannot hold is refused before any weight.
         self.sampler: EpochSampler | None = None
         self.reads = a.is_first or (a.is_last and a.labels_local)
         """Whether this stage reads the dataset: stage 0, and the tail of a U-shape."""
@@ -249,7 +240,18 @@ class StageRuntime:
             self.dataset = build_dataset(
                 a.dataset, "train", allow_code=allow_code, **a.dataset_options
             )
+            check_data_fits(self.dataset, a.dataset, usable_memory_bytes())
             self.sampler = EpochSampler(len(self.dataset), a.batch_size, a.seed)  # type: ignore[arg-type]
+        self.segment = spec.build_segment(a.start, a.end).train().to(self.torch_device)
+        self.rows = block(a)
+        """The rows ``[lo, hi)`` of every microbatch this member computes."""
+        norm = batchnorm_in(self.segment) if a.group_size > 1 else None
+        if norm is not None:
+            raise ValueError(group_batchnorm_error(a.stage, a.group_size, norm))
+        self.optimizer = build_optimizer(a.optimizer, self.segment.parameters())
+        self.actions = make_schedule(a.schedule, a.num_stages, a.microbatches)[a.stage]
+        self.codec_out = Codec.parse(a.codec_out)
+        self.codec_in = Codec.parse(a.codec_in)
         self.expected = expected_frames(a, spec, self.dataset if self.reads else None)
         """What the plan lets this stage receive (see :mod:`edge.runtime.links`)."""
         self.group_sum: GroupSum | None = None

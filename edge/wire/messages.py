@@ -54,6 +54,7 @@ __all__ = [
     "parse_command",
     "parse_event",
     "parse_unit_times",
+    "refused_assignment",
 ]
 
 
@@ -445,6 +446,28 @@ def parse_command(
         return _COMMAND.validate_json(payload)
     except ValidationError as exc:
         raise MessageError(describe_validation_error(exc, "command")) from None
+
+
+class _Place(BaseModel):
+    """Where an assignment puts its device, read apart from the rest of it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["assign"]
+    job: JobId
+    stage: int = Field(ge=0, le=1 << 20)
+    member: int = Field(default=0, ge=0, le=1 << 20)
+
+
+def refused_assignment(payload: bytes | str) -> tuple[str, int, int] | None:
+    """The job, stage and member of an assignment :func:`parse_command` refused, when
+    those three can still be read: the device then answers ``failed`` with the reason,
+    and the coordinator need not wait for an answer that would never come."""
+    try:
+        place = _Place.model_validate_json(payload)
+    except ValidationError:
+        return None
+    return place.job, place.stage, place.member
 
 
 def parse_event(

@@ -125,7 +125,9 @@ def client() -> Iterator[TestClient]:
     app = FastAPI()
     app.include_router(jobs.router, prefix="/api/v1")
     open_api = types.SimpleNamespace(token=None, api_read_auth=False)
-    app.state.services = types.SimpleNamespace(settings=open_api, store=None, manager=None)
+    app.state.services = types.SimpleNamespace(
+        settings=open_api, store=None, manager=None, registry=None
+    )
     with TestClient(app) as test_client:
         yield test_client
 

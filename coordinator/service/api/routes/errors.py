@@ -4,13 +4,25 @@
 FastAPI's own ``HTTPValidationError`` shape (``detail``: a list of ``loc``,
 ``msg``, ``type``), also when a route or a :class:`~edge.errors.UserError`
 raises it, so a client parses one shape for every 422.
+
+A 422 echoes each refused ``input``, as FastAPI's does, but only what JSON can
+carry: a body may hold ``NaN`` or ``Infinity`` (Python's JSON parser reads them),
+which no JSON response can encode, and a string may hold a lone surrogate
+(``"\\ud800"``, which Python's parser reads too), which UTF-8 cannot encode. So such
+an input is left out (:func:`validation_error`), and a lone surrogate in a ``loc``
+(a refused key) or a message is sent as its escape, rather than turning the refusal
+into a 500.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from fastapi import HTTPException
+from fastapi import HTTPException, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 __all__ = [
@@ -21,6 +33,7 @@ __all__ = [
     "Message",
     "unprocessable",
     "validation_detail",
+    "validation_error",
 ]
 
 
@@ -48,3 +61,33 @@ def validation_detail(loc: list[str | int], msg: str) -> list[dict[str, Any]]:
 def unprocessable(loc: list[str | int], msg: str) -> HTTPException:
     """A 422 shaped like FastAPI's own validation errors, naming the field."""
     return HTTPException(422, validation_detail(loc, msg))
+
+
+def _encodable(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False, ensure_ascii=False).encode()
+    except (TypeError, ValueError):  # UnicodeEncodeError is a ValueError
+        return False
+    return True
+
+
+def _utf8(value: Any) -> Any:
+    """``value`` (a string, or a list of them and numbers) with each lone surrogate as its
+    escape, ``\\ud800``: UTF-8 has no code for one, so a response could not carry it."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode()
+    if isinstance(value, list):
+        return [_utf8(item) for item in value]
+    return value
+
+
+async def validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    """FastAPI's 422 for a refused request, echoing no input JSON cannot encode."""
+    errors = jsonable_encoder(exc.errors())
+    for error in errors:
+        if "input" in error and not _encodable(error["input"]):
+            del error["input"]
+        if "ctx" in error and not _encodable(error["ctx"]):
+            del error["ctx"]
+        error["loc"], error["msg"] = _utf8(error["loc"]), _utf8(error["msg"])  # a key is a loc
+    return JSONResponse({"detail": errors}, status_code=422)

@@ -41,7 +41,7 @@ from pydantic import (
 
 from coordinator.engine.faults import FaultActuator, parse_fault
 from coordinator.engine.spec import DataPlacement, JobSpec
-from coordinator.service.api.deps import ManagerDep, ReadAuth, StoreDep, WriteAuth
+from coordinator.service.api.deps import ManagerDep, ReadAuth, RegistryDep, StoreDep, WriteAuth
 from coordinator.service.api.routes.errors import (
     AUTH,
     CONFLICT,
@@ -49,11 +49,13 @@ from coordinator.service.api.routes.errors import (
     NOT_IMPLEMENTED,
     unprocessable,
 )
+from coordinator.service.registry import DeviceRegistry
 from coordinator.service.store.sqlite import JobRecord
 from edge.config import BatchSize, Microbatches, ReplicateEvery, Steps, TrainConfig
 from edge.errors import UserError, describe_validation_error
 from edge.models.datasets import DATASETS, build_dataset
 from edge.models.zoo import get_model
+from edge.runtime.data import check_data_fits
 
 __all__ = ["router"]
 
@@ -179,19 +181,22 @@ def _job_or_404(store: Any, job_id: str) -> JobRecord:
 
 
 @router.post("", response_model=JobPublic, status_code=201, dependencies=[WriteAuth])
-def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPublic:
+def create_job(
+    body: JobCreate, store: StoreDep, manager: ManagerDep, registry: RegistryDep
+) -> JobPublic:
     """Queue a job; it is planned over the online devices when its turn comes."""
     try:
         model = get_model(body.model, **body.model_options)
         dataset, options = body.resolve_data()
     except UserError as exc:
         raise unprocessable(["body", "model"], exc.message) from None
+    given = body.dataset_options is not None and dataset in DATASETS
+    data_field = "dataset_options" if given else "dataset"
     try:  # checked here, as the model is, not on the devices; and the size for epochs
-        size = len(build_dataset(dataset, "train", **options))  # type: ignore[arg-type]
+        data = build_dataset(dataset, "train", **options)
     except UserError as exc:
-        given = body.dataset_options is not None and dataset in DATASETS
-        field = "dataset_options" if given else "dataset"
-        raise unprocessable(["body", field], exc.message) from None
+        raise unprocessable(["body", data_field], exc.message) from None
+    size = len(data)  # type: ignore[arg-type]
     steps = body.steps or max(1, round((body.epochs or 1) * size / body.batch_size))
     replicate_every = body.replicate_every
     if replicate_every is None:
@@ -221,8 +226,32 @@ def create_job(body: JobCreate, store: StoreDep, manager: ManagerDep) -> JobPubl
         raise unprocessable(["body", "epochs"], describe_validation_error(exc, "job")) from None
     _check_stages(body, model.num_units)
     _check_faults(body, steps, manager.actuator)
+    if body.data is None:
+        _check_data_memory(body, data, dataset, registry, data_field)
     job = manager.submit(spec, body.devices)
     return _public(_job_or_404(store, job))
+
+
+def _check_data_memory(
+    body: JobCreate, data: Any, name: str, registry: DeviceRegistry, field: str
+) -> None:
+    """A 422 naming ``field`` when the data stage 0 reads ([Note: options are data];
+    :func:`edge.runtime.data.data_bytes`) needs more memory than any device that may run
+    stage 0 announces: ``pin_first``, else the devices the job may use, else every
+    known device. With none known yet, the device given stage 0 refuses it itself."""
+    may = {body.pin_first} if body.pin_first is not None else body.devices
+    memory = [
+        float(d.profile.get("memory_bytes") or 0)
+        for d in registry.devices()
+        if d.profile is not None and (may is None or d.id in may)
+    ]
+    if not memory:
+        return
+    whose = "any device that may run its stage 0 announces"
+    try:
+        check_data_fits(data, name, int(max(memory)), whose)
+    except UserError as exc:
+        raise unprocessable(["body", field], exc.message) from None
 
 
 def _check_data(body: JobCreate, units: int, replicate_every: int) -> None:

@@ -11,6 +11,7 @@ of a JSON file, is refused: a client must not make the coordinator read its file
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 from fastapi import APIRouter
@@ -21,6 +22,7 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -32,7 +34,14 @@ from coordinator.planner.simulator import simulate
 from coordinator.service.api.deps import RegistryDep, WriteAuth
 from coordinator.service.api.routes.errors import AUTH, unprocessable
 from coordinator.service.api.routes.jobs import zoo_model_name
-from edge.config import BatchSize, Microbatches, ModelName, Schedule, check_batch_split
+from edge.config import (
+    BatchSize,
+    Microbatches,
+    ModelName,
+    Schedule,
+    check_batch_split,
+    check_model_options_field,
+)
 from edge.errors import UserError
 from edge.problem import DeviceSpec
 
@@ -59,6 +68,16 @@ class DeviceCreate(DeviceSpec):
     """Link to the network, megabits per second, each way."""
     latency_ms: Annotated[float, _within(0, 1e6)]
     """One-way latency of that link, milliseconds."""
+
+    @field_validator("details")
+    @classmethod
+    def _json_details(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # Free-form but JSON: a NaN in them is not JSON, whatever Python's parser reads.
+        try:
+            json.dumps(value, allow_nan=False)
+        except ValueError:
+            raise ValueError("details hold a number that is not finite") from None
+        return value
 
 
 def _named_device(item: str) -> str:
@@ -106,6 +125,11 @@ class PlanCreate(BaseModel):
     @classmethod
     def _zoo_only(cls, value: str) -> str:
         return zoo_model_name(value)
+
+    @field_validator("model_options")
+    @classmethod
+    def _options(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        return check_model_options_field(info.data.get("model"), value)
 
     @model_validator(mode="after")
     def _check(self) -> PlanCreate:

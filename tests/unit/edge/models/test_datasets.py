@@ -137,9 +137,9 @@ def test_synthetic_images_shape_labels_and_learnable_across_splits() -> None:
     ("options", "message"),
     [
         ({"size": 0}, "size must be >= 1"),
-        ({"shape": "abc"}, "shape must be a list"),
+        ({"shape": "abc"}, "option shape: input should be a valid array"),
         ({"shape": [3, -1]}, "shape must be >= 1"),
-        ({"num_classes": 2.5}, "num_classes must be an integer"),
+        ({"num_classes": 2.5}, "option num_classes: input should be a valid integer"),
         ({"colour": True}, "unknown option 'colour'"),
         # Bounded: a sample or a class table must not allocate without limit.
         ({"shape": [65536] * 8}, r"shape \[65536, .*\] has more than 16777216 elements"),

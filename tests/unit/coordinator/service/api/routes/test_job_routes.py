@@ -139,10 +139,24 @@ def test_onnx_without_the_export_extra_is_a_501_naming_it(
         ),
         (
             {"model_options": {"depth": 10**9}},
-            "model",
+            "model_options",
             "model mlp: depth must be an integer from 2 to 1024 (got 1000000000)",
         ),
         ({"model": "nope"}, "model", "model: unknown model 'nope'"),
+        ({"model_options": {"seed": 1}}, "model_options", "model mlp: model_options may not set"),
+        ({"model_options": {"name": "x"}}, "model_options", "model mlp: model_options may not"),
+        ({"model_options": {"allow_code": 1}}, "model_options", "model mlp: model_options may"),
+        ({"model_options": {"hidden": "8"}}, "model_options", "model mlp: option hidden: input"),
+        (
+            {"dataset_options": {"split": "test"}},
+            "dataset_options",
+            "model mlp's dataset: dataset_options may not set 'split'",
+        ),
+        (
+            {"dataset": "synthetic-images", "dataset_options": {"allow_code": ["os"]}},
+            "dataset_options",
+            "dataset 'synthetic-images': dataset_options may not set 'allow_code'",
+        ),
     ],
 )
 def test_model_and_dataset_are_checked_before_a_job_is_queued(

@@ -129,5 +129,5 @@ def test_bad_devices_are_refused(
 
 def test_model_options_out_of_bounds_are_refused(client: TestClient) -> None:
     loc, msg = _refusal(client, ["laptop"], model_options={"depth": 10**9})
-    assert loc == ["body"]
+    assert loc == ["body", "model_options"]
     assert msg == "model mlp: depth must be an integer from 2 to 1024 (got 1000000000)"
