@@ -8,7 +8,7 @@
 - :mod:`coordinator.service.store`: SQLite persistence (schema and queries);
 - :mod:`coordinator.service.events`: the in-process publish/subscribe bus;
 - :mod:`coordinator.service.export`: ONNX export of trained weights (the ``export`` extra);
-- :mod:`coordinator.service.serve`: uvicorn in a background thread;
+- :mod:`coordinator.service.serve`: uvicorn, in the foreground or a background thread;
 - :mod:`coordinator.service.dashboard`: the static dashboard.
 
 Importing this package imports neither FastAPI nor the database.

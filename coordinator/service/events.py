@@ -5,6 +5,11 @@ Producers (the device registry on the MQTT thread, job workers) call
 Server-Sent-Events stream, one per browser) each get a bounded queue. A slow
 consumer loses its oldest events rather than slowing producers down: live
 views are refreshed from the REST API anyway, events only say what changed.
+
+:meth:`EventBus.close` ends every subscription, and any made after it: a stopping
+server closes the bus first, so that every open stream ends before the server waits
+for its connections (see [Note: event streams end on shutdown] in
+:mod:`coordinator.service.serve`).
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ class EventBus:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.queue_size = queue_size
+        self.closed = False
 
     def publish(self, kind: str, data: dict[str, Any]) -> Event:
         with self._lock:
@@ -81,9 +87,13 @@ class EventBus:
         return event
 
     def subscribe(self) -> Subscription:
+        """A new consumer's subscription; already closed when the bus is."""
         sub = Subscription(self, self.queue_size)
         with self._lock:
-            self._subs.add(sub)
+            if not self.closed:
+                self._subs.add(sub)
+                return sub
+        sub.closed = True
         return sub
 
     def _unsubscribe(self, sub: Subscription) -> None:
@@ -91,7 +101,9 @@ class EventBus:
             self._subs.discard(sub)
 
     def close(self) -> None:
+        """Close every subscription, and every one made later; idempotent."""
         with self._lock:
+            self.closed = True
             subs = list(self._subs)
         for sub in subs:
             sub.close()

@@ -56,9 +56,7 @@ def coordinator_command(
     from edge.logs import setup_logging
 
     with needs_coordinator_extras("edgetrain coordinator"):
-        import uvicorn
-
-        from coordinator.service.app import create_app
+        from coordinator.service.serve import serve
         from coordinator.service.settings import get_settings
 
     settings = get_settings(
@@ -70,12 +68,6 @@ def coordinator_command(
         testbed_state=testbed_state,
     )
     setup_logging(log_level)
-    # log_config=None: uvicorn leaves logging as set up here, and its own loggers
-    # (uvicorn.error, uvicorn.access) propagate to the JSON handler.
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level=log_level.lower(),
-        log_config=None,
-    )
+    # uvicorn leaves logging as set up here (coordinator.service.serve), and its own
+    # loggers (uvicorn.error, uvicorn.access) propagate to the JSON handler.
+    serve(settings, log_level.lower())

@@ -65,7 +65,8 @@ async def events(services: ServicesDep) -> StreamingResponse:
     sub = services.bus.subscribe()
 
     async def stream() -> AsyncIterator[str]:
-        # See [Note: event streams hold no thread].
+        # See [Note: event streams hold no thread]; the subscription closes when the
+        # server stops ([Note: event streams end on shutdown] in coordinator.service.serve).
         try:
             yield ": connected\n\n"
             idle = 0.0
