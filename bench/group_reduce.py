@@ -42,7 +42,7 @@ import torch
 from coordinator.engine.spec import JobSpec
 from coordinator.local.owned import start_owned_broker
 from edge.runtime.group_sum import GroupSum
-from edge.transport.base import Inbox
+from edge.transport.inbox import Inbox
 from edge.transport.mqtt import MqttSettings, MqttTransport
 from edge.wire.groups import sum_traffic
 from edge.wire.messages import StageAssignment

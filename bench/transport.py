@@ -201,7 +201,7 @@ def _edgetrain_receiver(port: int, _size: int, max_s: float, tls: str | None = N
             return False
         # No forget_before once a step is done, as the runtime does: that would close
         # the inbox to all but two steps, and the bench sends up to 8 steps ahead,
-        # which a pipeline never does ([Note: bounded inboxes] in edge.transport.base).
+        # which a pipeline never does ([Note: bounded inboxes] in edge.transport.inbox).
         return True
 
     return Receiver(recv, receiver.close)

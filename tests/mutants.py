@@ -195,7 +195,7 @@ MUTANTS = [
     Mutant(
         name="duplicate-frame-accepted",
         what="an inbox accepts a frame whose key it has already seen",
-        path="edge/transport/base.py",
+        path="edge/transport/inbox.py",
         old='or ("duplicate" if head.key in self._seen else None)',
         new="or None",
         tests=("tests/integration/test_transport_conformance.py",),
@@ -345,7 +345,7 @@ MUTANTS = [
     Mutant(
         name="shape-check-skipped",
         what="an inbox keeps a frame whatever shape and dtype its stage's plan implies",
-        path="edge/transport/base.py",
+        path="edge/transport/inbox.py",
         old="or self._mismatch(head.kind, head.shape, head.dtype, head.samples)",
         new="or None",
         tests=(
@@ -482,7 +482,7 @@ MUTANTS = [
     Mutant(
         name="group-chunk-trusts-claim",
         what="a group member takes a gradient chunk as the member it claims, whatever its topic",
-        path="edge/transport/base.py",
+        path="edge/transport/inbox.py",
         old="if head.kind in _BY_MEMBER and head.microbatch != sender:",
         new="if False:",
         tests=(

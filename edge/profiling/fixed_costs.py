@@ -61,7 +61,7 @@ from edge.errors import UserError
 from edge.problem import DeviceSpec
 from edge.runtime.group_sum import PIECE_BYTES
 from edge.runtime.stage import StageRuntime
-from edge.transport.base import Expected, Inbox
+from edge.transport.inbox import Expected, Inbox
 from edge.transport.inprocess import InProcessTransport
 from edge.wire.frames import Codec, Kind, decode_frame, encode_frame
 from edge.wire.messages import StageAssignment

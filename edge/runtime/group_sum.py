@@ -51,7 +51,8 @@ import time
 
 import torch
 
-from edge.transport.base import Channel, Expected, Inbox, Transport
+from edge.transport.base import Channel, Transport
+from edge.transport.inbox import Expected, Inbox
 from edge.wire.frames import Codec, Kind, encode_frame
 from edge.wire.groups import chunk_size
 from edge.wire.messages import StageAssignment

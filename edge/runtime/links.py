@@ -23,7 +23,7 @@ the stage holds at most one unit beyond its own segment. That costs one
 microbatch's forward pass, once. (The ``meta`` device would compute nothing,
 but its first use imports sympy and torch's compiler stack: seconds and ~80 MB
 on a small device.) The inbox then refuses anything else ([Note: bounded
-inboxes] in :mod:`edge.transport.base`).
+inboxes] in :mod:`edge.transport.inbox`).
 
 Under ``precision="bf16"`` autocast decides per operation whether an output is
 ``bfloat16`` or ``float32``, differently on each device type: a floating link
@@ -44,7 +44,7 @@ from torch.utils.data import Dataset
 from edge.models.datasets import build_dataset
 from edge.models.zoo import ModelSpec
 from edge.runtime.data import collate
-from edge.transport.base import Expected
+from edge.transport.inbox import Expected
 from edge.wire.frames import Kind
 from edge.wire.groups import blocks, pieces
 from edge.wire.messages import StageAssignment

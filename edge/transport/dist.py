@@ -42,6 +42,10 @@ gradient all-reduce, the heavy collective, uses NCCL there. Receiving in
 threads while the stage sends from its own is safe with gloo, whose
 point-to-point operations are independent per call; NCCL orders operations per
 communicator, and threads on two ranks would post them in different orders.
+
+Tested in tests/unit/edge/transport/test_dist_transport.py (each stage's streams),
+tests/integration/test_dist_transport_ranks.py (refusals; frames between two spawned
+ranks) and tests/integration/test_transport_conformance.py::TestDistTransport.
 """
 
 from __future__ import annotations
@@ -55,7 +59,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from edge.transport.base import Channel, Inbox
+from edge.transport.base import Channel
+from edge.transport.inbox import Inbox
 
 __all__ = ["DistTransport", "Route"]
 

@@ -2,7 +2,7 @@
 
 This module owns :class:`InProcessTransport`, one object shared by every stage
 in the process. :meth:`~InProcessTransport.send` hands the encoded bytes to the
-destination's :meth:`Inbox.deliver <edge.transport.base.Inbox.deliver>` in the
+destination's :meth:`Inbox.deliver <edge.transport.inbox.Inbox.deliver>` in the
 sender's thread, so every frame is decoded and checked exactly as one that came
 over the wire, and codecs behave as they do between devices.
 
@@ -13,6 +13,8 @@ a group's ``gather`` channel goes to every member of the stage but its sender, a
 many as the sender said its group has when it attached. This is
 stronger than MQTT gives (see :mod:`edge.transport.mqtt`); the runtime must not
 rely on it, it only makes local runs forgiving.
+
+Tested in tests/integration/test_transport_conformance.py::TestInProcessTransport.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import logging
 import threading
 from collections import Counter, deque
 
-from edge.transport.base import Channel, Inbox
+from edge.transport.base import Channel
+from edge.transport.inbox import Inbox
 
 __all__ = ["DEFAULT_BUFFER_FRAMES", "InProcessTransport"]
 

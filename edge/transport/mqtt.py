@@ -14,8 +14,8 @@ stage's subscription is lost: :meth:`MqttTransport.attach` returns only after
 the SUBACK, and the runtime attaches every stage before any stage sends. On
 every (re)connect all subscriptions are made again, before paho resends the
 QoS-1 messages it kept for us; those may then arrive twice, which the inbox
-ignores ([Note: QoS and ordering]). Frames sent *to* us while we were away are
-gone, and the ``take`` that waits for one times out.
+ignores ([Note: QoS and ordering] in :mod:`edge.transport.inbox`). Frames sent
+*to* us while we were away are gone, and the ``take`` that waits for one times out.
 
 Sending never waits for the network. paho holds up to ``max_queued`` QoS-1
 messages (in flight, or waiting while disconnected) by reference, so memory is
@@ -40,6 +40,10 @@ queues the frame on the shaper's up direction, whose thread publishes it when
 the emulated link would have carried it; frames for attached stages wait in
 the down direction before reaching their inbox. Control messages are never
 shaped. Without those settings there is no shaper, thread or copy at all.
+
+Tested in tests/integration/test_transport_conformance.py::TestMqttTransport (and the
+tests after it there: reconnects, broker URLs, credentials), on a real Mosquitto; the
+emulated link in tests/integration/test_shaping_mqtt.py.
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ from typing import Any, cast
 import paho.mqtt.client as mqtt
 
 from edge.errors import UserError
-from edge.transport.base import Channel, Inbox
+from edge.transport.base import Channel
+from edge.transport.inbox import Inbox
 from edge.transport.settings import MqttSettings, new_client, parse_broker_url
 from edge.transport.shaping import LinkShaper
 from edge.wire.topics import parse_stage_topic, stage_topic

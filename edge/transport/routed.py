@@ -6,12 +6,18 @@ MQTT and talks to its fellow servers over c10d. :class:`RoutedTransport` gives
 such a stage one :class:`~edge.transport.base.Transport`: one inbox, filled by
 both wires, and each frame sent on the wire that reaches its destination (the
 group's route says which stages are servers).
+
+Tested in tests/integration/test_transport_conformance.py::TestRoutedTransportToAServer,
+::TestRoutedTransportToAnEdgeDevice and
+::test_a_routed_stage_takes_from_both_wires_and_sends_each_frame_on_its_own; whole
+hybrid jobs in tests/e2e/test_hybrid.py.
 """
 
 from __future__ import annotations
 
-from edge.transport.base import Channel, Inbox, Transport
+from edge.transport.base import Channel, Transport
 from edge.transport.dist import DistTransport
+from edge.transport.inbox import Inbox
 
 __all__ = ["RoutedTransport"]
 

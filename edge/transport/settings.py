@@ -4,6 +4,11 @@ Shared by the MQTT transport (:mod:`edge.transport.mqtt`), the device
 profiler's link probe and the command line, so a broker is named the same way
 everywhere. The ``link_*`` settings turn on software link shaping
 (:mod:`edge.transport.shaping`) for emulated devices.
+
+Tested in tests/integration/test_transport_conformance.py::test_broker_urls and
+::test_a_bad_broker_url_is_a_one_line_user_error, the link settings in
+tests/unit/edge/transport/test_shaping.py::test_settings_refuse_a_bad_link, and TLS in
+tests/integration/test_mqtt5_clients.py.
 """
 
 from __future__ import annotations

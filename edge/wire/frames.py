@@ -59,10 +59,13 @@ is two calls: :func:`read_header` checks every header field against the bytes
 that arrived (and against a maximum frame size) without touching the payload,
 and :func:`decode_body` then verifies the checksum and makes the tensor. In
 between, the receiver can refuse the frame by its header alone (a step it does
-not expect, a shape its plan does not imply; see :class:`edge.transport.base.Inbox`).
+not expect, a shape its plan does not imply; see :class:`edge.transport.inbox.Inbox`).
 A decoded tensor is at most 4x its payload: an ``int8`` frame decodes to
 ``float32`` (or to the narrower dtype its header names), never ``float64``
 (:func:`decoded_dtype`).
+
+Tested in tests/unit/edge/wire/test_protocol.py (round trips, refusals, fuzzing) and
+tests/unit/edge/wire/test_codec_range.py (each codec over its whole range).
 """
 
 from __future__ import annotations

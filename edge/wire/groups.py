@@ -61,6 +61,8 @@ gradients, so a step equals single-device training on the whole batch.
   ``gather`` topics, to those naming it as sender (a ``reduce`` topic to each
   other member, its one ``gather`` topic) (:func:`edge.wire.topics.stage_access`):
   only member ``i`` may publish a chunk from ``i``.
+
+Tested in tests/unit/edge/wire/test_group_contract.py.
 """
 
 from __future__ import annotations

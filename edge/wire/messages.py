@@ -6,6 +6,11 @@ heartbeat go to its own topics. Every message carries a ``type`` field, so one
 parse (:func:`parse_command`, :func:`parse_event`) tells them apart and refuses
 anything else with a one-line reason. Tensors never travel here: see
 :mod:`edge.wire.frames` for the binary frame.
+
+Tested with the code that sends or reads each message, not in a file of its own:
+tests/unit/edge/test_train_config.py (a job's settings refused with the same message
+on the wire), tests/unit/edge/models/test_options.py (an assignment refused at parse
+is still answerable) and tests/unit/edge/runtime/test_unit_times.py (the timing command).
 """
 
 from __future__ import annotations

@@ -36,6 +36,9 @@ restricted (:func:`valid_device_id`) so that they can never be wildcards.
 
 A state's ``step`` is the number of steps done: the state at the start of step
 ``step`` ([Note: the step of a state] in :mod:`edge.runtime.checkpoint`).
+
+Tested in tests/unit/edge/wire/test_protocol.py (topics, job and device ids) and
+tests/unit/edge/wire/test_group_contract.py (each stage's own topics, stage_access).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Three stages of a real job run as threads of this process, each on its own MQTT
 connection to a real Mosquitto (as three devices would); a fourth client, any
 client that can publish on the job's topics, sends what an inbox must refuse
-([Note: bounded inboxes] in :mod:`edge.transport.base`): garbage bytes, a frame
+([Note: bounded inboxes] in :mod:`edge.transport.inbox`): garbage bytes, a frame
 of a few MiB whose header claims a huge shape, frames with a valid header but the
 wrong shape or dtype, frames for steps far outside the window. Those of the
 wrong shape or dtype arrive *before* the real frames of their keys. The job must

@@ -17,7 +17,7 @@ import torch
 from support.mosquitto import Broker
 from test_transport_conformance import Pair, TransportConformance
 
-from edge.transport.base import Inbox
+from edge.transport.inbox import Inbox
 from edge.transport.mqtt import MqttSettings, MqttTransport
 from edge.wire.frames import Codec, Kind, encode_frame
 
@@ -160,6 +160,9 @@ def test_a_full_link_queue_raises_at_send(connect: Callable[..., MqttTransport])
 
 class TestShapedMqttTransport(TransportConformance):
     """The transport contract holds with shaping on both devices' links."""
+
+    kind = MqttTransport
+    names = ("mqtt", "mqtt")
 
     @pytest.fixture
     def pair(self, connect: Callable[..., MqttTransport]) -> Pair:

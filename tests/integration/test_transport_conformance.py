@@ -1,11 +1,23 @@
 """Every tensor transport behaves the same: one conformance class, run per implementation.
 
 :class:`TransportConformance` holds the behaviour the runtime relies on; each
-``Test*`` subclass supplies a ``pair`` fixture of two endpoints of one transport
-(the in-process transport: one shared object; MQTT: two clients of a real
-Mosquitto, as two devices would be). What differs by design, frames sent before
-the receiver attaches, is tested per implementation, and so are MQTT's own
-concerns: reconnecting, URLs, credentials, control traffic on the same client.
+``Test*`` subclass supplies a ``pair`` fixture of two endpoints of one transport:
+
+- in-process: one shared object;
+- MQTT: two clients of a real Mosquitto, as two devices would be (and again with
+  an emulated link on both: tests/integration/test_shaping_mqtt.py);
+- dist (torch.distributed): this process is rank 1 of a gloo world of two, and
+  ``a`` is a real ``DistTransport`` on rank 0, in a process of its own
+  (support.dist_peer, [Note: the neighbour follows] there);
+- routed: a server stage (``b``) whose neighbour ``a`` is another server, over
+  dist, or an edge device, over the other transport (in-process here).
+
+Where a behaviour cannot apply to a transport, the class says so in ``lacks``, with
+the reason, and the tests that need it are reported as skipped with that reason
+(see :data:`CAPABILITIES`). What differs by design, frames sent before the
+receiver attaches, is tested per implementation, and so are MQTT's own concerns:
+reconnecting, URLs, credentials, control traffic on the same client; and the
+routed transport's: one inbox filled by both wires.
 """
 
 from __future__ import annotations
@@ -16,19 +28,23 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import ClassVar, Literal, NamedTuple, TypeVar
 
 import pytest
 import torch
+from support.dist_peer import DistPeer, dist_peer
 from support.markers import NO_MOSQUITTO
 from support.mosquitto import Broker, find_mosquitto, free_port, mosquitto_broker
 
 from edge.errors import UserError
-from edge.transport.base import Inbox, InboxClosed, Transport
+from edge.transport.base import Transport
+from edge.transport.dist import DistTransport, Route
+from edge.transport.inbox import Inbox, InboxClosed
 from edge.transport.inprocess import InProcessTransport
 from edge.transport.mqtt import MqttSettings, MqttTransport, parse_broker_url
+from edge.transport.routed import RoutedTransport
 from edge.wire.frames import Codec, Kind, encode_frame
 
 JOB = "job-7"
@@ -40,6 +56,30 @@ class Pair(NamedTuple):
 
     a: Transport
     b: Transport
+
+
+Capability = Literal["two-jobs", "groups", "any-channel"]
+CAPABILITIES: dict[Capability, str] = {
+    "two-jobs": "stages of two jobs attached side by side on one endpoint, each fed its own",
+    "groups": "a stage run by a group on these endpoints: members addressed one by one, "
+    "and the reduce and gather channels",
+    "any-channel": "an endpoint may send a stage a frame on any channel (the garbage test "
+    "sends an activation on the gradient channel; without it, a gradient on the "
+    "activation channel)",
+}
+"""What a transport may lack, by name; :attr:`TransportConformance.lacks` says which, and why."""
+
+_Test = TypeVar("_Test", bound=Callable[..., None])
+
+
+def needs(capability: Capability) -> Callable[[_Test], _Test]:
+    """Mark a conformance test as applying only to transports with ``capability``."""
+
+    def mark(test: _Test) -> _Test:
+        test.needs = capability  # type: ignore[attr-defined]
+        return test
+
+    return mark
 
 
 def eventually(check: Callable[[], bool], timeout: float = WAIT_S) -> bool:
@@ -59,9 +99,25 @@ def frame(kind: Kind, step: int, mb: int, tensor: torch.Tensor, job: str = JOB) 
 class TransportConformance:
     """The contract of :class:`edge.transport.base.Transport`; subclasses provide ``pair``."""
 
+    kind: ClassVar[type]
+    """The class of ``b``, the endpoint under test."""
+    names: ClassVar[tuple[str, str]]
+    """The ``name`` of ``a`` and of ``b``."""
+    lacks: ClassVar[Mapping[Capability, str]] = {}
+    """The :data:`CAPABILITIES` this transport does not have, each with why."""
+
+    @pytest.fixture(autouse=True)
+    def _applies(self, request: pytest.FixtureRequest) -> None:
+        """Skip, with the transport's reason, a test that needs what it lacks (before its
+        pair is made)."""
+        capability = getattr(request.function, "needs", None)
+        if capability in self.lacks:
+            pytest.skip(f"{type(self).__name__} lacks {capability!r}: {self.lacks[capability]}")
+
     def test_is_a_transport(self, pair: Pair) -> None:
         assert isinstance(pair.a, Transport) and isinstance(pair.b, Transport)
-        assert pair.a.name in ("inprocess", "mqtt")
+        assert isinstance(pair.b, self.kind)
+        assert (pair.a.name, pair.b.name) == self.names
 
     def test_round_trip_of_activations_labels_and_gradients(self, pair: Pair) -> None:
         in0, in1 = pair.a.attach(JOB, 0), pair.b.attach(JOB, 1)
@@ -120,7 +176,10 @@ class TransportConformance:
         corrupt = bytearray(good)
         corrupt[-1] ^= 0xFF
         pair.a.send(JOB, 1, "fwd", bytes(corrupt))
-        pair.a.send(JOB, 1, "bwd", good)  # an activation on the gradient channel
+        if "any-channel" not in self.lacks:
+            pair.a.send(JOB, 1, "bwd", good)  # an activation on the gradient channel
+        else:  # stage 1 hears gradients from stage 2 only: a gradient where activations go
+            pair.a.send(JOB, 1, "fwd", frame(Kind.GRADIENT, 0, 0, torch.ones(5)))
         pair.a.send(JOB, 1, "fwd", good)
         assert torch.equal(inbox.take(Kind.ACTIVATION, 0, 0, timeout=WAIT_S).tensor, torch.ones(5))
         want = {"bad-magic": 1, "truncated": 1, "bad-checksum": 1, "wrong-kind": 1}
@@ -165,6 +224,7 @@ class TransportConformance:
         got = inbox.take(Kind.ACTIVATION, 0, 0, timeout=30.0)
         assert got.tensor.shape == big.shape and torch.equal(got.tensor, big)
 
+    @needs("two-jobs")
     def test_stages_of_two_jobs_do_not_mix(self, pair: Pair) -> None:
         mine, theirs = pair.b.attach(JOB, 1), pair.b.attach("job-8", 1)
         pair.a.send("job-8", 1, "fwd", frame(Kind.ACTIVATION, 0, 0, torch.ones(1), job="job-8"))
@@ -172,6 +232,7 @@ class TransportConformance:
         assert torch.equal(theirs.take(Kind.ACTIVATION, 0, 0, timeout=WAIT_S).tensor, torch.ones(1))
         assert torch.equal(mine.take(Kind.ACTIVATION, 0, 0, timeout=WAIT_S).tensor, torch.zeros(1))
 
+    @needs("groups")
     def test_members_of_a_group_are_addressed_one_by_one(self, pair: Pair) -> None:
         """Two members of stage 1: each gets only its own pieces, and its group's chunks
         on the reduce channel; the same member twice is an error."""
@@ -192,6 +253,7 @@ class TransportConformance:
         pair.b.detach(JOB, 1, 1)
         assert second.closed and not first.closed
 
+    @needs("groups")
     def test_a_gather_chunk_is_sent_once_and_reaches_every_other_member(self, pair: Pair) -> None:
         """A group of three on stage 1, member 1 on ``a`` and members 0 and 2 on ``b``: one
         send on member 1's gather topic reaches 0 and 2, not 1; it still reaches 2 once 0
@@ -232,6 +294,9 @@ class TransportConformance:
 
 
 class TestInProcessTransport(TransportConformance):
+    kind = InProcessTransport
+    names = ("inprocess", "inprocess")
+
     @pytest.fixture
     def pair(self) -> Iterator[Pair]:
         transport = InProcessTransport()
@@ -291,6 +356,9 @@ def connect() -> Iterator[Callable[..., MqttTransport]]:
 
 @pytest.mark.broker
 class TestMqttTransport(TransportConformance):
+    kind = MqttTransport
+    names = ("mqtt", "mqtt")
+
     @pytest.fixture
     def pair(self, mosquitto: Broker, connect: Callable[..., MqttTransport]) -> Pair:
         return Pair(connect(mosquitto.url), connect(mosquitto.url))
@@ -472,3 +540,123 @@ def test_credentials_are_checked(
         good.send(JOB, 1, "fwd", frame(Kind.ACTIVATION, 0, 0, torch.ones(1)))
         inbox.take(Kind.ACTIVATION, 0, 0, timeout=WAIT_S)
         assert "s3cret" not in repr(good.settings)
+
+
+# -- torch.distributed, and a routed stage on it --------------------------------------------
+
+ROUTE = Route(2, {0: 0, 1: 1})
+"""Stage 0 on the peer (rank 0), stage 1 here (rank 1)."""
+_ONE_JOB = (
+    "each stream is one (source rank, tag) pair whatever the job: a second job's stage "
+    "would read the first one's frames (a torch.distributed group serves one job, "
+    "edge.server.groups)"
+)
+_NEIGHBOURS_ONLY = (
+    "a channel is a stream from one neighbour: stage 1 hears gradients only from stage 2"
+)
+
+
+@pytest.fixture(scope="module")
+def peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DistPeer]:
+    """This process as rank 1 of a gloo world whose rank 0 is a peer process, for the module."""
+    with dist_peer(str(tmp_path_factory.mktemp("dist") / "store")) as it:
+        yield it
+
+
+class TestDistTransport(TransportConformance):
+    kind = DistTransport
+    names = ("dist", "dist")
+    lacks: ClassVar[Mapping[Capability, str]] = {
+        "two-jobs": _ONE_JOB,
+        "groups": "each member of a group is a rank of its own, and the group sums its "
+        "gradients with a collective, not with frames (edge.transport.dist; groups over "
+        "dist: tests/e2e/test_dist_group_parity.py)",
+        "any-channel": _NEIGHBOURS_ONLY,
+    }
+
+    @pytest.fixture
+    def pair(self, peer: DistPeer) -> Iterator[Pair]:
+        own = DistTransport(ROUTE, join_timeout_s=WAIT_S)
+        neighbour = peer.neighbour(ROUTE, JOB, 0)
+        try:
+            yield Pair(neighbour, own)  # type: ignore[arg-type]
+        finally:
+            neighbour.finish(own, JOB, 1)
+
+
+class TestRoutedTransportToAServer(TransportConformance):
+    """A server stage whose neighbour is another server: every frame over dist."""
+
+    kind = RoutedTransport
+    names = ("dist", "dist+inprocess")
+    lacks: ClassVar[Mapping[Capability, str]] = {
+        "two-jobs": _ONE_JOB,
+        "groups": "a hybrid stage runs on one device (RoutedTransport.attach)",
+        "any-channel": _NEIGHBOURS_ONLY,
+    }
+
+    @pytest.fixture
+    def pair(self, peer: DistPeer) -> Iterator[Pair]:
+        edge = InProcessTransport()
+        own = RoutedTransport(edge, DistTransport(ROUTE, join_timeout_s=WAIT_S))
+        neighbour = peer.neighbour(ROUTE, JOB, 0)
+        try:
+            yield Pair(neighbour, own)  # type: ignore[arg-type]
+        finally:
+            neighbour.finish(own.dist, JOB, 1)
+            edge.close()
+        assert edge.frames_sent == 0  # nothing went the edge's way
+
+
+class TestRoutedTransportToAnEdgeDevice(TransportConformance):
+    """A server stage whose neighbour is an edge device: every frame over the other wire
+    (in-process here; MQTT on a device), none over dist."""
+
+    kind = RoutedTransport
+    names = ("inprocess", "dist+inprocess")
+    lacks: ClassVar[Mapping[Capability, str]] = {
+        "groups": "a hybrid stage runs on one device (RoutedTransport.attach)"
+    }
+
+    @pytest.fixture
+    def pair(self, peer: DistPeer) -> Iterator[Pair]:
+        edge = InProcessTransport()
+        servers = DistTransport(Route(2, {1: 1}))  # stage 0 is not in the dist job
+        own = RoutedTransport(edge, servers)
+        try:
+            yield Pair(edge, own)
+        finally:
+            own.close()
+            edge.close()
+        assert servers.frames_sent == 0  # nothing went the servers' way
+
+
+def test_a_routed_stage_takes_from_both_wires_and_sends_each_frame_on_its_own(
+    peer: DistPeer,
+) -> None:
+    """Stage 0 an edge device (in-process), stage 1 here (routed), stage 2 the peer (dist):
+    stage 1's one inbox gets stage 0's activations and stage 2's gradients, and what it
+    sends to each goes on the wire that reaches it."""
+    route = Route(3, {1: 1, 2: 0})
+    edge = InProcessTransport()
+    own = RoutedTransport(edge, DistTransport(route, join_timeout_s=WAIT_S))
+    neighbour = peer.neighbour(route, JOB, 2)
+    try:
+        device, inbox = edge.attach(JOB, 0), own.attach(JOB, 1)
+        edge.send(JOB, 1, "fwd", frame(Kind.ACTIVATION, 0, 0, torch.ones(3)))
+        neighbour.send(JOB, 1, "bwd", frame(Kind.GRADIENT, 0, 0, torch.full((3,), 2.0)))
+        got = inbox.take(Kind.ACTIVATION, 0, 0, timeout=WAIT_S).tensor
+        assert torch.equal(got, torch.ones(3))
+        got = inbox.take(Kind.GRADIENT, 0, 0, timeout=WAIT_S).tensor
+        assert torch.equal(got, torch.full((3,), 2.0))
+        own.send(JOB, 2, "fwd", frame(Kind.ACTIVATION, 0, 1, torch.full((2,), 3.0)))
+        own.send(JOB, 0, "bwd", frame(Kind.GRADIENT, 0, 1, torch.full((2,), 4.0)))
+        got = neighbour.attach(JOB, 2).take(Kind.ACTIVATION, 0, 1, timeout=WAIT_S).tensor
+        assert torch.equal(got, torch.full((2,), 3.0))
+        got = device.take(Kind.GRADIENT, 0, 1, timeout=WAIT_S).tensor
+        assert torch.equal(got, torch.full((2,), 4.0))
+        assert own.dist.frames_sent == 1 and edge.frames_sent == 2  # one each way on each
+        assert inbox.frames_received == 2 and not inbox.dropped
+    finally:
+        neighbour.finish(own.dist, JOB, 1)
+        edge.close()

@@ -26,7 +26,8 @@ import pytest
 from coordinator.planner.score import Plan
 from coordinator.planner.simulator import simulate
 from edge.problem import PlanningProblem
-from edge.transport.base import Channel, Inbox
+from edge.transport.base import Channel
+from edge.transport.inbox import Inbox
 from edge.transport.inprocess import InProcessTransport
 from edge.wire.frames import Frame, Kind, read_header
 

@@ -15,7 +15,7 @@ from edge.runtime.group_sum import (
     GroupSum,
     piece_elements,
 )
-from edge.transport.base import Inbox
+from edge.transport.inbox import Inbox
 from edge.transport.inprocess import InProcessTransport
 from edge.wire.frames import prefix_size
 from edge.wire.groups import split_samples, sum_waits

@@ -16,7 +16,7 @@ import torch
 from edge.models.zoo import get_model
 from edge.runtime.links import expected_frames, microbatch_size
 from edge.runtime.stage import StageRuntime
-from edge.transport.base import Expected
+from edge.transport.inbox import Expected
 from edge.transport.inprocess import InProcessTransport
 from edge.wire.frames import Codec, Kind, encode_frame
 from edge.wire.messages import StageAssignment

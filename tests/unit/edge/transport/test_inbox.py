@@ -1,4 +1,4 @@
-"""The inbox keeps only what its stage can use (edge/transport/base.py, [Note: bounded inboxes]).
+"""The inbox keeps only what its stage can use (edge/transport/inbox.py, [Note: bounded inboxes]).
 
 Frames are delivered straight to an :class:`Inbox`, as every transport does; a
 refused frame must be counted by its reason and must never stand in for the
@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.transport.base import Channel, Expected, Inbox, InboxClosed
+from edge.transport.base import Channel
+from edge.transport.inbox import Expected, Inbox, InboxClosed
 from edge.wire.frames import Codec, Kind, encode_frame, prefix_size
 
 JOB = "job-7"
