@@ -71,6 +71,10 @@ def _fault_form(text: str) -> str:
 
 
 FaultText = Annotated[str, Field(max_length=100), AfterValidator(_fault_form)]
+DeviceName = Annotated[str, Field(min_length=1, max_length=128)]
+"""A device's id as a job names it. Its bounds make pydantic read it as Unicode text, so a
+lone surrogate (``"\\ud800"``, which Python's JSON parser gives) is a 422 here rather
+than a stored job that no response can carry."""
 
 
 class JobCreate(TrainConfig):
@@ -81,9 +85,9 @@ class JobCreate(TrainConfig):
     epochs: float | None = Field(default=None, gt=0, le=10_000)
     batch_size: BatchSize = 32
     microbatches: Microbatches = 4
-    devices: list[str] | None = None
+    devices: list[DeviceName] | None = None
     """Devices the job may use (all online devices when absent)."""
-    pin_first: str | None = None
+    pin_first: DeviceName | None = None
     """The device that holds the data and must run stage 0."""
     partition: Literal["plan", "even"] = "plan"
     """``plan``: the planner's best plan; ``even``: the units shared out evenly over the
