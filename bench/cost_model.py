@@ -32,6 +32,7 @@ if str(ROOT) not in sys.path:  # run from a checkout: its packages, not an insta
     sys.path.insert(0, str(ROOT))
 
 from coordinator.engine.spec import JobSpec  # noqa: E402
+from coordinator.local.options import LocalTraining  # noqa: E402
 from coordinator.local.train import train_on_local_fleet  # noqa: E402
 from edge.models.zoo import list_models  # noqa: E402
 from edgetrain.cli.signals import exit_on_sigterm  # noqa: E402
@@ -54,7 +55,7 @@ def measured_step_s(reports: list[Any], warmup: int) -> float:
 def run_model(model: str, agents: int, warmup: int) -> dict[str, Any]:
     spec = JobSpec(model=model, steps=STEPS.get(model, 150), batch_size=32, microbatches=4, seed=0)
     started = time.perf_counter()
-    run = train_on_local_fleet(spec, agents, threads=1, rebalance=False)
+    run = train_on_local_fleet(LocalTraining(spec=spec, devices=agents, threads=1, rebalance=False))
     assert run.prediction is not None, "the agents announced no fixed costs"
     measured = measured_step_s(run.result.reports, warmup)
     predicted = run.prediction.step_time_s

@@ -40,11 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's p
 
 from bench.recovery import even_plan, max_rel_diff
 from coordinator.engine.faults import FaultInjector, parse_fault
-from coordinator.engine.resilient import ResilientRun
+from coordinator.engine.options import RunOptions
+from coordinator.engine.resilient import Resilience, ResilientRun
 from coordinator.engine.runners import run_inprocess
 from coordinator.engine.spec import JobSpec
 from coordinator.local.broker import start_broker
-from coordinator.local.fleet import LocalFleet
+from coordinator.local.fleet import AgentRoles, LocalFleet
 from coordinator.planner.score import Plan, Stage
 from edge.models.zoo import get_model
 from edge.transport.mqtt import MqttSettings, MqttTransport
@@ -93,7 +94,9 @@ def run_case(
     control = MqttTransport(MqttSettings(url=url))
     control.connect(timeout=15)
     try:
-        with LocalFleet(sum(sizes), url, threads=1, slowdowns=[slowdown] * sum(sizes)) as fleet:
+        with LocalFleet(
+            sum(sizes), url, threads=1, roles=AgentRoles(slowdowns=[slowdown] * sum(sizes))
+        ) as fleet:
             fleet.wait_online(control, timeout=120)
             plan = _plan(list(fleet.ids), sizes, n_units)
             injector = FaultInjector([parse_fault(fault)], lambda _f, device: fleet.kill(device))
@@ -102,10 +105,8 @@ def run_case(
                 control,
                 lambda alive: _survivors(plan, alive),
                 list(fleet.ids),
-                replicate_every=EVERY,
-                heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
-                faults=injector,
-                timeout_s=600,
+                resilience=Resilience(replicate_every=EVERY, faults=injector),
+                options=RunOptions(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, timeout_s=600),
             ).run(plan)
     finally:
         control.close()

@@ -59,6 +59,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 
 from coordinator.access.accounts import BrokerAccounts
+from coordinator.engine.options import RunOptions
 from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobSpec
 from coordinator.planner.baselines import even_split, ftpipehd, pipedream, single_device
@@ -213,7 +214,7 @@ def measure(
 ) -> tuple[float, list[float]]:
     """Steady-state samples/s of ``plan`` (stage 0's step times after ``warmup`` steps)
     and each stage's mean compute seconds per steady step."""
-    result = run_on_agents(spec, plan, control, timeout_s=1800, access=access)
+    result = run_on_agents(spec, plan, control, options=RunOptions(timeout_s=1800, access=access))
     steady = [r for r in result.reports if r.step >= warmup]
     step_s = statistics.mean(r.step_s for r in steady if r.stage == 0)
     compute = [

@@ -108,6 +108,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 
 from coordinator.engine.engine import group_limits
+from coordinator.engine.options import RunOptions
 from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobSpec
 from coordinator.engine.unit_profiles import (
@@ -379,7 +380,9 @@ def measure(
 ) -> Measured:
     """Run ``plan`` on the testbed's agents; per stage, the means over its members and the
     steps after ``warmup`` (a group's members split each microbatch by ``shares``)."""
-    result = run_on_agents(spec, plan, control, timeout_s=1800, access=tb.accounts, shares=shares)
+    result = run_on_agents(
+        spec, plan, control, shares=shares, options=RunOptions(timeout_s=1800, access=tb.accounts)
+    )
     steady = [r for r in result.reports if r.step >= warmup]
 
     def per_stage(field: str) -> list[float]:

@@ -45,9 +45,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 
 from coordinator.engine.faults import FaultInjector, parse_fault
+from coordinator.engine.options import JobHooks, RunOptions
 from coordinator.engine.replicas import ReplicaStore
-from coordinator.engine.resilient import ResilientRun
-from coordinator.engine.runners import run_inprocess, run_on_agents
+from coordinator.engine.resilient import Resilience, ResilientRun
+from coordinator.engine.runners import Attempt, run_inprocess, run_on_agents
 from coordinator.engine.spec import JobAborted, JobFailed, JobSpec, new_job_id
 from coordinator.engine.watch import DeviceWatch
 from coordinator.local.broker import start_broker
@@ -147,11 +148,11 @@ def run_recovery(case: Case, url: str, reference: dict[str, Any]) -> Run:
                 control,
                 lambda alive: even_plan(alive, n_units),
                 list(fleet.ids),
-                replicate_every=case.replicate_every,
-                heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
-                faults=injector,
-                timeout_s=600,
-                on_attempt=lambda _job, plan, _first: stages.append(len(plan.stages)),
+                resilience=Resilience(replicate_every=case.replicate_every, faults=injector),
+                options=RunOptions(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, timeout_s=600),
+                hooks=JobHooks(
+                    on_attempt=lambda _job, plan, _first: stages.append(len(plan.stages))
+                ),
             ).run(even_plan(fleet.ids, n_units))
             wall = time.perf_counter() - started
     finally:
@@ -198,9 +199,8 @@ def _first_attempt(
                 control,
                 job=job,
                 on_step=on_step,
-                timeout_s=600,
-                replicate_every=case.replicate_every,
-                abort=abort,
+                options=RunOptions(timeout_s=600),
+                attempt=Attempt(replicate_every=case.replicate_every, abort=abort),
             )
             raise RuntimeError(f"{case.model}: the job ended without the kill")
         except JobAborted:
@@ -261,10 +261,10 @@ def run_restart(case: Case, url: str, reference: dict[str, Any], work: Path) -> 
                 control,
                 job=job,
                 on_step=on_step,
-                timeout_s=600,
-                first_step=first,
-                replicate_every=case.replicate_every,
-                restore=restore,
+                options=RunOptions(timeout_s=600),
+                attempt=Attempt(
+                    first_step=first, replicate_every=case.replicate_every, restore=restore
+                ),
             )
             wall = time.perf_counter() - started
     finally:

@@ -183,10 +183,10 @@ MUTANTS = [
         what="the job engine hands the agents the plan's shares only on local data: other "
         "groups split equally",
         path="coordinator/engine/engine.py",
-        old="                access=self.access,\n                shares=planned.shares,",
+        old="                on_step=hooks.on_step,\n                shares=planned.shares,\n",
         new=(
-            "                access=self.access,\n"
-            "                shares=planned.shares if planned.holders else None,"
+            "                on_step=hooks.on_step,\n"
+            "                shares=planned.shares if planned.holders else None,\n"
         ),
         tests=(
             "tests/e2e/test_planned_groups.py::test_the_engine_hands_real_agents_the_plans_unequal_shares",
@@ -230,8 +230,8 @@ MUTANTS = [
         name="service-never-migrates",
         what="a job submitted through the REST API runs without the rebalancer",
         path="coordinator/service/manager.py",
-        old="faults=self._faults_left(job, spec),",
-        new="faults=self._faults_left(job, spec), rebalance=False,",
+        old="faults=tuple(self._faults_left(job, spec)),",
+        new="faults=tuple(self._faults_left(job, spec)), rebalance=False,",
         tests=(
             "tests/e2e/test_migration.py::"
             "test_a_service_job_with_a_slowed_device_migrates_with_the_same_result",
@@ -318,8 +318,8 @@ MUTANTS = [
     Mutant(
         name="agent-ignores-allowance",
         what="an agent builds its stage with the default allowance (any code), not its own",
-        path="edge/agent.py",
-        old="                allow_code=self.allow_code,\n",
+        path="edge/runtime/keeper.py",
+        old="                allow_code=self.settings.allow_code,\n",
         new="",
         tests=(
             "tests/integration/test_agent_allow_code.py::"

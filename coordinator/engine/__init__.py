@@ -2,6 +2,7 @@
 
 - :mod:`coordinator.engine.engine`: :class:`JobEngine`, the one driver of jobs over agents;
 - :mod:`coordinator.engine.spec`: a job's spec, its stage assignments and results;
+- :mod:`coordinator.engine.options`: what a run is told: run options, fault tolerance, hooks;
 - :mod:`coordinator.engine.runners`: where stages run (agents, in-process threads);
 - :mod:`coordinator.engine.resilient`: the attempts loop that survives deaths and migrates;
 - :mod:`coordinator.engine.replicas`: the coordinator's copy of every stage's state;

@@ -13,7 +13,12 @@ hears through :class:`JobHooks`.
   run can train them, within the model's limits (:func:`group_limits`).
   Re-planning after a death with fewer devices than ``stages`` plans one stage
   per device left and says so.
-- **Run**: a job without ``replicate_every`` runs once
+- **Run** (:meth:`JobEngine.run`), as the engine's
+  :class:`~coordinator.engine.options.RunOptions` say. Whether a run has fault
+  tolerance, and how often it replicates, the engine alone decides from the spec and
+  what the run is told (:class:`~coordinator.engine.options.Tolerance`;
+  :meth:`JobEngine.replication`): callers that prepare for it ask
+  :meth:`JobEngine.fault_tolerant`. A run without runs once
   (:func:`~coordinator.engine.runners.run_on_agents`); one with it runs as a
   :class:`~coordinator.engine.resilient.ResilientRun` on a connection of its own
   (its device watch holds that connection's status and heartbeat filters): it
@@ -32,11 +37,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from coordinator.engine.faults import Fault, FaultActuator, FaultInjector, parse_fault
+from coordinator.engine.options import JobHooks, RunOptions, Tolerance
 from coordinator.engine.rebalance import Rebalancer, replication_interval
-from coordinator.engine.replicas import ReplicaStore
-from coordinator.engine.resilient import ResilientResult, ResilientRun
+from coordinator.engine.resilient import PlanNotes, Resilience, ResilientResult, ResilientRun
 from coordinator.engine.runners import run_on_agents
-from coordinator.engine.spec import JobAccess, JobResult, JobSpec, batchnorm_units
+from coordinator.engine.spec import JobResult, JobSpec, batchnorm_units
 from coordinator.engine.unit_profiles import (
     time_units_on_devices,
     timing_request,
@@ -53,13 +58,11 @@ from edge.models.local_data import announced
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, Objective, PlanningProblem
 from edge.transport.mqtt import MqttTransport
-from edge.wire.messages import StepReport
 
 __all__ = [
     "GROUPS_WITH_FAULT_TOLERANCE",
     "Fleet",
     "JobEngine",
-    "JobHooks",
     "JobRun",
     "PlannedJob",
     "group_limits",
@@ -87,22 +90,6 @@ class Fleet(Protocol):
     def available(self, allowed: list[str] | None = None) -> list[DeviceSpec]:
         """Profiles of the online, idle devices (those in ``allowed`` when given)."""
         ...
-
-
-@dataclass
-class JobHooks:
-    """What a caller hears of a job as it runs; every hook is optional."""
-
-    on_step: Callable[[StepReport], None] | None = None
-    """Every stage's report of every step (paho's thread: quick)."""
-    on_plan: Callable[[PlannedJob], None] | None = None
-    """Every plan made for the job: the first and each re-plan after a death."""
-    on_attempt: Callable[[str, Plan, int], None] | None = None
-    """``(attempt job id, plan, first step)`` before each attempt starts."""
-    on_fault: Callable[[Fault, dict[str, Any]], None] | None = None
-    """A fault fired: what was done (``device``, ``done``) or why not (``error``)."""
-    on_join: Callable[[str, bool], None] | None = None
-    """A device started by a ``join`` fault came online (``True``) or did not in time."""
 
 
 @dataclass
@@ -336,7 +323,9 @@ def _data_left(old: Plan, new: Plan) -> dict[str, Any]:
 
 
 class JobEngine:
-    """Drives jobs over the agents of ``fleet`` through the connected ``control``."""
+    """Drives jobs over the agents of ``fleet`` through the connected ``control``, every
+    run as ``options`` say; ``servers()`` gives the fleet's server tier at each run
+    (default: ``options.servers``)."""
 
     def __init__(
         self,
@@ -344,20 +333,16 @@ class JobEngine:
         fleet: Fleet,
         actuator: FaultActuator,
         *,
-        heartbeat_timeout_s: float = 3.0,
-        ready_timeout_s: float = 120.0,
+        options: RunOptions = RunOptions(),
         servers: Callable[[], dict[str, str]] | None = None,
-        access: JobAccess | None = None,
     ) -> None:
         self.control = control
-        self.access = access
-        """The broker's ACLs, when the coordinator manages its accounts: they follow each plan."""
         self.fleet = fleet
         self.actuator = actuator
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.ready_timeout_s = ready_timeout_s
-        self.servers = servers or dict
-        """Device -> host of the server-tier devices, whose stages form one process group."""
+        self.options = options
+        self.servers = servers or (lambda: dict(options.servers))
+        """Device -> torch device of the server-tier devices, whose stages form one process
+        group; asked at each plan and run, as the fleet changes."""
         self._own_units: dict[tuple[str, str], UnitSeconds] = {}
         """(device, what was timed) -> the unit seconds that device timed itself."""
         self._own_units_lock = threading.Lock()
@@ -430,22 +415,17 @@ class JobEngine:
         spec: JobSpec,
         planned: PlannedJob,
         *,
-        hooks: JobHooks | None = None,
+        hooks: JobHooks = JobHooks(),
         allowed: list[str] | None = None,
-        faults: list[Fault] | None = None,
-        replicate_every: int | None = None,
-        rebalance: bool = True,
-        replicas: ReplicaStore | None = None,
-        first_step: int = 0,
         pin_first: str | None = None,
+        tolerance: Tolerance = Tolerance(),
     ) -> JobRun:
         """Run ``planned`` as job ``job``; :class:`~coordinator.engine.spec.JobFailed` if
-        it fails. ``replicate_every`` (default: the spec's; negative: chosen from the
-        plan's costs) makes the run resilient; ``faults`` fire during it (default: the
-        spec's). A resumed job passes its ``replicas`` and the ``first_step`` they cover.
+        it fails. Whether it runs with fault tolerance, and how often it replicates, is
+        :meth:`replication`'s to say from ``spec`` and ``tolerance``; such a run re-plans
+        over the devices still ``allowed`` (``pin_first`` on stage 0 while it lives).
         """
-        hooks = hooks or JobHooks()
-        every = self.replication(spec, planned, replicate_every)
+        every = self.replication(spec, planned, tolerance)
         if every and planned.plan.u_shaped:  # its replicas, re-plans and hand-overs: not yet
             raise UserError('labels "local" cannot be combined with fault tolerance yet')
         if every == 0:
@@ -455,58 +435,67 @@ class JobEngine:
                 self.control,
                 job=job,
                 on_step=hooks.on_step,
-                ready_timeout_s=self.ready_timeout_s,
-                servers=self.servers(),
-                access=self.access,
                 shares=planned.shares,
+                options=replace(self.options, servers=self.servers()),
             )
             return JobRun(result)
-        return self._run_resilient(
-            spec,
-            planned,
-            hooks=hooks,
-            allowed=allowed,
-            faults=faults,
-            replicate_every=every,
-            rebalance=rebalance,
-            replicas=replicas,
-            first_step=first_step,
-            pin_first=pin_first,
-        )
+        told = replace(tolerance, replicate_every=every)
+        return self._run_surviving(spec, planned, hooks, told, allowed, pin_first)
 
     @staticmethod
-    def replication(spec: JobSpec, planned: PlannedJob, replicate_every: int | None = None) -> int:
-        """Replicate every how many steps: ``replicate_every``, else the spec's; a negative
-        value is chosen from the plan's costs (:func:`replication_interval`), at most a
-        tenth of the job so that a failure never costs more than that."""
-        every = spec.replicate_every if replicate_every is None else replicate_every
+    def replication_asked(spec: JobSpec, tolerance: Tolerance = Tolerance()) -> int:
+        """Replicate every how many steps a run of ``spec`` is asked to: ``tolerance``'s
+        ``replicate_every``, else the spec's; with neither, faults to inject ask for fault
+        tolerance (``-1``). 0: none; negative: as often as the plan's costs allow."""
+        if tolerance.replicate_every is not None:
+            return tolerance.replicate_every
+        if spec.replicate_every:
+            return spec.replicate_every
+        faults = spec.faults if tolerance.faults is None else tolerance.faults
+        return -1 if faults else 0
+
+    @classmethod
+    def fault_tolerant(cls, spec: JobSpec, tolerance: Tolerance = Tolerance()) -> bool:
+        """Whether a run of ``spec`` told ``tolerance`` survives deaths and replicates:
+        the one answer to that, for whoever must prepare for it (the service keeps such a
+        job's replicas on disk, and resumes it when it restarts)."""
+        return cls.replication_asked(spec, tolerance) != 0
+
+    @classmethod
+    def replication(
+        cls, spec: JobSpec, planned: PlannedJob, tolerance: Tolerance = Tolerance()
+    ) -> int:
+        """Replicate every how many steps (0: no fault tolerance): :meth:`replication_asked`;
+        a negative value is chosen from the plan's costs (:func:`replication_interval`), at
+        most a tenth of the job so that a failure never costs more than that."""
+        every = cls.replication_asked(spec, tolerance)
         if every < 0:
             most = max(1, spec.steps // 10)
             every = replication_interval(planned.problem, planned.plan, most=most)
         return every
 
-    def _run_resilient(
+    def _run_surviving(
         self,
         spec: JobSpec,
         planned: PlannedJob,
-        *,
         hooks: JobHooks,
+        tolerance: Tolerance,
         allowed: list[str] | None,
-        faults: list[Fault] | None,
-        replicate_every: int,
-        rebalance: bool,
-        replicas: ReplicaStore | None,
-        first_step: int,
         pin_first: str | None,
     ) -> JobRun:
+        """:meth:`run` with fault tolerance: a :class:`ResilientRun` on a connection of its
+        own, replicating every ``tolerance.replicate_every`` steps."""
+        every = tolerance.replicate_every or 0
         devices = [d.id for d in self.fleet.available(allowed)]
         for st in planned.plan.stages:  # a resumed job's devices may still be busy
             if st.device not in devices:
                 devices.append(st.device)
         members = None if allowed is None else list(allowed)  # devices that join are added
+        faults = tolerance.faults
         if faults is None:
-            faults = [parse_fault(text) for text in spec.faults]
-        injector = FaultInjector(faults, self._actor(hooks, devices, members)) if faults else None
+            faults = tuple(parse_fault(text) for text in spec.faults)
+        act = self._actor(hooks, devices, members)
+        injector = FaultInjector(list(faults), act) if faults else None
 
         def first_of(alive: list[str]) -> str | None:
             """The pinned device while it lives; the first survivor after it died."""
@@ -540,6 +529,11 @@ class JobEngine:
             groups = plans_groups(spec, resilient=True, servers=bool(self.servers()))
             return job_problem(spec, known, first_of([d.id for d in known]), groups=groups)
 
+        rebalance = (
+            Rebalancer(problem_for, replicate_every=every, stages=spec.stages)
+            if tolerance.rebalance
+            else None
+        )
         # Its own connection: the run's device watch takes this connection's status and
         # heartbeat filters, and the caller's connection keeps its own.
         control = MqttTransport(self.control.settings.model_copy(update={"client_id": None}))
@@ -550,29 +544,26 @@ class JobEngine:
                 control,
                 replan,
                 devices,
-                replicate_every=replicate_every,
-                heartbeat_timeout_s=self.heartbeat_timeout_s,
-                faults=injector,
-                on_step=hooks.on_step,
-                rebalance=(
-                    Rebalancer(problem_for, replicate_every=replicate_every, stages=spec.stages)
-                    if rebalance
-                    else None
+                resilience=Resilience(
+                    replicate_every=every,
+                    rebalance=rebalance,
+                    faults=injector,
+                    replicas=tolerance.replicas,
                 ),
-                replicas=replicas,
-                on_attempt=hooks.on_attempt,
-                ready_timeout_s=self.ready_timeout_s,
-                access=self.access,
-                shares=shares.get,
-                explain=_data_left if spec.data is not None else None,
+                # Its attempts run over MQTT alone: no server tier (not yet).
+                options=replace(self.options, servers={}),
+                hooks=hooks,
+                notes=PlanNotes(
+                    shares=shares.get, explain=_data_left if spec.data is not None else None
+                ),
             )
-            got = run.run(planned.plan, first_step)
+            got = run.run(planned.plan, tolerance.first_step)
         finally:
             control.close()
         return JobRun(
             got.result,
             resilient=got,
-            replicate_every=replicate_every,
+            replicate_every=every,
             unfired=injector.pending if injector is not None else [],
         )
 

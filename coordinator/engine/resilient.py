@@ -41,11 +41,11 @@ from typing import Any
 
 from coordinator.engine.faults import FaultInjector
 from coordinator.engine.handover import Handover
+from coordinator.engine.options import JobHooks, RunOptions
 from coordinator.engine.replicas import ReplicaStore
-from coordinator.engine.runners import run_on_agents
+from coordinator.engine.runners import Attempt, run_on_agents
 from coordinator.engine.spec import (
     JobAborted,
-    JobAccess,
     JobFailed,
     JobResult,
     JobSpec,
@@ -58,7 +58,7 @@ from edge.transport.mqtt import MqttTransport
 from edge.wire.messages import CancelJob, StepReport
 from edge.wire.topics import device_cmd
 
-__all__ = ["Rebalance", "ResilientResult", "ResilientRun"]
+__all__ = ["PlanNotes", "Rebalance", "Resilience", "ResilientResult", "ResilientRun", "Shares"]
 
 log = logging.getLogger(__name__)
 
@@ -124,27 +124,58 @@ class _Interruption:
     kind: str  # "failure", "broker" or "migration"
 
 
+@dataclass(frozen=True)
+class Resilience:
+    """How a :class:`ResilientRun` survives, and what it is put through."""
+
+    replicate_every: int = 2
+    """Every stage publishes its state every this many steps (0: never; the members of a
+    group still hand over)."""
+    rebalance: Rebalance | None = None
+    """Asked after every step for a better plan to migrate to (``None``: no migration)."""
+    faults: FaultInjector | None = None
+    """Faults that fire as their steps are reported."""
+    replicas: ReplicaStore | None = None
+    """The stages' replicated states: a resumed job's; ``None``: new ones, in memory."""
+    max_recoveries: int = 8
+    settle_steps: int = 3
+    """Steps an attempt runs before the rebalancer weighs it."""
+
+
+@dataclass(frozen=True)
+class PlanNotes:
+    """What the caller knows of each plan a :class:`ResilientRun` runs."""
+
+    shares: Shares | None = None
+    """Each group member's share of a microbatch (``None``: equal shares)."""
+    explain: Callable[[Plan, Plan], dict[str, Any]] | None = None
+    """``explain(old, new)``: fields the recovery event adds (e.g. whose data left)."""
+
+
 class ResilientRun:
     """Run ``plan``, recovering from device deaths by re-planning over the living.
 
     ``replan(alive)`` gives the plan for the devices still alive (in ``devices``' order;
-    the caller may append devices that join, once they are online); ``faults`` fire as
-    their steps are reported. ``rebalance(plan, alive, compute_s, steps_left, redo)`` is asked
-    (on the calling thread) after every step, once an attempt has run ``settle_steps``
-    steps, with each stage device's measured compute seconds per step (mean of the last
-    two; the device's own seconds where its reports say them, so that other processes of
-    a busy host do not count: [Note: a device's own compute seconds] in
-    :mod:`edge.runtime.stage`): a plan it returns is migrated to at once (the stages
-    roll back to the newest replica, as after a failure, and resume; ``redo`` says how
-    many finished steps that would run again, by the replicas that have come so far).
+    the caller may append devices that join, once they are online); the ``faults`` of
+    ``resilience`` fire as their steps are reported. Its ``rebalance(plan, alive,
+    compute_s, steps_left, redo)`` is asked (on the calling thread) after every step, once
+    an attempt has run ``settle_steps`` steps, with each stage device's measured compute
+    seconds per step (mean of the last two; the device's own seconds where its reports say
+    them, so that other processes of a busy host do not count: [Note: a device's own
+    compute seconds] in :mod:`edge.runtime.stage`): a plan it returns is migrated to at
+    once (the stages roll back to the newest replica, as after a failure, and resume;
+    ``redo`` says how many finished steps that would run again, by the replicas that have
+    come so far).
 
-    A plan with groups splits each microbatch by ``shares(plan)`` (equal without it);
-    when a member of a group dies, the survivors hand over instead of rolling back.
-    Rebalancing weighs plans of one-device stages only.
+    A plan with groups splits each microbatch by the ``shares`` of ``notes`` (equal
+    without them); when a member of a group dies, the survivors hand over instead of
+    rolling back. Rebalancing weighs plans of one-device stages only. Every attempt runs
+    on agents as ``options`` say.
 
     To resume a job a previous coordinator ran: pass its ``replicas`` (kept on disk) and
-    ``first_step``, the newest step they cover; ``on_attempt(job, plan, first_step)``
-    hears of every attempt before it starts, so that it can be cancelled later.
+    start :meth:`run` at the newest step they cover; ``hooks.on_attempt(job, plan,
+    first_step)`` hears of every attempt before it starts, so that it can be cancelled
+    later, and ``hooks.on_step`` of every step report.
     """
 
     def __init__(
@@ -154,47 +185,26 @@ class ResilientRun:
         replan: Callable[[list[str]], Plan],
         devices: list[str],
         *,
-        replicate_every: int = 2,
-        heartbeat_timeout_s: float = 3.0,
-        faults: FaultInjector | None = None,
-        on_step: Callable[[StepReport], None] | None = None,
-        timeout_s: float = 3600.0,
-        max_recoveries: int = 8,
-        rebalance: Rebalance | None = None,
-        settle_steps: int = 3,
-        replicas: ReplicaStore | None = None,
-        on_attempt: Callable[[str, Plan, int], None] | None = None,
-        ready_timeout_s: float = 120.0,
-        servers: dict[str, str] | None = None,
-        access: JobAccess | None = None,
-        shares: Shares | None = None,
-        explain: Callable[[Plan, Plan], dict[str, Any]] | None = None,
+        resilience: Resilience = Resilience(),
+        options: RunOptions = RunOptions(),
+        hooks: JobHooks = JobHooks(),
+        notes: PlanNotes = PlanNotes(),
     ) -> None:
         self.spec = spec
-        self.shares = shares
-        self.explain = explain
-        """``explain(old, new)``: fields the recovery event adds (e.g. whose data left)."""
-        self.access = access
-        """The broker's ACLs, granted per attempt (each attempt's plan, under its job id)."""
+        self.resilience = resilience
+        self.options = options
+        self.hooks = hooks
+        self.notes = notes
         self.control = control
         self.replan = replan
         self.devices = devices
         """The job's devices; the caller appends those that join (once online)."""
-        self.replicate_every = replicate_every
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.faults = faults
-        self.on_step = on_step
-        self.timeout_s = timeout_s
-        self.max_recoveries = max_recoveries
-        self.rebalance = rebalance
-        self.settle_steps = settle_steps
-        self.replicas = replicas or ReplicaStore(
+        self.faults = resilience.faults
+        self.rebalance = resilience.rebalance
+        self.replicas = resilience.replicas or ReplicaStore(
             get_model(spec.model, **spec.model_options).unit_names
         )
-        self.on_attempt = on_attempt
-        self.ready_timeout_s = ready_timeout_s
-        self.servers = servers
-        self.watch = DeviceWatch(control, devices, heartbeat_timeout_s)
+        self.watch = DeviceWatch(control, devices, options.heartbeat_timeout_s)
         # The whole run:
         self.events: list[dict[str, Any]] = []
         self.losses: dict[int, float] = {}
@@ -245,8 +255,8 @@ class ResilientRun:
                 self._event(
                     "fault", fault=str(fault), stage=fault.stage, device=device, step=report.step
                 )
-        if self.on_step is not None:
-            self.on_step(report)
+        if self.hooks.on_step is not None:
+            self.hooks.on_step(report)
 
     # -- decisions while an attempt runs (the calling thread) ---------------------------
 
@@ -254,7 +264,7 @@ class ResilientRun:
         plan = self.plan
         if self.rebalance is None or plan is None or self.migration is not None or plan.grouped:
             return
-        if report.step - self.first_step + 1 < self.settle_steps:
+        if report.step - self.first_step + 1 < self.resilience.settle_steps:
             return
         last = [report.step - 1, report.step]
         compute: dict[str, float] = {}
@@ -308,13 +318,13 @@ class ResilientRun:
         started = time.perf_counter()
         self.first_step = first_step
         with self.watch, self.replicas.listening(self.control):
-            for _ in range(self.max_recoveries + 1):
+            for _ in range(self.resilience.max_recoveries + 1):
                 last = self._attempt(plan)
                 if last is not None:
                     break
                 plan = self._next_plan()
             else:
-                raise JobFailed(f"gave up after {self.max_recoveries} recoveries")
+                raise JobFailed(f"gave up after {self.resilience.max_recoveries} recoveries")
         result = JobResult(
             job=last.job,
             plan=plan,
@@ -341,8 +351,8 @@ class ResilientRun:
         if self.faults is not None:
             self.faults.use_plan([st.devices for st in plan.stages])
         self._event("attempt", job=job, first_step=self.first_step, plan=plan.to_json())
-        if self.on_attempt is not None:
-            self.on_attempt(job, plan, self.first_step)
+        if self.hooks.on_attempt is not None:
+            self.hooks.on_attempt(job, plan, self.first_step)
         self.attempt_reports.clear()
         self.due = None
         self.plan = plan
@@ -367,16 +377,15 @@ class ResilientRun:
                 self.control,
                 job=job,
                 on_step=self._stepped,
-                timeout_s=self.timeout_s,
-                first_step=self.first_step,
-                replicate_every=self.replicate_every,
-                restore=restore,
-                abort=lambda: self._abort(current, reconnects),
-                ready_timeout_s=self.ready_timeout_s,
-                servers=self.servers,
-                access=self.access,
-                shares=self.shares(plan) if self.shares is not None else None,
-                handover=self.handover,
+                shares=self.notes.shares(plan) if self.notes.shares is not None else None,
+                options=self.options,
+                attempt=Attempt(
+                    first_step=self.first_step,
+                    replicate_every=self.resilience.replicate_every,
+                    restore=restore,
+                    abort=lambda: self._abort(current, reconnects),
+                    handover=self.handover,
+                ),
             )
             self._attempt_end(job)
             return last
@@ -385,7 +394,7 @@ class ResilientRun:
         except JobFailed:
             self._attempt_end(job)
             # A stage failing because its neighbour died: wait for the death to show.
-            deadline = time.monotonic() + self.heartbeat_timeout_s + 0.5
+            deadline = time.monotonic() + self.options.heartbeat_timeout_s + 0.5
             while not self._explained() and time.monotonic() < deadline:
                 time.sleep(0.05)
             if not self._explained():
@@ -446,7 +455,7 @@ class ResilientRun:
             raise JobFailed("every device of the job died")
         old, plan = self.plan, self.replan(alive)
         self.interruption = _Interruption(detected, "failure")
-        told = self.explain(old, plan) if self.explain is not None else {}
+        told = self.notes.explain(old, plan) if self.notes.explain is not None else {}
         self._event(
             "recovery",
             rollback_to=self.first_step,

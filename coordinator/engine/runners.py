@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -33,9 +34,9 @@ import safetensors.torch
 import torch
 
 from coordinator.engine.handover import Handover
+from coordinator.engine.options import RunOptions
 from coordinator.engine.spec import (
     JobAborted,
-    JobAccess,
     JobFailed,
     JobMonitor,
     JobResult,
@@ -63,7 +64,7 @@ from edge.wire.messages import (
 )
 from edge.wire.topics import TOPIC_ROOT, device_cmd, job_events_all, job_restore, parse_events_topic
 
-__all__ = ["run_inprocess", "run_on_agents", "server_tier"]
+__all__ = ["Attempt", "run_inprocess", "run_on_agents", "server_tier"]
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,24 @@ def run_inprocess(
     return monitor.result(spec, plan, wall, weights)
 
 
+@dataclass(frozen=True)
+class Attempt:
+    """What a resilient run tells one attempt of a job (:mod:`coordinator.engine.resilient`):
+    start at ``first_step`` with the state in ``restore`` (one blob per stage, published
+    retained on its restore topic before the assignments), have the stages publish their
+    state every ``replicate_every`` steps, and stop with
+    :class:`~coordinator.engine.spec.JobAborted` as soon as ``abort()`` gives a reason.
+    With ``handover``, an abort it wants (a group member died) stops the stages holding
+    their state and collects the state of a step every stage reached before the run's
+    grants end ([Note: a group member dies] in :mod:`coordinator.engine.handover`)."""
+
+    first_step: int = 0
+    replicate_every: int = 0
+    restore: Mapping[int, bytes] | None = None
+    abort: Callable[[], str | None] | None = None
+    handover: Handover | None = None
+
+
 def run_on_agents(
     spec: JobSpec,
     plan: Plan,
@@ -164,61 +183,48 @@ def run_on_agents(
     *,
     job: str | None = None,
     on_step: Callable[[StepReport], None] | None = None,
-    ready_timeout_s: float = 120.0,
-    timeout_s: float = 3600.0,
-    first_step: int = 0,
-    replicate_every: int = 0,
-    restore: dict[int, bytes] | None = None,
-    abort: Callable[[], str | None] | None = None,
-    servers: Mapping[str, str] | None = None,
-    store_host: str = "127.0.0.1",
-    access: JobAccess | None = None,
     shares: Sequence[Sequence[float]] | None = None,
-    handover: Handover | None = None,
+    options: RunOptions = RunOptions(),
+    attempt: Attempt = Attempt(),
 ) -> JobResult:
-    """Run ``plan`` on the agents named by its stages, through the connected ``control``.
+    """Run ``plan`` on the agents named by its stages, through the connected ``control``,
+    as ``options`` say (:class:`~coordinator.engine.options.RunOptions`).
 
-    With ``access`` (a broker whose accounts the coordinator manages), each device is
-    granted its stage's topics before its assignment is sent, and loses them when the
+    With ``options.access`` (a broker whose accounts the coordinator manages), each device
+    is granted its stage's topics before its assignment is sent, and loses them when the
     run ends, however it ends: the broker's ACL follows the plan of every attempt.
 
-    For fault tolerance (:mod:`coordinator.engine.resilient`): start at ``first_step``
-    with the state in ``restore`` (one blob per stage, published retained on its
-    restore topic before the assignments), have stages publish their state every
-    ``replicate_every`` steps, and stop with :class:`~coordinator.engine.spec.JobAborted`
-    as soon as ``abort()`` gives a reason. However it ends, the stages are told to
-    stop unless they finished, and the retained restore blobs are cleared. With
-    ``handover``, an abort it wants (a group member died) stops the stages holding
-    their state and collects the state of a step every stage reached before the run's
-    grants end ([Note: a group member dies] in :mod:`coordinator.engine.handover`).
+    An ``attempt`` of a resilient run starts where it says, replicates and stops when it
+    says (:class:`Attempt`). However the run ends, the stages are told to stop unless they
+    finished, and the retained restore blobs are cleared.
 
-    ``servers`` maps server-tier devices to their torch device (``cpu``,
-    ``cuda:0``); when two or more stages run on them, those stages form a
-    torch.distributed group with a store hosted here, listening on ``store_host``
-    only, where agents reach it (each joins only a store on an address it accepts:
-    :func:`edge.server.groups.accepts_store_host`).
+    ``options.servers`` maps server-tier devices to their torch device; when two or more
+    stages run on them, those stages form a torch.distributed group with a store hosted
+    here, listening on ``options.store_host`` only, where agents reach it (each joins only
+    a store on an address it accepts: :func:`edge.server.groups.accepts_store_host`).
     """
+    restore, handover, servers = attempt.restore, attempt.handover, options.servers
     job = job or new_job_id()
     assignments = make_assignments(
         job,
         spec,
         plan,
-        first_step=first_step,
-        replicate_every=replicate_every,
+        first_step=attempt.first_step,
+        replicate_every=attempt.replicate_every,
         restore=bool(restore),
         shares=shares,
         handover=handover is not None,
     )
     if plan.grouped and servers:
         raise ValueError("stage groups run over MQTT: a plan with groups takes no servers")
-    assignments, store = _server_group(assignments, plan, servers or {}, store_host)
+    assignments, store = _server_group(assignments, plan, servers, options.store_host)
     devices = [st.device for st in plan.stages]
     holders = [plan.stages[a.stage].devices[a.member] for a in assignments]
     monitor = JobMonitor(
         job,
         len(plan.stages),
         on_step,
-        abort,
+        attempt.abort,
         devices=[st.devices for st in plan.stages],
         group_sizes=[len(st.devices) for st in plan.stages],
     )
@@ -255,17 +261,17 @@ def run_on_agents(
     control.subscribe(events_topic, on_event)
     control.subscribe(weights_topic, on_weights)
     try:
-        if access is not None:
-            access.grant(job, list(zip(holders, assignments, strict=True)))
+        if options.access is not None:
+            options.access.grant(job, list(zip(holders, assignments, strict=True)))
         for stage, blob in (restore or {}).items():
             control.publish(job_restore(job, stage), blob, 1, retain=True)
         for device, a in zip(holders, assignments, strict=True):
             control.publish(device_cmd(device), a.model_dump_json(), 1)
-        monitor.wait_ready(ready_timeout_s)
+        monitor.wait_ready(options.ready_timeout_s)
         started = time.perf_counter()
         for device in holders:
             control.publish(device_cmd(device), StartJob(job=job).model_dump_json(), 1)
-        monitor.wait_done(timeout_s)
+        monitor.wait_done(options.timeout_s)
         wall = time.perf_counter() - started
         with got_weights:
             got_weights.wait_for(lambda: len(weights) == len(devices), timeout=60)
@@ -294,8 +300,8 @@ def run_on_agents(
         for stage in restore or {}:
             with contextlib.suppress(ConnectionError):
                 control.publish(job_restore(job, stage), b"", 1, retain=True)  # clears it
-        if access is not None:
-            access.release(job)
+        if options.access is not None:
+            options.access.release(job)
 
 
 def server_tier(profiles: Mapping[str, DeviceSpec]) -> dict[str, str]:

@@ -37,7 +37,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -372,14 +372,13 @@ def _start_mosquitto_once(
     port: int,
     tmp: Path,
     log_dir: Path,
-    passwords: Path | None,
+    config: Callable[[int], str],
     timeout_s: float,
-    secure: Path | None = None,
-    bind: str = HOST,
-    max_packet: int = MAX_PACKET,
 ) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """Start Mosquitto on ``port`` with the ``config(port)`` written in ``tmp``, logging into
+    ``log_dir``, and wait (at most ``timeout_s``) until it listens."""
     conf = tmp / f"mosquitto-{port}.conf"
-    conf.write_text(_mosquitto_conf(port, passwords, secure, bind, max_packet))
+    conf.write_text(config(port))
     log_path = log_dir / f"mosquitto-{port}.log"
     with log_path.open("ab") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(
@@ -432,11 +431,8 @@ def _start_mosquitto(
                     chosen,
                     tmp,
                     log_dir or tmp,
-                    passwords,
+                    lambda at: _mosquitto_conf(at, passwords, secure, bind, max_packet),
                     timeout_s,
-                    secure,
-                    bind,
-                    max_packet,
                 )
                 break
             except BrokerStartError as exc:

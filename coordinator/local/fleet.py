@@ -29,7 +29,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -45,28 +46,45 @@ from edge.transport.settings import MqttSettings
 from edge.wire.messages import DeviceStatus, Throttle
 from edge.wire.topics import device_cmd
 
-__all__ = ["LocalFleet"]
+__all__ = ["AgentRoles", "LocalFleet"]
+
+
+@dataclass(frozen=True)
+class AgentRoles:
+    """What each agent of a :class:`LocalFleet` is, beyond a copy of this machine (every
+    list one entry per agent, in order)."""
+
+    profiles: Sequence[str | None] | None = None
+    """The catalogue device each announces (``None``: its own measured profile)."""
+    slowdowns: Sequence[float] | None = None
+    """How many times slower than this machine each runs. Given, each agent emulates its
+    profile (``--emulate``): it announces the speed it gets here, so that predictions
+    match what it measures."""
+    servers: int = 0
+    """The last this many agents are server tier (``edgetrain agent --server``)."""
+    programs: Sequence[Sequence[str]] | None = None
+    """The command that runs each one's ``edgetrain`` (another install's, say); this
+    interpreter's ``-m edgetrain.cli`` where it is empty or not given."""
+    data: Sequence[Sequence[str]] | None = None
+    """The local datasets each of the first agents holds (``--data NAME=SPEC`` items)."""
 
 
 class LocalFleet:
-    """``n`` agent processes named ``{prefix}{i}`` (see the module docstring)."""
+    """``n`` agent processes named ``{prefix}{i}`` (see the module docstring), each as its
+    ``roles`` say, with ``threads`` torch threads (default: cores / n) and the user code
+    under ``allow_code``."""
 
     def __init__(
         self,
         n: int,
         broker: str | OwnedBroker | None,
         *,
-        enroll: Callable[[str], Credentials] | None = None,
+        roles: AgentRoles = AgentRoles(),
         threads: int | None = None,
-        profile: str | None = None,
+        allow_code: Sequence[str] = (),
+        enroll: Callable[[str], Credentials] | None = None,
         measure_seconds: float = 0.3,
         work_dir: Path | None = None,
-        profiles: list[str] | None = None,
-        slowdowns: list[float] | None = None,
-        servers: int = 0,
-        programs: list[list[str]] | None = None,
-        allow_code: list[str] | None = None,
-        data: list[list[str]] | None = None,
     ) -> None:
         self.n = n
         self.owned = broker if isinstance(broker, OwnedBroker) else None
@@ -86,27 +104,26 @@ class LocalFleet:
         self.ids = [f"{self.prefix}{i}" for i in range(n)]
         self.threads = threads or max(1, (os.cpu_count() or 1) // n)
         # Per agent: the catalogue profile it announces and how much slower it runs.
-        self.profiles: list[str | None] = list(profiles) if profiles else [profile] * n
-        self.slowdowns = slowdowns or [1.0] * n
-        self.emulate = slowdowns is not None
-        """Given ``slowdowns``, each agent emulates its profile (``--emulate``): it
-        announces the speed it gets here, so predictions match what it measures."""
+        self.profiles: list[str | None] = list(roles.profiles or [None] * n)
+        self.slowdowns = list(roles.slowdowns or [1.0] * n)
+        self.emulate = roles.slowdowns is not None
+        """Given ``slowdowns``, each agent emulates its profile (:class:`AgentRoles`)."""
         if len(self.profiles) != n or len(self.slowdowns) != n:
             raise ValueError("profiles and slowdowns need one entry per agent")
+        servers = roles.servers
         self.servers = set(self.ids[n - servers :]) if servers else set()
-        """The last ``servers`` agents are server tier (``edgetrain agent --server``)."""
+        """The server-tier agents."""
         self.programs = {
-            device: program
-            for device, program in zip(self.ids, programs or [[]] * n, strict=True)
+            device: list(program)
+            for device, program in zip(self.ids, roles.programs or [[]] * n, strict=True)
             if program
         }
-        """Per agent, the command that runs ``edgetrain`` (another install's, say); this
-        interpreter's ``-m edgetrain.cli`` where it is empty or not given."""
+        """Per agent, the command that runs ``edgetrain``, where it is not this install's."""
         self.data = {
-            device: list(items) for device, items in zip(self.ids, data or [], strict=False)
+            device: list(items) for device, items in zip(self.ids, roles.data or [], strict=False)
         }
         """Per agent, the local datasets it holds (``--data NAME=SPEC`` items)."""
-        self.allow_code = list(allow_code or [])
+        self.allow_code = list(allow_code)
         """Module prefixes of user code the agents may run (``--allow-code``): the job's own."""
         self.measure_seconds = measure_seconds
         self._tmp = (

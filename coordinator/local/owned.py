@@ -88,7 +88,6 @@ def start_owned_broker(
     port: int | None = None,
     log_dir: Path | None = None,
     hosts: list[str] | None = None,
-    own_tls: tuple[Path, Path, Path] | None = None,
     bind: str | None = None,
     max_packet: int = MAX_PACKET,
 ) -> OwnedBroker:
@@ -96,10 +95,9 @@ def start_owned_broker(
 
     ``hosts`` are further names devices reach it by (its certificate names them, and
     credentials files give the first); with any, it listens on every interface unless
-    ``bind`` says where. ``own_tls`` (cert, key, CA files) replaces the generated
-    certificate. ``max_packet``: the largest message it takes (a broker started for one
-    job: :func:`coordinator.engine.spec.largest_message_bytes`). A broker that does not
-    start is a one-line :class:`~edge.errors.UserError`.
+    ``bind`` says where. ``max_packet``: the largest message it takes (a broker started
+    for one job: :func:`coordinator.engine.spec.largest_message_bytes`). A broker that
+    does not start is a one-line :class:`~edge.errors.UserError`.
     """
     bind = bind or ("0.0.0.0" if hosts else HOST)
     if secure and importlib.util.find_spec("cryptography") is None:  # a device install
@@ -113,7 +111,7 @@ def start_owned_broker(
         return OwnedBroker(_start(prefer, port, log_dir, None, bind, max_packet), None, None)
     from coordinator.access.certs import broker_tls
 
-    tls = broker_tls(directory / "tls", hosts, own_tls)
+    tls = broker_tls(directory / "tls", hosts)
     accounts = BrokerAccounts(directory, "", tls.ca_pem)
     security = BrokerSecurity(tls, accounts.plugin_config())
     broker = _start(prefer, port, log_dir, security, bind, max_packet)

@@ -1,16 +1,18 @@
 """Training on this machine: stages as threads, as torch.distributed ranks, or as agents.
 
-What ``edgetrain train`` runs, as a library: :func:`train_inprocess` (the stages
-as threads of this process), :func:`train_dist` (the server tier: one rank per
-stage and replica, launched with torchrun semantics, :mod:`edge.server.launch`)
-and :func:`train_on_local_fleet` (a broker and N real agent processes driven
-over MQTT by the :class:`~coordinator.engine.engine.JobEngine`, as the service
-drives a fleet). Each plans over copies of this device's measured profile, or
-the agents' announced ones, with the job's ``partition``, ``stages`` and
-``group_sizes``. Given catalogue ``profiles`` (one per device), the in-process
-and agent runs plan over those devices instead, and agents emulate them: each
-announces its profile and runs slowed to its speed relative to the fastest, so
-a group's members get unequal shares of each microbatch.
+What ``edgetrain train`` runs, as a library: :func:`train_locally` trains a
+:class:`~coordinator.local.options.LocalTraining` (a job, and how it runs here) on
+its transport, with :func:`train_inprocess` (the stages as threads of this
+process), :func:`train_dist` (the server tier: one rank per stage and replica,
+launched with torchrun semantics, :mod:`edge.server.launch`) or
+:func:`train_on_local_fleet` (a broker and N real agent processes driven over MQTT
+by the :class:`~coordinator.engine.engine.JobEngine`, as the service drives a
+fleet). Each plans over copies of this device's measured profile, or the agents'
+announced ones, with the job's ``partition``, ``stages`` and ``group_sizes``. Given
+catalogue ``profiles`` (one per device), the in-process and agent runs plan over
+those devices instead, and agents emulate them: each announces its profile and runs
+slowed to its speed relative to the fastest, so a group's members get unequal
+shares of each microbatch.
 """
 
 from __future__ import annotations
@@ -19,18 +21,27 @@ import contextlib
 import os
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from coordinator.engine.faults import Fault, check_fault_stages
+from coordinator.engine.faults import check_fault_stages
+from coordinator.engine.options import JobHooks, RunOptions
 from coordinator.engine.spec import JobResult, JobSpec
+from coordinator.local.options import LocalTraining
 from coordinator.planner.predict import Prediction
 from coordinator.planner.score import PlanScore
 from edge.errors import UserError
 from edge.wire.messages import StepReport
 
-__all__ = ["LocalRun", "emulated", "train_dist", "train_inprocess", "train_on_local_fleet"]
+__all__ = [
+    "LocalRun",
+    "emulated",
+    "train_dist",
+    "train_inprocess",
+    "train_locally",
+    "train_on_local_fleet",
+]
 
 
 @dataclass
@@ -40,9 +51,9 @@ class LocalRun:
     result: JobResult
     score: PlanScore
     broker: str | None = None
+    """The broker the agents used (``mosquitto``, ``amqtt`` or its URL)."""
     prediction: Prediction | None = None
     """The internal model's predicted step (agents' fixed costs, measured unit times)."""
-    """The broker the agents used (``mosquitto``, ``amqtt`` or its URL)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Transport-specific figures: replicas and processes, recovery events..."""
 
@@ -158,37 +169,60 @@ def train_dist(
     return LocalRun(result, score, extra=extra)
 
 
-def train_on_local_fleet(
-    spec: JobSpec,
-    n: int,
+def train_locally(
+    training: LocalTraining,
     *,
-    broker: str | None = None,
-    threads: int | None = None,
-    servers: int = 0,
-    faults: list[Fault] | None = None,
-    replicate_every: int = 0,
-    heartbeat_timeout_s: float = 3.0,
-    rebalance: bool = True,
     on_step: Callable[[StepReport], None] | None = None,
     note: Callable[[str], None] = _quiet,
-    profiles: list[str] | None = None,
-    holders: int = 0,
 ) -> LocalRun:
-    """``n`` agent processes on this machine (a broker started unless ``broker`` is given),
-    driven by the job engine exactly as the service drives a fleet. ``replicate_every``
-    (negative: chosen from the plan) makes the run survive its ``faults`` and migrate to
-    faster plans (``rebalance``). With ``holders`` (and ``spec.data``), the first that
-    many agents each hold a shard of the dataset as local data, ``spec.data.name``."""
+    """Train ``training``'s job on its transport: :func:`train_inprocess`,
+    :func:`train_dist` or :func:`train_on_local_fleet`. ``note`` hears what the user is
+    told on the way (a broker started, a replication interval chosen)."""
+    from edge.runtime.allocator import tune_malloc
+
+    spec, n = training.spec, training.devices
+    tune_malloc()  # the in-process paths train here; agents tune their own
+    if training.transport == "mqtt":
+        return train_on_local_fleet(training, on_step=on_step, note=note)
+    if training.transport == "inprocess":
+        profiles = list(training.profiles) if training.profiles else None
+        return train_inprocess(spec, n, on_step=on_step, profiles=profiles)
+    return train_dist(
+        spec,
+        n,
+        replicas=training.replicas,
+        device=training.device,
+        threads=training.threads,
+        on_step=on_step,
+        note=note,
+    )
+
+
+def train_on_local_fleet(
+    training: LocalTraining,
+    *,
+    on_step: Callable[[StepReport], None] | None = None,
+    note: Callable[[str], None] = _quiet,
+) -> LocalRun:
+    """``training.devices`` agent processes on this machine (a broker started unless
+    ``training.broker`` is given), driven by the job engine exactly as the service drives
+    a fleet, with the fault tolerance ``training`` asks for
+    (:attr:`~coordinator.local.options.LocalTraining.tolerance`): the run then survives
+    its faults and migrates to faster plans. With ``holders`` (and ``spec.data``), the
+    first that many agents each hold a shard of the dataset as local data,
+    ``spec.data.name``."""
     from coordinator.engine.egress import egress
-    from coordinator.engine.engine import JobEngine, JobHooks
+    from coordinator.engine.engine import JobEngine
     from coordinator.engine.runners import server_tier
     from coordinator.engine.spec import largest_message_bytes, new_job_id
-    from coordinator.local.fleet import LocalFleet
+    from coordinator.local.fleet import AgentRoles, LocalFleet
     from coordinator.local.owned import OwnedBroker, start_owned_broker
     from coordinator.planner.baselines import job_baselines
     from edge.models.user_code import user_modules
     from edge.transport.mqtt import MqttSettings, MqttTransport
 
+    spec, n, broker, holders = training.spec, training.devices, training.broker, training.holders
+    profiles = list(training.profiles) if training.profiles else None
     own_code = user_modules(spec.model, spec.resolve_data()[0])  # the job's: its agents run it
     name: str
     with contextlib.ExitStack() as stack:
@@ -206,40 +240,39 @@ def train_on_local_fleet(
         control = MqttTransport(settings)
         control.connect(timeout=15)
         stack.callback(control.close)
-        slowdowns = emulated(profiles)[1] if profiles else None
         data = None
         if holders:
             if spec.data is None or holders > n:
                 raise UserError(f"--holders {holders} needs local data and at most {n} devices")
             held = spec.data.name
             data = [[f"{held}={held}:shard={i + 1}/{holders}"] for i in range(holders)]
+        roles = AgentRoles(
+            profiles=profiles,
+            slowdowns=emulated(profiles)[1] if profiles else None,
+            servers=training.servers,
+            data=data,
+        )
         fleet = stack.enter_context(
-            LocalFleet(
-                n,
-                target,
-                threads=threads,
-                servers=servers,
-                allow_code=own_code,
-                profiles=profiles,
-                slowdowns=slowdowns,
-                data=data,
-            )
+            LocalFleet(n, target, roles=roles, threads=training.threads, allow_code=own_code)
         )
         announced = fleet.wait_online(control)
-        every = replicate_every
-        extra: dict[str, Any] = {}
+        options = RunOptions(
+            heartbeat_timeout_s=training.heartbeat_timeout_s,
+            access=fleet.owned.accounts if fleet.owned is not None else None,
+        )
         engine = JobEngine(
             control,
             fleet,
             fleet,
-            heartbeat_timeout_s=heartbeat_timeout_s,
+            options=options,
             servers=lambda: server_tier({d.id: d for d in fleet.available()}),
-            access=fleet.owned.accounts if fleet.owned is not None else None,
         )
+        tolerance = training.tolerance
+        asked = engine.replication_asked(spec, tolerance)
         first = fleet.ids[0]
-        planned = engine.plan(spec, pin_first=first, where="these devices", resilient=every != 0)
-        check_fault_stages(faults or [], [len(st.devices) for st in planned.plan.stages])
-        extra["egress"] = egress(spec, planned.plan)
+        planned = engine.plan(spec, pin_first=first, where="these devices", resilient=asked != 0)
+        check_fault_stages(tolerance.faults or (), [len(st.devices) for st in planned.plan.stages])
+        extra: dict[str, Any] = {"egress": egress(spec, planned.plan)}
         # The speeds the agents announced, which the plan and a group's shares follow.
         extra["gflops"] = {d.id: d.gflops for d in planned.problem.devices}
         if spec.unit_times == "devices":  # who timed the units the plan was priced by
@@ -247,7 +280,7 @@ def train_on_local_fleet(
         if planned.holders is not None:  # what the job's constraints allow, side by side
             extra["alternatives"] = job_baselines(planned.problem, planned.holders)
         tier = server_tier(announced)
-        if tier and not every:
+        if tier and not asked:
             extra["servers"] = sorted(tier)
 
         def on_plan(again: Any) -> None:
@@ -261,19 +294,13 @@ def train_on_local_fleet(
             note(f"{device} joined" if online else f"{device} did not come online")
 
         hooks = JobHooks(on_step=on_step, on_plan=on_plan, on_fault=on_fault, on_join=on_join)
-        if every < 0:
-            every = engine.replication(spec, planned, every)
+        if asked < 0:  # chosen from the plan's costs: say what was chosen
+            every = engine.replication(spec, planned, tolerance)
             most = max(1, spec.steps // 10)
             note(f"replicating every {every} steps (5% of a step, at most {most})")
+            tolerance = replace(tolerance, replicate_every=every)
         run = engine.run(
-            new_job_id(),
-            spec,
-            planned,
-            hooks=hooks,
-            faults=faults or [],
-            replicate_every=every,
-            rebalance=rebalance,
-            pin_first=first,
+            new_job_id(), spec, planned, hooks=hooks, pin_first=first, tolerance=tolerance
         )
         if run.resilient is not None:
             extra.update(run.resilient.to_json(), replicate_every=run.replicate_every)

@@ -17,9 +17,12 @@ it is planned again (after a device died, or when a restarted coordinator
 resumes it): then it runs on one stage per device left and logs a ``replan``
 event saying so.
 
-A job with ``replicate_every`` runs resiliently, exactly as ``edgetrain train``
-runs one: it survives device deaths and migrates to a faster plan when its
-measured stage times drift or a device joins. Its ``faults`` fire through the
+Whether a job runs with fault tolerance (it has ``replicate_every``) is the
+engine's to say (:meth:`~coordinator.engine.engine.JobEngine.fault_tolerant`); the
+manager asks it, to keep such a job's replicas on disk and to resume it after a
+restart. Such a job runs exactly as ``edgetrain train`` runs one: it survives
+device deaths and migrates to a faster plan when its measured stage times drift or
+a device joins. Its ``faults`` fire through the
 manager's :class:`~coordinator.engine.faults.FaultActuator`; a job whose
 first plan lacks a fault's stage fails at once, naming the fault and the
 plan's stages (it would never fire); each is a ``fault`` event of the job when
@@ -42,7 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coordinator.engine.egress import egress
-from coordinator.engine.engine import JobEngine, JobHooks, PlannedJob
+from coordinator.engine.engine import JobEngine, PlannedJob
 from coordinator.engine.faults import (
     Fault,
     FaultActuator,
@@ -50,6 +53,7 @@ from coordinator.engine.faults import (
     check_fault_stages,
     parse_fault,
 )
+from coordinator.engine.options import JobHooks, RunOptions, Tolerance
 from coordinator.engine.replicas import ReplicaStore
 from coordinator.engine.runners import server_tier
 from coordinator.engine.spec import JobAccess, JobFailed, JobResult, JobSpec, new_job_id
@@ -85,7 +89,6 @@ class JobManager:
         registry: DeviceRegistry,
         control: MqttTransport,
         *,
-        ready_timeout_s: float = 120.0,
         on_step: Callable[[str, StepReport], None] | None = None,
         actuator: FaultActuator | None = None,
         access: JobAccess | None = None,
@@ -96,14 +99,12 @@ class JobManager:
         self.control = control
         self.actuator: FaultActuator = actuator or ThrottleActuator(control)
         """What jobs' faults are done with (kill and join need a testbed's)."""
-        self.ready_timeout_s = ready_timeout_s
         self.engine = JobEngine(
             control,
             registry,
             self.actuator,
-            ready_timeout_s=ready_timeout_s,
+            options=RunOptions(access=access),
             servers=self._servers,
-            access=access,
         )
         """Every job is driven by it: planned, run, recovered, migrated."""
         self.on_step = on_step
@@ -118,7 +119,7 @@ class JobManager:
 
     def start(self) -> None:
         for record in self.store.list_jobs(limit=10_000, offset=0, state="running"):
-            if JobSpec.model_validate(record.spec).replicate_every > 0:
+            if self.engine.fault_tolerant(JobSpec.model_validate(record.spec)):
                 why = "coordinator restarted: resuming from the replicas"
                 self.store.set_job_state(record.id, "planning", reason=why)
                 self._resume.add(record.id)
@@ -207,16 +208,6 @@ class JobManager:
             log.log(level, "job %s %s", job, state, extra={"job": job, "reason": reason})
         self._announce(job)
 
-    def _plan(
-        self, job: str, spec: JobSpec, allowed: list[str] | None, *, again: bool = False
-    ) -> Plan:
-        """Plan ``job`` over the online devices it may use (:meth:`JobEngine.plan`) and
-        store the plan. ``again``: a re-plan of a job that has run (after a failure, or
-        resuming it), which runs on fewer stages than its ``stages`` rather than failing."""
-        planned = self.engine.plan(spec, allowed, again=again)
-        self._store_plan(job, spec, planned)
-        return planned.plan
-
     def _store_plan(self, job: str, spec: JobSpec, planned: PlannedJob) -> None:
         """The job's plan, its baselines and simulation, as the API shows them; a re-plan
         on fewer stages than asked is a ``replan`` event."""
@@ -295,10 +286,7 @@ class JobManager:
                 self.on_step(job, report)
 
         try:
-            if spec.replicate_every > 0:
-                result = self._run_resilient(job, spec, allowed, planned, on_step)
-            else:
-                result = self.engine.run(job, spec, planned, hooks=JobHooks(on_step=on_step)).result
+            result = self._drive(job, spec, allowed, planned, on_step)
         except JobFailed as exc:
             self._finish(job, "failed", str(exc), finished=time.time())
             return
@@ -309,7 +297,7 @@ class JobManager:
             job, "completed", None, finished=time.time(), samples_per_s=result.samples_per_s
         )
 
-    def _run_resilient(
+    def _drive(
         self,
         job: str,
         spec: JobSpec,
@@ -317,22 +305,29 @@ class JobManager:
         planned: PlannedJob,
         on_step: Callable[[StepReport], None],
     ) -> JobResult:
-        """Run ``job`` through the engine surviving device deaths and migrating to faster
-        plans, resuming what a previous coordinator began.
+        """Run ``job`` through the engine, keeping what it reports.
 
-        Its replicas live in the job's folder (``replicas/``) and the attempts it
-        ran in ``attempts.json``: a restarted coordinator cancels those attempts
-        on their devices and resumes from the newest step the replicas cover.
+        A job the engine runs with fault tolerance (:meth:`JobEngine.fault_tolerant`)
+        survives device deaths, migrates to faster plans and resumes what a previous
+        coordinator began: its replicas live in the job's folder (``replicas/``) and the
+        attempts it ran in ``attempts.json``, so that a restarted coordinator cancels those
+        attempts on their devices and resumes from the newest step the replicas cover.
         """
         folder = self.store.model_path(job).parent
         attempts_file = folder / "attempts.json"
-        units = get_model(spec.model, **spec.model_options).unit_names
-        replicas = ReplicaStore(units, folder / "replicas")
         attempts: list[dict[str, Any]] = (
             json.loads(attempts_file.read_text()) if attempts_file.exists() else []
         )
         self._resume.discard(job)  # _stop_previous stopped what a previous coordinator ran
-        first_step = replicas.newest_complete(spec.steps)
+        tolerance = Tolerance()
+        if self.engine.fault_tolerant(spec):
+            units = get_model(spec.model, **spec.model_options).unit_names
+            replicas = ReplicaStore(units, folder / "replicas")
+            tolerance = Tolerance(
+                faults=tuple(self._faults_left(job, spec)),
+                replicas=replicas,
+                first_step=replicas.newest_complete(spec.steps),
+            )
 
         def on_attempt(attempt: str, attempt_plan: Plan, first: int) -> None:
             devices = attempt_plan.devices
@@ -361,16 +356,7 @@ class JobManager:
             on_fault=on_fault,
             on_join=on_join,
         )
-        got = self.engine.run(
-            job,
-            spec,
-            planned,
-            hooks=hooks,
-            allowed=allowed,
-            faults=self._faults_left(job, spec),
-            replicas=replicas,
-            first_step=first_step,
-        )
+        got = self.engine.run(job, spec, planned, hooks=hooks, allowed=allowed, tolerance=tolerance)
         events = got.resilient.events if got.resilient is not None else []
         for e in events:
             if e["type"] in ("failure", "recovery", "migration", "broker-lost", "resumed"):

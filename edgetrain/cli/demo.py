@@ -110,7 +110,7 @@ def demo_command(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from coordinator.local.fleet import LocalFleet  # [Note: commands without torch]
+    from coordinator.local.fleet import AgentRoles, LocalFleet  # [Note: commands without torch]
     from edge.models.zoo import get_model
     from edge.transport.credentials import Credentials
 
@@ -144,15 +144,8 @@ def demo_command(
                 got.raise_for_status()
                 return Credentials.model_validate(got.json())
 
-            with LocalFleet(
-                len(names),
-                None,
-                enroll=enroll,
-                threads=1,
-                profiles=[p.name for p in profiles],
-                slowdowns=slowdowns,
-                data=data,
-            ) as agents:
+            roles = AgentRoles(profiles=[p.name for p in profiles], slowdowns=slowdowns, data=data)
+            with LocalFleet(len(names), None, roles=roles, threads=1, enroll=enroll) as agents:
                 console.print(f"broker: {agents.broker_url} (TLS, an account per device, ACLs)")
                 console.print(f"coordinator: {url}  (dashboard {url}/, API token {token})")
                 for i, (device, name) in enumerate(zip(agents.ids, names, strict=True)):

@@ -19,6 +19,7 @@ from support.markers import needs_mosquitto
 from support.mosquitto import mosquitto_broker
 from support.waiting import until
 
+from coordinator.engine.options import RunOptions
 from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobFailed, JobSpec, make_assignments
 from coordinator.local.fleet import LocalFleet
@@ -100,7 +101,9 @@ def test_bad_commands_are_ignored_and_a_busy_agent_refuses_a_second_job(one_agen
     for junk in (b"not json", b'{"type": "assign"}', b'{"type": "launch-missiles"}', b"\xff" * 9):
         control.publish(device_cmd(device), junk, 1)
     spec = JobSpec(model="mlp", steps=3, batch_size=8, microbatches=2)
-    result = run_on_agents(spec, Plan.of((device, 0, 3)), control, timeout_s=120)
+    result = run_on_agents(
+        spec, Plan.of((device, 0, 3)), control, options=RunOptions(timeout_s=120)
+    )
     assert len(result.losses) == 3 and {r.stage for r in result.reports} == {0}
     assert fleet.procs[device].poll() is None
     assert "ignored a command" in fleet.log_path(device).read_text()
@@ -112,7 +115,13 @@ def test_bad_commands_are_ignored_and_a_busy_agent_refuses_a_second_job(one_agen
 
     def first() -> None:
         try:
-            run_on_agents(long, Plan.of((device, 0, 6)), control, job="longjob", timeout_s=20)
+            run_on_agents(
+                long,
+                Plan.of((device, 0, 6)),
+                control,
+                job="longjob",
+                options=RunOptions(timeout_s=20),
+            )
         except BaseException as exc:  # the test cancels it by timing out
             errors.append(exc)
         done.set()
@@ -120,7 +129,9 @@ def test_bad_commands_are_ignored_and_a_busy_agent_refuses_a_second_job(one_agen
     threading.Thread(target=first, daemon=True).start()
     time.sleep(3)
     with pytest.raises(JobFailed, match="busy"):
-        run_on_agents(spec, Plan.of((device, 0, 3)), control, job="second", timeout_s=30)
+        run_on_agents(
+            spec, Plan.of((device, 0, 3)), control, job="second", options=RunOptions(timeout_s=30)
+        )
     done.wait(60)
     assert fleet.procs[device].poll() is None
 
@@ -149,7 +160,7 @@ def test_agent_rides_out_a_broker_restart() -> None:
                         JobSpec(model="mlp", steps=2, batch_size=8, microbatches=2),
                         Plan.of((fleet.ids[0], 0, 3)),
                         control,
-                        timeout_s=60,
+                        options=RunOptions(timeout_s=60),
                     )
                     assert len(result.losses) == 2
                 finally:

@@ -51,8 +51,9 @@ from support.markers import NO_MOSQUITTO
 from support.mosquitto import Broker, find_mosquitto
 
 from coordinator.engine.faults import Fault, FaultInjector, parse_fault
+from coordinator.engine.options import JobHooks, RunOptions
 from coordinator.engine.replicas import ReplicaStore
-from coordinator.engine.resilient import ResilientResult, ResilientRun
+from coordinator.engine.resilient import Resilience, ResilientResult, ResilientRun
 from coordinator.local.broker import start_broker
 from coordinator.local.fleet import LocalFleet
 from edge.models.zoo import get_model
@@ -165,11 +166,8 @@ def _run(
                 control,
                 lambda alive: even_plan(alive, n_units),
                 list(fleet.ids),
-                replicate_every=EVERY,
-                heartbeat_timeout_s=3.0,
-                faults=injector,
-                timeout_s=300,
-                replicas=replicas,
+                resilience=Resilience(replicate_every=EVERY, faults=injector, replicas=replicas),
+                options=RunOptions(heartbeat_timeout_s=3.0, timeout_s=300),
             ).run(even_plan(fleet.ids, n_units))
             return got, replicas
     finally:
@@ -339,10 +337,9 @@ def test_a_broker_restart_is_ridden_out_with_the_same_result() -> None:
                 control,
                 lambda alive: even_plan(alive, n_units),
                 list(fleet.ids),
-                replicate_every=2,
-                heartbeat_timeout_s=3.0,
-                on_step=on_step,
-                timeout_s=300,
+                resilience=Resilience(replicate_every=2),
+                options=RunOptions(heartbeat_timeout_s=3.0, timeout_s=300),
+                hooks=JobHooks(on_step=on_step),
             ).run(even_plan(fleet.ids, n_units))
     finally:
         restart.set()

@@ -22,7 +22,8 @@ import safetensors.torch
 from support.faults import assert_same_training, even_groups, events_of, job_spec
 
 from coordinator.engine.faults import FaultInjector, parse_fault
-from coordinator.engine.resilient import ResilientRun
+from coordinator.engine.options import RunOptions
+from coordinator.engine.resilient import Resilience, ResilientRun
 from coordinator.local.fleet import LocalFleet
 from coordinator.planner.score import Plan, Stage
 from edge.models.zoo import get_model
@@ -72,10 +73,8 @@ def test_a_killed_member_is_survived_without_rollback(
                 control,
                 lambda alive: _survivors(plan, alive),
                 list(fleet.ids),
-                replicate_every=0,
-                heartbeat_timeout_s=3.0,
-                faults=injector,
-                timeout_s=300,
+                resilience=Resilience(replicate_every=0, faults=injector),
+                options=RunOptions(heartbeat_timeout_s=3.0, timeout_s=300),
             ).run(plan)
     finally:
         control.close()

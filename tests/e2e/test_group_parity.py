@@ -19,6 +19,7 @@ import pytest
 import torch
 from support.reference import ReferenceRun, assert_matches, train_reference
 
+from coordinator.engine.options import RunOptions
 from coordinator.engine.runners import run_inprocess, run_on_agents
 from coordinator.engine.spec import JobResult, JobSpec, make_assignments, new_job_id
 from coordinator.local.fleet import LocalFleet
@@ -180,8 +181,7 @@ def test_groups_over_mqtt_equal_one_device(
         plan,
         secure_control,
         shares=_shares(SIZES[sizes], SHARES[shares]),
-        access=secure_broker.accounts,
-        timeout_s=120,
+        options=RunOptions(access=secure_broker.accounts, timeout_s=120),
     )
     assert result.rejected == {}
     _check(result, plan, COUNTS[shares])

@@ -22,7 +22,7 @@ from support.mosquitto import mosquitto_broker
 from support.waiting import until
 
 from coordinator.local.broker import free_port
-from coordinator.local.fleet import LocalFleet
+from coordinator.local.fleet import AgentRoles, LocalFleet
 
 pytestmark = needs_mosquitto
 TOKEN = "hostile-requests-token-0123"
@@ -106,7 +106,7 @@ def test_the_reproduction_is_refused_and_the_coordinator_stays_clean(tmp_path: P
     log = tmp_path / "coordinator.log"
     with (
         mosquitto_broker() as broker,
-        LocalFleet(1, broker.url, threads=1, profile=PI) as fleet,
+        LocalFleet(1, broker.url, threads=1, roles=AgentRoles(profiles=[PI])) as fleet,
         log.open("wb") as stderr,
         coordinator_process(port, broker.url, tmp_path / "coord", token=TOKEN, stderr=stderr),
         httpx.Client(

@@ -18,9 +18,10 @@ import pytest
 import torch
 from support.reference import assert_matches, train_reference
 
-from coordinator.engine.runners import run_inprocess, run_on_agents, server_tier
+from coordinator.engine.options import RunOptions
+from coordinator.engine.runners import Attempt, run_inprocess, run_on_agents, server_tier
 from coordinator.engine.spec import JobSpec
-from coordinator.local.fleet import LocalFleet
+from coordinator.local.fleet import AgentRoles, LocalFleet
 from coordinator.planner.score import Plan
 from edge.problem import DeviceSpec
 from edge.server.job_file import DistJob
@@ -32,7 +33,7 @@ from edge.transport.mqtt import MqttTransport
 def hybrid_fleet(
     module_broker: str, control: MqttTransport
 ) -> Iterator[tuple[LocalFleet, dict[str, DeviceSpec]]]:
-    with LocalFleet(4, module_broker, threads=1, servers=2) as fleet:
+    with LocalFleet(4, module_broker, threads=1, roles=AgentRoles(servers=2)) as fleet:
         yield fleet, fleet.wait_online(control, timeout=90)
 
 
@@ -48,7 +49,7 @@ def test_two_edge_agents_feed_a_gloo_server_tier(
     )
     cuts = [0, 1, 2, 4, 6]
     plan = Plan.of(*((fleet.ids[s], cuts[s], cuts[s + 1]) for s in range(4)))
-    result = run_on_agents(spec, plan, control, servers=servers, timeout_s=300)
+    result = run_on_agents(spec, plan, control, options=RunOptions(servers=servers, timeout_s=300))
     assert len(result.plan.stages) == 4
     assert {(r.stage, r.device) for r in result.reports} == {(s, fleet.ids[s]) for s in range(4)}
     independent = train_reference("gpt-mini", steps=4, batch_size=16, seed=2)
@@ -94,7 +95,12 @@ def test_a_job_moves_from_the_server_tier_to_edge_agents(
     }
     plan = Plan.of((fleet.ids[0], 0, 3), (fleet.ids[1], 3, 6))
     result = run_on_agents(
-        spec, plan, control, job="movejob", first_step=2, restore=states, timeout_s=300
+        spec,
+        plan,
+        control,
+        job="movejob",
+        options=RunOptions(timeout_s=300),
+        attempt=Attempt(first_step=2, restore=states),
     )
     assert len(result.plan.stages) == 2
     assert {(r.stage, r.device) for r in result.reports} == {(0, fleet.ids[0]), (1, fleet.ids[1])}

@@ -250,7 +250,6 @@ def test_with_labels_local_no_message_carries_labels_and_training_is_the_unions(
             ["--labels", "local", "--holders", "3", "--fault", "kill:1@2"],
             "error: --labels local cannot be combined with --fault or --replicate-every yet",
         ),
-        (["--labels", "home", "--holders", "3"], "error: --labels: 'home' is not central or local"),
     ],
 )
 def test_labels_local_where_it_cannot_be_exits_2_naming_labels(extra: list[str], line: str) -> None:
@@ -258,6 +257,18 @@ def test_labels_local_where_it_cannot_be_exits_2_naming_labels(extra: list[str],
     cmd = [sys.executable, "-m", "edgetrain.cli", "train", "--devices", "4", *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert (out.returncode, out.stderr.strip(), out.stdout) == (2, line, "")
+
+
+def test_labels_other_than_central_or_local_exit_2_naming_both() -> None:
+    """``--labels`` is a choice: the parser refuses any other value, naming the option and
+    its choices, before anything starts."""
+    cmd = [sys.executable, "-m", "edgetrain.cli", "train", "--devices", "4"]
+    out = subprocess.run(
+        [*cmd, "--labels", "home", "--holders", "3"], capture_output=True, text=True, timeout=120
+    )
+    assert (out.returncode, out.stdout) == (2, "")
+    assert "Invalid value for '--labels'" in out.stderr
+    assert "'home' is not one of 'central', 'local'" in out.stderr
 
 
 def _events(got: dict[str, Any], kind: str) -> list[dict[str, Any]]:

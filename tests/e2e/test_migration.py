@@ -37,10 +37,11 @@ from support.reference import assert_matches, train_reference
 from support.waiting import until
 
 from coordinator.engine.faults import FaultInjector, parse_fault
+from coordinator.engine.options import RunOptions
 from coordinator.engine.rebalance import Rebalancer
-from coordinator.engine.resilient import ResilientRun
+from coordinator.engine.resilient import Resilience, ResilientRun
 from coordinator.engine.spec import JobSpec
-from coordinator.local.fleet import LocalFleet
+from coordinator.local.fleet import AgentRoles, LocalFleet
 from coordinator.planner.build import build_problem
 from coordinator.service.app import create_app
 from coordinator.service.settings import Settings
@@ -71,7 +72,7 @@ def test_a_faster_device_that_joins_is_taken_in(broker: str) -> None:
     control.connect(10)
     try:
         # Two agents announcing a Raspberry Pi 4; a laptop (30x the Pi) joins at step 2.
-        with LocalFleet(2, broker, threads=1, profile="rpi4-4gb") as fleet:
+        with LocalFleet(2, broker, threads=1, roles=AgentRoles(profiles=["rpi4-4gb"] * 2)) as fleet:
             profiles = fleet.wait_online(control, timeout=90)
             members = list(fleet.ids)
 
@@ -103,11 +104,12 @@ def test_a_faster_device_that_joins_is_taken_in(broker: str) -> None:
                 control,
                 lambda alive: even_plan(alive, 6),
                 members,
-                replicate_every=2,
-                faults=injector,
-                timeout_s=300,
-                heartbeat_timeout_s=HEARTBEAT_S,
-                rebalance=Rebalancer(problem_for, replicate_every=2),
+                resilience=Resilience(
+                    replicate_every=2,
+                    faults=injector,
+                    rebalance=Rebalancer(problem_for, replicate_every=2),
+                ),
+                options=RunOptions(timeout_s=300, heartbeat_timeout_s=HEARTBEAT_S),
             ).run(even_plan(members, 6))
     finally:
         control.close()

@@ -21,6 +21,7 @@ import torch
 from support.reference import ReferenceRun, assert_matches, train_reference
 from support.schedules import drawn
 
+from coordinator.engine.options import RunOptions
 from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobSpec
 from coordinator.local.fleet import LocalFleet
@@ -64,7 +65,9 @@ def _reference(  # type: ignore[no-untyped-def]
     key = (model, steps, batch)
     if key not in _REFERENCES:
         single = Plan.of((fleet.ids[0], 0, MODELS[model]))
-        result = run_on_agents(_spec(model, steps, batch=batch), single, control, timeout_s=300)
+        result = run_on_agents(
+            _spec(model, steps, batch=batch), single, control, options=RunOptions(timeout_s=300)
+        )
         _REFERENCES[key] = (result.losses, result.weights)
     return _REFERENCES[key]
 
@@ -102,7 +105,7 @@ def test_three_stages_over_mqtt_equal_one_device(
 ) -> None:
     ref_losses, ref_weights = _reference(fleet, control, model, 6)
     spec, plan = _spec(model, 6, schedule=schedule), _three_stages(fleet, MODELS[model])
-    result = run_on_agents(spec, plan, control, timeout_s=300)
+    result = run_on_agents(spec, plan, control, options=RunOptions(timeout_s=300))
     assert len(result.plan.stages) == 3
     assert len(result.losses) == 6
     assert_matches(result.losses, result.weights, _independent(model, 6))
@@ -135,7 +138,7 @@ def test_fp16_links_stay_within_two_percent_of_the_reference(
         _spec(model, 50, codec="fp16", batch=64),
         _three_stages(fleet, MODELS[model]),
         control,
-        timeout_s=300,
+        options=RunOptions(timeout_s=300),
     )
     assert len(result.plan.stages) == 3
     # The fp32 reference is the one-device run on an agent: its first steps equal the plain
@@ -202,7 +205,7 @@ def test_garbage_frames_are_dropped_and_training_is_unchanged(
             control,
             job=job,
             on_step=on_step,
-            timeout_s=300,
+            options=RunOptions(timeout_s=300),
         )
     finally:
         raw.loop_stop()

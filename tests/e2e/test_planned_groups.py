@@ -31,7 +31,8 @@ from support.shares import assert_ran_planned_shares
 from support.waiting import until
 
 from coordinator.engine.spec import JobSpec
-from coordinator.local.fleet import LocalFleet
+from coordinator.local.fleet import AgentRoles, LocalFleet
+from coordinator.local.options import LocalTraining
 from coordinator.local.train import train_on_local_fleet
 from coordinator.service.app import create_app
 from coordinator.service.settings import Settings
@@ -103,7 +104,7 @@ def test_a_rest_job_runs_the_planners_group_plan(tmp_path: Path) -> None:
         )
         with (
             TestClient(create_app(settings)) as client,
-            LocalFleet(4, broker.url, threads=1, profiles=[PI] * 4) as fleet,
+            LocalFleet(4, broker.url, threads=1, roles=AgentRoles(profiles=[PI] * 4)) as fleet,
         ):
 
             def online() -> int:
@@ -149,7 +150,9 @@ def test_the_engine_hands_real_agents_the_plans_unequal_shares() -> None:
         microbatches=2,
         seed=1,
     )
-    run = train_on_local_fleet(spec, 3, threads=1, profiles=["rpi4", "rpi4", "rpi5"])
+    run = train_on_local_fleet(
+        LocalTraining(spec=spec, devices=3, threads=1, profiles=["rpi4", "rpi4", "rpi5"])
+    )
     assert_ran_planned_shares(run.result, run.score.shares, spec.batch_size, spec.microbatches)
     reference = train_reference(
         "cnn-digits", steps=2, batch_size=256, seed=1, model_options=options, microbatches=2

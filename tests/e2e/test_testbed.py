@@ -33,6 +33,7 @@ from support.markers import needs_mosquitto
 from support.waiting import until
 
 from coordinator.access.dynsec import DynSec
+from coordinator.engine.options import RunOptions
 from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobSpec
 from coordinator.planner.score import Plan
@@ -183,7 +184,9 @@ def test_kernel_testbed_slows_each_agent_to_its_profile(
         control = control_for(bed.login())
         try:
             assert bed.accounts is not None  # a secure broker: stages get their topics by grant
-            result = run_on_agents(spec, plan, control, timeout_s=180, access=bed.accounts)
+            result = run_on_agents(
+                spec, plan, control, options=RunOptions(timeout_s=180, access=bed.accounts)
+            )
         finally:
             control.close()
     assert leftovers(state) == []

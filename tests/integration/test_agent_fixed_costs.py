@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from support.mosquitto import Broker
 
-from coordinator.local.fleet import LocalFleet
+from coordinator.local.fleet import AgentRoles, LocalFleet
 from edge.problem import DeviceSpec
 from edge.profiling.catalog import resolve
 from edge.profiling.fixed_costs import fixed_costs_of, measure_transport_byte_s
@@ -75,7 +75,7 @@ def test_agents_announce_fixed_costs_and_emulate_what_they_run(mosquitto: Broker
     profiles, slowdowns = ["rpi4-4gb", "laptop"], [4.0, 1.0]
     try:
         with LocalFleet(
-            2, mosquitto.url, threads=1, profiles=profiles, slowdowns=slowdowns
+            2, mosquitto.url, threads=1, roles=AgentRoles(profiles=profiles, slowdowns=slowdowns)
         ) as fleet:
             announced = fleet.wait_online(control, timeout=90)
     finally:

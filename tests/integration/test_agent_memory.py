@@ -23,7 +23,7 @@ import pytest
 from support.mosquitto import Broker
 from support.waiting import until
 
-from coordinator.local.fleet import LocalFleet
+from coordinator.local.fleet import AgentRoles, LocalFleet
 from coordinator.testbed.limits import (
     cgroup_limits,
     find_controllers,
@@ -67,7 +67,7 @@ def agent(
     control.subscribe(job_events("+", "+"), lambda _t, p: events.append(parse_event(p)))
     in_cgroup = ["sh", "-c", CGROUP_EXEC, "sh", "1", str(memory_cgroup)]
     program = [*in_cgroup, sys.executable, "-m", "edgetrain.cli"]
-    fleet = LocalFleet(1, mosquitto.url, threads=1, programs=[program]).start()
+    fleet = LocalFleet(1, mosquitto.url, threads=1, roles=AgentRoles(programs=[program])).start()
     try:
         fleet.wait_online(control, timeout=90)
         pid = fleet.procs[fleet.ids[0]].pid

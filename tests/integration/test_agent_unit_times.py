@@ -34,7 +34,7 @@ from coordinator.engine.unit_profiles import (
     timing_request,
     whole_model_bytes,
 )
-from coordinator.local.fleet import LocalFleet
+from coordinator.local.fleet import AgentRoles, LocalFleet
 from coordinator.local.owned import OwnedBroker
 from coordinator.planner.build import build_problem
 from coordinator.planner.predict import UnitSeconds, predict
@@ -62,7 +62,7 @@ SPEC = JobSpec(model="cnn-digits", steps=1, batch_size=16, microbatches=2)
 def fleet(
     secure_broker: OwnedBroker, secure_control: MqttTransport
 ) -> Iterator[tuple[LocalFleet, dict[str, DeviceSpec]]]:
-    with LocalFleet(2, secure_broker, threads=1, slowdowns=[1.0, 2.0]) as local:
+    with LocalFleet(2, secure_broker, threads=1, roles=AgentRoles(slowdowns=[1.0, 2.0])) as local:
         profiles = local.wait_online(secure_control, timeout=90)
         yield local, profiles
 

@@ -32,6 +32,7 @@ from support.reference import assert_matches, train_reference
 
 import coordinator.local.broker as broker_mod
 from coordinator.access.accounts import BrokerAccounts
+from coordinator.engine.options import RunOptions
 from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobSpec, new_job_id
 from coordinator.local.broker import AmqttBroker
@@ -282,7 +283,9 @@ def test_a_job_runs_on_the_embedded_secure_broker(owned: OwnedBroker) -> None:
             fleet.wait_online(control, timeout=60)
             assert set(fleet.ids) <= set(owned.accounts.devices())  # each has an account
             plan = Plan.of((fleet.ids[0], 0, 1), (fleet.ids[1], 1, 3))
-            result = run_on_agents(_spec(), plan, control, timeout_s=120, access=owned.accounts)
+            result = run_on_agents(
+                _spec(), plan, control, options=RunOptions(timeout_s=120, access=owned.accounts)
+            )
     finally:
         control.close()
     assert result.rejected == {}

@@ -36,9 +36,10 @@ from packaging.requirements import Requirement
 from support.mosquitto import Broker
 from support.reference import assert_matches, train_reference
 
+from coordinator.engine.options import RunOptions
 from coordinator.engine.runners import run_inprocess, run_on_agents
 from coordinator.engine.spec import JobSpec
-from coordinator.local.fleet import LocalFleet
+from coordinator.local.fleet import AgentRoles, LocalFleet
 from coordinator.planner.score import Plan
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec
@@ -195,11 +196,11 @@ def test_a_device_install_agent_trains_a_two_stage_job_with_a_full_install(
     # Stage 0 (it reads the data) on the device install, stage 1 (the loss) on the full one.
     programs = [[str(device.edgetrain)], []]
     try:
-        with LocalFleet(2, mosquitto.url, threads=1, programs=programs) as fleet:
+        with LocalFleet(2, mosquitto.url, threads=1, roles=AgentRoles(programs=programs)) as fleet:
             fleet.wait_online(control, timeout=90)
             on_device, on_full = fleet.ids
             plan = Plan.of((on_device, 0, 2), (on_full, 2, n))
-            result = run_on_agents(spec, plan, control, timeout_s=300)
+            result = run_on_agents(spec, plan, control, options=RunOptions(timeout_s=300))
     finally:
         control.close()
     reference = run_inprocess(spec, Plan.of(("reference", 0, n)))

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from coordinator.local.fleet import LocalFleet
+from coordinator.local.fleet import AgentRoles, LocalFleet
 from coordinator.local.owned import OwnedBroker
 from edge.transport.mqtt import MqttTransport
 
@@ -17,6 +17,8 @@ from edge.transport.mqtt import MqttTransport
 @pytest.fixture(scope="module")
 def secure_fleet(secure_broker: OwnedBroker, secure_control: MqttTransport) -> Iterator[LocalFleet]:
     """Three enrolled agents, slowed 4x so that a job lasts while it is attacked."""
-    with LocalFleet(3, secure_broker, threads=1, slowdowns=[4.0, 4.0, 4.0]) as local:
+    with LocalFleet(
+        3, secure_broker, threads=1, roles=AgentRoles(slowdowns=[4.0, 4.0, 4.0])
+    ) as local:
         local.wait_online(secure_control, timeout=90)
         yield local

@@ -36,6 +36,7 @@ import pytest
 import torch
 from support.reference import assert_matches, train_reference
 
+from coordinator.engine.options import RunOptions
 from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobSpec, new_job_id
 from coordinator.local.fleet import LocalFleet
@@ -246,8 +247,7 @@ def test_an_attacker_changes_nothing(
             secure_control,
             job=job,
             on_step=on_step,
-            timeout_s=300,
-            access=accounts,
+            options=RunOptions(timeout_s=300, access=accounts),
         )
         thread.join(timeout=60)
         time.sleep(0.5)  # anything the broker let through would have reached the spy

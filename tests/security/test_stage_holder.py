@@ -30,7 +30,8 @@ from support.grants import Device, check_addressed, contract, job_topics, wildca
 from support.reference import assert_matches, train_reference
 from support.waiting import until
 
-from coordinator.engine.runners import run_on_agents
+from coordinator.engine.options import RunOptions
+from coordinator.engine.runners import Attempt, run_on_agents
 from coordinator.engine.spec import JobSpec, make_assignments, new_job_id
 from coordinator.local.fleet import LocalFleet
 from coordinator.local.owned import OwnedBroker
@@ -110,9 +111,8 @@ def test_a_stage_holder_reads_and_speaks_for_its_stage_only(
             secure_control,
             job=job,
             on_step=on_step,
-            timeout_s=300,
-            access=accounts,
-            replicate_every=REPLICATE,
+            options=RunOptions(timeout_s=300, access=accounts),
+            attempt=Attempt(replicate_every=REPLICATE),
         )
         if thread.ident is not None:  # started at step 1
             thread.join(timeout=60)
