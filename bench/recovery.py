@@ -45,11 +45,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 
 from coordinator.engine.faults import FaultInjector, parse_fault
+from coordinator.engine.monitor import JobAborted, JobFailed
 from coordinator.engine.options import JobHooks, RunOptions
 from coordinator.engine.replicas import ReplicaStore
 from coordinator.engine.resilient import Resilience, ResilientRun
 from coordinator.engine.runners import Attempt, run_inprocess, run_on_agents
-from coordinator.engine.spec import JobAborted, JobFailed, JobSpec, new_job_id
+from coordinator.engine.spec import JobSpec, new_job_id
 from coordinator.engine.watch import DeviceWatch
 from coordinator.local.broker import start_broker
 from coordinator.local.fleet import LocalFleet

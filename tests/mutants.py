@@ -285,7 +285,7 @@ MUTANTS = [
     Mutant(
         name="monitor-trusts-payload",
         what="an event counts if its payload names the stage's device, whoever sent it",
-        path="coordinator/engine/spec.py",
+        path="coordinator/engine/monitor.py",
         old="if sender != holder or event.device != holder:",
         new="if event.device != holder:",
         tests=("tests/unit/coordinator/engine/test_senders.py",),

@@ -36,12 +36,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from coordinator.engine.assignments import batchnorm_units
 from coordinator.engine.faults import Fault, FaultActuator, FaultInjector, parse_fault
+from coordinator.engine.monitor import JobResult
 from coordinator.engine.options import JobHooks, RunOptions, Tolerance
 from coordinator.engine.rebalance import Rebalancer, replication_interval
 from coordinator.engine.resilient import PlanNotes, Resilience, ResilientResult, ResilientRun
 from coordinator.engine.runners import run_on_agents
-from coordinator.engine.spec import JobResult, JobSpec, batchnorm_units
+from coordinator.engine.spec import JobSpec
 from coordinator.engine.unit_profiles import (
     time_units_on_devices,
     timing_request,
@@ -420,7 +422,7 @@ class JobEngine:
         pin_first: str | None = None,
         tolerance: Tolerance = Tolerance(),
     ) -> JobRun:
-        """Run ``planned`` as job ``job``; :class:`~coordinator.engine.spec.JobFailed` if
+        """Run ``planned`` as job ``job``; :class:`~coordinator.engine.monitor.JobFailed` if
         it fails. Whether it runs with fault tolerance, and how often it replicates, is
         :meth:`replication`'s to say from ``spec`` and ``tolerance``; such a run re-plans
         over the devices still ``allowed`` (``pin_first`` on stage 0 while it lives).

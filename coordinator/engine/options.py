@@ -14,23 +14,37 @@ with fault tolerance as a series of *attempts*, each under a job id of its own
   resumed job starts from. From it and the spec the engine alone decides whether the
   run replicates, and how often (:meth:`~coordinator.engine.engine.JobEngine.replication`).
 - :class:`JobHooks`: what the caller hears of the run as it goes.
+
+:class:`JobAccess` is what a :class:`RunOptions` may hold of the broker: the ACLs
+each run's devices are granted, and lose when it ends.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from coordinator.engine.engine import PlannedJob
     from coordinator.engine.faults import Fault
     from coordinator.engine.replicas import ReplicaStore
-    from coordinator.engine.spec import JobAccess
     from coordinator.planner.score import Plan
-    from edge.wire.messages import StepReport
+    from edge.wire.messages import StageAssignment, StepReport
 
-__all__ = ["JobHooks", "RunOptions", "Tolerance"]
+__all__ = ["JobAccess", "JobHooks", "RunOptions", "Tolerance"]
+
+
+class JobAccess(Protocol):
+    """A broker whose ACLs follow the plan (``coordinator.access.BrokerAccounts``)."""
+
+    def grant(self, job: str, stages: list[tuple[str, StageAssignment]]) -> None:
+        """Let each ``(device, assignment)`` use that stage's topics, and no other job's."""
+        ...
+
+    def release(self, job: str) -> None:
+        """Take back every right granted for ``job`` (nothing if none was)."""
+        ...
 
 
 @dataclass(frozen=True)

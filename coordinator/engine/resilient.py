@@ -41,16 +41,11 @@ from typing import Any
 
 from coordinator.engine.faults import FaultInjector
 from coordinator.engine.handover import Handover
+from coordinator.engine.monitor import JobAborted, JobFailed, JobResult
 from coordinator.engine.options import JobHooks, RunOptions
 from coordinator.engine.replicas import ReplicaStore
 from coordinator.engine.runners import Attempt, run_on_agents
-from coordinator.engine.spec import (
-    JobAborted,
-    JobFailed,
-    JobResult,
-    JobSpec,
-    new_job_id,
-)
+from coordinator.engine.spec import JobSpec, new_job_id
 from coordinator.engine.watch import RECONNECT_GRACE_S, DeviceWatch
 from coordinator.planner.score import Plan
 from edge.models.zoo import get_model

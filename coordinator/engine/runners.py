@@ -12,7 +12,7 @@
   (:mod:`edge.transport.dist`): a hybrid pipeline of edge devices and servers.
 
 Both take a :class:`~coordinator.engine.spec.JobSpec` and a plan and return a
-:class:`~coordinator.engine.spec.JobResult`. A stage of the plan on a group of
+:class:`~coordinator.engine.monitor.JobResult`. A stage of the plan on a group of
 devices runs one assignment per member ([Note: groups on the wire] in
 :mod:`edge.wire.groups`), splitting microbatches by the ``shares`` given (equal
 ones by default); the members must end with the same weights, and the result
@@ -33,17 +33,11 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from coordinator.engine.assignments import make_assignments
 from coordinator.engine.handover import Handover
+from coordinator.engine.monitor import JobAborted, JobFailed, JobMonitor, JobResult
 from coordinator.engine.options import RunOptions
-from coordinator.engine.spec import (
-    JobAborted,
-    JobFailed,
-    JobMonitor,
-    JobResult,
-    JobSpec,
-    make_assignments,
-    new_job_id,
-)
+from coordinator.engine.spec import JobSpec, new_job_id
 from coordinator.planner.score import Plan
 from edge.models.local_data import LocalData
 from edge.problem import DeviceSpec
@@ -164,7 +158,7 @@ class Attempt:
     start at ``first_step`` with the state in ``restore`` (one blob per stage, published
     retained on its restore topic before the assignments), have the stages publish their
     state every ``replicate_every`` steps, and stop with
-    :class:`~coordinator.engine.spec.JobAborted` as soon as ``abort()`` gives a reason.
+    :class:`~coordinator.engine.monitor.JobAborted` as soon as ``abort()`` gives a reason.
     With ``handover``, an abort it wants (a group member died) stops the stages holding
     their state and collects the state of a step every stage reached before the run's
     grants end ([Note: a group member dies] in :mod:`coordinator.engine.handover`)."""
@@ -353,7 +347,7 @@ def _store_on(host: str) -> Any:
     ``TCPStore`` itself listens on every interface whatever host it is given; so
     it gets a socket bound here to ``host`` (the address the group's ranks are
     told, 127.0.0.1 by default), which it then owns and closes. An address this
-    machine does not have is a :class:`~coordinator.engine.spec.JobFailed`.
+    machine does not have is a :class:`~coordinator.engine.monitor.JobFailed`.
     """
     import socket
 

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.engine.faults import check_fault_stages
+from coordinator.engine.monitor import JobResult
 from coordinator.engine.options import JobHooks, RunOptions
-from coordinator.engine.spec import JobResult, JobSpec
+from coordinator.engine.spec import JobSpec
 from coordinator.local.options import LocalTraining
 from coordinator.planner.predict import Prediction
 from coordinator.planner.score import PlanScore

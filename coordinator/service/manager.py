@@ -53,10 +53,11 @@ from coordinator.engine.faults import (
     check_fault_stages,
     parse_fault,
 )
-from coordinator.engine.options import JobHooks, RunOptions, Tolerance
+from coordinator.engine.monitor import JobFailed, JobResult
+from coordinator.engine.options import JobAccess, JobHooks, RunOptions, Tolerance
 from coordinator.engine.replicas import ReplicaStore
 from coordinator.engine.runners import server_tier
-from coordinator.engine.spec import JobAccess, JobFailed, JobResult, JobSpec, new_job_id
+from coordinator.engine.spec import JobSpec, new_job_id
 from coordinator.planner.baselines import job_baselines
 from coordinator.planner.predict import Prediction
 from coordinator.planner.score import Plan, for_plan

@@ -60,7 +60,7 @@ after member: the union of the holders' data, in an order any device can rebuild
 [Note: labels stay home]
 With ``labels_local`` the plan is U-shaped: the holders are stage 0 and, with the
 same members in the same order and the same samples each, the last stage too
-(:func:`coordinator.engine.spec.u_tail`); helpers run the stages between. A
+(:func:`coordinator.engine.assignments.u_tail`); helpers run the stages between. A
 holder's last-stage member reads its own dataset again with the same sampler as
 its stage 0 (the same seed and count), so its rows of microbatch ``j`` there are
 its own samples of microbatch ``j``, and it takes their labels from its own

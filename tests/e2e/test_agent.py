@@ -19,9 +19,11 @@ from support.markers import needs_mosquitto
 from support.mosquitto import mosquitto_broker
 from support.waiting import until
 
+from coordinator.engine.assignments import make_assignments
+from coordinator.engine.monitor import JobFailed
 from coordinator.engine.options import RunOptions
 from coordinator.engine.runners import run_on_agents
-from coordinator.engine.spec import JobFailed, JobSpec, make_assignments
+from coordinator.engine.spec import JobSpec
 from coordinator.local.fleet import LocalFleet
 from coordinator.planner.score import Plan
 from edge.transport.mqtt import MqttSettings, MqttTransport

@@ -17,7 +17,8 @@ import safetensors.torch
 import torch
 from support.waiting import until
 
-from coordinator.engine.spec import JobSpec, make_assignments
+from coordinator.engine.assignments import make_assignments
+from coordinator.engine.spec import JobSpec
 from coordinator.local.fleet import LocalFleet
 from coordinator.planner.score import Plan
 from edge.runtime.checkpoint import encode_state, read_state

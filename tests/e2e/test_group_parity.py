@@ -19,9 +19,11 @@ import pytest
 import torch
 from support.reference import ReferenceRun, assert_matches, train_reference
 
+from coordinator.engine.assignments import make_assignments
+from coordinator.engine.monitor import JobResult
 from coordinator.engine.options import RunOptions
 from coordinator.engine.runners import run_inprocess, run_on_agents
-from coordinator.engine.spec import JobResult, JobSpec, make_assignments, new_job_id
+from coordinator.engine.spec import JobSpec, new_job_id
 from coordinator.local.fleet import LocalFleet
 from coordinator.local.owned import OwnedBroker
 from coordinator.planner.score import Plan, Stage

@@ -27,7 +27,8 @@ from support.mosquitto import Broker
 from support.reference import assert_matches, one_thread, train_reference
 from support.waiting import until
 
-from coordinator.engine.spec import JobSpec, make_assignments
+from coordinator.engine.assignments import make_assignments
+from coordinator.engine.spec import JobSpec
 from coordinator.planner.score import Plan
 from edge.runtime.stage import StageRuntime
 from edge.transport.mqtt import MqttSettings, MqttTransport

@@ -13,8 +13,10 @@ import pytest
 import torch.distributed as dist
 from support.waiting import until
 
+from coordinator.engine.assignments import make_assignments
+from coordinator.engine.monitor import JobFailed
 from coordinator.engine.runners import _server_group
-from coordinator.engine.spec import JobFailed, JobSpec, make_assignments
+from coordinator.engine.spec import JobSpec
 from coordinator.planner import Plan
 
 SPEC = JobSpec(model="gpt-mini", steps=2, batch_size=8, microbatches=2)

@@ -4,7 +4,7 @@ For 3-stage plans (one device a stage, with and without replicas; groups 1,2,1 a
 2,1,2 with hand-over; a U whose labels stay home, where the holders of stage 0 hold
 the last stage too), the coordinator grants the plan
 (:meth:`coordinator.access.accounts.BrokerAccounts.grant`, with the assignments
-:func:`coordinator.engine.spec.make_assignments` makes) on a real broker: Mosquitto
+:func:`coordinator.engine.assignments.make_assignments` makes) on a real broker: Mosquitto
 with its dynamic-security plugin, and the embedded amqtt broker of machines without
 it. Each device of the plan, and one enrolled device holding no stage (its id extends
 a holder's, as ``pi-10`` extends ``pi-1``), then logs in with its own credentials and
@@ -46,7 +46,8 @@ from support.grants import (
 from support.markers import needs_mosquitto
 from support.waiting import until
 
-from coordinator.engine.spec import JobSpec, make_assignments, new_job_id
+from coordinator.engine.assignments import make_assignments
+from coordinator.engine.spec import JobSpec, new_job_id
 from coordinator.local.owned import OwnedBroker, start_owned_broker
 from coordinator.planner.score import Plan, Stage
 from edge.transport.mqtt import MqttTransport

@@ -30,9 +30,10 @@ from support.grants import Device, check_addressed, contract, job_topics, wildca
 from support.reference import assert_matches, train_reference
 from support.waiting import until
 
+from coordinator.engine.assignments import make_assignments
 from coordinator.engine.options import RunOptions
 from coordinator.engine.runners import Attempt, run_on_agents
-from coordinator.engine.spec import JobSpec, make_assignments, new_job_id
+from coordinator.engine.spec import JobSpec, new_job_id
 from coordinator.local.fleet import LocalFleet
 from coordinator.local.owned import OwnedBroker
 from coordinator.planner.score import Plan

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from coordinator.engine.spec import JobResult
+from coordinator.engine.monitor import JobResult
 from edge.wire.groups import split_samples
 
 __all__ = ["assert_ran_planned_shares"]

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from coordinator.engine.assignments import make_assignments
 from coordinator.engine.runners import server_tier
-from coordinator.engine.spec import DataPlacement, JobSpec, make_assignments
+from coordinator.engine.spec import DataPlacement, JobSpec
 from coordinator.planner import Plan
 from coordinator.planner.score import Stage
 from edge.problem import DeviceSpec

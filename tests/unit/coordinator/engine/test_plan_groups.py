@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from coordinator.engine import engine
+from coordinator.engine.assignments import batchnorm_units
 from coordinator.engine.engine import job_problem, plan_over, plans_groups
-from coordinator.engine.spec import JobSpec, batchnorm_units
+from coordinator.engine.spec import JobSpec
 from coordinator.planner.build import parse_fleet
 from coordinator.planner.group_search import plan_groups
 

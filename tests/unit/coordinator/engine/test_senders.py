@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from coordinator.engine.monitor import JobFailed, JobMonitor
 from coordinator.engine.replicas import ReplicaStore
-from coordinator.engine.spec import JobFailed, JobMonitor
 from edge.runtime.checkpoint import StageState, encode_state
 from edge.wire.messages import StageDone, StageReady, StepReport
 from edge.wire.topics import job_replica

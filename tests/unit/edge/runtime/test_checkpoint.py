@@ -16,7 +16,8 @@ import safetensors.torch
 import torch
 from support.reference import assert_matches, one_thread, train_reference
 
-from coordinator.engine.spec import JobSpec, make_assignments
+from coordinator.engine.assignments import make_assignments
+from coordinator.engine.spec import JobSpec
 from coordinator.planner.score import Plan
 from edge.models.zoo import get_model
 from edge.runtime.checkpoint import (

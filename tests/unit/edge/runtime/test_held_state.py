@@ -9,7 +9,8 @@ import pytest
 import torch
 from support.reference import one_thread
 
-from coordinator.engine.spec import JobSpec, make_assignments
+from coordinator.engine.assignments import make_assignments
+from coordinator.engine.spec import JobSpec
 from coordinator.planner.score import Plan
 from edge.runtime.checkpoint import read_state
 from edge.runtime.stage import StageRuntime

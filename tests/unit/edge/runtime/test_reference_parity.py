@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 from support.reference import ReferenceRun, assert_matches, train_reference
 
+from coordinator.engine.monitor import JobResult
 from coordinator.engine.runners import run_inprocess
-from coordinator.engine.spec import JobResult, JobSpec
+from coordinator.engine.spec import JobSpec
 from coordinator.planner.score import Plan
 from edge.models.zoo import get_model
 

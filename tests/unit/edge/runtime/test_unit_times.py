@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from coordinator.engine.spec import JobSpec, make_assignments
+from coordinator.engine.assignments import make_assignments
+from coordinator.engine.spec import JobSpec
 from coordinator.engine.unit_profiles import timing_request
 from coordinator.planner.score import Plan
 from edge.models.zoo import get_model

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from coordinator.engine.spec import JobSpec, make_assignments
+from coordinator.engine.assignments import make_assignments
+from coordinator.engine.spec import JobSpec
 from coordinator.planner import Plan
 from edge.server.groups import StoreRefused, accepts_store_host, join_group
 from edge.transport.inprocess import InProcessTransport
