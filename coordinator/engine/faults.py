@@ -19,6 +19,9 @@ coordinator has a :class:`ThrottleActuator`, which can slow any device (a
 one that runs a testbed (``--testbed-state``) has
 :class:`~coordinator.testbed.actuator.TestbedActuator`, which also kills the
 testbed's agent processes and starts new ones.
+
+A job names its faults as :data:`FaultText`: one of the forms above, bounded, checked
+where the job's fields are (:class:`~coordinator.engine.spec.JobBase`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Annotated, Literal, Protocol
+
+from pydantic import AfterValidator, Field
 
 from edge.errors import UserError
 from edge.wire.messages import StepReport, Throttle
@@ -41,6 +46,7 @@ __all__ = [
     "Fault",
     "FaultActuator",
     "FaultInjector",
+    "FaultText",
     "ThrottleActuator",
     "check_fault_stages",
     "parse_fault",
@@ -93,6 +99,18 @@ def parse_fault(text: str, label: str = "--fault") -> Fault:
         factor=factor,
         member=int(m.group(3) or 0),
     )
+
+
+def _fault_form(text: str) -> str:
+    try:
+        parse_fault(text, "fault")
+    except UserError as exc:
+        raise ValueError(exc.message) from None
+    return text
+
+
+FaultText = Annotated[str, Field(max_length=100), AfterValidator(_fault_form)]
+"""A fault as a job names it: one of the forms of :func:`parse_fault`, kept as given."""
 
 
 def check_fault_stages(

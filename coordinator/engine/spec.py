@@ -19,9 +19,17 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from coordinator.engine.faults import FaultText
 from edge.config import RecvTimeout, ReplicateEvery, TrainConfig
 
-__all__ = ["DataPlacement", "JobSpec", "largest_message_bytes", "new_job_id"]
+__all__ = [
+    "DataPlacement",
+    "DeviceName",
+    "JobBase",
+    "JobSpec",
+    "largest_message_bytes",
+    "new_job_id",
+]
 
 
 class DataPlacement(BaseModel):
@@ -47,24 +55,41 @@ class DataPlacement(BaseModel):
         return self.labels == "local"
 
 
-class JobSpec(TrainConfig):
-    """What to train and how (:class:`~edge.config.TrainConfig`, with the engine's own
-    settings on top); the plan says where."""
+DeviceName = Annotated[str, Field(min_length=1, max_length=128)]
+"""A device's id as a job names it. Its bounds make pydantic read it as Unicode text, so a
+lone surrogate (``"\\ud800"``, which Python's JSON parser gives) is refused rather than
+kept in a job that no JSON response can carry."""
+
+
+class JobBase(TrainConfig):
+    """Every field of a job, each defined here once: :class:`~edge.config.TrainConfig`'s,
+    with how the job is planned, its fault tolerance and where its data lives on top.
+
+    It checks each field, not how they go together: :meth:`conflict` says that. A
+    :class:`JobSpec` refuses a job whose fields conflict; the REST body
+    (:class:`~coordinator.service.api.routes.jobs.JobCreate`) builds on this class too,
+    and names the field in its 422.
+    """
 
     recv_timeout_s: RecvTimeout = 120.0
-    pin_first: str | None = None
-    """The device that must run stage 0 (it holds the data); planning only."""
+    """Seconds a stage waits for one frame before it gives up on the job."""
+    pin_first: DeviceName | None = None
+    """The device that holds the data and must run stage 0; planning only."""
     partition: Literal["plan", "even"] = "plan"
     """How the units are split: ``plan``, the planner's best plan; ``even``, the same number
-    of units on each device (:mod:`coordinator.planner.partition`); planning only."""
-    stages: int | None = Field(default=None, ge=1)
-    """Exactly this many stages (``None``: what the partition gives), each on a device or,
-    where the planner places groups, a group of devices; planning only. A re-plan over
-    fewer survivors plans as many as survive."""
+    of units on each device (on the ``stages`` fastest when ``stages`` is given;
+    :mod:`coordinator.planner.partition`); planning only."""
+    stages: int | None = Field(default=None, ge=1, le=1024)
+    """Exactly this many stages (``None``: what the partition gives; with ``plan``, the
+    planner's best plan of that many), each on a device or, where the planner places
+    groups, a group of devices; planning only. A re-plan over fewer survivors plans as
+    many as survive."""
     replicate_every: ReplicateEvery = 0
-    """Fault tolerance in the service: replicate every stage's state every R steps
-    (0: off). Such a job survives devices dying and the coordinator restarting."""
-    group_sizes: tuple[Annotated[int, Field(ge=1)], ...] | None = Field(default=None, min_length=1)
+    """Fault tolerance: replicate every stage's state every R steps (0: off). Such a job
+    survives devices dying and the coordinator restarting."""
+    group_sizes: tuple[Annotated[int, Field(ge=1, le=1024)], ...] | None = Field(
+        default=None, min_length=1, max_length=1024, examples=[[2, 1, 1]]
+    )
     """With ``partition="even"``: how many devices each stage runs on, in stage order (their
     sum is the number of devices); a stage of several trains data-parallel, each member
     on a share of every microbatch by its speed ([Note: groups on the wire]). Planning only."""
@@ -72,7 +97,7 @@ class JobSpec(TrainConfig):
     """What the planner minimises: the step time, or the energy per step (from the
     devices' power figures: predictions); planning only."""
     max_step_time_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    """Only plans whose predicted step time is at most this; planning only."""
+    """Only plans whose predicted step time is at most this many seconds; planning only."""
     unit_times: Literal["host", "devices"] = "host"
     """Where the cost model's seconds of each unit come from: ``host``, the coordinator's
     machine, scaled to each device by its matmul rate; ``devices``, each device times
@@ -80,32 +105,56 @@ class JobSpec(TrainConfig):
     model and batch shape; [Note: a device's own unit seconds] in
     :mod:`coordinator.engine.unit_profiles`): a slower start, a closer prediction where
     a device differs from the host unit by unit. Planning only."""
-    faults: tuple[str, ...] = ()
-    """Faults the service injects into this job (``kill:STAGE@STEP`` and the other forms
-    of :mod:`coordinator.engine.faults`); for testing fault tolerance, so only with it."""
-
-    data: DataPlacement | None = None
+    faults: tuple[FaultText, ...] = Field(
+        default=(), max_length=32, examples=[["kill:1@8", "slow:0@4:3", "join:laptop@6"]]
+    )
+    """Faults the service injects into this job, for testing fault tolerance, so only with
+    it: ``kill:STAGE@STEP`` (SIGKILL the agent of that stage once STEP is reported;
+    ``kill:STAGE.MEMBER@STEP``, a member of its group), ``slow:STAGE@STEP:FACTOR``,
+    ``join:PROFILE@STEP`` (a new agent with that catalogue profile;
+    :mod:`coordinator.engine.faults`). Kill and join need a testbed coordinator."""
+    data: DataPlacement | None = Field(
+        default=None, examples=[{"name": "digits", "placement": "local"}]
+    )
     """Data that stays home: the job trains on the union of every online holder's local
-    dataset of that name (its model's dataset then only says what samples look like)."""
+    dataset of that name (``edgetrain agent --data NAME=SPEC``; its model's dataset then
+    only says what samples look like). The holders are stage 0, and only activations
+    after ``min_local_units`` units leave them."""
 
-    @model_validator(mode="after")
-    def _check_groups(self) -> JobSpec:
-        if self.data is not None:
-            if self.partition != "plan" or self.group_sizes is not None:
-                raise ValueError("local data needs partition plan: the holders are stage 0")
-            if self.pin_first is not None:
-                raise ValueError("local data places stage 0 on its holders: no pin_first")
-            if self.data.labels_local and (self.replicate_every or self.faults):
-                raise ValueError(
-                    'labels "local" cannot be combined with fault tolerance yet '
-                    "(replicate_every, faults)"
-                )
+    def conflict(self) -> tuple[tuple[str, ...], str] | None:
+        """The first of this job's fields that cannot go with the others, as ``(where,
+        why)``: the field to name (a field of ``data``: its path) and why; ``None`` when
+        they all go together."""
         sizes = self.group_sizes
         if sizes is not None:
             if self.partition != "even":
-                raise ValueError("group_sizes needs partition even")
+                return ("group_sizes",), "group_sizes needs partition even"
             if self.stages is not None and self.stages != len(sizes):
-                raise ValueError(f"stages={self.stages}, but group_sizes has {len(sizes)} stages")
+                why = f"stages={self.stages}, but group_sizes has {len(sizes)} stages"
+                return ("group_sizes",), why
+        data = self.data
+        if data is None:
+            return None
+        if data.labels_local and (self.replicate_every or self.faults):
+            why = 'labels "local" cannot be combined with fault tolerance yet'
+            why += " (replicate_every, faults)"
+            return ("data", "labels"), why
+        if self.partition != "plan" or sizes is not None:
+            return ("data",), "local data needs partition plan: the holders are stage 0"
+        if self.pin_first is not None:
+            return ("data",), "local data places stage 0 on its holders: no pin_first"
+        return None
+
+
+class JobSpec(JobBase):
+    """What to train and how (see :class:`JobBase`), its fields going together; the plan
+    says where."""
+
+    @model_validator(mode="after")
+    def _fields_go_together(self) -> JobSpec:
+        found = self.conflict()
+        if found is not None:
+            raise ValueError(found[1])
         return self
 
 

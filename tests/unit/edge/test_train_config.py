@@ -3,8 +3,9 @@
 The REST body (``JobCreate``), the engine's spec (``JobSpec``), the MQTT stage
 assignment (``StageAssignment``) and the server tier's job file (``DistJob``)
 refuse the same bad value with the same message, because each field is the one
-definition in :mod:`edge.config`; the structural test fails if a shape restates
-one. ``edgetrain train`` and ``POST /api/v1/jobs`` (an in-process app, no
+definition in :mod:`edge.config` (and each of the job's own fields, in
+:class:`~coordinator.engine.spec.JobBase`); the structural tests fail if a shape
+restates one. ``edgetrain train`` and ``POST /api/v1/jobs`` (an in-process app, no
 services) report that same message.
 """
 
@@ -23,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from typer.testing import CliRunner
 
-from coordinator.engine.spec import JobSpec
+from coordinator.engine.spec import JobBase, JobSpec
 from coordinator.service.api.routes import jobs
 from coordinator.service.api.routes.jobs import JobCreate
 from edge.config import CodecName, TrainConfig, TrainConfigBase
@@ -180,6 +181,20 @@ def test_shapes_take_their_fields_from_train_config(shape: type[TrainConfigBase]
         assert issubclass(shape, TrainConfig)
         shared = TrainConfig.model_fields
     for name, field in shared.items():
+        mine, theirs = _definition(shape.model_fields[name]), _definition(field)
+        assert mine[0] == theirs[0], (shape.__name__, name)
+        assert len(mine[1]) == len(theirs[1]), (shape.__name__, name)
+        assert all(a is b for a, b in zip(mine[1], theirs[1], strict=True)), (shape.__name__, name)
+
+
+@pytest.mark.parametrize("shape", [JobCreate, JobSpec])
+def test_the_rest_body_and_the_spec_take_the_jobs_fields_from_job_base(
+    shape: type[JobBase],
+) -> None:
+    """The job's own fields (planning, fault tolerance, data) are defined once too: the
+    REST body may change a default or make a field optional, never its checks."""
+    assert issubclass(shape, JobBase)
+    for name, field in JobBase.model_fields.items():
         mine, theirs = _definition(shape.model_fields[name]), _definition(field)
         assert mine[0] == theirs[0], (shape.__name__, name)
         assert len(mine[1]) == len(theirs[1]), (shape.__name__, name)

@@ -1,11 +1,15 @@
 """``/api/v1/jobs``: submit, list, inspect, cancel; metrics, weights and ONNX of a job.
 
-The body's training settings are :class:`edge.config.TrainConfig`'s. Its model and
-dataset must be the zoo's and built-in (a ``package.module:function`` would run code
-the client chose on every device). Both are checked by building them before the job
-is queued, the model with its options and the dataset with its own, so an unknown
-name or a bad (or out-of-bounds: [Note: bounded zoo options]) option is a 422
-naming ``model``, ``dataset`` or ``dataset_options``.
+The body (:class:`JobCreate`) is the job's fields, each defined once in
+:class:`coordinator.engine.spec.JobBase` (the training settings among them are
+:class:`edge.config.TrainConfig`'s), with the API's own on top; the route builds the
+engine's :class:`~coordinator.engine.spec.JobSpec` from it (a field that cannot go
+with the others is a 422 naming it). Its model and dataset must be the zoo's
+and built-in (a ``package.module:function`` would run code the client chose on every
+device). Both are checked by building them before the job is queued, the model with its
+options and the dataset with its own, so an unknown name or a bad (or out-of-bounds:
+[Note: bounded zoo options]) option is a 422 naming ``model``, ``dataset`` or
+``dataset_options``.
 
 A job may carry ``faults`` to inject (for testing fault tolerance; the forms of
 :mod:`coordinator.engine.faults`): each is checked when the job is submitted, against
@@ -27,20 +31,13 @@ group member that dies is survived by its co-members without a rollback.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Response
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from coordinator.engine.faults import FaultActuator, parse_fault
-from coordinator.engine.spec import DataPlacement, JobSpec
+from coordinator.engine.spec import DeviceName, JobBase, JobSpec
 from coordinator.service.api.deps import ManagerDep, ReadAuth, RegistryDep, StoreDep, WriteAuth
 from coordinator.service.api.routes.errors import (
     AUTH,
@@ -51,7 +48,7 @@ from coordinator.service.api.routes.errors import (
 )
 from coordinator.service.registry import DeviceRegistry
 from coordinator.service.store.sqlite import JobRecord
-from edge.config import BatchSize, Microbatches, ReplicateEvery, Steps, TrainConfig
+from edge.config import BatchSize, Microbatches, ReplicateEvery, Steps
 from edge.errors import UserError, describe_validation_error
 from edge.models.datasets import DATASETS, build_dataset
 from edge.models.zoo import get_model
@@ -62,24 +59,11 @@ __all__ = ["router"]
 router = APIRouter(prefix="/jobs", tags=["jobs"], responses=AUTH)
 
 
-def _fault_form(text: str) -> str:
-    try:
-        parse_fault(text, "fault")
-    except UserError as exc:
-        raise ValueError(exc.message) from None
-    return text
-
-
-FaultText = Annotated[str, Field(max_length=100), AfterValidator(_fault_form)]
-DeviceName = Annotated[str, Field(min_length=1, max_length=128)]
-"""A device's id as a job names it. Its bounds make pydantic read it as Unicode text, so a
-lone surrogate (``"\\ud800"``, which Python's JSON parser gives) is a 422 here rather
-than a stored job that no response can carry."""
-
-
-class JobCreate(TrainConfig):
-    """A training job (:class:`~edge.config.TrainConfig`, with the API's own fields on
-    top); give ``steps`` or ``epochs``."""
+class JobCreate(JobBase):
+    """A training job: the job's fields (:class:`~coordinator.engine.spec.JobBase`, each
+    defined there once), with the API's own on top: ``epochs`` (give ``steps`` or
+    ``epochs``), the ``devices`` the job may use, its own defaults, and what a client
+    may not ask for (a user's model or dataset)."""
 
     steps: Steps | None = None  # type: ignore[assignment]  # or epochs: resolved by the route
     epochs: float | None = Field(default=None, gt=0, le=10_000)
@@ -87,41 +71,10 @@ class JobCreate(TrainConfig):
     microbatches: Microbatches = 4
     devices: list[DeviceName] | None = None
     """Devices the job may use (all online devices when absent)."""
-    pin_first: DeviceName | None = None
-    """The device that holds the data and must run stage 0."""
-    partition: Literal["plan", "even"] = "plan"
-    """``plan``: the planner's best plan; ``even``: the units shared out evenly over the
-    devices (over the ``stages`` fastest when ``stages`` is given)."""
-    stages: int | None = Field(default=None, ge=1, le=1024)
-    """Exactly this many stages (absent: what the partition gives; with ``plan``, the
-    planner's best plan of that many stages, a stage on a device or a device group)."""
-    group_sizes: list[Annotated[int, Field(ge=1, le=1024)]] | None = Field(
-        default=None, min_length=1, max_length=1024, examples=[[2, 1, 1]]
-    )
-    """With ``partition`` ``even``: how many devices each stage runs on, in stage order
-    (adding up to the devices used); a stage of several trains data-parallel."""
-    replicate_every: ReplicateEvery | None = None
+    replicate_every: ReplicateEvery | None = None  # type: ignore[assignment]  # resolved too
     """Replicate every stage's state every R steps (0 or absent: off, but absent with
     faults means every max(1, steps // 10) steps): the job then survives devices
     dying and a coordinator restart."""
-    objective: Literal["time", "energy"] = "time"
-    """What the planner minimises: the step time, or the energy per step (from the
-    devices' datasheet power figures: a prediction)."""
-    max_step_time_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    """Only plans whose predicted step time is at most this many seconds."""
-    data: DataPlacement | None = Field(
-        default=None, examples=[{"name": "digits", "placement": "local"}]
-    )
-    """Data that stays home: train on the union of every online device's local dataset of
-    this name (``edgetrain agent --data NAME=SPEC``); those devices are stage 0, and only
-    activations after ``min_local_units`` units leave them. Give ``steps``."""
-    faults: list[FaultText] = Field(
-        default_factory=list, max_length=32, examples=[["kill:1@8", "slow:0@4:3", "join:laptop@6"]]
-    )
-    """Faults to inject, for testing fault tolerance: kill:STAGE@STEP (SIGKILL the agent
-    of that stage once STEP is reported; kill:STAGE.MEMBER@STEP, a member of its
-    group), slow:STAGE@STEP:FACTOR, join:PROFILE@STEP (a
-    new agent with that catalogue profile). Kill and join need a testbed coordinator."""
 
     @field_validator("model")
     @classmethod
@@ -205,27 +158,20 @@ def create_job(
     replicate_every = body.replicate_every
     if replicate_every is None:
         replicate_every = max(1, steps // 10) if body.faults else 0
-    _check_groups(body, replicate_every, model.num_units)  # before the spec, which checks too
-    _check_data(body, model.num_units, replicate_every)
-    settings = body.train_settings() | {
+    conflict = body.conflict()  # as the spec would refuse it, but naming the field
+    if conflict is not None:
+        raise unprocessable(["body", *conflict[0]], conflict[1])
+    _check_groups(body, model.num_units)
+    _check_data(body, model.num_units)
+    fields = body.model_dump(include=set(JobSpec.model_fields))  # the job's, REST's own left
+    resolved = {
         "dataset": dataset,
         "dataset_options": options,
         "steps": steps,
+        "replicate_every": replicate_every,
     }
     try:
-        spec = JobSpec(
-            **settings,
-            codec=body.codec,
-            pin_first=body.pin_first,
-            partition=body.partition,
-            stages=body.stages,
-            group_sizes=tuple(body.group_sizes) if body.group_sizes is not None else None,
-            replicate_every=replicate_every,
-            objective=body.objective,
-            max_step_time_s=body.max_step_time_s,
-            faults=tuple(body.faults),
-            data=body.data,
-        )
+        spec = JobSpec(**(fields | resolved))
     except ValidationError as exc:  # only steps is new here: too many epochs
         raise unprocessable(["body", "epochs"], describe_validation_error(exc, "job")) from None
     _check_stages(body, model.num_units)
@@ -258,23 +204,14 @@ def _check_data_memory(
         raise unprocessable(["body", field], exc.message) from None
 
 
-def _check_data(body: JobCreate, units: int, replicate_every: int) -> None:
-    """A 422 naming ``data`` when a job on local data asks for what cannot go with it
-    (``data.labels`` when local labels do not go with fault tolerance)."""
+def _check_data(body: JobCreate, units: int) -> None:
+    """A 422 naming ``data`` when a job on local data asks for what this model and the API
+    cannot give it (what its other fields cannot go with is :meth:`JobBase.conflict`'s)."""
     data = body.data
     if data is None:
         return
-    if data.labels_local and replicate_every:
-        raise unprocessable(
-            ["body", "data", "labels"],
-            'labels "local" cannot be combined with fault tolerance yet (replicate_every, faults)',
-        )
     why = None
-    if body.partition != "plan" or body.group_sizes is not None:
-        why = "local data needs partition plan: the holders are stage 0"
-    elif body.pin_first is not None:
-        why = "local data places stage 0 on its holders: no pin_first"
-    elif body.epochs is not None:
+    if body.epochs is not None:
         why = "local data needs steps, not epochs: its size is the holders' sum"
     elif data.min_local_units > units:
         why = (
@@ -296,18 +233,15 @@ def _check_stages(body: JobCreate, units: int) -> None:
         raise unprocessable(["body", "stages"], why)
 
 
-def _check_groups(body: JobCreate, replicate_every: int, units: int) -> None:
-    """A 422 naming ``group_sizes`` when the job cannot run on those groups."""
+def _check_groups(body: JobCreate, units: int) -> None:
+    """A 422 naming ``group_sizes`` when this model, or the devices the job allows, cannot
+    run on those groups (what its other fields cannot go with is :meth:`JobBase.conflict`'s)."""
     sizes = body.group_sizes
     if sizes is None:
         return
     why = None
     allowed = len(set(body.devices)) if body.devices is not None else None
-    if body.partition != "even":
-        why = "group_sizes needs partition even"
-    elif body.stages is not None and body.stages != len(sizes):
-        why = f"stages={body.stages}, but group_sizes has {len(sizes)} stages"
-    elif len(sizes) > units:
+    if len(sizes) > units:
         why = f"group_sizes has {len(sizes)} stages, more than the {units} units of {body.model}"
     elif allowed is not None and sum(sizes) != allowed:
         why = f"group_sizes adds up to {sum(sizes)} devices, but the job allows {allowed}"
