@@ -16,14 +16,16 @@ pays (not with ``--fault``, ``--replicate-every``, ``--servers`` or ``--replicas
 keeps its labels there too (the holders run the last units and the loss as well);
 ``--partition even --group-sizes 2,1,1`` forces stages on device groups
 (data-parallel within a stage, [Note: groups on the wire] in :mod:`edge.wire.groups`).
-The command parses its options, builds the job's spec and prints; how the options
-combine is checked by :class:`~coordinator.local.options.LocalTraining`, and the
-training is :mod:`coordinator.local.train`'s.
+The command parses its options, builds the job's spec from them (a flag named as one
+of the spec's fields is that field: :func:`local_training`) and prints; how the
+options combine is checked by :class:`~coordinator.local.options.LocalTraining`, and
+the training is :mod:`coordinator.local.train`'s.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
@@ -45,9 +47,10 @@ from edge.files import write_atomic
 from edge.wire.messages import StepReport
 
 if TYPE_CHECKING:
+    from coordinator.local.options import LocalTraining
     from coordinator.local.train import LocalRun
 
-__all__ = ["train_command"]
+__all__ = ["local_training", "train_command"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -58,6 +61,10 @@ DatasetOpt = Annotated[
 ]
 OptionOpt = Annotated[
     list[str] | None, typer.Option("--option", "-o", help="Model option key=value.")
+]
+DatasetOptionOpt = Annotated[
+    list[str] | None,
+    typer.Option("--dataset-option", help="Dataset option key=value (default: the model's)."),
 ]
 DevicesOpt = Annotated[
     str,
@@ -84,6 +91,12 @@ CodecOpt = Annotated[
     ),
 ]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the weights and the data order.")]
+RecvTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--recv-timeout", help="Seconds a stage waits for one frame before it gives up on the job."
+    ),
+]
 TransportOpt = Annotated[
     Transport,
     typer.Option(
@@ -236,20 +249,23 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object at 
 
 
 def train_command(
+    ctx: typer.Context,
     model: ModelOpt = "cnn-digits",
     dataset: DatasetOpt = None,
     option: OptionOpt = None,
+    dataset_option: DatasetOptionOpt = None,
     devices_opt: DevicesOpt = "3",
     steps: StepsOpt = 50,
     batch_size: BatchSizeOpt = 64,
     microbatches: MicrobatchesOpt = 4,
     schedule: ScheduleOpt = "1f1b",
-    optimizer: OptimizerOpt = "sgd",
+    optimizer_name: OptimizerOpt = "sgd",
     lr: LrOpt = 0.05,
     momentum: MomentumOpt = 0.9,
     weight_decay: WeightDecayOpt = 0.0,
     codec: CodecOpt = "fp32",
     seed: SeedOpt = 0,
+    recv_timeout_s: RecvTimeoutOpt = 120.0,
     transport: TransportOpt = "mqtt",
     replicas: ReplicasOpt = 1,
     device: DeviceOpt = "cpu",
@@ -259,7 +275,7 @@ def train_command(
     partition: PartitionOpt = "plan",
     stages: StagesOpt = None,
     objective: ObjectiveOpt = "time",
-    deadline: DeadlineOpt = None,
+    max_step_time_s: DeadlineOpt = None,
     unit_times: UnitTimesOpt = "host",
     group_sizes_opt: GroupSizesOpt = None,
     holders: HoldersOpt = 0,
@@ -268,54 +284,49 @@ def train_command(
     threads: ThreadsOpt = None,
     fault: FaultOpt = None,
     replicate_every: ReplicateEveryOpt = None,
-    heartbeat_timeout: HeartbeatOpt = 3.0,
+    heartbeat_timeout_s: HeartbeatOpt = 3.0,
     rebalance: RebalanceOpt = True,
     json_out: JsonOpt = False,
 ) -> None:
     """Train MODEL split across N local devices over MQTT (or in-process threads)."""
-    from coordinator.local.options import LocalTraining  # [Note: commands without torch]
-    from coordinator.local.train import train_locally
-    from edge.models.zoo import parse_options
+    from coordinator.local.train import train_locally  # [Note: commands without torch]
 
-    job = {
-        "model": model,
-        "model_options": parse_options(option or []),
-        "dataset": dataset,
-        "steps": steps,
-        "batch_size": batch_size,
-        "microbatches": microbatches,
-        "schedule": schedule,
-        "codec": codec,
-        "seed": seed,
-        "precision": precision,
-        "partition": partition,
-        "stages": stages,
-        "group_sizes": _group_sizes(group_sizes_opt),
-        "objective": objective,
-        "max_step_time_s": deadline,
-        "unit_times": unit_times,
-        "optimizer": dict(name=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay),
-    }
-    training = _validated(
-        LocalTraining,
-        spec=job,
-        transport=transport,
-        **_devices(devices_opt),
-        replicas=replicas,
-        device=device,
-        servers=servers,
-        holders=holders,
-        labels=labels,
-        broker=broker,
-        threads=threads,
-        faults=fault or (),
-        replicate_every=replicate_every,
-        heartbeat_timeout_s=heartbeat_timeout,
-        rebalance=rebalance,
-    )
+    training = local_training(ctx.params)
     with _Progress(steps, batch_size, enabled=not json_out) as progress:
         run = train_locally(training, on_step=progress.update, note=progress.note)
     _output(run, transport, save_weights, json_out)
+
+
+def local_training(flags: Mapping[str, Any]) -> LocalTraining:
+    """The run the command's ``flags`` ask for (its parameters by name, as parsed).
+
+    A parameter named as a field of the job (:class:`~coordinator.engine.spec.JobSpec`)
+    or of the run (:class:`~coordinator.local.options.LocalTraining`) is that field (one
+    that both have is the run's: ``replicate_every``, fault tolerance that the run
+    decides); the others are translated here. So the job is built through its own type
+    with no list of its fields, and a field without a flag is one that
+    tests/unit/edgetrain/cli/test_job_fields.py lists with its reason.
+    """
+    from coordinator.engine.spec import JobSpec  # [Note: commands without torch]
+    from coordinator.local.options import LocalTraining
+    from edge.models.zoo import parse_options
+
+    run_fields = LocalTraining.model_fields
+    job = {n: flags[n] for n in JobSpec.model_fields if n in flags and n not in run_fields}
+    job["model_options"] = parse_options(flags["option"] or [])
+    if flags["dataset_option"]:
+        job["dataset_options"] = parse_options(flags["dataset_option"])
+    job["group_sizes"] = _group_sizes(flags["group_sizes_opt"])
+    job["optimizer"] = {
+        "name": flags["optimizer_name"],
+        "lr": flags["lr"],
+        "momentum": flags["momentum"],
+        "weight_decay": flags["weight_decay"],
+    }
+    run = {n: flags[n] for n in run_fields if n in flags}
+    run |= _devices(flags["devices_opt"])
+    run["faults"] = flags["fault"] or ()
+    return _validated(LocalTraining, **run, spec=job)
 
 
 def _validated(model: type[M], **values: Any) -> M:
