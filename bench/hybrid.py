@@ -136,7 +136,7 @@ from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem
 from edge.profiling.fixed_costs import cpu_quota_of
 from edge.runtime.allocator import tune_malloc
-from edge.runtime.unit_times import measure_unit_times
+from edge.runtime.unit_times import Timing, measure_unit_times
 from edge.transport.mqtt import MqttTransport
 from edge.wire.groups import sum_waits
 from edge.wire.messages import StepReport
@@ -315,7 +315,8 @@ def calibrate(
     try:
         # CPU seconds of this one thread: other work on this host does not inflate them,
         # and each agent gets its quota's share of a core whatever the host's load.
-        timed = functools.partial(measure_unit_times, steps=steps, warmup=1, clock=time.thread_time)
+        timing = Timing(steps=steps, warmup=1, clock=time.thread_time)
+        timed = functools.partial(measure_unit_times, timing=timing)
         full = timed(spec, batch_size, microbatches)
         small = timed(spec, few * microbatches, microbatches) if few < rows else None
     finally:
