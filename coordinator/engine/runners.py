@@ -47,7 +47,7 @@ from coordinator.engine.spec import (
 from coordinator.planner.score import Plan
 from edge.models.local_data import LocalData
 from edge.problem import DeviceSpec
-from edge.runtime.stage import StageRuntime
+from edge.runtime.stage import StageDevice, StageRuntime
 from edge.transport.inprocess import InProcessTransport
 from edge.transport.mqtt import MqttTransport
 from edge.wire.messages import (
@@ -91,10 +91,8 @@ def run_inprocess(
     try:
         for a in assignments:
             device = plan.stages[a.stage].devices[a.member]
-            held = (local or {}).get(device)
-            runtimes.append(
-                StageRuntime(a, transport, device=device, report=monitor.on_event, local=held)
-            )
+            on = StageDevice(device_id=device, local_data=(local or {}).get(device))
+            runtimes.append(StageRuntime(a, transport, on=on, report=monitor.on_event))
     except BaseException:
         transport.close()
         raise
