@@ -66,7 +66,7 @@ from coordinator.planner.baselines import even_split, ftpipehd, pipedream, singl
 from coordinator.planner.score import Plan, score_plan
 from coordinator.planner.simulator import simulate
 from coordinator.planner.solve import plan_problem
-from coordinator.testbed.testbed import Testbed
+from coordinator.testbed.testbed import StartOptions, Testbed
 from edge.models.unit_costs import profile_model
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem, UnitSpec
@@ -235,7 +235,10 @@ def run_fleet(
     with (
         tempfile.TemporaryDirectory(prefix="edgetrain-hetero-") as state,
         Testbed.up(
-            devices, state_dir=Path(state), method=args.method, links=links, coordinator=False
+            devices,
+            state_dir=Path(state),
+            links=links,
+            start=StartOptions(method=args.method, coordinator=False),
         ) as tb,
     ):
         print(f"# fleet {name}: limits {tb.method} ({tb.method_reason})", file=sys.stderr)

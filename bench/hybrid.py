@@ -130,7 +130,7 @@ from coordinator.planner.predict import (
     small_rows,
 )
 from coordinator.planner.score import Plan, score_plan
-from coordinator.testbed.testbed import MethodChoice, Testbed, measure_core_gflops
+from coordinator.testbed.testbed import MethodChoice, StartOptions, Testbed, measure_core_gflops
 from edge.errors import UserError
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem
@@ -440,7 +440,10 @@ def on_fleet(key: str, models: list[str], method: MethodChoice, work: Work) -> l
     with (
         tempfile.TemporaryDirectory(prefix="edgetrain-hybrid-") as state,
         Testbed.up(
-            devices, scale=scale, state_dir=Path(state), method=method, coordinator=False
+            devices,
+            scale=scale,
+            state_dir=Path(state),
+            start=StartOptions(method=method, coordinator=False),
         ) as tb,
     ):
         print(f"# fleet {name}: limits {tb.method} ({tb.method_reason})", file=sys.stderr)
