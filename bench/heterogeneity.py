@@ -66,12 +66,12 @@ from coordinator.planner.baselines import even_split, ftpipehd, pipedream, singl
 from coordinator.planner.score import Plan, score_plan
 from coordinator.planner.simulator import simulate
 from coordinator.planner.solve import plan_problem
-from coordinator.testbed.testbed import Testbed
+from coordinator.testbed.testbed import StartOptions, Testbed
 from edge.models.unit_costs import profile_model
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem, UnitSpec
 from edge.runtime.allocator import tune_malloc
-from edge.runtime.unit_times import UnitTime, measure_unit_times
+from edge.runtime.unit_times import Timing, UnitTime, measure_unit_times
 from edge.transport.mqtt import MqttTransport
 from edgetrain.cli.signals import exit_on_sigterm
 
@@ -173,7 +173,9 @@ def calibrated_layers(
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            times = measure_unit_times(spec, batch_size, microbatches, steps=steps, warmup=1)
+            times = measure_unit_times(
+                spec, batch_size, microbatches, timing=Timing(steps=steps, warmup=1)
+            )
         finally:
             torch.set_num_threads(threads)
     counted = profile_model(spec, 2, timing=False).units  # bytes per sample
@@ -233,7 +235,10 @@ def run_fleet(
     with (
         tempfile.TemporaryDirectory(prefix="edgetrain-hetero-") as state,
         Testbed.up(
-            devices, state_dir=Path(state), method=args.method, links=links, coordinator=False
+            devices,
+            state_dir=Path(state),
+            links=links,
+            start=StartOptions(method=args.method, coordinator=False),
         ) as tb,
     ):
         print(f"# fleet {name}: limits {tb.method} ({tb.method_reason})", file=sys.stderr)

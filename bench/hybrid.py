@@ -130,13 +130,13 @@ from coordinator.planner.predict import (
     small_rows,
 )
 from coordinator.planner.score import Plan, score_plan
-from coordinator.testbed.testbed import MethodChoice, Testbed, measure_core_gflops
+from coordinator.testbed.testbed import MethodChoice, StartOptions, Testbed, measure_core_gflops
 from edge.errors import UserError
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem
 from edge.profiling.fixed_costs import cpu_quota_of
 from edge.runtime.allocator import tune_malloc
-from edge.runtime.unit_times import measure_unit_times
+from edge.runtime.unit_times import Timing, measure_unit_times
 from edge.transport.mqtt import MqttTransport
 from edge.wire.groups import sum_waits
 from edge.wire.messages import StepReport
@@ -315,7 +315,8 @@ def calibrate(
     try:
         # CPU seconds of this one thread: other work on this host does not inflate them,
         # and each agent gets its quota's share of a core whatever the host's load.
-        timed = functools.partial(measure_unit_times, steps=steps, warmup=1, clock=time.thread_time)
+        timing = Timing(steps=steps, warmup=1, clock=time.thread_time)
+        timed = functools.partial(measure_unit_times, timing=timing)
         full = timed(spec, batch_size, microbatches)
         small = timed(spec, few * microbatches, microbatches) if few < rows else None
     finally:
@@ -439,7 +440,10 @@ def on_fleet(key: str, models: list[str], method: MethodChoice, work: Work) -> l
     with (
         tempfile.TemporaryDirectory(prefix="edgetrain-hybrid-") as state,
         Testbed.up(
-            devices, scale=scale, state_dir=Path(state), method=method, coordinator=False
+            devices,
+            scale=scale,
+            state_dir=Path(state),
+            start=StartOptions(method=method, coordinator=False),
         ) as tb,
     ):
         print(f"# fleet {name}: limits {tb.method} ({tb.method_reason})", file=sys.stderr)

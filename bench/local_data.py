@@ -72,7 +72,7 @@ from coordinator.planner.build import parse_fleet
 from coordinator.planner.predict import measure_unit_seconds, predict
 from coordinator.planner.score import Plan
 from coordinator.testbed.sizing import CPU_BUDGET, default_scale
-from coordinator.testbed.testbed import Testbed
+from coordinator.testbed.testbed import StartOptions, Testbed
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec
 from edge.runtime.allocator import tune_malloc
@@ -273,9 +273,8 @@ def run_fleet(holders: int, models: list[str], args: argparse.Namespace) -> list
             devices,
             scale=args.scale,
             state_dir=Path(state),
-            method=args.method,
-            coordinator=False,
             data=local_data(holders, models),
+            start=StartOptions(method=args.method, coordinator=False),
         ) as tb,
     ):
         cores = ", ".join(f"{d.id} {d.cpus:.3f}" for d in tb.devices)

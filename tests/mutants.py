@@ -319,8 +319,11 @@ MUTANTS = [
         name="agent-ignores-allowance",
         what="an agent builds its stage with the default allowance (any code), not its own",
         path="edge/runtime/keeper.py",
-        old="                allow_code=self.settings.allow_code,\n",
-        new="",
+        old="                on=self.settings,\n",
+        new=(
+            "                on=StageDevice(device_id=self.settings.device_id, "
+            "torch_device=self.settings.torch_device, local_data=self.settings.local_data),\n"
+        ),
         tests=(
             "tests/integration/test_agent_allow_code.py::"
             "test_an_open_agent_refuses_code_it_was_not_allowed_and_keeps_serving",

@@ -52,7 +52,7 @@ from coordinator.engine.unit_profiles import (
 from coordinator.planner.build import build_problem
 from coordinator.planner.group_tables import GroupLimits
 from coordinator.planner.holders import HolderPlans
-from coordinator.planner.partition import JobPlan, plan_holders_job, plan_job
+from coordinator.planner.partition import JobPlan, PartitionOptions, plan_holders_job, plan_job
 from coordinator.planner.predict import UnitSeconds, calibrated, measure_unit_seconds, predict
 from coordinator.planner.score import Plan
 from edge.errors import UserError
@@ -235,14 +235,14 @@ def plan_over(
     problem = job_problem(spec, devices, first, groups=groups)
     # Agents that measured their fixed costs: predict what they will do.
     units = _unit_seconds(spec, device_units) if calibrated(problem) else None
+    options = PartitionOptions(
+        partition=spec.partition, stages=stages, codec=spec.codec, group_sizes=sizes
+    )
     found = plan_job(
         problem,
-        partition=spec.partition,
-        stages=stages,
-        codec=spec.codec,
+        options,
         where=where,
         previous=previous if again else None,
-        group_sizes=sizes,
         limits=limits,
         units=units,
     )

@@ -41,7 +41,7 @@ from coordinator.engine.spec import JobSpec, new_job_id
 from coordinator.planner.score import Plan
 from edge.models.local_data import LocalData
 from edge.problem import DeviceSpec
-from edge.runtime.stage import StageRuntime
+from edge.runtime.stage import StageDevice, StageRuntime
 from edge.transport.inprocess import InProcessTransport
 from edge.transport.mqtt import MqttTransport
 from edge.wire.messages import (
@@ -85,10 +85,8 @@ def run_inprocess(
     try:
         for a in assignments:
             device = plan.stages[a.stage].devices[a.member]
-            held = (local or {}).get(device)
-            runtimes.append(
-                StageRuntime(a, transport, device=device, report=monitor.on_event, local=held)
-            )
+            on = StageDevice(device_id=device, local_data=(local or {}).get(device))
+            runtimes.append(StageRuntime(a, transport, on=on, report=monitor.on_event))
     except BaseException:
         transport.close()
         raise

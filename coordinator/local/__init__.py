@@ -3,6 +3,8 @@
 - :mod:`coordinator.local.broker`: Mosquitto when present, else an embedded amqtt broker;
 - :mod:`coordinator.local.fleet`: agent processes (catalogue devices, throttled) for
   ``edgetrain train``, the demo and tests;
+- :mod:`coordinator.local.demo`: the demo's coordinator, its fleet enrolled through the
+  API and its jobs on data that stays home (what ``edgetrain demo`` runs);
 - :mod:`coordinator.local.options`: a job and how it trains here, checked together
   (what ``edgetrain train`` asks for); :mod:`coordinator.local.choices`, its fixed
   choices as types, torch-free;

@@ -1,8 +1,9 @@
 """A job's partition options made into a plan: the one place the service and ``train`` plan.
 
 A job says how its units are split (``partition``) and, optionally, into how
-many stages (``stages``); :func:`plan_job` turns that, a planning problem and
-the job's ``codec`` into a scored plan:
+many stages (``stages``), with what ``codec`` and ``group_sizes`` (together its
+:class:`PartitionOptions`); :func:`plan_job` turns that and a planning problem
+into a scored plan:
 
 - ``partition="plan"`` (the default): the planner's best plan
   (:func:`~coordinator.planner.solve.plan_problem`; for a version 2 problem
@@ -78,7 +79,15 @@ from edge.problem import DeviceSpec, PlanningProblem
 from edge.profiling.fixed_costs import fixed_costs_of
 from edge.wire.groups import split_samples
 
-__all__ = ["PARTITIONS", "JobPlan", "Partition", "even_devices", "plan_holders_job", "plan_job"]
+__all__ = [
+    "PARTITIONS",
+    "JobPlan",
+    "Partition",
+    "PartitionOptions",
+    "even_devices",
+    "plan_holders_job",
+    "plan_job",
+]
 
 Partition = Literal["plan", "even"]
 PARTITIONS: tuple[str, ...] = get_args(Partition)
@@ -90,6 +99,20 @@ GROUP_MARGIN = 0.10
 """How far a plan with groups must be predicted ahead of the fastest plan without them
 (as a fraction of that plan's throughput) for a job to run it; see [Note: a job's plan
 by prediction]."""
+
+
+@dataclass(frozen=True)
+class PartitionOptions:
+    """How a job asks for its units to be split (see the module docstring)."""
+
+    partition: str = "plan"
+    """``plan`` (the planner's best) or ``even``."""
+    stages: int | None = None
+    """Exactly this many stages; ``None``: as many as the partition gives."""
+    codec: str = "fp32"
+    """The links' codec, or ``auto`` to choose each link's."""
+    group_sizes: tuple[int, ...] | None = None
+    """With ``even``: how many devices each stage runs on, in stage order."""
 
 
 @dataclass(frozen=True)
@@ -119,38 +142,28 @@ def even_devices(problem: PlanningProblem, stages: int) -> list[str]:
 
 def plan_job(
     problem: PlanningProblem,
+    options: PartitionOptions = PartitionOptions(),
     *,
-    partition: str = "plan",
-    stages: int | None = None,
-    codec: str = "fp32",
     where: str = "the devices",
     previous: Plan | None = None,
-    group_sizes: Sequence[int] | None = None,
     limits: GroupLimits | None = None,
     units: UnitSeconds | None = None,
 ) -> JobPlan:
-    """The plan for a job with these options over ``problem`` (see the module docstring).
+    """The plan for a job split as ``options`` say over ``problem`` (see the module
+    docstring).
 
     ``where`` names the devices in error messages ("the online devices"); ``previous``
     is the plan a re-plan replaces; ``limits`` what the runtime cannot train on a group
     (for the planner's groups; ``group_sizes`` are the caller's own); ``units`` the
     model's measured unit seconds.
     """
-    simple = partition == "plan" and group_sizes is None and codec.lower() != "auto"
+    searched = options.partition == "plan" and options.group_sizes is None
+    simple = searched and options.codec.lower() != "auto"
     fixed = units is not None or calibrated(problem)
     # The internal model predicts time, not energy: an energy objective keeps the spec's plan.
     if simple and fixed and problem.goal.minimize == "time":
-        return _fastest_predicted(problem, stages, where, previous, limits, units)
-    found = _plan_job(
-        problem,
-        partition=partition,
-        stages=stages,
-        codec=codec,
-        where=where,
-        previous=previous,
-        group_sizes=group_sizes,
-        limits=limits,
-    )
+        return _fastest_predicted(problem, options.stages, where, previous, limits, units)
+    found = _plan_job(problem, options, where=where, previous=previous, limits=limits)
     return replace(found, prediction=predict(problem, found.plan, units))
 
 
@@ -214,7 +227,12 @@ def _fastest_predicted(
     for q in searched:
         try:
             found = _plan_job(
-                q, stages=stages, where=where, previous=previous, limits=limits, budget_s=budget
+                q,
+                PartitionOptions(stages=stages),
+                where=where,
+                previous=previous,
+                limits=limits,
+                budget_s=budget,
             )
         except UserError as exc:
             refused = refused or exc
@@ -223,7 +241,9 @@ def _fastest_predicted(
         if stages is None and found.exact:
             for count in range(1, len(found.plan.stages)):
                 try:
-                    fewer.append(_plan_job(q, stages=count, limits=limits, budget_s=budget))
+                    fewer.append(
+                        _plan_job(q, PartitionOptions(stages=count), limits=limits, budget_s=budget)
+                    )
                 except UserError:
                     continue
         for other in (found, *fewer):
@@ -290,24 +310,22 @@ def _exact_fleet(problem: PlanningProblem) -> bool:
 
 def _plan_job(
     problem: PlanningProblem,
+    options: PartitionOptions,
     *,
-    partition: str = "plan",
-    stages: int | None = None,
-    codec: str = "fp32",
     where: str = "the devices",
     previous: Plan | None = None,
-    group_sizes: Sequence[int] | None = None,
     limits: GroupLimits | None = None,
     budget_s: float = _BUDGET_S,
 ) -> JobPlan:
     """:func:`plan_job` under the spec's score alone; a search beyond the exact ones
     spends at most ``budget_s``."""
+    partition, stages = options.partition, options.stages
     if partition not in PARTITIONS:
         raise UserError(f"partition {partition!r} is not one of {', '.join(PARTITIONS)}")
-    if group_sizes is not None:
+    if options.group_sizes is not None:
         if partition != "even":
             raise UserError("group sizes need partition even")
-        return _even_groups(problem, list(group_sizes), where)
+        return _even_groups(problem, list(options.group_sizes), where)
     n_units, n_devices = len(problem.layers), len(problem.devices)
     if stages is not None:
         if stages < 1:
@@ -316,7 +334,7 @@ def _plan_job(
             raise UserError(f"stages={stages} is more than the model's {n_units} units")
         if stages > n_devices:
             raise UserError(f"stages={stages} is more than {where} ({n_devices})")
-    auto = codec.lower() == "auto"
+    auto = options.codec.lower() == "auto"
     if partition == "even":
         count = min(n_devices, n_units) if stages is None else stages
         ids = even_devices(problem, count)

@@ -67,7 +67,7 @@ from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem
 from edge.profiling.fixed_costs import PROBE_BLOCKS, FixedCosts, fixed_costs_of
 from edge.profiling.matmul import matmul_benchmark
-from edge.runtime.unit_times import UnitTime, measure_unit_times
+from edge.runtime.unit_times import Timing, UnitTime, measure_unit_times
 from edge.wire.groups import sum_traffic
 from edge.wire.messages import OptimizerSpec
 
@@ -235,7 +235,8 @@ def _unit_seconds(key: str) -> UnitSeconds:
         m, optimizer = args["microbatches"], OptimizerSpec.model_validate(args["optimizer"])
         rows = args["batch_size"] // m
         few = small_rows(rows)
-        timed = functools.partial(measure_unit_times, steps=3, warmup=1, optimizer=optimizer)
+        timing = Timing(steps=3, warmup=1)
+        timed = functools.partial(measure_unit_times, timing=timing, optimizer=optimizer)
         times = timed(spec, args["batch_size"], m)
         small = timed(spec, few * m, m) if few < rows else None
         gflops = max(before, matmul_benchmark(torch.float32, 0.3).best_gflops)

@@ -8,13 +8,13 @@ recorded in the state before it exists (:mod:`coordinator.testbed.state`):
 
 1. the broker (127.0.0.1 only): Mosquitto with TLS and an account per agent, each
    agent enrolled first and given its credentials file
-   (:mod:`coordinator.testbed.access`); and, unless ``coordinator=False``, the
-   coordinator, which administers those accounts (it creates them in the broker at
-   its start, so it is awaited before the agents start); without it the testbed
-   attaches them itself (:attr:`Testbed.accounts`). The coordinator requires an API
-   token generated here (:attr:`Testbed.api_token`, kept in the state) on its
-   write routes, so that no other process on this machine enrols a device in its
-   name or submits a job;
+   (:mod:`coordinator.testbed.access`); and, unless its :class:`StartOptions` say
+   ``coordinator=False``, the coordinator, which administers those accounts (it
+   creates them in the broker at its start, so it is awaited before the agents
+   start); without it the testbed attaches them itself (:attr:`Testbed.accounts`).
+   The coordinator requires an API token generated here (:attr:`Testbed.api_token`,
+   kept in the state) on its write routes, so that no other process on this machine
+   enrols a device in its name or submits a job;
 2. kernel method: per agent a cgroup in the cpu and memory hierarchies, a
    namespace with a tbf-shaped veth pair, and one delay proxy for all of them (the
    links' addresses are fixed before the broker starts: its certificate names them);
@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -57,9 +58,24 @@ from edge.transport.credentials import Credentials
 from edge.transport.mqtt import MqttTransport
 from edge.transport.settings import MqttSettings
 
-__all__ = ["MethodChoice", "Testbed", "down", "measure_core_gflops", "status"]
+__all__ = ["MethodChoice", "StartOptions", "Testbed", "down", "measure_core_gflops", "status"]
 
 MethodChoice = Literal["auto", "kernel", "software"]
+
+
+@dataclass(frozen=True)
+class StartOptions:
+    """How :meth:`Testbed.up` starts a testbed, whatever its devices."""
+
+    method: MethodChoice = "auto"
+    """``kernel`` limits (cgroups, namespaces, tc) or the ``software`` throttle; ``auto``:
+    the kernel's where this machine allows them (:func:`~coordinator.testbed.limits.detect`)."""
+    coordinator: bool = True
+    """Start the coordinator too (it then administers the broker's accounts)."""
+    measure_s: float = 1.0
+    """How long to time this machine's single-core speed."""
+    online_timeout_s: float = 90.0
+    """How long every agent may take to come online."""
 
 
 def measure_core_gflops(seconds: float) -> float:
@@ -146,17 +162,17 @@ class Testbed:
         cls,
         devices: list[DeviceSpec],
         *,
-        scale: float | None = None,
         state_dir: Path,
-        method: MethodChoice = "auto",
+        scale: float | None = None,
         links: dict[str, float] | None = None,
-        coordinator: bool = True,
-        measure_s: float = 1.0,
-        online_timeout_s: float = 90.0,
         data: dict[str, list[str]] | None = None,
+        start: StartOptions = StartOptions(),
     ) -> Testbed:
-        """Start a testbed emulating ``devices`` (see the module docstring); ``data`` maps a
-        device to the local datasets its agent holds (``edgetrain agent --data`` items)."""
+        """Start a testbed emulating ``devices`` (see the module docstring), as ``start``
+        says, its state in ``state_dir``. ``scale`` and ``links``: how the devices are
+        emulated (:func:`~coordinator.testbed.sizing.emulate`); ``data`` maps a device to
+        the local datasets its agent holds (``edgetrain agent --data`` items)."""
+        method = start.method
         emulated = emulate(devices, scale, links=links)
         strangers = sorted(set(data or {}) - {d.id for d in devices})
         if strangers:
@@ -178,7 +194,7 @@ class Testbed:
                 dir=state_dir,
                 id=secrets.token_hex(2),
                 token=secrets.token_hex(8),
-                api_token=secrets.token_urlsafe(24) if coordinator else None,
+                api_token=secrets.token_urlsafe(24) if start.coordinator else None,
                 method=detection.method,
                 method_reason=detection.reason,
                 method_line=detection.line,
@@ -188,7 +204,7 @@ class Testbed:
             bed = cls(state, emulated, {})
             bed._data = dict(data or {})
             try:
-                bed._start(detection, coordinator, measure_s, online_timeout_s)
+                bed._start(detection, start)
             except BaseException:
                 bed._detach()
                 teardown(state)
@@ -198,15 +214,9 @@ class Testbed:
             state.save()
         return bed
 
-    def _start(
-        self,
-        detection: limits.Detection,
-        coordinator: bool,
-        measure_s: float,
-        online_timeout_s: float,
-    ) -> None:
+    def _start(self, detection: limits.Detection, start: StartOptions) -> None:
         state = self.state
-        state.core_gflops = measure_core_gflops(measure_s)
+        state.core_gflops = measure_core_gflops(start.measure_s)
         state.core_fixed_costs = measure_fixed_costs().to_json()
         profiles = state.dir / "profiles"
         profiles.mkdir(parents=True, exist_ok=True)
@@ -236,7 +246,7 @@ class Testbed:
                 self._logins[dev.id] = procs.login_args(None, url)
         self._procs["broker"], state.broker_url = procs.start_broker(state, port, security)
         state.save()
-        if coordinator:
+        if start.coordinator:
             self._procs["coordinator"], state.coordinator_url = procs.start_coordinator(
                 state, state.broker_url, access.broker_dir(state) if security else None
             )
@@ -262,7 +272,7 @@ class Testbed:
             [d.id for d in self.devices],
             started,
             self._dead_agent,
-            online_timeout_s,
+            start.online_timeout_s,
         )
         for path, wanted in self._cpu_limits:  # see [Note: agents start unthrottled]
             limits.write_limits(path, wanted)

@@ -6,6 +6,8 @@ for training (psutil, capped by the process's cgroup, v1 or v2), the effective
 CPU count (affinity and CPU quota), and the link (round trip and bandwidth
 measured through an MQTT broker, else the default interface's speed, else a
 documented default). The result converts to :class:`edge.problem.DeviceSpec`.
+A model's units timed on this device (``edgetrain profile --model``) join its
+details as :func:`profile_unit_times` gives them.
 
 On a GPU server (``device="cuda"`` or ``"cuda:N"``) compute and memory are the
 GPU's instead (:func:`edge.profiling.matmul.gpu_profile`): sustained fp32 and
@@ -31,6 +33,8 @@ import psutil
 import torch
 
 from edge.errors import UserError
+from edge.models.unit_costs import profile_model
+from edge.models.zoo import get_model
 from edge.problem import DeviceSpec
 from edge.profiling.fixed_costs import measure_fixed_costs
 from edge.profiling.matmul import (
@@ -53,6 +57,7 @@ __all__ = [
     "measure_broker_link",
     "parse_broker_url",
     "profile_device",
+    "profile_unit_times",
     "usable_memory_bytes",
 ]
 
@@ -446,3 +451,20 @@ def profile_device(
         latency_ms=lat,
         details=details,
     )
+
+
+def profile_unit_times(model: str, batch_size: int) -> dict[str, Any]:
+    """A profile's ``details["units"]``: the forward and backward seconds per batch of
+    ``batch_size`` of every unit of ``model`` (a zoo name or ``package.module:function``),
+    each timed alone on this CPU (:func:`~edge.models.unit_costs.profile_model`). The CPU
+    only: the units are timed on the host clock with no CUDA synchronisation, which on a
+    GPU measures kernel launches, not kernels."""
+    prof = profile_model(get_model(model), batch_size)
+    return {
+        "model": model,
+        "batch_size": batch_size,
+        "times": [
+            {"name": u.name, "fwd_time_s": u.fwd_time_s, "bwd_time_s": u.bwd_time_s}
+            for u in prof.units
+        ],
+    }

@@ -49,7 +49,7 @@ from edge.logs import bind
 from edge.models.local_data import LocalData
 from edge.models.user_code import ZOO_ONLY, CodeAllowance
 from edge.runtime.checkpoint import ReplicaKeeper
-from edge.runtime.stage import Replicator, StageRuntime
+from edge.runtime.stage import Replicator, StageDevice, StageRuntime
 from edge.server.groups import join_group, leave_group
 from edge.transport.base import Transport
 from edge.transport.mqtt import MqttTransport
@@ -74,19 +74,17 @@ Event = StageReady | StepReport | StageDone | StageFailed | StageHeld
 
 
 @dataclass(frozen=True, kw_only=True)
-class StageSettings:
-    """What every stage this device builds is built with."""
+class StageSettings(StageDevice):
+    """What every stage this device builds is built with: the device it runs on (an
+    agent's allows zoo code only unless told otherwise), and the settings of keeping it."""
 
     device_id: str
+    allow_code: CodeAllowance = ZOO_ONLY
+    local_data: LocalData = field(default_factory=LocalData)
     data_dir: Path
     """Where finished stages' weights and neighbour replicas are written."""
     slowdown: float = 1.0
     """The compute throttle stages start at (a ``throttle`` command changes it)."""
-    torch_device: str = "cpu"
-    allow_code: CodeAllowance = ZOO_ONLY
-    """The user code assignments may name ([Note: user code on devices])."""
-    local_data: LocalData = field(default_factory=LocalData)
-    """The datasets this device holds, by name ([Note: local data])."""
     store_hosts: tuple[str, ...] = ()
     """Where a server-tier stage may find its rendezvous store, beside loopback and the
     broker's host."""
@@ -254,13 +252,10 @@ class StageKeeper:
             rt = StageRuntime(
                 a,
                 transport,
-                device=self.settings.device_id,
+                on=self.settings,
                 report=self._event,
                 slowdown=self.slowdown,
                 replicate=replicate,
-                torch_device=self.settings.torch_device,
-                allow_code=self.settings.allow_code,
-                local=self.settings.local_data,
             )
         except BaseException:
             if a.dist is not None:

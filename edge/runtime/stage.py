@@ -98,6 +98,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import safetensors.torch
@@ -123,6 +124,7 @@ if TYPE_CHECKING:
     from edge.server.data_parallel import DataParallel
 
 __all__ = [
+    "StageDevice",
     "StageRuntime",
     "batchnorm_in",
     "build_optimizer",
@@ -169,6 +171,21 @@ def build_optimizer(
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class StageDevice:
+    """The device a stage runs on, as the stage sees it: what it is called, where its
+    tensors live, the user code it allows and the datasets it holds."""
+
+    device_id: str = "local"
+    """The name the stage's reports give."""
+    torch_device: str = "cpu"
+    """Where the segment, its inputs and its gradients live (``cpu``, ``cuda:N``)."""
+    allow_code: CodeAllowance = ANY_CODE
+    """The user code an assignment may name ([Note: user code on devices])."""
+    local_data: LocalData | None = None
+    """The datasets this device holds, by name ([Note: local data]); ``None``: none."""
+
+
 class StageRuntime:
     """Runs one stage of one job over a transport (see the module docstring)."""
 
@@ -177,15 +194,16 @@ class StageRuntime:
         assignment: StageAssignment,
         transport: Transport,
         *,
-        device: str = "local",
+        on: StageDevice = StageDevice(),
         report: Reporter | None = None,
         slowdown: float = 1.0,
         replicate: Replicator | None = None,
-        torch_device: str | torch.device = "cpu",
         data_parallel: DataParallel | None = None,
-        allow_code: CodeAllowance = ANY_CODE,
-        local: LocalData | None = None,
     ) -> None:
+        """Build the stage ``assignment`` names, ``on`` this device, over ``transport``:
+        ``report`` hears its step reports, ``slowdown`` is its throttle, ``replicate``
+        publishes its states and ``data_parallel`` is its replicas' (or its group's)
+        process group."""
         if slowdown < 1:
             raise ValueError(f"slowdown must be at least 1 (got {slowdown})")
         # Emulate a device this many times slower: each compute block is stretched to
@@ -197,10 +215,10 @@ class StageRuntime:
         seconds]), summed by :meth:`_throttle`."""
         self.a = assignment
         self.transport = transport
-        self.device = device
+        self.device = on.device_id
         self.report: Reporter = report or (lambda _event: None)
         self.replicate = replicate
-        self.torch_device = torch.device(torch_device)
+        self.torch_device = torch.device(on.torch_device)
         # (edge.profiling times stages with this module: import it here, not above.)
         from edge.profiling.device import cgroup_limits, usable_memory_bytes
 
@@ -222,7 +240,7 @@ class StageRuntime:
         if a.replicas > 1 and data_parallel is None:
             raise ValueError(f"{a.replicas} replicas need a data_parallel group")
         # An agent's allowance: see [Note: user code on devices] in edge.models.user_code.
-        spec = get_model(a.model, seed=a.seed, allow_code=allow_code, **a.model_options)
+        spec = get_model(a.model, seed=a.seed, allow_code=on.allow_code, **a.model_options)
         if a.end > spec.num_units:
             raise ValueError(f"segment [{a.start}, {a.end}) beyond the {spec.num_units} units")
         self.unit_names = spec.unit_names
@@ -231,14 +249,14 @@ class StageRuntime:
         self.reads = a.is_first or (a.is_last and a.labels_local)
         """Whether this stage reads the dataset: stage 0, and the tail of a U-shape."""
         if self.reads and a.local_data is not None:
-            if local is None:
+            if on.local_data is None:
                 raise ValueError(f"local dataset {a.local_data!r}: this device holds none")
             # This holder's samples a step: its rows of stage 0 (the tail's are the same).
             own = a.samples_of(0)[a.member] * a.microbatches
-            self.dataset, self.sampler = open_local(local, a.local_data, own, a.seed)
+            self.dataset, self.sampler = open_local(on.local_data, a.local_data, own, a.seed)
         elif a.is_first:
             self.dataset = build_dataset(
-                a.dataset, "train", allow_code=allow_code, **a.dataset_options
+                a.dataset, "train", allow_code=on.allow_code, **a.dataset_options
             )
             check_data_fits(self.dataset, a.dataset, usable_memory_bytes())
             self.sampler = EpochSampler(len(self.dataset), a.batch_size, a.seed)  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from edge.models.user_code import CodeAllowance
 from edge.models.zoo import get_model
-from edge.runtime.unit_times import UnitTime, cpu_seconds_clock, measure_unit_times
+from edge.runtime.unit_times import Timing, UnitTime, cpu_seconds_clock, measure_unit_times
 from edge.wire.messages import TimeUnits, UnitTimes, UnitTiming
 
 __all__ = ["answer_time_units"]
@@ -50,15 +50,18 @@ def answer_time_units(
     else:
         try:
             spec = get_model(cmd.model, allow_code=allow_code, **cmd.model_options)
+            timing = Timing(
+                steps=cmd.steps,
+                warmup=cmd.warmup,
+                cpu_clock=cpu_seconds_clock(),  # [Note: a stall lands on one unit]
+                timed_microbatches=cmd.timed_microbatches,
+                budget_s=cmd.budget_s,
+            )
             timed = functools.partial(
                 measure_unit_times,
                 microbatches=cmd.microbatches,
-                steps=cmd.steps,
-                warmup=cmd.warmup,
+                timing=timing,
                 optimizer=cmd.optimizer,
-                timed_microbatches=cmd.timed_microbatches,
-                budget_s=cmd.budget_s,
-                cpu_clock=cpu_seconds_clock(),  # [Note: a stall lands on one unit]
             )
             full = _timings(timed(spec, cmd.batch_size), slowdown)
             if cmd.small_batch_size is not None:

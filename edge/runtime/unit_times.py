@@ -8,8 +8,9 @@ stage: seeded batches from the model's dataset, split into microbatches; for
 each, every unit's forward on a detached input (as a stage receives it), the
 loss on the last; then every unit's backward, last to first; then the
 optimizer step of each unit's parameters. Each piece is timed on its own, and
-over ``steps`` measured steps (after ``warmup``) the median is kept. The clock is
-the wall clock unless the caller passes another: on one torch thread,
+over ``steps`` measured steps (after ``warmup``) the median is kept: how it measures
+is a :class:`Timing`. The clock is the wall clock unless the caller passes another:
+on one torch thread,
 ``time.thread_time`` (the CPU seconds of the timing thread, which runs every op
 then) does not count the time other processes of a busy host take from it.
 
@@ -59,7 +60,7 @@ from edge.runtime.data import EpochSampler, load_batch
 from edge.runtime.stage import build_optimizer, loss_fn
 from edge.wire.messages import OptimizerSpec
 
-__all__ = ["UnitTime", "cpu_seconds_clock", "measure_unit_times"]
+__all__ = ["Timing", "UnitTime", "cpu_seconds_clock", "measure_unit_times"]
 
 
 @dataclass(frozen=True)
@@ -72,37 +73,49 @@ class UnitTime:
     """Backward, plus the loss (last unit) and its share of the optimizer step."""
 
 
+@dataclass(frozen=True)
+class Timing:
+    """How :func:`measure_unit_times` measures: its steps, its clocks and its budget."""
+
+    steps: int = 5
+    """Measured steps (fewer once ``budget_s`` is spent)."""
+    warmup: int = 2
+    """Steps run before the measured ones, not measured."""
+    clock: Callable[[], float] = time.perf_counter
+    """The clock every region is timed on (the wall clock unless told otherwise)."""
+    cpu_clock: Callable[[], float] | None = None
+    """Split each step's seconds on ``clock`` over its regions by their seconds on this
+    clock ([Note: a stall lands on one unit]); an agent's timing passes
+    :func:`cpu_seconds_clock`."""
+    timed_microbatches: int | None = None
+    """Run only that many of each step's microbatches (their rows as many as a whole
+    step's); the optimizer step is still shared by all of them. What a slow device can
+    afford: a step of vgg11 at 64 rows a microbatch is minutes on a Pi, one microbatch
+    is a quarter of that. ``None``: every microbatch."""
+    budget_s: float | None = None
+    """Measure no further step once the measured ones took this long on ``clock`` (at
+    least one runs); ``None``: every step."""
+
+
 def measure_unit_times(
     spec: ModelSpec,
     batch_size: int,
     microbatches: int,
     *,
-    steps: int = 5,
-    warmup: int = 2,
+    timing: Timing = Timing(),
     optimizer: OptimizerSpec | None = None,
     seed: int = 0,
-    clock: Callable[[], float] = time.perf_counter,
-    timed_microbatches: int | None = None,
-    budget_s: float | None = None,
-    cpu_clock: Callable[[], float] | None = None,
 ) -> list[UnitTime]:
-    """Time every unit of ``spec`` in ``steps`` training steps (see the module docstring),
-    or in fewer once the measured ones have taken ``budget_s`` on ``clock``.
-
-    ``timed_microbatches``: run only that many of each step's microbatches (their rows
-    as many as a whole step's); the optimizer step is still shared by ``microbatches``.
-    What a slow device can afford: a step of vgg11 at 64 rows a microbatch is minutes
-    on a Pi, one microbatch is a quarter of that.
-
-    ``cpu_clock``: split each step's seconds on ``clock`` over its regions by their
-    seconds on this clock ([Note: a stall lands on one unit])."""
+    """Time every unit of ``spec`` in a training step at ``batch_size`` rows in
+    ``microbatches``, as ``timing`` says (see the module docstring)."""
+    steps, warmup, budget_s = timing.steps, timing.warmup, timing.budget_s
     if batch_size < microbatches or microbatches < 1 or steps < 1:
         raise ValueError("need steps >= 1 and batch_size >= microbatches >= 1")
-    if timed_microbatches is not None and not 1 <= timed_microbatches <= microbatches:
+    timed = microbatches if timing.timed_microbatches is None else timing.timed_microbatches
+    if not 1 <= timed <= microbatches:
         raise ValueError("need 1 <= timed_microbatches <= microbatches")
     if budget_s is not None and budget_s <= 0:
         raise ValueError("need budget_s > 0")
-    timed = microbatches if timed_microbatches is None else timed_microbatches
     units = [spec.build_segment(i, i + 1).train() for i in range(spec.num_units)]
     opt_spec = optimizer or OptimizerSpec()
     optimizers = [build_optimizer(opt_spec, u.parameters()) for u in units]
@@ -116,7 +129,7 @@ def measure_unit_times(
         if budget_s is not None and step > warmup and measured >= budget_s:
             break
         x, y = load_batch(dataset, sampler, step)
-        times = _StepTimes(n, clock, cpu_clock)
+        times = _StepTimes(n, timing.clock, timing.cpu_clock)
         pairs = list(zip(x.chunk(microbatches), y.chunk(microbatches), strict=True))
         for xs, ys in pairs[:timed]:
             inputs, outputs = [], []

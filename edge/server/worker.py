@@ -28,7 +28,7 @@ from edge.files import write_atomic
 from edge.models.zoo import get_model
 from edge.runtime.allocator import tune_malloc
 from edge.runtime.checkpoint import load_state, select
-from edge.runtime.stage import StageRuntime
+from edge.runtime.stage import StageDevice, StageRuntime
 from edge.server.data_parallel import DataParallel
 from edge.server.job_file import DistJob, load_job, resume_states
 from edge.transport.dist import DistTransport, Route
@@ -97,9 +97,8 @@ def _run(job: DistJob, rank: int, device: str) -> list[StepReport]:
     rt = StageRuntime(
         a,
         transport,
-        device=f"rank{rank}",
+        on=StageDevice(device_id=f"rank{rank}", torch_device=device),
         report=reports.append,
-        torch_device=device,
         data_parallel=dp,
     )
     if states is not None:

@@ -2,13 +2,14 @@
 
 This module owns the command's options and output (one JSON object with ``--json``,
 a table otherwise); the measuring itself is :func:`edge.profiling.device.profile_device`,
-on the CPU or, with ``--device cuda[:N]``, on a GPU.
+on the CPU or, with ``--device cuda[:N]``, on a GPU, and with ``--model``
+:func:`edge.profiling.device.profile_unit_times`.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
@@ -16,10 +17,9 @@ from edge.errors import UserError
 
 __all__ = ["profile_command"]
 
-
-def profile_command(
-    json_output: bool = typer.Option(
-        False,
+JsonOutput = Annotated[
+    bool,
+    typer.Option(
         "--json",
         help=(
             "Print one JSON object shaped like a device of a planning problem "
@@ -27,11 +27,14 @@ def profile_command(
             "it can be pasted into a problem file's devices list unchanged."
         ),
     ),
-    device_id: str | None = typer.Option(
-        None, "--device-id", metavar="ID", help="Device id to report (default: the hostname)."
-    ),
-    broker: str | None = typer.Option(
-        None,
+]
+ReportedId = Annotated[
+    str | None,
+    typer.Option("--device-id", metavar="ID", help="Device id to report (default: the hostname)."),
+]
+LinkBroker = Annotated[
+    str | None,
+    typer.Option(
         "--broker",
         metavar="URL",
         help=(
@@ -40,14 +43,18 @@ def profile_command(
             "or a default of 100 Mb/s and 1 ms."
         ),
     ),
-    seconds: float = typer.Option(
-        2.0,
+]
+BenchSeconds = Annotated[
+    float,
+    typer.Option(
         "--seconds",
         metavar="S",
         help="How long to time the matmul benchmark (on a GPU: each of fp32 and bf16).",
     ),
-    device: str = typer.Option(
-        "cpu",
+]
+ProfiledDevice = Annotated[
+    str,
+    typer.Option(
         "--device",
         metavar="DEVICE",
         help=(
@@ -55,8 +62,10 @@ def profile_command(
             "(details.gpu has its name and both fp32 and bf16 TFLOP/s)."
         ),
     ),
-    precision: str = typer.Option(
-        "fp32",
+]
+TrainPrecision = Annotated[
+    str,
+    typer.Option(
         "--precision",
         metavar="fp32|bf16",
         help=(
@@ -64,8 +73,10 @@ def profile_command(
             "(bf16 for training under bf16 autocast; fp32 is measured with TF32 off)."
         ),
     ),
-    model: str | None = typer.Option(
-        None,
+]
+UnitsModel = Annotated[
+    str | None,
+    typer.Option(
         "--model",
         metavar="MODEL",
         help=(
@@ -73,7 +84,19 @@ def profile_command(
             "device: details.units gets per-unit forward/backward seconds per batch."
         ),
     ),
-    batch_size: int = typer.Option(32, "--batch-size", min=1, help="Batch size for --model."),
+]
+UnitsBatchSize = Annotated[int, typer.Option("--batch-size", min=1, help="Batch size for --model.")]
+
+
+def profile_command(
+    json_output: JsonOutput = False,
+    device_id: ReportedId = None,
+    broker: LinkBroker = None,
+    seconds: BenchSeconds = 2.0,
+    device: ProfiledDevice = "cpu",
+    precision: TrainPrecision = "fp32",
+    model: UnitsModel = None,
+    batch_size: UnitsBatchSize = 32,
 ) -> None:
     """Measure this device's compute, memory and network link.
 
@@ -93,16 +116,14 @@ def profile_command(
         raise UserError(f"--precision: expected fp32 or bf16 (got {precision!r})")
 
     # Imported here: torch takes a while to load, and other commands do not need it.
-    from edge.profiling.device import profile_device
+    from edge.profiling.device import profile_device, profile_unit_times
     from edge.profiling.matmul import resolve_device
 
     try:
         on_gpu = resolve_device(device).type == "cuda"
     except UserError as exc:
         raise UserError(f"--device {exc.message.removeprefix('device ')}") from None
-    if on_gpu and model is not None:
-        # edge.models.unit_costs times units with the host clock and no CUDA
-        # synchronisation, which on a GPU measures kernel launches, not kernels.
+    if on_gpu and model is not None:  # see profile_unit_times: the CPU only
         raise UserError("--model: per-unit times are measured on the CPU only; drop --device")
     profile = profile_device(
         device_id=device_id,
@@ -113,18 +134,7 @@ def profile_command(
     )
     data = profile.to_json()
     if model is not None:
-        from edge.models.unit_costs import profile_model
-        from edge.models.zoo import get_model
-
-        prof = profile_model(get_model(model), batch_size)
-        data["details"]["units"] = {
-            "model": model,
-            "batch_size": batch_size,
-            "times": [
-                {"name": u.name, "fwd_time_s": u.fwd_time_s, "bwd_time_s": u.bwd_time_s}
-                for u in prof.units
-            ],
-        }
+        data["details"]["units"] = profile_unit_times(model, batch_size)
     if json_output:
         typer.echo(json.dumps(data, indent=2))
         return

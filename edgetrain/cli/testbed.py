@@ -110,19 +110,18 @@ def up_command(
 ) -> None:
     """Start an emulated fleet in the background: broker, coordinator, one agent per device."""
     from coordinator.planner.build import parse_fleet
-    from coordinator.testbed.testbed import MethodChoice, Testbed
+    from coordinator.testbed.testbed import MethodChoice, StartOptions, Testbed
 
     if method not in ("auto", "kernel", "software"):
         raise UserError(f"--method: {method!r} is not auto, kernel or software")
     specs = parse_fleet(devices)
-    bed = Testbed.up(
-        specs,
-        scale=scale,
-        state_dir=_state_dir(state_dir),
+    start = StartOptions(
         method=cast(MethodChoice, method),
-        links=_parse_links(link),
         coordinator=not no_coordinator,
         online_timeout_s=timeout_s,
+    )
+    bed = Testbed.up(
+        specs, state_dir=_state_dir(state_dir), scale=scale, links=_parse_links(link), start=start
     )
     _print_devices(bed.state.devices)
     typer.echo(f"limits: {bed.method_line}")

@@ -39,7 +39,7 @@ from coordinator.engine.spec import JobSpec
 from coordinator.planner.score import Plan
 from coordinator.testbed import limits, netns
 from coordinator.testbed.state import State, find_marked, proc_alive
-from coordinator.testbed.testbed import Testbed, down
+from coordinator.testbed.testbed import StartOptions, Testbed, down
 from edge.errors import UserError
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec
@@ -171,9 +171,8 @@ def test_kernel_testbed_slows_each_agent_to_its_profile(
     plan = Plan.of(("fast", 0, 3), ("mid", 3, 5), ("slow", 5, 8))
     # Bursts of compute well over the 5 ms quota (see [Note: CFS period]): 128-sample microbatches.
     spec = JobSpec(model="mlp", model_options=options, steps=5, batch_size=256, microbatches=2)
-    with Testbed.up(
-        fleet, scale=1.0, state_dir=state_dir, method="kernel", coordinator=False, measure_s=0.5
-    ) as bed:
+    start = StartOptions(method="kernel", coordinator=False, measure_s=0.5)
+    with Testbed.up(fleet, scale=1.0, state_dir=state_dir, start=start) as bed:
         assert bed.method == "kernel"
         assert [d.cpus for d in bed.devices] == [1.0, 0.5, 0.25]
         state = State.load(state_dir)
@@ -334,7 +333,8 @@ def test_up_prints_the_api_token_that_enrolment_needs(state_dir: Path, tmp_path:
 
 def test_software_method_trains_through_the_coordinator(state_dir: Path) -> None:
     fleet = [device("a", 40, mbps=200), device("b", 20, mbps=100, latency_ms=5), device("c", 20)]
-    with Testbed.up(fleet, state_dir=state_dir, method="software", measure_s=0.3) as bed:
+    start = StartOptions(method="software", measure_s=0.3)
+    with Testbed.up(fleet, state_dir=state_dir, start=start) as bed:
         assert bed.method == "software"
         assert bed.method_line.startswith("software (duty-cycled compute, token bucket")
         assert "requested" in bed.method_line

@@ -28,7 +28,7 @@ from coordinator.engine.runners import run_inprocess
 from coordinator.engine.spec import JobSpec
 from coordinator.planner.score import Plan
 from coordinator.testbed.state import State, find_marked, proc_alive
-from coordinator.testbed.testbed import Testbed, down
+from coordinator.testbed.testbed import StartOptions, Testbed, down
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec
 
@@ -81,7 +81,8 @@ def _events(api: httpx.Client, job: str, kind: str) -> list[dict[str, Any]]:
 
 
 def test_kill_and_join_faults_posted_to_a_testbed_job(state_dir: Path) -> None:
-    with Testbed.up(FLEET, state_dir=state_dir, method="software", measure_s=0.3) as bed:
+    start = StartOptions(method="software", measure_s=0.3)
+    with Testbed.up(FLEET, state_dir=state_dir, start=start) as bed:
         assert bed.coordinator_url is not None and bed.api_token is not None
         auth = {"Authorization": f"Bearer {bed.api_token}"}
         with httpx.Client(base_url=bed.coordinator_url, timeout=30, headers=auth) as api:

@@ -32,7 +32,7 @@ from support.planning import (
 )
 
 from coordinator.engine.rebalance import Rebalancer
-from coordinator.planner.partition import even_devices, plan_job
+from coordinator.planner.partition import PartitionOptions, even_devices, plan_job
 from coordinator.planner.score import Plan, score_plan
 from coordinator.planner.solve import plan_problem
 from edge.errors import UserError
@@ -164,7 +164,7 @@ LAYERS = [{"fwd_flops": 1e7, "param_bytes": 1e6, "out_bytes": 1e3}] * 6
 
 def test_even_uses_every_device_in_order_and_shares_the_units_out() -> None:
     problem = make_problem(LAYERS, _fleet(1, 5, 3, 2), pin_first="d2")
-    got = plan_job(problem, partition="even")
+    got = plan_job(problem, PartitionOptions(partition="even"))
     assert [(s.device, s.start, s.end) for s in got.plan.stages] == [
         ("d2", 0, 2),
         ("d0", 2, 3),
@@ -177,14 +177,14 @@ def test_even_uses_every_device_in_order_and_shares_the_units_out() -> None:
 def test_even_with_stages_takes_the_fastest_devices_with_the_pin_first() -> None:
     problem = make_problem(LAYERS, _fleet(1, 5, 3, 2, 5))
     assert even_devices(problem, 2) == ["d1", "d4"]  # a tie: both fastest
-    got = plan_job(problem, partition="even", stages=3)
+    got = plan_job(problem, PartitionOptions(partition="even", stages=3))
     assert [(s.device, s.start, s.end) for s in got.plan.stages] == [
         ("d1", 0, 2),
         ("d2", 2, 4),
         ("d4", 4, 6),
     ]
     pinned = make_problem(LAYERS, _fleet(1, 5, 3, 2, 5), pin_first="d0")
-    got = plan_job(pinned, partition="even", stages=2)
+    got = plan_job(pinned, PartitionOptions(partition="even", stages=2))
     assert [s.device for s in got.plan.stages] == ["d0", "d1"]
 
 
@@ -192,11 +192,11 @@ def test_plan_with_stages_is_the_planners_best_plan_of_that_many() -> None:
     problem = make_problem(LAYERS, _fleet(1, 5, 3, 2))
     free = plan_job(problem)
     for stages in (1, 2, 3, 4):
-        got = plan_job(problem, stages=stages)
+        got = plan_job(problem, PartitionOptions(stages=stages))
         assert len(got.plan.stages) == stages and got.exact
         assert got.score == plan_problem(problem, stages=stages).score
         assert got.score.step_time_s >= free.score.step_time_s * (1 - REL)
-    auto = plan_job(problem, stages=3, codec="auto")
+    auto = plan_job(problem, PartitionOptions(stages=3, codec="auto"))
     assert len(auto.plan.stages) == 3
 
 
@@ -212,24 +212,24 @@ def test_plan_with_stages_is_the_planners_best_plan_of_that_many() -> None:
 def test_what_cannot_work_is_one_line(options: dict[str, Any], message: str) -> None:
     problem = make_problem(LAYERS, _fleet(1, 5, 3, 2))
     with pytest.raises(UserError) as info:
-        plan_job(problem, **options)
+        plan_job(problem, PartitionOptions(**options))
     assert info.value.message == message
 
 
 def test_nothing_that_fits_memory_is_refused_with_the_reason() -> None:
     # Each device holds 4 * 2e6 = 8 MB of parameters at most: two units' worth.
     problem = make_problem(LAYERS, _fleet(1, 5, 3, 2, memory=8.5e6), microbatches=1)
-    assert len(plan_job(problem, stages=3).plan.stages) == 3
+    assert len(plan_job(problem, PartitionOptions(stages=3)).plan.stages) == 3
     with pytest.raises(UserError, match="no plan fits the online devices: no 2-stage plan fits"):
-        plan_job(problem, stages=2, where="the online devices")
+        plan_job(problem, PartitionOptions(stages=2), where="the online devices")
     with pytest.raises(UserError, match="the even split over 2 devices does not fit the devices"):
-        plan_job(problem, partition="even", stages=2)
+        plan_job(problem, PartitionOptions(partition="even", stages=2))
 
 
 def test_a_rebalancer_keeps_the_stage_count() -> None:
     """A device measured 50x slower than announced is moved off, into as many stages."""
     problem = make_problem(LAYERS, _fleet(1, 5, 3, 2))
-    plan = plan_job(problem, stages=3).plan
+    plan = plan_job(problem, PartitionOptions(stages=3)).plan
     predicted = score_plan(problem, plan).compute_s
     slow = plan.stages[0].device
     measured = {
@@ -263,4 +263,4 @@ def test_a_replan_on_a_large_fleet_warm_starts_from_the_previous_plan() -> None:
     full = plan_job(left)
     assert warm.score.step_time_s <= full.score.step_time_s * 1.05
     # Options that need the full search keep it.
-    assert plan_job(left, previous=first.plan, stages=2).method != warm.method
+    assert plan_job(left, PartitionOptions(stages=2), previous=first.plan).method != warm.method

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from edge.errors import UserError
+from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, parse_problem
 from edge.profiling import device as profiler
 from edge.profiling import matmul
@@ -20,6 +21,7 @@ from edge.profiling.device import (
     effective_cpu_count,
     parse_broker_url,
     profile_device,
+    profile_unit_times,
     usable_memory_bytes,
 )
 from edge.profiling.matmul import measure_matmul_gflops
@@ -300,3 +302,13 @@ def test_device_spec_still_refuses_unknown_fields() -> None:
     assert DeviceSpec.model_validate(good).details is None
     with pytest.raises(ValueError, match="extra"):
         DeviceSpec.model_validate({**good, "detail": {}})
+
+
+def test_unit_times_name_every_unit_in_order_with_its_seconds_per_batch() -> None:
+    """``profile --model``'s ``details.units``: the model as named, the batch, and each
+    unit's forward and backward seconds, as JSON."""
+    units = profile_unit_times("mlp", 4)
+    assert units["model"] == "mlp" and units["batch_size"] == 4
+    assert [t["name"] for t in units["times"]] == get_model("mlp").unit_names
+    assert all(t["fwd_time_s"] > 0 and t["bwd_time_s"] > 0 for t in units["times"])
+    assert json.loads(json.dumps(units)) == units

@@ -14,7 +14,7 @@ from coordinator.engine.unit_profiles import timing_request
 from coordinator.planner.score import Plan
 from edge.models.zoo import get_model
 from edge.runtime.stage import StageRuntime
-from edge.runtime.unit_times import measure_unit_times
+from edge.runtime.unit_times import Timing, measure_unit_times
 from edge.transport.inprocess import InProcessTransport
 from edge.wire.messages import MAX_TIMING_BUDGET_S, MessageError, parse_command
 
@@ -22,7 +22,7 @@ from edge.wire.messages import MAX_TIMING_BUDGET_S, MessageError, parse_command
 @pytest.mark.parametrize("model", ["cnn-digits", "gpt-mini"])
 def test_every_unit_is_timed_in_order(model: str) -> None:
     spec = get_model(model)
-    times = measure_unit_times(spec, 8, 2, steps=2, warmup=1)
+    times = measure_unit_times(spec, 8, 2, timing=Timing(steps=2, warmup=1))
     assert [t.name for t in times] == [u.name for u in spec.units]
     assert all(t.fwd_s > 0 and t.bwd_s >= 0 for t in times)
     # The last unit's backward holds the loss's backward and its optimizer share.
@@ -32,7 +32,7 @@ def test_every_unit_is_timed_in_order(model: str) -> None:
 def test_training_state_is_not_touched_by_measuring() -> None:
     spec = get_model("mlp", seed=3)
     before = {k: v.clone() for k, v in spec.build_segment(0, spec.num_units).state_dict().items()}
-    measure_unit_times(spec, 8, 2, steps=1, warmup=0)
+    measure_unit_times(spec, 8, 2, timing=Timing(steps=1, warmup=0))
     after = spec.build_segment(0, spec.num_units).state_dict()
     assert all((after[k] == v).all() for k, v in before.items())
 
@@ -44,15 +44,10 @@ def test_timing_some_microbatches_still_shares_the_optimizer_over_all() -> None:
     calls = iter(range(1_000_000))
     spec = get_model("mlp")
     for timed in (1, 4):
-        times = measure_unit_times(
-            spec,
-            8,
-            4,
-            steps=1,
-            warmup=0,
-            clock=lambda: float(next(calls)),
-            timed_microbatches=timed,
+        timing = Timing(
+            steps=1, warmup=0, clock=lambda: float(next(calls)), timed_microbatches=timed
         )
+        times = measure_unit_times(spec, 8, 4, timing=timing)
         assert [(t.fwd_s, t.bwd_s) for t in times] == [(1.0, 1.25)] * spec.num_units
 
 
@@ -78,9 +73,8 @@ def test_a_stall_is_spread_over_the_units_by_their_cpu_seconds() -> None:
 
     def times(with_cpu: bool) -> list[tuple[float, float]]:
         wall, cpu = clocks()
-        got = measure_unit_times(
-            spec, 8, 2, steps=1, warmup=0, clock=wall, cpu_clock=cpu if with_cpu else None
-        )
+        timing = Timing(steps=1, warmup=0, clock=wall, cpu_clock=cpu if with_cpu else None)
+        got = measure_unit_times(spec, 8, 2, timing=timing)
         return [(t.fwd_s, t.bwd_s) for t in got]
 
     plain = times(False)
@@ -106,7 +100,8 @@ def test_a_budget_ends_the_measured_steps_after_at_least_one() -> None:
     def calls(steps: int, warmup: int, budget_s: float | None) -> int:
         nonlocal ticks
         ticks = 0
-        measure_unit_times(spec, 8, 2, steps=steps, warmup=warmup, clock=clock, budget_s=budget_s)
+        timing = Timing(steps=steps, warmup=warmup, clock=clock, budget_s=budget_s)
+        measure_unit_times(spec, 8, 2, timing=timing)
         return ticks
 
     one = calls(1, 0, None)
@@ -117,7 +112,7 @@ def test_a_budget_ends_the_measured_steps_after_at_least_one() -> None:
     assert calls(5, 0, 2 * step_s) == 2 * one
     assert calls(5, 0, 2 * step_s + 1) == 3 * one
     with pytest.raises(ValueError, match="budget_s"):
-        measure_unit_times(spec, 8, 2, budget_s=0)
+        measure_unit_times(spec, 8, 2, timing=Timing(budget_s=0))
 
 
 @pytest.mark.parametrize("budget", [0, -1, MAX_TIMING_BUDGET_S * 2])
@@ -132,7 +127,7 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="microbatches"):
         measure_unit_times(get_model("mlp"), 2, 4)
     with pytest.raises(ValueError, match="timed_microbatches"):
-        measure_unit_times(get_model("mlp"), 8, 4, timed_microbatches=5)
+        measure_unit_times(get_model("mlp"), 8, 4, timing=Timing(timed_microbatches=5))
 
 
 def _runtime(slowdown: float) -> StageRuntime:

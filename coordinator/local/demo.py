@@ -1,0 +1,296 @@
+"""The demo's session: a coordinator on this machine, a fleet enrolled through its API,
+and the two jobs on data that stays home that ``edgetrain demo`` shows.
+
+:func:`demo_session` starts the coordinator (REST API and dashboard) with a freshly
+generated API token and its own broker (Mosquitto, else the embedded amqtt; TLS,
+accounts and ACLs that follow the plan either way), and enrols agent processes
+through the API, as a user would, each emulating a catalogue device of a
+:class:`DemoFleet` (slowed in software to its speed relative to the fastest,
+announcing the speed it gets): the first :data:`HOLDERS` hold a shard of ``digits``
+each, the rest hold nothing. A :class:`DemoSession` submits and follows jobs through
+the API: the job on that local data ([Note: local data]; ``cnn-digits`` at
+:data:`MODEL_OPTIONS`, :func:`job_body`), its accuracy on held-out digits
+(:func:`held_out_accuracy`), and the same job on the holders alone, for comparison
+(:class:`DemoResult`). What is printed, and how, is the command's
+(:mod:`edgetrain.cli.demo`).
+
+The coordinator extras (httpx, FastAPI) are imported here: import this module where a
+missing extra is reported (:func:`edge.errors.needs_coordinator_extras`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from pydantic import SecretStr
+
+from coordinator.local.broker import free_port
+from coordinator.local.fleet import AgentRoles, LocalFleet
+from coordinator.local.train import emulated
+from coordinator.service.serve import serve_in_thread
+from coordinator.service.settings import Settings
+from edge.errors import UserError
+from edge.profiling.catalog import resolve
+from edge.transport.credentials import Credentials
+
+if TYPE_CHECKING:
+    import torch
+
+    from edge.models.zoo import ModelSpec
+
+__all__ = [
+    "HOLDERS",
+    "MODEL_OPTIONS",
+    "DemoFleet",
+    "DemoResult",
+    "DemoSession",
+    "demo_session",
+    "held_out_accuracy",
+    "job_body",
+]
+
+MODEL = "cnn-digits"
+
+MODEL_OPTIONS: dict[str, Any] = {"width": 64}
+"""cnn-digits at four times its default width: enough work per sample that handing all
+but the first convolution to the laptop pays over the holders training alone."""
+
+HOLDERS = 3
+"""The first devices of the fleet hold the data, a shard each."""
+
+ALONE_STEPS = 40
+"""The holders-alone job runs at most this many steps: enough to measure its rate."""
+
+_DONE = ("completed", "failed", "cancelled")
+
+
+@dataclass(frozen=True)
+class DemoFleet:
+    """The catalogue devices the demo emulates, in order: :data:`HOLDERS` data holders,
+    then at least one helper."""
+
+    names: tuple[str, ...]
+    """The catalogue names, as given."""
+    profiles: tuple[str, ...]
+    """Each one's catalogue profile."""
+    slowdowns: tuple[float, ...]
+    """How many times slower than the fastest of them each runs."""
+
+    @classmethod
+    def parse(cls, fleet: str) -> DemoFleet:
+        """The fleet of ``fleet`` (comma-separated catalogue names); a one-line
+        :class:`UserError` for too few devices or an unknown one."""
+        names = tuple(n for n in fleet.split(",") if n)
+        if len(names) <= HOLDERS:
+            raise UserError(f"--fleet: {HOLDERS} data holders and at least one helper")
+        profiles = tuple(resolve(n).name for n in names)
+        _specs, slowdowns = emulated(list(names))
+        return cls(names, profiles, tuple(slowdowns))
+
+    @property
+    def data(self) -> list[list[str]]:
+        """The local datasets each holder's agent holds (``--data`` items)."""
+        return [[f"digits=digits:shard={i + 1}/{HOLDERS}"] for i in range(HOLDERS)]
+
+    def roles(self) -> AgentRoles:
+        """What each agent of the fleet is: its profile, its slowdown, its data."""
+        return AgentRoles(profiles=self.profiles, slowdowns=self.slowdowns, data=self.data)
+
+
+def job_body(steps: int, batch_size: int, microbatches: int, lr: float) -> dict[str, Any]:
+    """The demo's job, as ``POST /api/v1/jobs`` takes it: on the holders' digits."""
+    return {
+        "model": MODEL,
+        "model_options": MODEL_OPTIONS,
+        "dataset": "digits",
+        "steps": steps,
+        "batch_size": batch_size,
+        "microbatches": microbatches,
+        "optimizer": {"name": "sgd", "lr": lr, "momentum": 0.9},
+        "data": {"name": "digits", "placement": "local"},
+    }
+
+
+def held_out_accuracy(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> float:
+    """Accuracy of the trained weights on the test split of the model's dataset."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from edge.models.datasets import build_dataset
+
+    model = spec.build()
+    model.load_state_dict(weights)
+    model.eval()
+    data = build_dataset(spec.dataset, "test", **spec.dataset_options)
+    correct = total = 0
+    with torch.no_grad():
+        for x, y in DataLoader(data, batch_size=256):
+            correct += int((model(x).argmax(-1) == y).sum())
+            total += len(y)
+    return correct / total
+
+
+@dataclass(frozen=True)
+class DemoSession:
+    """A running demo: the coordinator at ``url`` (``api`` logged in with ``token``) and
+    its enrolled ``agents``."""
+
+    url: str
+    token: str
+    api: httpx.Client
+    agents: LocalFleet
+    fleet: DemoFleet
+
+    def wait_online(self, timeout_s: float = 120.0) -> None:
+        """Wait until the coordinator sees every agent online; a :class:`UserError` if
+        they are not within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self._online() < len(self.fleet.names):
+            if time.monotonic() > deadline:
+                raise UserError("the emulated devices did not come online")
+            time.sleep(0.2)
+
+    def _online(self) -> int:
+        devices = self.api.get("/api/v1/devices").json()["data"]
+        return sum(d["state"] == "online" for d in devices)
+
+    def submit(self, body: dict[str, Any]) -> str:
+        """Submit the job ``body``; its id."""
+        created = self.api.post("/api/v1/jobs", json=body)
+        created.raise_for_status()
+        return str(created.json()["id"])
+
+    def wait_plan(self, job: str, timeout_s: float = 120.0) -> dict[str, Any]:
+        """The job's plan, once the coordinator has made it (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            record = self.api.get(f"/api/v1/jobs/{job}").json()
+            if record.get("plan"):
+                return dict(record["plan"])
+            if record["state"] in ("failed", "cancelled"):
+                raise UserError(f"job {job} {record['state']}: {record['reason']}")
+            time.sleep(0.2)
+        raise UserError(f"job {job} was not planned within {timeout_s:.0f} s")
+
+    def wait_job(
+        self,
+        job: str,
+        on_record: Callable[[dict[str, Any]], None] | None = None,
+        *,
+        label: str = "",
+    ) -> dict[str, Any]:
+        """The job's record once it ended, every poll's record handed to ``on_record``;
+        a :class:`UserError` with its reason (the job called ``job`` and ``label``) unless
+        it completed."""
+        while True:
+            record = self.api.get(f"/api/v1/jobs/{job}").json()
+            if on_record is not None:
+                on_record(record)
+            if record["state"] in _DONE:
+                break
+            time.sleep(0.3)
+        if record["state"] != "completed":
+            raise UserError(f"job {job}{label} {record['state']}: {record['reason']}")
+        return dict(record)
+
+    def accuracy(self, job: str) -> float:
+        """The accuracy of ``job``'s trained model on held-out digits."""
+        import safetensors.torch
+
+        from edge.models.zoo import get_model
+
+        weights = safetensors.torch.load(self.api.get(f"/api/v1/jobs/{job}/model").content)
+        return held_out_accuracy(get_model(MODEL, **MODEL_OPTIONS), weights)
+
+    def holders_alone(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The record of the job ``body`` run on the holders alone (the federated option),
+        for at most :data:`ALONE_STEPS` steps."""
+        steps = min(body["steps"], ALONE_STEPS)
+        alone = self.submit({**body, "steps": steps, "devices": self.agents.ids[:HOLDERS]})
+        return self.wait_job(alone, label=" (the holders alone)")
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    """What the demo measured: the job's accuracy, its rate on the plan and on the
+    holders alone, and the plan's predicted rate."""
+
+    accuracy: float
+    record: dict[str, Any]
+    """The job's record."""
+    alone: dict[str, Any]
+    """The holders-alone job's record."""
+
+    @property
+    def measured(self) -> float:
+        """Samples/s measured on the plan."""
+        return self.record["samples_per_s"]
+
+    @property
+    def by_holders(self) -> float:
+        """Samples/s measured on the holders alone."""
+        return self.alone["samples_per_s"]
+
+    @property
+    def predicted(self) -> float:
+        """Samples/s the plan was predicted to train at."""
+        return self.record["plan"]["throughput_sps"]
+
+    @property
+    def speedup(self) -> float | None:
+        """The plan's rate over the holders'."""
+        return self.measured / self.by_holders if self.by_holders else None
+
+    @property
+    def ratio(self) -> float | None:
+        """Measured over predicted."""
+        return self.measured / self.predicted if self.predicted else None
+
+    def summary(self) -> dict[str, Any]:
+        """What ``--json`` prints."""
+        plan = self.record["plan"]
+        keys = ("stages", "egress", "step_time_s", "throughput_sps", "feasible")
+        return {
+            "accuracy": self.accuracy,
+            "samples_per_s": self.measured,
+            "holders_alone_samples_per_s": self.by_holders,
+            "speedup_vs_holders_alone": self.speedup,
+            "predicted_samples_per_s": self.predicted,
+            "measured_over_predicted": self.ratio,
+            "plan": {k: plan[k] for k in keys},
+        }
+
+
+@contextlib.contextmanager
+def demo_session(fleet: DemoFleet, port: int = 0) -> Iterator[DemoSession]:
+    """A coordinator on ``port`` (0: a free one) with its own broker, and ``fleet``'s
+    agents enrolled through its API, for the block (see the module docstring)."""
+    token = secrets.token_urlsafe(24)
+    with tempfile.TemporaryDirectory(prefix="edgetrain-demo-") as tmp:
+        settings = Settings(
+            data_dir=Path(tmp), api_token=SecretStr(token), port=port or free_port()
+        )
+        auth = {"Authorization": f"Bearer {token}"}
+        with (
+            serve_in_thread(settings) as url,
+            httpx.Client(base_url=url, timeout=30, headers=auth) as api,
+        ):
+
+            def enroll(device: str) -> Credentials:
+                got = api.post("/api/v1/devices/enroll", json={"device_id": device})
+                got.raise_for_status()
+                return Credentials.model_validate(got.json())
+
+            roles = fleet.roles()
+            with LocalFleet(
+                len(fleet.names), None, roles=roles, threads=1, enroll=enroll
+            ) as agents:
+                yield DemoSession(url, token, api, agents, fleet)
