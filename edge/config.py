@@ -12,6 +12,9 @@ The field types below are also for the settings some of those shapes carry and
 others do not (data-parallel ``replicas``, state replication every
 ``replicate_every`` steps, the frame ``recv_timeout_s``): each is declared by the
 shapes that run with it, with the one type defined here.
+
+Tested in tests/unit/edge/test_train_config.py (one definition, one message, whichever
+shape) and tests/unit/edge/models/test_options.py.
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ under :func:`needs_coordinator_extras`, which turns the missing module into a
 :class:`MissingExtraError` naming the install that has it instead of a traceback.
 ONNX export has its own extra (``export``: onnx and onnxruntime), imported the
 same way under :func:`needs_extra`.
+
+Tested in tests/integration/test_devices_cli.py (a pydantic error as one line naming the
+field) and tests/integration/test_command_imports.py (a missing extra names its
+install).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ the device side (which produces
 ``layers`` from a model profile and a ``device`` from self-profiling) and the
 coordinator (which plans) share one definition. Scoring and search live in
 ``coordinator.planner``; only the types live here, below both.
+
+Tested in tests/integration/test_plan_cli.py (each malformed field refused in one line;
+version 2) and tests/unit/edge/profiling/test_catalog.py (version 2's power figures).
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ Per step, for a plan of stages ``0..S-1`` (a stage on one device or a group):
 Samples themselves (the dataset's inputs) leave no device: stage 0 reads them and
 sends only what its units made of them. Shapes are per sample, as a microbatch's
 rows stack them; they come from the model built on the meta device (no weights).
+
+Tested in tests/e2e/test_local_data_jobs.py (what a job says leaves the holders: their
+activations, never samples; round a U, never labels) and tests/e2e/test_demo.py.
 """
 
 from __future__ import annotations

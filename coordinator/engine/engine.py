@@ -25,6 +25,11 @@ hears through :class:`JobHooks`.
   survives deaths, its faults fire through the :class:`FaultActuator`, and a
   :class:`~coordinator.engine.rebalance.Rebalancer` migrates it to a faster plan
   when measured stage times drift or a device joins.
+
+Tested in tests/unit/coordinator/engine/test_plan_groups.py (where a job is planned on
+groups), tests/unit/coordinator/engine/test_plan_objective.py (the energy objective and
+deadlines) and tests/unit/coordinator/engine/test_tolerance.py (when a run has fault
+tolerance); whole jobs through the service in tests/e2e/test_service.py.
 """
 
 from __future__ import annotations

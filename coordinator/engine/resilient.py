@@ -28,6 +28,10 @@ state (weights and optimizer state, safetensors) every ``replicate_every`` steps
   report), failure and recovery is an event with its time; the result says how
   long recovery took (detection to the first step of the new attempt) and how
   many steps were redone.
+
+Tested in tests/e2e/test_fault_tolerance.py (agents killed, the same result),
+tests/e2e/test_group_faults.py (a group member dies: a hand-over, no rollback) and
+tests/e2e/test_migration.py (a better plan moved to).
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ devices runs one assignment per member ([Note: groups on the wire] in
 :mod:`edge.wire.groups`), splitting microbatches by the ``shares`` given (equal
 ones by default); the members must end with the same weights, and the result
 has them once.
+
+Tested in tests/unit/edge/runtime/test_reference_parity.py (:func:`run_inprocess`
+against a plain PyTorch loop), tests/e2e/test_pipeline_parity.py (:func:`run_on_agents`
+on real agents) and tests/e2e/test_hybrid.py (a server tier over c10d).
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ why it could not time, or does not come in time keeps the scaled seconds, as doe
 a device too small to hold the whole model, which is not asked (timing builds
 every unit; a split model's stages would each need timing on their own inputs,
 which is not done); the result says which and why.
+
+Tested in tests/integration/test_agent_unit_times.py (real agents answer; a busy,
+refused, unchecked or too small device keeps the scaled seconds).
 """
 
 from __future__ import annotations

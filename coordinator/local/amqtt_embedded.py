@@ -23,6 +23,10 @@ is no Mosquitto (imported late: a device install has no amqtt):
   topic the account may not publish to is refused at CONNECT, as Mosquitto does.
 - :func:`broker_config`: a TLS listener with the broker's certificate and those
   plugins, or (no security) plain and anonymous; never a plugin that writes files.
+
+Tested in tests/integration/test_amqtt_security.py (its accounts and ACLs, attacked),
+tests/integration/test_broker.py (it as a plain broker) and
+tests/integration/test_mqtt5_clients.py::test_amqtt_refuses_a_v5_client_at_once.
 """
 
 from __future__ import annotations

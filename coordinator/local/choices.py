@@ -6,7 +6,9 @@ torch] in :mod:`edgetrain.cli`). The first three are the local run's own
 (:class:`~coordinator.local.options.LocalTraining`); the rest are the job's, as
 :class:`~coordinator.engine.spec.JobSpec` and :class:`~edge.config.OptimizerSpec`
 declare them, repeated here because those modules import torch or are another
-layer's: tests/unit/coordinator/local/test_choices.py keeps them equal.
+layer's; a test keeps them equal.
+
+Tested in tests/unit/coordinator/local/test_local_choices.py.
 """
 
 from __future__ import annotations

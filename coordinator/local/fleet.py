@@ -17,6 +17,10 @@ On a broker the fleet's owner started securely (an
 :class:`~coordinator.local.owned.OwnedBroker` with accounts), or given ``enroll``
 (a coordinator's API, say), each agent is enrolled and started with its own
 credentials file; on any other broker, with ``--insecure``.
+
+Tested in tests/e2e/test_agent.py (agents started, signalled and stopped by their pids),
+tests/e2e/test_fault_tolerance.py (its kills as a job's faults) and
+tests/e2e/test_train_cli.py (``edgetrain train`` over it).
 """
 
 from __future__ import annotations

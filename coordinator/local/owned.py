@@ -19,6 +19,10 @@ This module owns starting a broker together with its security, for
 same login. On a device install (no ``cryptography``), or with ``secure=False``,
 the broker is anonymous and plain: :attr:`OwnedBroker.accounts` is ``None``, and
 agents need ``--insecure``.
+
+Tested in tests/integration/test_stage_grants.py (each device's rights, on Mosquitto and
+on amqtt), tests/integration/test_amqtt_security.py (amqtt where Mosquitto is missing)
+and tests/security/test_attacker.py.
 """
 
 from __future__ import annotations

@@ -31,6 +31,10 @@ joins is added to the job's devices once the registry has it online. The
 manager keeps what the engine reports: steps, plans, attempts (in
 ``attempts.json``, so that a restarted coordinator can cancel them and resume
 from the replicas), and events.
+
+Tested in tests/unit/coordinator/service/test_final_jobs.py (its paths to an end that
+need no agent), tests/e2e/test_service.py (jobs planned, run and stored on real agents)
+and tests/e2e/test_coordinator_restart.py (a job resumed by a new coordinator).
 """
 
 from __future__ import annotations

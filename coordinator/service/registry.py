@@ -13,6 +13,9 @@ name. Every change is written to
 the store (heartbeats at most every few seconds per device) and announced on
 the event bus, and every change of state is one log line (``device pi-1: online
 -> offline``, with ``device`` and, when the registry decided it, ``reason``).
+
+Tested in tests/unit/coordinator/service/api/routes/test_device_routes.py (datasets,
+holders, heartbeats) and tests/e2e/test_service.py (a device that dies goes offline).
 """
 
 from __future__ import annotations

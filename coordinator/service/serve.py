@@ -16,6 +16,9 @@ bus as its shutdown begins: each stream finds its subscription closed at its nex
 ends as a complete body, uvicorn closes the connection (it has asked each not to keep
 alive) and goes on to the lifespan's shutdown. A stream opened after that finds the bus
 closed and ends at once.
+
+Tested in tests/integration/test_event_stream_shutdown.py (streams end on shutdown, in
+the foreground and in a thread) and tests/integration/test_event_streams.py.
 """
 
 from __future__ import annotations

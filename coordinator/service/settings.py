@@ -22,6 +22,10 @@ are always allowed.
 No instance is cached at module level: :func:`get_settings` reads the
 environment each time it is called, and tests construct :class:`Settings`
 directly with the values they need.
+
+Tested in tests/unit/coordinator/service/test_store.py (``test_settings_*``, the open
+API and trusted hosts) and tests/unit/coordinator/service/test_app.py (the ``Host``
+check).
 """
 
 from __future__ import annotations

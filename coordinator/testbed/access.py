@@ -26,6 +26,9 @@ them. The testbed's own connections (waiting for agents, ``status``) log in with
 the coordinator's account of that record (:func:`coordinator_login`). Where
 Mosquitto is not installed the broker is the embedded amqtt one, anonymous and
 plain: agents get ``--insecure`` and ``up`` warns (:func:`secure_possible`).
+
+Tested in tests/unit/coordinator/testbed/test_testbed_access.py and, with the broker
+running, tests/e2e/test_testbed.py.
 """
 
 from __future__ import annotations

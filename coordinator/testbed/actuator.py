@@ -14,6 +14,9 @@ on that testbed's agents when a job's faults fire (:mod:`coordinator.engine.faul
   broker by the coordinator's own accounts (``enroll``), which then may grant it a stage.
 
 The state file is read anew for every fault: agents that joined are in it.
+
+Tested in tests/unit/coordinator/testbed/test_testbed_actuator.py (what it refuses) and
+tests/integration/test_testbed_processes.py (real processes killed).
 """
 
 from __future__ import annotations

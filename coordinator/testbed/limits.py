@@ -16,6 +16,10 @@ else in the cgroup v2 mount's ``cgroup.controllers`` (a hybrid machine may mix
 them). v1 limits are ``cpu.cfs_period_us``/``cpu.cfs_quota_us`` and
 ``memory.limit_in_bytes``; v2 limits are ``cpu.max`` and ``memory.max``.
 Every testbed's cgroups live under ``edgetrain-testbed-<id>`` in each hierarchy.
+
+Tested in tests/unit/coordinator/testbed/test_testbed_limits.py (detection from
+mountinfo, the limits written) and tests/integration/test_agent_memory.py (an agent in a
+real cgroup, as root).
 """
 
 from __future__ import annotations

@@ -19,6 +19,10 @@ delay the profile does not have.
 
 Removal deletes the namespace, which deletes the veth pair with it; a host end
 left behind (a half-made pair) is deleted by name.
+
+Tested in tests/unit/coordinator/testbed/test_testbed_limits.py (the ``tbf`` burst and
+limit, link names within IFNAMSIZ) and, as root, a real shaped namespace in
+tests/integration/test_profile_broker.py.
 """
 
 from __future__ import annotations

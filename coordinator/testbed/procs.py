@@ -24,6 +24,9 @@ is recorded in the state (pid and start time) as soon as it runs:
   writes its own pid into the agent's cgroups and then ``exec``s
   ``ip netns exec NS edgetrain agent ...``, so the agent is limited from its
   first instruction and keeps that pid.
+
+Tested in tests/unit/coordinator/testbed/test_testbed_limits.py (the agents' command
+lines), tests/integration/test_testbed_processes.py and tests/e2e/test_testbed.py.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ the broker (bound to 127.0.0.1 only) through it whatever its latency.
 Run as ``python -m coordinator.testbed.proxy --route 10.1.2.1:1883 127.0.0.1:41000 5
 [--route ...] --ready-file PATH``; it creates ``PATH`` once every route listens
 and runs until SIGTERM or SIGINT.
+
+Tested in tests/integration/test_testbed_proxy.py.
 """
 
 from __future__ import annotations

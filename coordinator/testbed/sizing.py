@@ -10,6 +10,9 @@ really gets here: ``cpus x`` this machine's per-core GFLOP/s.
 The default scale gives the whole fleet at most :data:`CPU_BUDGET` of the
 machine's cores (the broker, the coordinator and the driver need the rest) and
 no device more than one core per torch thread it runs.
+
+Tested in tests/unit/coordinator/testbed/test_testbed_sizing.py and
+tests/unit/coordinator/testbed/test_compose_render.py (the limits in a compose file).
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ and ``down`` removes it with the rest.
 
 One testbed per state directory: ``up`` refuses while a ``testbed.json`` exists
 there, and ``up`` and ``down`` hold an ``flock`` on ``lock`` while they work.
+
+Tested in tests/unit/coordinator/testbed/test_testbed_state.py (round trip, pid reuse)
+and tests/integration/test_testbed_processes.py (real processes found and stopped).
 """
 
 from __future__ import annotations

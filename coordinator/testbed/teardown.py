@@ -6,6 +6,9 @@ never reached the state file), lifts CPU quotas so throttled agents shut down
 promptly, removes cgroups (children first), namespaces and veths, then the
 files ``up`` wrote (the broker's accounts, TLS files and private copies, the agents'
 credentials among them) and the state file; ``logs/`` stays for a post-mortem.
+
+Tested in tests/unit/coordinator/testbed/test_testbed_access.py (what ``down`` removes of
+the broker's files) and, after real ``up`` runs, tests/e2e/test_testbed.py.
 """
 
 from __future__ import annotations

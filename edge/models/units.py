@@ -12,6 +12,10 @@ Zoo models therefore default to ``norm="group"`` (GroupNorm, per-sample
 statistics), which makes pipelined training equal single-device training; pass
 ``norm="batch"`` for the classic architecture, knowing that equality then holds
 only with one microbatch.
+
+Tested in tests/unit/edge/models/test_zoo.py (every cut of every model equals the whole;
+the norm variants) and tests/unit/edge/models/test_unit_costs.py (a transformer block's
+FLOPs).
 """
 
 from __future__ import annotations

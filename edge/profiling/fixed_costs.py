@@ -43,6 +43,9 @@ fields; the score ignores ``details``):
 
 :func:`fixed_costs_of` reads them back from a device; ``None`` for a device
 that did not measure them (a catalogue entry, a problem file).
+
+Tested in tests/unit/edge/profiling/test_transport_byte_cost.py and
+tests/integration/test_agent_fixed_costs.py (the costs real agents announce).
 """
 
 from __future__ import annotations

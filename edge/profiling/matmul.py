@@ -5,6 +5,10 @@ and ``bench/gpu.py``: a sustained fp32 matmul rate on the CPU
 (:func:`matmul_benchmark`), and on a GPU sustained fp32 and bf16 matmul TFLOP/s
 timed with CUDA events (:func:`cuda_matmul_benchmark`, :func:`gpu_profile`),
 with the device's name and free memory.
+
+Tested in tests/unit/edge/profiling/test_profiler.py::test_matmul_gflops_positive,
+::test_matmul_leaves_the_thread_count_alone and
+tests/unit/edge/profiling/test_profiler_gpu.py.
 """
 
 from __future__ import annotations

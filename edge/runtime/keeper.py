@@ -30,6 +30,10 @@ It reads no commands: the agent's worker thread calls it, one command at a time 
 network thread only notes a cancel as it arrives, for a restore that waits), and it
 speaks through the callbacks it is given: events, re-announcing the device, and waking
 the worker to keep a replica that arrived on the network thread.
+
+Tested in tests/e2e/test_agent.py (a busy agent refuses another job),
+tests/e2e/test_agent_replicas.py (replicas kept, a stage restored) and
+tests/e2e/test_group_faults.py (hold and hand-over).
 """
 
 from __future__ import annotations

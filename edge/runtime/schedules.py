@@ -14,6 +14,10 @@ an action the schedule does not list does not happen.
 
 Both schedules here are synchronous: every stage steps its optimizer after its
 last backward (the flush), so a step equals single-device training.
+
+Tested in tests/unit/coordinator/planner/test_simulator.py::test_one_f_one_b_text_form,
+::test_schedules_round_trip_and_are_complete and ::test_malformed_schedules_are_refused;
+a stage running each in tests/unit/edge/runtime/test_schedule_run.py.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ watching the processes: if one fails, the rest are stopped and :func:`launch`
 raises. Each process is :mod:`edge.server.worker`; the job file is
 :class:`edge.server.job_file.DistJob`, and the node count times processes per
 node must equal its world size (stages times replicas, or its groups' members).
+
+Tested in tests/e2e/test_dist_parity.py and tests/e2e/test_dist_group_parity.py.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ gradients averaged across replicas (or, on a stage group, summed over its
 members: one bucketed all-reduce over their process group), and writes its
 results to the job's output directory. A rank that fails exits non-zero, and
 the launcher stops the rest.
+
+Tested in tests/e2e/test_dist_parity.py (every rank of a launched job) and
+tests/e2e/test_train_dist_cli.py::test_launch_runs_a_job_file_into_the_output_it_is_given.
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ parse (:func:`parse_command`, :func:`parse_event`) tells them apart and refuses
 anything else with a one-line reason. Tensors never travel here: see
 :mod:`edge.wire.frames` for the binary frame.
 
-Tested with the code that sends or reads each message, not in a file of its own:
-tests/unit/edge/test_train_config.py (a job's settings refused with the same message
-on the wire), tests/unit/edge/models/test_options.py (an assignment refused at parse
-is still answerable) and tests/unit/edge/runtime/test_unit_times.py (the timing command).
+Tested in tests/unit/edge/test_train_config.py (a job's settings refused with the same
+message on the wire), tests/unit/edge/models/test_options.py (an assignment refused at
+parse is still answerable) and tests/unit/edge/runtime/test_unit_times.py (the timing
+command): each message with the code that sends or reads it, not in a file of its own.
 """
 
 from __future__ import annotations

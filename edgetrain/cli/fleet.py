@@ -9,6 +9,9 @@
 
 Thin clients of the REST API (:mod:`edgetrain.cli.client` makes the requests);
 enrolment and revocation need the write token when the coordinator has one.
+
+Tested in tests/e2e/test_clients.py::test_submit_wait_then_jobs_and_fleet and
+tests/security/test_enrollment.py (``enroll`` and ``revoke``).
 """
 
 from __future__ import annotations

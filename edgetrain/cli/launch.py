@@ -3,6 +3,10 @@
 Every node runs the same command with the same ``--rdzv-endpoint``; the work is
 :func:`edge.server.launch.launch`. The command prints one summary line (or
 ``--json``) once this node's ranks are done.
+
+Tested in tests/e2e/test_train_dist_cli.py::test_launch_of_a_missing_file_names_it,
+::test_launch_of_an_invalid_file_names_the_problem and
+::test_launch_runs_a_job_file_into_the_output_it_is_given.
 """
 
 from __future__ import annotations

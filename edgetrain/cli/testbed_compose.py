@@ -6,6 +6,10 @@ and memory limits are the local testbed's. Its broker's secrets (TLS files,
 accounts, each agent's credentials) are written anew beside it, to ``secrets/``
 or ``--secrets-dir`` (:func:`coordinator.testbed.compose_secrets.write_secrets`),
 and the file names that directory relative to itself. Nothing here imports FastAPI.
+
+Tested in tests/unit/coordinator/testbed/test_compose_render.py,
+tests/unit/coordinator/testbed/test_compose_secrets.py and
+tests/integration/test_compose.py (the files docker-compose validates).
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 :mod:`coordinator.service.store.sqlite` owns reading and writing; this module only says what
 is stored (``SCHEMA_VERSION`` and the migrations live there too, with the code
 that applies them).
+
+Tested in tests/unit/coordinator/service/test_store.py (the transitions and records) and
+tests/unit/coordinator/service/test_final_jobs.py (every final state).
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ Job states (:data:`TRANSITIONS`)::
 
 completed, failed and cancelled are final. A call naming the current state of
 a job that is not final only updates its fields (progress) and logs nothing.
+
+Tested in tests/unit/coordinator/service/test_store.py (versions, migrations, concurrent
+writers, transitions) and tests/unit/coordinator/service/test_final_jobs.py.
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ which no JSON response can encode, and a string may hold a lone surrogate
 an input is left out (:func:`validation_error`), and a lone surrogate in a ``loc``
 (a refused key) or a message is sent as its escape, rather than turning the refusal
 into a 500.
+
+Tested in tests/integration/test_api_hostile_bodies.py (NaN, Infinity and lone
+surrogates refused as strict JSON) and tests/e2e/test_openapi_fuzz.py (every response as
+documented).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ of ``devices`` is the id of a known device, a catalogue profile
 device itself, as an object (what ``edgetrain profile --json`` prints, its figures
 bounded so that no prediction overflows). The command line's other form, the path
 of a JSON file, is refused: a client must not make the coordinator read its files.
+
+Tested in tests/unit/coordinator/service/api/routes/test_plan_routes.py and
+tests/e2e/test_api.py::test_what_if_plan_needs_no_devices_online.
 """
 
 from __future__ import annotations
