@@ -421,9 +421,33 @@ MUTANTS = [
         name="groups-memory-whole-microbatch",
         what="a group member's memory is checked as if it held the whole microbatch's activations",
         path="coordinator/planner/group_tables.py",
-        old="got &= k * self.params + depth * w * self.b * self.acts <= d.memory_bytes",
-        new="got &= k * self.params + depth * self.b * self.acts <= d.memory_bytes",
+        old="got &= need_bytes(k, self.params, depth, w, self.b, self.acts) <= d.memory_bytes",
+        new="got &= need_bytes(k, self.params, depth, 1.0, self.b, self.acts) <= d.memory_bytes",
         tests=("tests/unit/coordinator/planner/test_groups_exact.py",),
+    ),
+    Mutant(
+        name="tables-link-own-formula",
+        what="the search's tables write the link time out again, dividing in another order: "
+        "their times differ from the score's in the last bit",
+        path="coordinator/planner/tables.py",
+        old=(
+            "        link = link_s(b, out[None, None, :], lat[sender], lat[receiver], "
+            "bw[sender], bw[receiver])\n"
+        ),
+        new=(
+            "        link = 2 * (lat[sender] + lat[receiver]) / 1000 + 2 * b "
+            "* out[None, None, :] * 8 / np.minimum(bw[sender], bw[receiver]) / 1e6\n"
+        ),
+        tests=("tests/unit/coordinator/planner/test_terms.py",),
+    ),
+    Mutant(
+        name="groups-v1-share-of-budget",
+        what="the group search asks version 1 with a share of the budget: cut short, its "
+        "answer can be worse than version 1's own",
+        path="coordinator/planner/group_search.py",
+        old="    best, v1 = _version_1(problem, time_budget_s, stages)\n",
+        new="    best, v1 = _version_1(problem, time_budget_s * 0.35, stages)\n",
+        tests=("tests/unit/coordinator/planner/test_groups_v1.py",),
     ),
     Mutant(
         name="groups-spare-dominance-ignores-memory",

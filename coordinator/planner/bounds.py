@@ -22,11 +22,12 @@ link out of ``p`` after some unit ``k``, costing at least
 ``C_min = min over k of 2 (lat_p + lat_min) / 1000 + 2 b out_k 8 / (min(bw_p, bw_max) 1e6)``,
 which is both a term of the sum and a candidate for ``tau``. The bound is the
 smaller of the two cases. Memory limits are ignored, so the bound holds for
-every feasible plan.
+every feasible plan. Each term is :mod:`coordinator.planner.terms`'s, the score's own.
 """
 
 from __future__ import annotations
 
+from coordinator.planner.terms import compute_s, link_s
 from edge.problem import PlanningProblem
 
 __all__ = ["lower_bound"]
@@ -38,23 +39,23 @@ def lower_bound(problem: PlanningProblem) -> float:
     b = problem.batch_size / problem.microbatches
     work = [unit.train_flops for unit in problem.layers]
     total = sum(work)
-    g_max = max(d.gflops for d in problem.devices) * 1e9
-    g_all = sum(d.gflops for d in problem.devices) * 1e9
-    tau = max(b * total / g_all, b * max(work) / g_max)
+    g_max = max(d.gflops for d in problem.devices)
+    g_all = sum(d.gflops for d in problem.devices)
+    tau = max(compute_s(b, total, g_all), compute_s(b, max(work), g_max))
     if problem.pin_first is None:
-        return (m - 1) * tau + b * total / g_max
+        return (m - 1) * tau + compute_s(b, total, g_max)
     pin = next(d for d in problem.devices if d.id == problem.pin_first)
-    g_pin = pin.gflops * 1e9
-    alone = m * b * total / g_pin
+    alone = compute_s(m * b, total, pin.gflops)
     others = [d for d in problem.devices if d.id != pin.id]
     if not others or len(problem.layers) == 1:
         return alone
     lat = min(d.latency_ms for d in others)
-    bw = min(pin.bandwidth_mbps, max(d.bandwidth_mbps for d in others))
+    bw = max(d.bandwidth_mbps for d in others)
     link = min(
-        2 * (pin.latency_ms + lat) / 1000 + 2 * b * unit.out_bytes * 8 / (bw * 1e6)
+        link_s(b, unit.out_bytes, pin.latency_ms, lat, pin.bandwidth_mbps, bw)
         for unit in problem.layers[:-1]
     )
-    tau = max(tau, b * work[0] / g_pin, link)
-    split = (m - 1) * tau + b * work[0] / g_pin + b * (total - work[0]) / g_max + link
+    head = compute_s(b, work[0], pin.gflops)
+    tau = max(tau, head, link)
+    split = (m - 1) * tau + head + compute_s(b, total - work[0], g_max) + link
     return min(alone, split)

@@ -7,9 +7,11 @@ memory is checked per member, and it adds a ring all-reduce once per step.
 :class:`GroupTables` holds, for every group the search asks about (a tuple of
 device indices, cached), those figures and its ``[L+1, L+1]`` arrays over unit
 ranges ``[h, i)``: compute time per microbatch, all-reduce time, energy
-coefficient and the 1F1B fit at each distance from the end. The operations are
-:func:`coordinator.planner.score.score_plan`'s, in its order, so a one-device
-group reproduces version 1's tables and the search agrees with the score.
+coefficient and the 1F1B fit at each distance from the end. The terms are
+:func:`coordinator.planner.score.score_plan`'s own functions
+(:mod:`coordinator.planner.terms`) on arrays, so a one-device group reproduces
+version 1's tables and the search agrees with the score to the last bit
+([Note: one formula, two kinds of number]).
 
 :class:`GroupLimits` is what a runtime cannot train on a group and a problem
 file does not say (units holding BatchNorm, members left without a sample): the
@@ -26,6 +28,15 @@ import numpy as np
 
 from coordinator.planner.score import Plan, Stage, shares_of
 from coordinator.planner.tables import range_sums
+from coordinator.planner.terms import (
+    allreduce_s,
+    compute_s,
+    group_bandwidth_mbps,
+    group_gflops,
+    group_latency_ms,
+    link_s,
+    need_bytes,
+)
 from edge.problem import PlanningProblem
 from edge.wire.groups import split_samples
 
@@ -143,31 +154,21 @@ class GroupTables:
             return got
         devs = [self.problem.devices[i] for i in group]
         shares = shares_of(devs)
-        speed = 0.0
-        for d in devs:  # left to right, as the score sums
-            speed += d.gflops
-        g = len(devs)
+        speed = group_gflops(devs)
         with np.errstate(invalid="ignore"):
-            compute = self.b * self.flops / (speed * 1e9)
-        if g == 1:
-            allreduce = np.zeros_like(self.params)
-        else:
-            lat = max(d.latency_ms for d in devs)
-            slowest = min(d.bandwidth_mbps for d in devs)
-            allreduce = 2 * (g - 1) * lat / 1000 + 2 * (g - 1) / g * self.params * 8 / (
-                slowest * 1e6
-            )
+            compute = compute_s(self.b, self.flops, speed)
+        allreduce = allreduce_s(devs, self.params)
         energy = np.zeros_like(self.flops)
         for d, w in zip(devs, shares, strict=True):
             watts = (d.watts_busy or 0.0) - (d.watts_idle or 0.0)
             if watts:
                 with np.errstate(invalid="ignore"):
-                    energy = energy + watts * (self.m * w * self.b * self.flops / (d.gflops * 1e9))
+                    energy = energy + watts * compute_s(self.m * w * self.b, self.flops, d.gflops)
         got = GroupCosts(
             members=group,
             speed=speed,
-            latency_ms=max(d.latency_ms for d in devs),
-            bandwidth_mbps=min(d.bandwidth_mbps / w for d, w in zip(devs, shares, strict=True)),
+            latency_ms=group_latency_ms(devs),
+            bandwidth_mbps=group_bandwidth_mbps(devs, shares),
             compute=compute,
             allreduce=np.where(np.isfinite(compute), allreduce, np.inf),
             energy=energy,
@@ -189,7 +190,7 @@ class GroupTables:
             k = self.problem.optimizer_state_factor
             got = np.ones_like(self.params, dtype=bool)
             for d, w in zip(devs, shares_of(devs), strict=True):
-                got &= k * self.params + depth * w * self.b * self.acts <= d.memory_bytes
+                got &= need_bytes(k, self.params, depth, w, self.b, self.acts) <= d.memory_bytes
             if len(group) > 1:  # the runtime's limits on groups
                 got &= self.grouped_ok
                 if not _splits(self.problem, [d.gflops for d in devs], self.limits.whole_samples):
@@ -212,8 +213,9 @@ class GroupTables:
     def link(self, a: Group, b: Group) -> np.ndarray:
         """``[L+1]``: ``C`` of a cut before unit ``i`` from group ``a`` to group ``b``."""
         ca, cb = self.costs(a), self.costs(b)
-        lat = 2 * (ca.latency_ms + cb.latency_ms) / 1000
-        return lat + 2 * self.b * self.out * 8 / (min(ca.bandwidth_mbps, cb.bandwidth_mbps) * 1e6)
+        return link_s(
+            self.b, self.out, ca.latency_ms, cb.latency_ms, ca.bandwidth_mbps, cb.bandwidth_mbps
+        )
 
     def plan(self, groups: list[Group], cuts: list[int]) -> Plan:
         """The plan of ``groups`` over the ranges between ``cuts`` (``0 .. L``)."""

@@ -12,17 +12,30 @@ one-device stages scores, to the last bit, as version 1 scores it. Every
 planner and baseline is judged by this one function, so any plan can be checked
 by anyone with a calculator.
 
-The search does not call this per candidate (it works on prefix sums, see
+The terms themselves (``T_s``, ``C_s``, ``R_s``, memory, a group's figures) are
+:mod:`coordinator.planner.terms`'s functions, which the search's tables call
+too, so both get the same bits ([Note: one formula, two kinds of number]). The
+search does not call this per candidate (it works on prefix sums, see
 :mod:`coordinator.planner.tables`), but every plan it returns is re-scored here.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.planner.terms import (
+    allreduce_s,
+    compute_s,
+    group_bandwidth_mbps,
+    group_gflops,
+    group_latency_ms,
+    link_s,
+    need_bytes,
+    ordered_sum,
+)
 from edge.problem import DeviceSpec, PlanningProblem
 
 __all__ = ["Plan", "PlanScore", "Stage", "for_plan", "score_plan", "shares_of", "validate_plan"]
@@ -147,18 +160,6 @@ class PlanScore:
         return out
 
 
-def _sum(values: Iterable[float]) -> float:
-    """Left-to-right float sum: what :mod:`coordinator.planner.tables` reproduces exactly.
-
-    Python 3.12's ``sum()`` compensates rounding, so it is not used here: the
-    search's feasibility must agree with the score to the last bit on every version.
-    """
-    total = 0.0
-    for v in values:
-        total += v
-    return total
-
-
 def validate_plan(problem: PlanningProblem, plan: Plan) -> list[str]:
     """What makes ``plan`` structurally invalid for ``problem`` (empty when valid)."""
     errors = []
@@ -223,6 +224,7 @@ def score_plan(
     layers = problem.layers
     b = problem.batch_size / problem.microbatches
     m = problem.microbatches
+    k = problem.optimizer_state_factor
     n_stages = len(plan.stages)
     compute, links, memory, limits, reasons = [], [], [], [], []
     shares: list[list[float]] = []
@@ -231,23 +233,23 @@ def score_plan(
     head_need: list[float] = []  # stage 0's members' memory (a U's tail adds it)
     for s, st in enumerate(plan.stages):
         group = [dev[i] for i in st.devices]
-        speed = _sum(d.gflops for d in group)
+        speed = group_gflops(group)
         share = list(fixed[s]) if s in fixed else shares_of(group)
-        if len(share) != len(group) or abs(_sum(share) - 1.0) > 1e-9 or min(share) <= 0:
+        if len(share) != len(group) or abs(ordered_sum(share) - 1.0) > 1e-9 or min(share) <= 0:
             raise ValueError(f"stage {s}: shares {share} do not split a microbatch over its group")
         shares.append(share)
         chunk = layers[st.start : st.end]
-        flops = _sum(unit.train_flops for unit in chunk)
+        flops = ordered_sum(unit.train_flops for unit in chunk)
         if s in fixed:
             slowest = max(w / d.gflops for d, w in zip(group, share, strict=True))
             compute.append(b * flops * slowest / 1e9)
         else:
-            compute.append(b * flops / (speed * 1e9))
-        params = _sum(unit.param_bytes for unit in chunk)
-        acts = _sum(unit.saved_bytes for unit in chunk)
+            compute.append(compute_s(b, flops, speed))
+        params = ordered_sum(unit.param_bytes for unit in chunk)
+        acts = ordered_sum(unit.saved_bytes for unit in chunk)
         depth = min(n_stages - s, m)
         # The member with the least room decides; one device: version 1's figure exactly.
-        need = [problem.optimizer_state_factor * params + depth * w * b * acts for w in share]
+        need = [need_bytes(k, params, depth, w, b, acts) for w in share]
         if plan.u_shaped and s == n_stages - 1:  # its devices hold stage 0's segment too
             need = [mine + first for mine, first in zip(need, head_need, strict=True)]
         if s == 0:
@@ -261,31 +263,26 @@ def score_plan(
                     f"stage {s} on {d.id} needs {mem / 1e9:.3f} GB of {d.memory_bytes / 1e9:.3f} GB"
                 )
         busy.extend(
-            (d, m * w * b * flops / (d.gflops * 1e9)) for d, w in zip(group, share, strict=True)
+            (d, compute_s(m * w * b, flops, d.gflops)) for d, w in zip(group, share, strict=True)
         )
-        g = len(group)
-        slowest = min(d.bandwidth_mbps for d in group)
-        allreduce.append(
-            0.0
-            if g == 1
-            else 2 * (g - 1) * max(d.latency_ms for d in group) / 1000
-            + 2 * (g - 1) / g * params * 8 / (slowest * 1e6)
-        )
+        allreduce.append(allreduce_s(group, params))
         if s + 1 < n_stages:
             nxt = [dev[i] for i in plan.stages[s + 1].devices]
             nxt_share = list(fixed[s + 1]) if s + 1 in fixed else shares_of(nxt)
             out = layers[st.end - 1].out_bytes
             links.append(
-                2 * (_latency(group) + _latency(nxt)) / 1000
-                + 2
-                * b
-                * out
-                * 8
-                / (min(_bandwidth(group, share), _bandwidth(nxt, nxt_share)) * 1e6)
+                link_s(
+                    b,
+                    out,
+                    group_latency_ms(group),
+                    group_latency_ms(nxt),
+                    group_bandwidth_mbps(group, share),
+                    group_bandwidth_mbps(nxt, nxt_share),
+                )
             )
     both = [compute[0] + compute[-1]] if plan.u_shaped else []
     tau = max(compute + links + both)
-    step = (m - 1) * tau + _sum(compute) + _sum(links)
+    step = (m - 1) * tau + ordered_sum(compute) + ordered_sum(links)
     if problem.version == 2:
         step += max(allreduce + ([allreduce[0] + allreduce[-1]] if plan.u_shaped else []))
     # A problem of zero-FLOP layers and free links takes no time at all.
@@ -295,7 +292,9 @@ def score_plan(
         for d, u in busy:
             per[d.id] = (d, per[d.id][1] + u if d.id in per else u)
         busy = list(per.values())
-    energy = _sum((d.watts_busy or 0.0) * u + (d.watts_idle or 0.0) * (step - u) for d, u in busy)
+    energy = ordered_sum(
+        (d.watts_busy or 0.0) * u + (d.watts_idle or 0.0) * (step - u) for d, u in busy
+    )
     deadline = problem.goal.max_step_time_s
     if deadline is not None and step > deadline:
         reasons.append(f"step time {step:.6g} s exceeds max_step_time_s {deadline:.6g} s")
@@ -322,16 +321,5 @@ def shares_of(group: list[DeviceSpec]) -> list[float]:
     """Each member's share of a microbatch: proportional to its speed (``[1.0]`` alone)."""
     if len(group) == 1:
         return [1.0]
-    speed = _sum(d.gflops for d in group)
+    speed = group_gflops(group)
     return [d.gflops / speed for d in group]
-
-
-def _latency(group: list[DeviceSpec]) -> float:
-    """A group's link latency: its slowest member's, in milliseconds."""
-    return max(d.latency_ms for d in group)
-
-
-def _bandwidth(group: list[DeviceSpec], share: list[float]) -> float:
-    """A group's link bandwidth for a whole microbatch, Mbit/s: the least ``bw_i / w_i``
-    (the member that takes longest to send its share); one device: its own bandwidth."""
-    return min(d.bandwidth_mbps / w for d, w in zip(group, share, strict=True))

@@ -104,6 +104,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from coordinator.planner.score import Plan, score_plan
+from coordinator.planner.terms import need_bytes, ordered_sum
 from edge.files import write_atomic
 from edge.problem import PlanningProblem
 from edge.runtime.schedules import Action, Schedule, make_schedule, validate_schedule
@@ -228,8 +229,8 @@ def simulate(
         fwd_s.append(score.compute_s[s] * share)
         bwd_s.append(score.compute_s[s] - fwd_s[-1])
         # The same sums in the same order as score_plan, so the peaks match it exactly.
-        params.append(sum(unit.param_bytes for unit in chunk))
-        acts.append(sum(unit.saved_bytes for unit in chunk))
+        params.append(ordered_sum(unit.param_bytes for unit in chunk))
+        acts.append(ordered_sum(unit.saved_bytes for unit in chunk))
 
     run = _Run(actions, fwd_s, bwd_s, [c / 2 for c in score.link_s])
     run.run()
@@ -254,7 +255,7 @@ def simulate(
         bubble_fraction=bubble,
         busy_s=busy,
         peak_memory_bytes=[
-            k * params[s] + run.peak[s] * max(score.shares[s]) * b * acts[s]
+            need_bytes(k, params[s], run.peak[s], max(score.shares[s]), b, acts[s])
             for s in range(n_stages)
         ],
         peak_microbatches_held=run.peak,

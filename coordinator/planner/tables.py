@@ -4,8 +4,10 @@
 ``[h, i)``, the compute time per microbatch, the parameter and activation bytes
 of the range, and for every cut and device pair the link time. Range sums are
 running sums from ``h`` taken left to right, the same additions in the same
-order as :func:`coordinator.planner.score.score_plan` makes, so a plan the
-search calls feasible is feasible when scored, to the last bit.
+order as :func:`coordinator.planner.score.score_plan` makes, and the terms are
+the score's own functions (:mod:`coordinator.planner.terms`) on arrays, so a plan
+the search calls feasible is feasible when scored, and its times are the
+score's, to the last bit ([Note: one formula, two kinds of number]).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordinator.planner.score import Plan
+from coordinator.planner.terms import compute_s, link_s, need_bytes
 from edge.problem import PlanningProblem
 
 __all__ = ["CostTables", "range_sums"]
@@ -58,13 +61,13 @@ class CostTables:
         flops = range_sums([unit.train_flops for unit in layers])
         gflops = np.array([d.gflops for d in devices])
         with np.errstate(invalid="ignore"):
-            compute = b * flops[None, :, :] / (gflops[:, None, None] * 1e9)
+            compute = compute_s(b, flops[None, :, :], gflops[:, None, None])
         lat = np.array([d.latency_ms for d in devices])
         bw = np.array([d.bandwidth_mbps for d in devices])
         out = np.array([0.0] + [unit.out_bytes for unit in layers])  # out[i]: after unit i-1
-        pair_lat = 2 * (lat[:, None] + lat[None, :]) / 1000
-        pair_bw = np.minimum(bw[:, None], bw[None, :]) * 1e6
-        link = pair_lat[:, :, None] + 2 * b * out[None, None, :] * 8 / pair_bw[:, :, None]
+        # [d, e, i]: from device d to device e, across the cut before unit i
+        sender, receiver = (slice(None), None, None), (None, slice(None), None)
+        link = link_s(b, out[None, None, :], lat[sender], lat[receiver], bw[sender], bw[receiver])
         return cls(
             problem=problem,
             ids=[d.id for d in devices],
@@ -91,7 +94,7 @@ class CostTables:
         factor = min(position_from_end, self.m)
         if factor not in self._need:
             k = self.problem.optimizer_state_factor
-            self._need[factor] = k * self.params + factor * self.b * self.acts
+            self._need[factor] = need_bytes(k, self.params, factor, 1.0, self.b, self.acts)
         return self._need[factor]
 
     def fits_matrix(self, position_from_end: int, device: int) -> np.ndarray:
