@@ -42,6 +42,7 @@ __all__ = [
     "DatasetName",
     "Microbatches",
     "ModelName",
+    "OptimizerName",
     "OptimizerSpec",
     "Precision",
     "RecvTimeout",
@@ -83,6 +84,7 @@ BatchSize = Annotated[int, Field(ge=1, le=65_536)]
 Microbatches = Annotated[int, Field(ge=1, le=1024)]
 Schedule = Literal["1f1b", "gpipe"]
 Precision = Literal["fp32", "bf16"]
+OptimizerName = Literal["sgd", "adamw"]
 Seed = Annotated[int, Field(ge=0, le=2**31)]
 CodecName = Annotated[
     str, AfterValidator(_link_codec), Field(json_schema_extra={"enum": list(LINK_CODECS)})
@@ -133,7 +135,7 @@ class OptimizerSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    name: Literal["sgd", "adamw"] = "sgd"
+    name: OptimizerName = "sgd"
     lr: float = Field(default=0.05, gt=0, allow_inf_nan=False)
     momentum: float = Field(default=0.9, ge=0, lt=1)
     weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)

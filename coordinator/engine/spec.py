@@ -27,9 +27,23 @@ __all__ = [
     "DeviceName",
     "JobBase",
     "JobSpec",
+    "Labels",
+    "Objective",
+    "Partition",
+    "UnitTimes",
     "largest_message_bytes",
     "new_job_id",
 ]
+
+
+Partition = Literal["plan", "even"]
+"""How a job's units are split over its devices (:attr:`JobBase.partition`)."""
+Objective = Literal["time", "energy"]
+"""What the planner minimises for a job (:attr:`JobBase.objective`)."""
+UnitTimes = Literal["host", "devices"]
+"""Where the cost model's unit seconds come from (:attr:`JobBase.unit_times`)."""
+Labels = Literal["central", "local"]
+"""Where local data's labels go (:attr:`DataPlacement.labels`)."""
 
 
 class DataPlacement(BaseModel):
@@ -44,7 +58,7 @@ class DataPlacement(BaseModel):
     placement: Literal["local"] = "local"
     min_local_units: int = Field(default=1, ge=1)
     """Units every holder runs on its own samples before anything leaves it."""
-    labels: Literal["central", "local"] = "central"
+    labels: Labels = "central"
     """``local``: the labels never leave their holders either. The last units and the
     loss run on the holders too, each on its own samples (the plan is U-shaped:
     holders, helpers, holders; [Note: labels stay home] in :mod:`edge.runtime.stage`);
@@ -75,7 +89,7 @@ class JobBase(TrainConfig):
     """Seconds a stage waits for one frame before it gives up on the job."""
     pin_first: DeviceName | None = None
     """The device that holds the data and must run stage 0; planning only."""
-    partition: Literal["plan", "even"] = "plan"
+    partition: Partition = "plan"
     """How the units are split: ``plan``, the planner's best plan; ``even``, the same number
     of units on each device (on the ``stages`` fastest when ``stages`` is given;
     :mod:`coordinator.planner.partition`); planning only."""
@@ -93,12 +107,12 @@ class JobBase(TrainConfig):
     """With ``partition="even"``: how many devices each stage runs on, in stage order (their
     sum is the number of devices); a stage of several trains data-parallel, each member
     on a share of every microbatch by its speed ([Note: groups on the wire]). Planning only."""
-    objective: Literal["time", "energy"] = "time"
+    objective: Objective = "time"
     """What the planner minimises: the step time, or the energy per step (from the
     devices' power figures: predictions); planning only."""
     max_step_time_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Only plans whose predicted step time is at most this many seconds; planning only."""
-    unit_times: Literal["host", "devices"] = "host"
+    unit_times: UnitTimes = "host"
     """Where the cost model's seconds of each unit come from: ``host``, the coordinator's
     machine, scaled to each device by its matmul rate; ``devices``, each device times
     the units itself before the job is planned, under its own limits (once per device,

@@ -1,12 +1,11 @@
 """The fixed choices of a job trained on this machine, as ``Literal`` types.
 
-Torch-free, so that ``edgetrain train`` offers them (typer lists a ``Literal``'s
-values, and refuses any other) without importing the engine ([Note: commands without
-torch] in :mod:`edgetrain.cli`). The first three are the local run's own
-(:class:`~coordinator.local.options.LocalTraining`); the rest are the job's, as
-:class:`~coordinator.engine.spec.JobSpec` and :class:`~edge.config.OptimizerSpec`
-declare them, repeated here because those modules import torch or are another
-layer's; a test keeps them equal.
+``edgetrain train`` offers them (typer lists a ``Literal``'s values, and refuses any
+other). The first three are the local run's own, declared here
+(:class:`~coordinator.local.options.LocalTraining`); the rest are the job's, declared
+once where the job is (:mod:`coordinator.engine.spec`, :mod:`edge.config`: both
+torch-free, [Note: commands without torch] in :mod:`edgetrain.cli`) and only gathered
+here for the command.
 
 Tested in tests/unit/coordinator/local/test_local_choices.py.
 """
@@ -14,6 +13,9 @@ Tested in tests/unit/coordinator/local/test_local_choices.py.
 from __future__ import annotations
 
 from typing import Literal
+
+from coordinator.engine.spec import Labels, Objective, Partition, UnitTimes
+from edge.config import OptimizerName
 
 __all__ = [
     "Labels",
@@ -30,9 +32,3 @@ Transport = Literal["mqtt", "inprocess", "dist"]
 or the server tier (one torch.distributed rank per stage and replica)."""
 TorchDevice = Literal["cpu", "cuda"]
 """What the server tier's ranks compute on (``cuda``: one GPU each)."""
-Labels = Literal["central", "local"]
-"""Where local data's labels go: to the last stage, or nowhere (the holders run the loss)."""
-Partition = Literal["plan", "even"]
-Objective = Literal["time", "energy"]
-UnitTimes = Literal["host", "devices"]
-OptimizerName = Literal["sgd", "adamw"]

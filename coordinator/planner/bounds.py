@@ -23,6 +23,8 @@ link out of ``p`` after some unit ``k``, costing at least
 which is both a term of the sum and a candidate for ``tau``. The bound is the
 smaller of the two cases. Memory limits are ignored, so the bound holds for
 every feasible plan. Each term is :mod:`coordinator.planner.terms`'s, the score's own.
+
+Tested in tests/unit/coordinator/planner/test_baselines.py (the bound under every plan).
 """
 
 from __future__ import annotations

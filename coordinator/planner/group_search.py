@@ -55,6 +55,11 @@ the budget cuts it, each call stops where the clock stops it.
 Each search takes ``limits`` (:class:`~coordinator.planner.group_tables.GroupLimits`):
 what a runtime cannot train on a group (units holding BatchNorm, members left
 without a sample). Groups that break them are never built, in any search.
+
+Tested in tests/unit/coordinator/planner/test_groups_exact.py,
+tests/unit/coordinator/planner/test_groups_scale.py,
+tests/unit/coordinator/planner/test_group_spares.py and
+tests/unit/coordinator/planner/test_groups_v1.py (never worse than version 1).
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ file does not say (units holding BatchNorm, members left without a sample): the
 fit arrays of a group of several devices exclude it, so every search that reads
 them (exact, structured, re-plan, data parallel only) honours it. Problem files
 are scored without it, exactly as the spec says.
+
+Tested in tests/unit/coordinator/planner/test_groups_exact.py and
+tests/unit/coordinator/planner/test_terms.py (the score's bits).
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ neighbouring stages merged into one group; a device the plan leaves out added to
 stage, or put in a member's place; a member of a group left out. A neighbour counts
 only if it is a valid plan that fits under the spec's score (memory, ``pin_first``, a
 deadline) and within the runtime's ``limits``.
+
+Tested in tests/unit/coordinator/planner/test_predict.py.
 """
 
 from __future__ import annotations

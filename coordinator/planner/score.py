@@ -17,6 +17,9 @@ The terms themselves (``T_s``, ``C_s``, ``R_s``, memory, a group's figures) are
 too, so both get the same bits ([Note: one formula, two kinds of number]). The
 search does not call this per candidate (it works on prefix sums, see
 :mod:`coordinator.planner.tables`), but every plan it returns is re-scored here.
+
+Tested in tests/unit/coordinator/planner/test_planner_exact.py,
+tests/unit/coordinator/planner/test_terms.py and tests/integration/test_plan_cli.py.
 """
 
 from __future__ import annotations

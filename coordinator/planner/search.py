@@ -38,6 +38,8 @@ any class of plans (``G`` restricted to the class is still non-increasing), so
 the threshold search stays exact.
 
 Every plan returned is re-scored by :func:`coordinator.planner.score.score_plan`.
+
+Tested in tests/unit/coordinator/planner/test_planner_exact.py.
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ then finds the best cuts for it exactly. Ordering by speed is exact when links
 cost nothing and memory is ample: then only the set of devices matters, and the
 best set of ``k`` devices is the ``k`` fastest, since a faster device can take
 any range a slower one can, in less time.
+
+Tested in tests/unit/coordinator/planner/test_planner_exact.py and
+tests/unit/coordinator/planner/test_groups_scale.py.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ order as :func:`coordinator.planner.score.score_plan` makes, and the terms are
 the score's own functions (:mod:`coordinator.planner.terms`) on arrays, so a plan
 the search calls feasible is feasible when scored, and its times are the
 score's, to the last bit ([Note: one formula, two kinds of number]).
+
+Tested in tests/unit/coordinator/planner/test_terms.py (the score's bits),
+tests/unit/coordinator/planner/test_planner_exact.py and
+tests/unit/coordinator/planner/test_baselines.py.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ Nothing here imports FastAPI or the coordinator's services; the one package they
 need beyond the base install is httpx, a coordinator extra, imported when a request
 is made: on a device install every command's ``--help`` works and a request says
 which install it needs.
+
+Tested in tests/e2e/test_clients.py, tests/security/test_enrollment.py and
+tests/integration/test_command_imports.py.
 """
 
 from __future__ import annotations

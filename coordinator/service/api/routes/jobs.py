@@ -27,6 +27,10 @@ stage (no more than the model's units), adding up to the devices the job allows
 when it names them (else to the devices online when it is planned, or the job
 fails); anything else is a 422 naming ``group_sizes``. With fault tolerance, a
 group member that dies is survived by its co-members without a rollback.
+
+Tested in tests/unit/coordinator/service/api/routes/test_job_routes.py,
+tests/unit/edgetrain/cli/test_job_fields.py (every job field through the body) and
+tests/e2e/test_api.py.
 """
 
 from __future__ import annotations
