@@ -255,7 +255,7 @@ def candidates(spec: JobSpec, devices: list[DeviceSpec]) -> dict[str, Candidate]
     return {
         "holders alone": Candidate(alone.plan, alone.shares, sps(alone.plan, fixed)),
         "one holder": Candidate(one.plan, one.shares, sps(one.plan, None)),
-        "plan": Candidate(planned.plan, planned.found.score.shares, sps(planned.plan, fixed)),
+        "plan": Candidate(planned.plan, planned.score.shares, sps(planned.plan, fixed)),
     }
 
 

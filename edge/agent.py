@@ -54,11 +54,14 @@ import ipaddress
 import logging
 import queue
 import re
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+import torch
 
 from edge import __version__
 from edge.errors import UserError
@@ -73,6 +76,7 @@ from edge.profiling.fixed_costs import (
     with_publish_cost,
     with_transport_byte_cost,
 )
+from edge.runtime.allocator import tune_malloc
 from edge.runtime.keeper import AssignmentCancelled, Event, StageKeeper, StageSettings
 from edge.runtime.time_units import answer_time_units
 from edge.transport.credentials import device_client_id, read_credentials
@@ -355,6 +359,17 @@ class Agent:
                 self.transport.publish(device_heartbeat(self.device_id), beat.model_dump_json(), 0)
         self._shutdown(worker)
         return 0
+
+    def serve(self, threads: int | None = None) -> int:
+        """Run as this process's daemon, from its main thread: tune the allocator
+        (:func:`edge.runtime.allocator.tune_malloc`), compute with ``threads`` torch
+        threads (default: torch's), stop on SIGTERM or SIGINT, and :meth:`run`."""
+        tune_malloc()
+        if threads is not None:
+            torch.set_num_threads(threads)
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        signal.signal(signal.SIGINT, lambda *_: self.stop())
+        return self.run()
 
     def stop(self) -> None:
         self._stop.set()

@@ -57,9 +57,9 @@ from coordinator.engine.unit_profiles import (
 from coordinator.planner.build import build_problem
 from coordinator.planner.group_tables import GroupLimits
 from coordinator.planner.holders import HolderPlans
-from coordinator.planner.partition import JobPlan, PartitionOptions, plan_holders_job, plan_job
+from coordinator.planner.partition import FoundPlan, PartitionOptions, plan_holders_job, plan_job
 from coordinator.planner.predict import UnitSeconds, calibrated, measure_unit_seconds, predict
-from coordinator.planner.score import Plan
+from coordinator.planner.score import Plan, PlanScore
 from edge.errors import UserError
 from edge.models.local_data import announced
 from edge.models.zoo import get_model
@@ -104,7 +104,7 @@ class PlannedJob:
     """A plan for a job, the problem it was planned over, and how it was found."""
 
     problem: PlanningProblem
-    found: JobPlan
+    found: FoundPlan
     fewer_stages: str | None = None
     """Set when a re-plan had fewer devices than the job's ``stages``: what it did."""
     holders: HolderPlans | None = None
@@ -117,9 +117,14 @@ class PlannedJob:
         return self.found.plan
 
     @property
+    def score(self) -> PlanScore:
+        """The plan's score: its predicted step, memory and (in groups) shares."""
+        return self.found.score
+
+    @property
     def shares(self) -> list[list[float]] | None:
         """Each group member's share of a microbatch, per stage; ``None`` without groups."""
-        return self.found.score.shares if self.plan.grouped else None
+        return self.score.shares if self.plan.grouped else None
 
 
 @dataclass

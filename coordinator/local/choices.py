@@ -1,11 +1,12 @@
 """The fixed choices of a job trained on this machine, as ``Literal`` types.
 
 ``edgetrain train`` offers them (typer lists a ``Literal``'s values, and refuses any
-other). The first three are the local run's own, declared here
+other). ``Transport`` and ``TorchDevice`` are the local run's own, declared here
 (:class:`~coordinator.local.options.LocalTraining`); the rest are the job's, declared
 once where the job is (:mod:`coordinator.engine.spec`, :mod:`edge.config`: both
 torch-free, [Note: commands without torch] in :mod:`edgetrain.cli`) and only gathered
-here for the command.
+here for the command. ``--schedule`` and ``--unit-times`` stay text that the job's own
+types check, so ``train`` refuses a bad one with the message the REST API gives.
 
 Tested in tests/unit/coordinator/local/test_local_choices.py.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from coordinator.engine.spec import Labels, Objective, Partition, UnitTimes
+from coordinator.engine.spec import Labels, Objective, Partition
 from edge.config import OptimizerName
 
 __all__ = [
@@ -24,7 +25,6 @@ __all__ = [
     "Partition",
     "TorchDevice",
     "Transport",
-    "UnitTimes",
 ]
 
 Transport = Literal["mqtt", "inprocess", "dist"]

@@ -30,7 +30,7 @@ into a scored plan:
   budget), unless ``stages`` or ``codec="auto"`` ask for the full search.
 - Where the devices announced fixed costs (or ``units`` are given), every plan is
   also predicted by the internal model (:func:`~coordinator.planner.predict.predict`,
-  :attr:`JobPlan.prediction`), and, under the time objective, a ``plan`` job runs the
+  :attr:`FoundPlan.prediction`), and, under the time objective, a ``plan`` job runs the
   plan it predicts fastest among the searches' plans: the search on the problem
   timed by ``units`` (:func:`~coordinator.planner.predict.timed_problem`: cut where
   the measured seconds balance, not the FLOPs), for a version 2 problem also the
@@ -81,7 +81,7 @@ from edge.wire.groups import split_samples
 
 __all__ = [
     "PARTITIONS",
-    "JobPlan",
+    "FoundPlan",
     "Partition",
     "PartitionOptions",
     "even_devices",
@@ -116,8 +116,9 @@ class PartitionOptions:
 
 
 @dataclass(frozen=True)
-class JobPlan:
-    """The plan a job runs (with its link codecs when chosen), its score, and how it was found."""
+class FoundPlan:
+    """A plan the planner found for a job (with its link codecs when chosen): its score,
+    how it was found, and its predicted step."""
 
     score: PlanScore
     method: str
@@ -148,7 +149,7 @@ def plan_job(
     previous: Plan | None = None,
     limits: GroupLimits | None = None,
     units: UnitSeconds | None = None,
-) -> JobPlan:
+) -> FoundPlan:
     """The plan for a job split as ``options`` say over ``problem`` (see the module
     docstring).
 
@@ -174,7 +175,7 @@ def _fastest_predicted(
     previous: Plan | None,
     limits: GroupLimits | None,
     units: UnitSeconds | None,
-) -> JobPlan:
+) -> FoundPlan:
     """The plan the internal model predicts fastest among the searches' plans (see
     [Note: a job's plan by prediction]), scored by the spec's score of ``problem``.
 
@@ -219,9 +220,9 @@ def _fastest_predicted(
             searched.append(_bytes_priced(timed or problem))
         searched.append((timed or problem).as_version(1))
     budget = _BUDGET_S / len(searched)
-    best: JobPlan | None = None
+    best: FoundPlan | None = None
     best_s = float("inf")
-    flat: JobPlan | None = None  # the fastest candidate without groups
+    flat: FoundPlan | None = None  # the fastest candidate without groups
     flat_s = float("inf")
     refused: UserError | None = None
     for q in searched:
@@ -237,7 +238,7 @@ def _fastest_predicted(
         except UserError as exc:
             refused = refused or exc
             continue
-        fewer: list[JobPlan] = []
+        fewer: list[FoundPlan] = []
         if stages is None and found.exact:
             for count in range(1, len(found.plan.stages)):
                 try:
@@ -316,7 +317,7 @@ def _plan_job(
     previous: Plan | None = None,
     limits: GroupLimits | None = None,
     budget_s: float = _BUDGET_S,
-) -> JobPlan:
+) -> FoundPlan:
     """:func:`plan_job` under the spec's score alone; a search beyond the exact ones
     spends at most ``budget_s``."""
     partition, stages = options.partition, options.stages
@@ -351,7 +352,7 @@ def _plan_job(
             scored = score_plan(with_codecs(problem, coded, codecs), coded)
             if scored.feasible and scored.step_time_s < score.step_time_s:
                 score = scored
-        return JobPlan(score, f"even split over {count} devices", False)
+        return FoundPlan(score, f"even split over {count} devices", False)
     exact = _exact_fleet(problem)
     if previous is not None and stages is None and not auto and not exact:
         # A version 1 problem's stages are one device each: so are its re-plan's.
@@ -360,14 +361,14 @@ def _plan_job(
             warm_problem = problem.as_version(2).model_copy(update={"groups": False})
         warm = replan(warm_problem, previous, limits=limits)
         if warm.score is not None:
-            return JobPlan(score_plan(problem, warm.score.plan), warm.method, False)
+            return FoundPlan(score_plan(problem, warm.score.plan), warm.method, False)
     if problem.version == 2:  # device groups, or the job's objective (a deadline, energy)
         if auto:
             raise UserError('codec "auto" cannot be combined with an objective or deadline yet')
         found = plan_groups(problem, stages=stages, limits=limits, time_budget_s=budget_s)
         if found.score is None:
             raise UserError(f"no plan fits {where}: {found.reason}")
-        return JobPlan(found.score, found.method, found.exact)
+        return FoundPlan(found.score, found.method, found.exact)
     found = plan_problem(problem, stages=stages, time_budget_s=budget_s)
     if found.score is None:
         raise UserError(f"no plan fits {where}: {found.reason}")
@@ -376,7 +377,7 @@ def _plan_job(
         choice = plan_with_codecs(problem, lambda p: plan_problem(p, stages=stages).plan)
         if choice is not None and choice.score.step_time_s < score.step_time_s:
             score = choice.score  # else fp32 everywhere (make_assignments' default)
-    return JobPlan(score, found.method, found.exact)
+    return FoundPlan(score, found.method, found.exact)
 
 
 def plan_holders_job(
@@ -388,7 +389,7 @@ def plan_holders_job(
     limits: GroupLimits | None = None,
     where: str = "the devices",
     labels_local: bool = False,
-) -> tuple[JobPlan, HolderPlans]:
+) -> tuple[FoundPlan, HolderPlans]:
     """The plan of a job on local data: stage 0 on ``holders`` at ``shares`` (their data),
     the rest planned by :func:`plan_job` over the other devices
     (:mod:`coordinator.planner.holders`); also the alternatives, for the report. With
@@ -431,10 +432,10 @@ def plan_holders_job(
     if plan.u_shaped:
         tail = n - plan.stages[-1].start
         method = f"holders keep the first {k} and the last {tail} of {n} units, helpers the middle"
-    return JobPlan(found.best, method, False), found
+    return FoundPlan(found.best, method, False), found
 
 
-def _even_groups(problem: PlanningProblem, sizes: list[int], where: str) -> JobPlan:
+def _even_groups(problem: PlanningProblem, sizes: list[int], where: str) -> FoundPlan:
     """The units split evenly over ``len(sizes)`` stages, stage ``s`` on the next
     ``sizes[s]`` devices (``pin_first`` first, then the order given)."""
     n_units, ids = len(problem.layers), [d.id for d in problem.devices]
@@ -460,4 +461,4 @@ def _even_groups(problem: PlanningProblem, sizes: list[int], where: str) -> JobP
             split_samples(n, shares)
         except ValueError as exc:
             raise UserError(f"group sizes {sizes}, stage {s}: {exc}") from None
-    return JobPlan(score, f"even split over groups of {','.join(map(str, sizes))}", False)
+    return FoundPlan(score, f"even split over groups of {','.join(map(str, sizes))}", False)

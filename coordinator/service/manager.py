@@ -223,7 +223,7 @@ class JobManager:
                 "why": planned.fewer_stages,
             }
             self.store.add_job_event(job, "replan", detail)
-        problem, score = planned.problem, planned.found.score
+        problem, score = planned.problem, planned.score
         # A plan on groups is scored (and so simulated) under version 2, as it was planned.
         sim = simulate(for_plan(problem, score.plan), score.plan, spec.schedule)
         self.store.set_job_plan(

@@ -10,7 +10,6 @@ local data] in :mod:`edge.models.local_data`).
 
 from __future__ import annotations
 
-import signal
 import socket
 from pathlib import Path
 from typing import Annotated, Literal
@@ -273,29 +272,16 @@ def agent_command(
     lines on standard error. SIGTERM stops it cleanly.
 
     Every option can also come from its environment variable, EDGETRAIN_ and the
-    option's name (--device-id: EDGETRAIN_DEVICE_ID), as each option's help
-    says; a flag on the command line wins over the variable.
-
-    --slowdown, --link-mbps and --link-latency-ms emulate a slower device on
-    this machine without root; a measured profile then announces the link as
-    shaped (its rate capped, the latency added).
-
-    --data registers data that stays on this device: its profile says each
-    dataset's name, sample count and shapes, never a sample. A bad SPEC stops the
-    agent with one line before it connects.
-
-    The agent imports no code it is sent: an assignment naming a user model or
-    dataset outside the --allow-code prefixes fails before anything is imported.
-    Without broker credentials it refuses to start unless given --insecure.
+    option's name (--device-id: EDGETRAIN_DEVICE_ID); a flag on the command line
+    wins. A bad option stops the agent with one line before it connects. The agent
+    imports no code it is sent, and without broker credentials it refuses to start
+    unless given --insecure.
     """
-    import torch
-
     from edge.agent import Agent, AgentOptions, agent_login
     from edge.logs import setup_logging
     from edge.models.local_data import register
     from edge.models.user_code import allow_prefixes
     from edge.profiling.announcement import AnnounceOptions, resolve_announcement
-    from edge.runtime.allocator import tune_malloc
 
     announcing = AnnounceOptions(  # each step checks its options before anything connects
         link_mbps=link_mbps,
@@ -331,10 +317,5 @@ def agent_command(
         store_hosts=tuple(store_host or ()),
     )
     setup_logging(log_level, device=device_id)
-    tune_malloc()
-    if threads is not None:
-        torch.set_num_threads(threads)
     agent = Agent(announcement.shaped(login), options, announcement.measure)
-    signal.signal(signal.SIGTERM, lambda *_: agent.stop())
-    signal.signal(signal.SIGINT, lambda *_: agent.stop())
-    raise typer.Exit(agent.run())
+    raise typer.Exit(agent.serve(threads))

@@ -39,9 +39,8 @@ from coordinator.local.choices import (
     Partition,
     TorchDevice,
     Transport,
-    UnitTimes,
 )
-from edge.config import Precision, Schedule
+from edge.config import Precision
 from edge.errors import UserError
 from edge.files import write_atomic
 from edge.wire.messages import StepReport
@@ -77,7 +76,7 @@ DevicesOpt = Annotated[
 StepsOpt = Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps.")]
 BatchSizeOpt = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Samples per step.")]
 MicrobatchesOpt = Annotated[int, typer.Option("--microbatches", "-m", min=1, help="Per step.")]
-ScheduleOpt = Annotated[Schedule, typer.Option("--schedule", help="1f1b or gpipe.")]
+ScheduleOpt = Annotated[str, typer.Option("--schedule", help="1f1b or gpipe.")]
 OptimizerOpt = Annotated[OptimizerName, typer.Option("--optimizer", help="sgd or adamw.")]
 LrOpt = Annotated[float, typer.Option("--lr", help="Learning rate.")]
 MomentumOpt = Annotated[float, typer.Option("--momentum", help="SGD momentum.")]
@@ -158,7 +157,7 @@ DeadlineOpt = Annotated[
     typer.Option("--deadline", help="Only plans whose predicted step takes at most S seconds."),
 ]
 UnitTimesOpt = Annotated[
-    UnitTimes,
+    str,
     typer.Option(
         "--unit-times",
         help="Where the planner's seconds of each unit come from: host (this machine's, "

@@ -40,7 +40,7 @@ def test_a_job_is_planned_on_groups_where_they_win() -> None:
     assert grouped.problem.version == 2 and grouped.problem.groups is True
     assert grouped.plan.grouped and not one.plan.grouped
     assert grouped.shares == [[0.25] * 4]  # one group of the four: data parallel
-    assert grouped.found.score.step_time_s < one.found.score.step_time_s / 1.3
+    assert grouped.score.step_time_s < one.score.step_time_s / 1.3
 
 
 def test_fault_tolerance_plans_groups_too(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,7 +70,7 @@ def test_no_group_trains_batchnorm() -> None:
     got = _plan(spec)
     assert all(st.start >= 8 for st in got.plan.stages if len(st.devices) > 1)
     one = _plan(spec, groups=False)
-    assert got.found.score.step_time_s <= one.found.score.step_time_s * (1 + 1e-12)
+    assert got.score.step_time_s <= one.score.step_time_s * (1 + 1e-12)
 
 
 def test_every_member_gets_a_sample() -> None:

@@ -62,8 +62,8 @@ def _splits(samples: int, shares: list[float]) -> bool:
 
 def test_the_energy_objective_takes_the_least_energy_plan() -> None:
     devices = parse_fleet(FLEET, power=True)
-    fast = plan_over(_spec(), devices, pin_first=devices[0].id).found.score
-    frugal = plan_over(_spec(objective="energy"), devices, pin_first=devices[0].id).found.score
+    fast = plan_over(_spec(), devices, pin_first=devices[0].id).score
+    frugal = plan_over(_spec(objective="energy"), devices, pin_first=devices[0].id).score
     assert fast.version == 2 and frugal.version == 2
     every = _every_plan(_spec(objective="energy"))
     least = min(s.energy_j_per_step for s in every)
@@ -82,7 +82,7 @@ def test_a_deadline_keeps_the_least_energy_plan_that_meets_it() -> None:
     fastest = min(every, key=lambda s: s.step_time_s)
     deadline = (frugal.step_time_s + fastest.step_time_s) / 2
     spec = _spec(objective="energy", max_step_time_s=deadline)
-    got = plan_over(spec, devices, pin_first=devices[0].id).found.score
+    got = plan_over(spec, devices, pin_first=devices[0].id).score
     meeting = [s for s in every if s.step_time_s <= deadline]
     assert got.step_time_s <= deadline
     assert got.energy_j_per_step == pytest.approx(

@@ -29,7 +29,6 @@ def _offered(parameter: str) -> tuple[Any, ...]:
     [
         ("partition", JobSpec, "partition"),
         ("objective", JobSpec, "objective"),
-        ("unit_times", JobSpec, "unit_times"),
         ("optimizer_name", OptimizerSpec, "name"),
         ("labels", DataPlacement, "labels"),
     ],

@@ -21,27 +21,18 @@ fails here.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import tomli_w
-from fastapi import FastAPI
-from fastapi.testclient import TestClient
-from support.control import HandDelivered
+from support.jobs_api import JobsApi, jobs_api
 from typer.main import get_command
 
 from coordinator.engine.spec import JobSpec
 from coordinator.local.options import LocalTraining
-from coordinator.service.api.deps import Services
-from coordinator.service.api.routes import jobs
 from coordinator.service.api.routes.jobs import JobCreate
-from coordinator.service.events import EventBus
-from coordinator.service.manager import JobManager
-from coordinator.service.registry import DeviceRegistry
-from coordinator.service.settings import Settings
-from coordinator.service.store.sqlite import JobRecord, Store
+from coordinator.service.store.sqlite import JobRecord
 from edge.models.datasets import build_dataset
 from edgetrain.cli import app
 from edgetrain.cli.client import _read_job
@@ -187,11 +178,7 @@ def _train(job: Mapping[str, Any]) -> LocalTraining:
     return local_training(context.params)
 
 
-@dataclass
-class Api:
-    client: TestClient
-    store: Store
-
+class Api(JobsApi):
     def submit(self, body: dict[str, Any]) -> JobRecord:
         response = self.client.post("/api/v1/jobs", json=body)
         assert response.status_code == 201, response.text
@@ -202,22 +189,8 @@ class Api:
 
 @pytest.fixture
 def api(tmp_path: Path) -> Iterator[Api]:
-    bus = EventBus()
-    control = HandDelivered()
-    with Store(tmp_path / "coord") as store:
-        registry = DeviceRegistry(store, bus, control)  # type: ignore[arg-type]
-        registry.start()
-        manager = JobManager(store, bus, registry, control)  # type: ignore[arg-type]
-        server = FastAPI()
-        server.include_router(jobs.router, prefix="/api/v1")
-        settings = Settings(data_dir=tmp_path / "coord")
-        server.state.services = Services(settings, store, bus, registry, manager)
-        try:
-            with TestClient(server) as client:
-                yield Api(client, store)
-        finally:
-            registry.stop()
-            bus.close()
+    with jobs_api(tmp_path / "coord", Api) as api:
+        yield api
 
 
 def test_the_values_cover_exactly_the_fields_of_a_job() -> None:

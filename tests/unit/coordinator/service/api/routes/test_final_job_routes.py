@@ -1,8 +1,8 @@
 """A job that has ended shows every field of a final job over REST, and keeps them.
 
-The jobs router runs in-process (FastAPI's TestClient, no socket) over a real store,
-the real device registry and the real job manager, whose control connection is a
-stand-in (support.control) that nothing here publishes on. A job is created with
+The jobs router runs in-process (support.jobs_api: FastAPI's TestClient, no socket)
+over a real store, the real device registry and the real job manager, whose control
+connection is a stand-in (support.control) that nothing here publishes on. A job is created with
 ``POST /api/v1/jobs`` and ended as a user or the coordinator would end it:
 
 - ``cancelled``: ``POST .../cancel`` while it is queued (behind a worker not
@@ -25,34 +25,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fastapi import FastAPI
-from fastapi.testclient import TestClient
-from support.control import HandDelivered
 from support.final_jobs import final_job_faults, unfinished_job_faults
+from support.jobs_api import JobsApi, jobs_api
 from support.waiting import until
 
-from coordinator.service.api.deps import Services
-from coordinator.service.api.routes import jobs
-from coordinator.service.events import EventBus
-from coordinator.service.manager import JobManager
-from coordinator.service.registry import DeviceRegistry
-from coordinator.service.settings import Settings
-from coordinator.service.store.sqlite import TERMINAL, Store
+from coordinator.service.store.sqlite import TERMINAL
 
 BODY: dict[str, Any] = {"model": "mlp", "steps": 2, "batch_size": 8, "microbatches": 2}
 
 
-class _Api:
+class _Api(JobsApi):
     """The jobs API of a coordinator whose job manager is started by :meth:`start`."""
-
-    def __init__(self, client: TestClient, store: Store, manager: JobManager) -> None:
-        self.client, self.store, self.manager = client, store, manager
-        self.started = False
-
-    def start(self) -> None:
-        if not self.started:
-            self.manager.start()
-            self.started = True
 
     def job(self, job: str) -> dict[str, Any]:
         response = self.client.get(f"/api/v1/jobs/{job}")
@@ -75,26 +58,8 @@ class _Api:
 
 @pytest.fixture
 def api(tmp_path: Path) -> Iterator[_Api]:
-    bus = EventBus()
-    control = HandDelivered()
-    with Store(tmp_path / "coord") as store:
-        registry = DeviceRegistry(store, bus, control)  # type: ignore[arg-type]
-        registry.start()
-        manager = JobManager(store, bus, registry, control)  # type: ignore[arg-type]
-        app = FastAPI()
-        app.include_router(jobs.router, prefix="/api/v1")
-        settings = Settings(data_dir=tmp_path / "coord")
-        app.state.services = Services(settings, store, bus, registry, manager)
-        api = None
-        try:
-            with TestClient(app) as client:
-                api = _Api(client, store, manager)
-                yield api
-        finally:
-            if api is not None and api.started:
-                manager.stop()
-            registry.stop()
-            bus.close()
+    with jobs_api(tmp_path / "coord", _Api) as api:
+        yield api
 
 
 def _cancelled(api: _Api) -> str:
