@@ -172,9 +172,13 @@ def test_each_device_may_use_exactly_its_stages_topics(
         for c in clients:
             coordinator.transport.publish(device_cmd(c.name), b"probe-end", 1)
         _until(
-            lambda: all(
-                c.got(b"probe-end") and _topics_of(c.got(b"probe|"), b"probe|") >= want[c.name].read
-                for c in clients
+            lambda: (
+                all(
+                    c.got(b"probe-end")
+                    and _topics_of(c.got(b"probe|"), b"probe|") >= want[c.name].read
+                    for c in clients
+                )
+                and _topics_of(coordinator.got(b"probe|"), b"probe|") >= set(topics)
             )
         )
         assert _topics_of(coordinator.got(b"probe|"), b"probe|") == set(topics)
