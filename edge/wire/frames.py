@@ -330,9 +330,10 @@ def _quantize(t: torch.Tensor) -> tuple[torch.Tensor, float]:
     scale = np.float32(peak / 127.0)
     if float(scale) * 127.0 < peak:
         scale = np.nextafter(scale, np.float32(np.inf))
-    return torch.div(t.float(), float(scale)).round_().clamp_(-127, 127).to(torch.int8), float(
-        scale
-    )
+    # A float64 tensor is divided as it is: rounding it to float32 first would add that
+    # rounding to the codec's error where float32 is coarse (its subnormals).
+    wide = t if t.dtype == torch.float64 else t.float()
+    return torch.div(wide, float(scale)).round_().clamp_(-127, 127).to(torch.int8), float(scale)
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
