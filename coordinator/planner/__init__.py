@@ -15,7 +15,8 @@
 - :mod:`coordinator.planner.predict`: the internal cost model: a plan's step on real devices;
 - :mod:`coordinator.planner.refine`: a job's plan improved by that prediction;
 - :mod:`coordinator.planner.partition`: a job's ``partition`` and ``stages`` made into a plan;
-- :mod:`coordinator.planner.simulator`: one step of a plan under a schedule, event by event.
+- :mod:`coordinator.planner.simulator`: one step of a plan under a schedule, event by event;
+- :mod:`coordinator.planner.anatomy`: where a plan's step goes, per member, in parts that add up.
 """
 
 from coordinator.planner.score import Plan, PlanScore, Stage, score_plan

@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from coordinator.planner.score import Plan, Stage, for_plan, score_plan
+from coordinator.planner.score import Plan, Stage, for_plan, member_seconds, score_plan
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem
 from edge.profiling.fixed_costs import PROBE_BLOCKS, FixedCosts, fixed_costs_of
@@ -198,6 +198,11 @@ class Prediction:
     """Per stage, per microbatch: compute plus the fixed cost per microbatch."""
     link_s: list[float]
     """Per link, per microbatch: the spec's time plus the frames' fixed costs."""
+    member_s: list[list[float]]
+    """Per stage, each member's compute per microbatch at its share, without the fixed
+    cost (the slowest member's plus ``fixed_s`` is ``compute_s``)."""
+    fixed_s: list[float]
+    """Per stage, its fixed cost per microbatch (in ``compute_s``)."""
     per_step_s: float
     """What each step adds once: fixed costs per step, reports, labels."""
     allreduce_s: list[float]
@@ -211,6 +216,8 @@ class Prediction:
             "throughput_sps": self.throughput_sps,
             "compute_s": self.compute_s,
             "link_s": self.link_s,
+            "member_s": self.member_s,
+            "fixed_s": self.fixed_s,
             "per_step_s": self.per_step_s,
             "allreduce_s": self.allreduce_s,
             "spec_step_time_s": self.spec_step_time_s,
@@ -285,7 +292,8 @@ def predict(
     dev = {d.id: d for d in problem.devices}
     fixed = {d.id: fixed_costs_of(d) or _NONE for d in problem.devices}
     m, n_stages = problem.microbatches, len(plan.stages)
-    compute, links = [], []
+    compute, links, fixed_mb = [], [], []
+    members = member_seconds(problem, spec)
     per_step = 0.0
     b = problem.batch_size / m
     allreduce = list(spec.allreduce_s)
@@ -295,15 +303,17 @@ def predict(
             allreduce[s] = max(allreduce[s], _sum_bytes_s(problem, st, fixed))
         t = spec.compute_s[s]
         if units is not None:  # the member that takes longest on its share
-            t = max(
+            members[s] = [
                 units.on_device(dev[i], st.start, st.end, w)
                 for i, w in zip(st.devices, share, strict=True)
-            )
+            ]
+            t = max(members[s])
         # The probe's microbatch ran PROBE_BLOCKS compute blocks; only the last stage runs
         # the loss's block too.
         blocks = PROBE_BLOCKS if s == n_stages - 1 else PROBE_BLOCKS - 1
         per_microbatch = max(fixed[i].microbatch_s for i in st.devices) * blocks / PROBE_BLOCKS
         compute.append(t + per_microbatch)
+        fixed_mb.append(per_microbatch)
         per_step = max(per_step, max(fixed[i].step_s + fixed[i].frame_s for i in st.devices))
         if s + 1 < n_stages:
             nxt = plan.stages[s + 1]
@@ -332,6 +342,8 @@ def predict(
         throughput_sps=problem.batch_size / step if step > 0 else float("inf"),
         compute_s=compute,
         link_s=links,
+        member_s=members,
+        fixed_s=fixed_mb,
         per_step_s=per_step,
         allreduce_s=allreduce,
         spec_step_time_s=spec.step_time_s,

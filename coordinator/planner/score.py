@@ -41,7 +41,16 @@ from coordinator.planner.terms import (
 )
 from edge.problem import DeviceSpec, PlanningProblem
 
-__all__ = ["Plan", "PlanScore", "Stage", "for_plan", "score_plan", "shares_of", "validate_plan"]
+__all__ = [
+    "Plan",
+    "PlanScore",
+    "Stage",
+    "for_plan",
+    "member_seconds",
+    "score_plan",
+    "shares_of",
+    "validate_plan",
+]
 
 
 @dataclass(frozen=True)
@@ -326,3 +335,20 @@ def shares_of(group: list[DeviceSpec]) -> list[float]:
         return [1.0]
     speed = group_gflops(group)
     return [d.gflops / speed for d in group]
+
+
+def member_seconds(problem: PlanningProblem, score: PlanScore) -> list[list[float]]:
+    """Per stage of ``score``'s plan, each member's compute per microbatch at its share of
+    the rows and its own speed (the spec's: the slowest member's is ``T_s``)."""
+    b = problem.batch_size / problem.microbatches
+    dev = {d.id: d for d in problem.devices}
+    members = []
+    for st, shares in zip(score.plan.stages, score.shares, strict=True):
+        flops = ordered_sum(unit.train_flops for unit in problem.layers[st.start : st.end])
+        members.append(
+            [
+                compute_s(w * b, flops, dev[i].gflops)
+                for i, w in zip(st.devices, shares, strict=True)
+            ]
+        )
+    return members

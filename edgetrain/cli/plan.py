@@ -15,6 +15,7 @@ from edge.problem import Objective, PlanningProblem, load_problem
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from coordinator.planner.anatomy import Anatomy
     from coordinator.planner.score import PlanScore
     from coordinator.planner.solve import SearchResult
 
@@ -65,16 +66,22 @@ def plan_command(
     timeline: Path | None = typer.Option(
         None, "--timeline", help="Write the simulated 1F1B step as a Chrome trace (JSON)."
     ),
+    explain: bool = typer.Option(
+        False, "--explain", help="Also say where each member's step goes (its anatomy)."
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the spec's JSON plan object."),
 ) -> None:
     """Split a model across devices so that a training step takes the least time.
 
     Either --problem FILE, or --model with --devices (the problem is built from
     the model's unit costs and the device catalogue). Exit status 2 for bad
-    input, 3 when no plan fits the devices' memory.
+    input, 3 when no plan fits the devices' memory. --explain splits each member's
+    step into compute, fixed costs, pipeline bubble, imbalance, link and group sum
+    (with --json, as "anatomy").
     """
     # The planner (numpy) is imported by the command, not with the module: every other
     # command starts without it ([Note: commands without torch] in edgetrain.cli).
+    from coordinator.planner.anatomy import StepTerms, anatomy
     from coordinator.planner.build import build_problem, parse_fleet
     from coordinator.planner.group_search import plan_any
     from coordinator.planner.simulator import simulate
@@ -109,10 +116,12 @@ def plan_command(
     if timeline is not None:
         trace = simulate(problem, result.score.plan, "1f1b").to_chrome_trace()
         _write(timeline, json.dumps(trace), "--timeline")
+    parts = anatomy(result.score.plan, StepTerms.of_score(problem, result.score))
     if json_out:
-        typer.echo(json.dumps(result.score.to_json()))
+        extra = {"anatomy": parts.to_json()} if explain else {}
+        typer.echo(json.dumps(result.score.to_json() | extra))
         return
-    _print_report(problem, result)
+    _print_report(problem, result, parts if explain else None)
 
 
 def with_objective(
@@ -142,7 +151,7 @@ def _write(path: Path, text: str, option: str) -> None:
         raise UserError(f"{option} {path}: cannot write: {exc.strerror or exc}") from None
 
 
-def _print_report(problem: PlanningProblem, result: SearchResult) -> None:
+def _print_report(problem: PlanningProblem, result: SearchResult, parts: Anatomy | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -200,7 +209,34 @@ def _print_report(problem: PlanningProblem, result: SearchResult) -> None:
             for name, sim in sims.items()
         )
     )
+    if parts is not None:
+        _print_anatomy(console, parts)
     _print_baselines(console, problem, score)
+
+
+def _print_anatomy(console: Console, parts: Anatomy) -> None:
+    """Each member's step in its parts (ms), each part's share of the fleet's
+    device-seconds, and the part besides compute the fleet loses most to."""
+    from rich.table import Table
+
+    from coordinator.planner.anatomy import PARTS
+
+    step = parts.step_time_s
+    table = Table(title=f"where the step goes (predicted, ms of a {step * 1e3:.1f} ms step)")
+    table.add_column("stage", justify="right")
+    table.add_column("device")
+    for part in PARTS:
+        table.add_column(part.replace("_", " "), justify="right")
+    for m in parts.members:
+        table.add_row(str(m.stage), m.device, *(f"{getattr(m, p) * 1e3:.1f}" for p in PARTS))
+    console.print(table)
+    shares = parts.fractions()
+    worst = parts.largest_loss()
+    console.print(
+        "of the plan's device-seconds: "
+        + ", ".join(f"{p.replace('_', ' ')} {shares[p]:.0%}" for p in PARTS)
+        + f"; the largest loss is {worst.replace('_', ' ')}"
+    )
 
 
 def _print_baselines(console: Console, problem: PlanningProblem, score: PlanScore) -> None:

@@ -1,0 +1,179 @@
+"""Where a step's time goes: the predicted anatomy of a plan's step, per stage member.
+
+A plan's step is ``(M - 1) * tau + sum(T) + sum(C) + P + R`` (the spec's shape, over the
+spec's terms or the internal model's: :mod:`coordinator.planner.score`,
+:mod:`coordinator.planner.predict`): ``M`` microbatches, ``T_s`` a stage's time per
+microbatch, ``C_s`` a link's, ``tau`` the largest of them (the bottleneck), ``P`` what
+each step pays once (fixed costs per step, reports, labels) and ``R`` the slowest
+group's sum of gradients (version 2). Every member of every stage lives that whole
+step, and this module says what it spends it on, in six parts that add up to it:
+
+- ``compute``: its own units on its share of the rows, ``M * c`` (``c`` its seconds per
+  microbatch, without the fixed part);
+- ``fixed``: the fixed costs it pays, ``M * f_s + P`` (``f_s`` the stage's fixed cost
+  per microbatch: per compute block, per unit call), which do not shrink with the rows;
+- ``bubble``: waiting while the pipeline fills and drains, ``sum(T) - T_s``: the time the
+  other stages take on the first forward and the last backward. It shrinks only with
+  fewer stages or a schedule that fills it;
+- ``imbalance``: waiting on a slower neighbour in the steady state,
+  ``(M - 1) * (T_max - T_s)`` (``T_max`` the slowest stage, or a U's two ends), plus, in a
+  group, waiting on its slowest member, ``M * (T_s - f_s - c)``;
+- ``link``: transfer not hidden behind compute: the round trips of one microbatch,
+  ``sum(C)``, and, where a link is the bottleneck, ``(M - 1) * (tau - T_max)``;
+- ``group_sum``: the sum of gradients not hidden behind compute, ``R`` (all of it: a
+  group sums after its last backward).
+
+So ``compute + fixed + bubble + imbalance + link + group_sum`` is the step for every
+row, to rounding, and the largest part besides ``compute`` over the fleet is what a
+faster plan must take back first (:meth:`Anatomy.largest_loss`). The same parts, as
+the agents measure them, are [issue 33]'s next step.
+
+Tested in tests/unit/coordinator/planner/test_anatomy.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from coordinator.planner.score import Plan, PlanScore, member_seconds
+from coordinator.planner.terms import ordered_sum
+from edge.problem import PlanningProblem
+
+if TYPE_CHECKING:
+    from coordinator.planner.predict import Prediction
+
+__all__ = ["PARTS", "Anatomy", "MemberAnatomy", "StepTerms", "anatomy"]
+
+PARTS = ("compute", "fixed", "bubble", "imbalance", "link", "group_sum")
+"""The parts of a step, in the order they are shown."""
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """A plan's priced terms, whoever priced them (the spec's score or the internal model)."""
+
+    microbatches: int
+    member_s: list[list[float]]
+    """Per stage, per member: its compute per microbatch at its share of the rows,
+    without fixed costs."""
+    fixed_s: list[float]
+    """Per stage: its fixed cost per microbatch (0 where the devices announced none)."""
+    link_s: list[float]
+    """Per link: per microbatch, both directions (``C_s``)."""
+    per_step_s: float
+    """What each step pays once (``P``)."""
+    allreduce_s: list[float]
+    """Per stage: its group's sum of gradients per step (0 for one device)."""
+    sums: bool
+    """Whether the step waits for the groups' sums (a version 2 problem)."""
+
+    @classmethod
+    def of_score(cls, problem: PlanningProblem, score: PlanScore) -> StepTerms:
+        """The spec's terms of ``score`` (a score of ``plan`` over ``problem``): no fixed
+        costs; a member computes its share of the rows at its own speed."""
+        members = member_seconds(problem, score)
+        return cls(
+            microbatches=problem.microbatches,
+            member_s=members,
+            fixed_s=[0.0] * len(score.plan.stages),
+            link_s=list(score.link_s),
+            per_step_s=0.0,
+            allreduce_s=list(score.allreduce_s),
+            sums=score.version == 2,
+        )
+
+    @classmethod
+    def of_prediction(cls, problem: PlanningProblem, prediction: Prediction) -> StepTerms:
+        """The internal model's terms (:func:`coordinator.planner.predict.predict`)."""
+        return cls(
+            microbatches=problem.microbatches,
+            member_s=[list(m) for m in prediction.member_s],
+            fixed_s=list(prediction.fixed_s),
+            link_s=list(prediction.link_s),
+            per_step_s=prediction.per_step_s,
+            allreduce_s=list(prediction.allreduce_s),
+            sums=problem.version == 2,
+        )
+
+
+@dataclass(frozen=True)
+class MemberAnatomy:
+    """One member of one stage: seconds of the step in each part (:data:`PARTS`)."""
+
+    stage: int
+    device: str
+    compute: float
+    fixed: float
+    bubble: float
+    imbalance: float
+    link: float
+    group_sum: float
+
+    @property
+    def total(self) -> float:
+        return ordered_sum(getattr(self, p) for p in PARTS)
+
+
+@dataclass(frozen=True)
+class Anatomy:
+    """A step's time, and each member's parts of it."""
+
+    step_time_s: float
+    members: list[MemberAnatomy]
+
+    def totals(self) -> dict[str, float]:
+        """Each part summed over every member: device-seconds per step."""
+        return {p: ordered_sum(getattr(m, p) for m in self.members) for p in PARTS}
+
+    def fractions(self) -> dict[str, float]:
+        """Each part's share of the fleet's device-seconds per step."""
+        totals = self.totals()
+        whole = ordered_sum(totals.values())
+        return {p: (t / whole if whole > 0 else 0.0) for p, t in totals.items()}
+
+    def largest_loss(self) -> str:
+        """The part besides ``compute`` that costs the fleet most device-seconds."""
+        totals = self.totals()
+        return max(PARTS[1:], key=lambda p: totals[p])
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step_time_s": self.step_time_s,
+            "parts": list(PARTS),
+            "members": [asdict(m) for m in self.members],
+            "fractions": self.fractions(),
+            "largest_loss": self.largest_loss(),
+        }
+
+
+def anatomy(plan: Plan, terms: StepTerms) -> Anatomy:
+    """The anatomy of ``plan``'s step priced by ``terms`` (see the module docstring)."""
+    m = terms.microbatches
+    stage_s = [
+        max(times) + fixed for times, fixed in zip(terms.member_s, terms.fixed_s, strict=True)
+    ]
+    both = [stage_s[0] + stage_s[-1]] if plan.u_shaped else []
+    slowest = max(stage_s + both)
+    tau = max([slowest, *terms.link_s])
+    sums = terms.allreduce_s + ([terms.allreduce_s[0] + terms.allreduce_s[-1]] if both else [])
+    group_sum = max(sums) if terms.sums else 0.0
+    filled, crossed = ordered_sum(stage_s), ordered_sum(terms.link_s)
+    step = (m - 1) * tau + filled + crossed + terms.per_step_s + group_sum
+    members = []
+    for s, (st, times) in enumerate(zip(plan.stages, terms.member_s, strict=True)):
+        for device, c in zip(st.devices, times, strict=True):
+            members.append(
+                MemberAnatomy(
+                    stage=s,
+                    device=device,
+                    compute=m * c,
+                    fixed=m * terms.fixed_s[s] + terms.per_step_s,
+                    bubble=filled - stage_s[s],
+                    imbalance=(m - 1) * (slowest - stage_s[s])
+                    + m * (stage_s[s] - terms.fixed_s[s] - c),
+                    link=crossed + (m - 1) * (tau - slowest),
+                    group_sum=group_sum,
+                )
+            )
+    return Anatomy(step_time_s=step, members=members)
