@@ -1,4 +1,4 @@
-"""Where a step's time goes: the predicted anatomy of a plan's step, per stage member.
+"""Where a step's time goes, per stage member: predicted for a plan, measured in a run.
 
 A plan's step is ``(M - 1) * tau + sum(T) + sum(C) + P + R`` (the spec's shape, over the
 spec's terms or the internal model's: :mod:`coordinator.planner.score`,
@@ -25,25 +25,52 @@ step, and this module says what it spends it on, in six parts that add up to it:
 
 So ``compute + fixed + bubble + imbalance + link + group_sum`` is the step for every
 row, to rounding, and the largest part besides ``compute`` over the fleet is what a
-faster plan must take back first (:meth:`Anatomy.largest_loss`). The same parts, as
-the agents measure them, are [issue 33]'s next step.
+faster plan must take back first (:meth:`Anatomy.largest_loss`).
+
+[Note: the measured anatomy]
+:func:`measured_anatomy` splits the same step as the agents lived it, from their step
+reports (:class:`~edge.wire.messages.StepReport`): each member's period (from its
+step's start to its next step's start, so what it does between steps counts) is
+
+- ``compute``: its ``compute_s`` (its units, the loss and the optimizer step, with
+  whatever fixed part they carry: a measurement cannot tell it apart);
+- ``group_sum``: its ``allreduce_s``;
+- ``link``: its blocking sends (encoding and publishing), and the part of each wait
+  for a tensor after the neighbour began sending it (the neighbour's ``timeline``
+  says when: clocks must agree, as on one host or under NTP; a group's sender is its
+  member that began last);
+- ``bubble`` and ``imbalance``: the rest of its waits, waiting on a neighbour that was
+  still computing. The pipeline's fill and drain cost a member what they cost it in
+  the prediction, at the stage times measured: ``sum(T) - T_s``, ``T`` each stage's
+  ``compute_s`` per microbatch (its slowest member's); that much of its waiting is
+  ``bubble`` (no more than it waited), the rest ``imbalance``. So the two parts mean
+  the same in a prediction and in a measurement, and can be compared;
+- ``fixed``: what is left of the period: loading data, bookkeeping, the report.
+
+So the parts add up to each member's period exactly, and the test of the measurement
+is that the periods agree with the step the pipeline makes (stage 0's) and that the
+parts agree with the prediction's. A report without a timeline (an older agent) has
+its whole ``wait_s`` split as waiting on a neighbour.
 
 Tested in tests/unit/coordinator/planner/test_anatomy.py.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from coordinator.planner.score import Plan, PlanScore, member_seconds
 from coordinator.planner.terms import ordered_sum
 from edge.problem import PlanningProblem
+from edge.wire.messages import StepReport
+from edge.wire.timeline import Interval, parse_timeline
 
 if TYPE_CHECKING:
     from coordinator.planner.predict import Prediction
 
-__all__ = ["PARTS", "Anatomy", "MemberAnatomy", "StepTerms", "anatomy"]
+__all__ = ["PARTS", "Anatomy", "MemberAnatomy", "StepTerms", "anatomy", "measured_anatomy"]
 
 PARTS = ("compute", "fixed", "bubble", "imbalance", "link", "group_sum")
 """The parts of a step, in the order they are shown."""
@@ -177,3 +204,70 @@ def anatomy(plan: Plan, terms: StepTerms) -> Anatomy:
                 )
             )
     return Anatomy(step_time_s=step, members=members)
+
+
+_SENDER = {"A": -1, "G": +1}
+"""Which neighbour sends what a stage waits for (labels come from stage 0)."""
+
+
+def measured_anatomy(reports: Sequence[StepReport], step: int) -> Anatomy:
+    """The anatomy of step ``step`` as the members lived it ([Note: the measured
+    anatomy]): ``reports`` holds every member's report of that step, and of the next
+    where there is one (for the periods). Its step time is stage 0's first member's
+    period. ``ValueError`` if a member's report of ``step`` is missing a timeline
+    that cannot be read."""
+    now = {(r.stage, r.member): r for r in reports if r.step == step}
+    later = {(r.stage, r.member): r for r in reports if r.step == step + 1}
+    if not now:
+        raise ValueError(f"no report of step {step}")
+    sends = {key: [i for i in parse_timeline(r.timeline) if i.op == "s"] for key, r in now.items()}
+    per_mb: dict[int, float] = {}  # T_s: each stage's slowest member's, per microbatch
+    for (stage, _), r in now.items():
+        count = max(1, r.actions.count("F"))
+        per_mb[stage] = max(per_mb.get(stage, 0.0), r.compute_s / count)
+    filled = ordered_sum(per_mb.values())
+    members = []
+    for (stage, member), r in sorted(now.items()):
+        nxt = later.get((stage, member))
+        period = nxt.started_at - r.started_at if nxt is not None else r.step_s
+        parts = dict.fromkeys(PARTS, 0.0)
+        parts["compute"], parts["group_sum"] = r.compute_s, r.allreduce_s
+        timeline = parse_timeline(r.timeline)
+        waited = 0.0 if timeline else r.wait_s  # on a neighbour still computing
+        for i in timeline:
+            if i.op == "s":
+                parts["link"] += i.seconds
+                continue
+            sender = 0 if i.what == "L" else stage + _SENDER[i.what]
+            began = _began_sending(sends, now, sender, i)
+            start, end = r.started_at + i.start_s, r.started_at + i.end_s
+            on_wire = 0.0 if began is None else min(i.seconds, max(0.0, end - max(start, began)))
+            parts["link"] += on_wire
+            waited += i.seconds - on_wire
+        parts["bubble"] = min(waited, max(0.0, filled - per_mb[stage]))
+        parts["imbalance"] = waited - parts["bubble"]
+        parts["fixed"] = period - ordered_sum(v for k, v in parts.items() if k != "fixed")
+        members.append(MemberAnatomy(stage=stage, device=r.device, **parts))
+    first = min(now)
+    nxt = later.get(first)
+    ref = now[first]
+    step_s = nxt.started_at - ref.started_at if nxt is not None else ref.step_s
+    return Anatomy(step_time_s=step_s, members=members)
+
+
+def _began_sending(
+    sends: dict[tuple[int, int], list[Interval]],
+    reports: dict[tuple[int, int], StepReport],
+    stage: int,
+    wait: Interval,
+) -> float | None:
+    """When the last member of ``stage`` began sending what ``wait`` waited for (Unix
+    seconds), or ``None`` if no report of that stage says."""
+    began = [
+        reports[key].started_at + i.start_s
+        for key, mine in sends.items()
+        if key[0] == stage
+        for i in mine
+        if i.what == wait.what and i.microbatch == wait.microbatch
+    ]
+    return max(began) if began else None

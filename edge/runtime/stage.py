@@ -114,6 +114,7 @@ from edge.runtime.data import EpochSampler, check_data_fits, load_batch, open_lo
 from edge.runtime.group_sum import GroupSum
 from edge.runtime.links import block, expected_frames
 from edge.runtime.schedules import make_schedule
+from edge.runtime.step_clock import StepClock
 from edge.transport.base import Transport
 from edge.wire.frames import Codec, Kind, encode_frame
 from edge.wire.groups import pieces
@@ -374,9 +375,9 @@ class StageRuntime:
         """Execute this stage's actions for ``step`` and step the optimizer."""
         a, m = self.a, self.a.microbatches
         timeout = a.recv_timeout_s
-        started = time.perf_counter()
+        clock = StepClock()
         received_before = self.inbox.bytes_received
-        compute = wait = send = reduce = reduce_started = reduce_cpu = 0.0
+        compute = reduce = reduce_started = reduce_cpu = 0.0
         self._own_s = 0.0
         sent = reduce_bytes = 0
         inputs: dict[int, torch.Tensor] = {}
@@ -400,21 +401,20 @@ class StageRuntime:
             if a.group_samples is not None and a.local_data is None:  # its rows of each
                 xs, ys = tuple(t[lo:hi] for t in xs), tuple(t[lo:hi] for t in ys)
             if not a.is_last and not a.labels_local:
-                t0 = time.perf_counter()
                 for mb, labels in enumerate(ys):
-                    sent += self._send(
-                        a.num_stages - 1, "fwd", Kind.LABELS, step, mb, labels, Codec.RAW
-                    )
-                send += time.perf_counter() - t0
+                    with clock.sending("L", mb):
+                        sent += self._send(
+                            a.num_stages - 1, "fwd", Kind.LABELS, step, mb, labels, Codec.RAW
+                        )
         for action in self.actions:
             mb = action.microbatch
             if action.kind == "F":
                 if a.is_first:
                     inp = xs[mb]
                 else:
-                    t0 = time.perf_counter()
-                    inp = self._here(self._take(Kind.ACTIVATION, a.stage - 1, step, mb, timeout))
-                    wait += time.perf_counter() - t0
+                    with clock.waiting("A", mb):
+                        taken = self._take(Kind.ACTIVATION, a.stage - 1, step, mb, timeout)
+                    inp = self._here(taken)
                     if inp.is_floating_point():
                         inp = inp.detach().requires_grad_()
                 inputs[mb] = inp
@@ -426,9 +426,8 @@ class StageRuntime:
                     if self.reads:  # its own labels ([Note: labels stay home])
                         target = ys[mb]
                     else:
-                        t0 = time.perf_counter()
-                        target = self._here(self._take(Kind.LABELS, 0, step, mb, timeout))
-                        wait += time.perf_counter() - t0
+                        with clock.waiting("L", mb):
+                            target = self._here(self._take(Kind.LABELS, 0, step, mb, timeout))
                     t0 = self._start()
                     mb_loss = loss_fn(out.float(), target)
                     losses[mb] = mb_loss / m if m > 1 else mb_loss  # /1 is exact: skip it
@@ -436,11 +435,10 @@ class StageRuntime:
                         losses[mb] = losses[mb] * loss_share
                     compute += self._throttle(t0)
                 else:
-                    t0 = time.perf_counter()
-                    sent += self._send(
-                        a.stage + 1, "fwd", Kind.ACTIVATION, step, mb, out, self.codec_out
-                    )
-                    send += time.perf_counter() - t0
+                    with clock.sending("A", mb):
+                        sent += self._send(
+                            a.stage + 1, "fwd", Kind.ACTIVATION, step, mb, out, self.codec_out
+                        )
                     outputs[mb] = out
                 ran.append(f"F{mb}")
                 peak_held = max(peak_held, len(inputs.keys() | outputs.keys()))
@@ -449,19 +447,17 @@ class StageRuntime:
                     t0 = self._start()
                     losses[mb].backward()
                 else:
-                    t0 = time.perf_counter()
-                    grad = self._here(self._take(Kind.GRADIENT, a.stage + 1, step, mb, timeout))
-                    wait += time.perf_counter() - t0
+                    with clock.waiting("G", mb):
+                        grad = self._here(self._take(Kind.GRADIENT, a.stage + 1, step, mb, timeout))
                     t0 = self._start()
                     outputs.pop(mb).backward(grad)
                 compute += self._throttle(t0)
                 inp = inputs.pop(mb)
                 if not a.is_first and inp.grad is not None:
-                    t0 = time.perf_counter()
-                    sent += self._send(
-                        a.stage - 1, "bwd", Kind.GRADIENT, step, mb, inp.grad, self.codec_in
-                    )
-                    send += time.perf_counter() - t0
+                    with clock.sending("G", mb):
+                        sent += self._send(
+                            a.stage - 1, "bwd", Kind.GRADIENT, step, mb, inp.grad, self.codec_in
+                        )
                 ran.append(f"B{mb}")
         loss = float(sum(v.item() for v in losses.values())) if a.is_last else None
         if self.group_sum is not None:
@@ -501,9 +497,10 @@ class StageRuntime:
             loss=loss,
             compute_s=compute,
             own_compute_s=self._own_s,
-            wait_s=wait,
-            send_s=send,
-            step_s=time.perf_counter() - started,
+            wait_s=clock.wait_s,
+            send_s=clock.send_s,
+            step_s=clock.elapsed(),
+            started_at=clock.started_at,
             bytes_sent=sent,
             bytes_received=self.inbox.bytes_received - received_before,
             frames_dropped=sum(self.inbox.dropped.values()),
@@ -513,6 +510,7 @@ class StageRuntime:
             allreduce_cpu_s=reduce_cpu,
             actions=" ".join(ran),
             peak_held=peak_held,
+            timeline=clock.timeline(),
         )
 
     def run(self, first_step: int | None = None) -> int:

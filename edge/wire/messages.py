@@ -34,6 +34,7 @@ from edge.config import (
     check_batch_split,
 )
 from edge.errors import describe_validation_error
+from edge.wire.timeline import TIMELINE_PATTERN
 
 __all__ = [
     "CancelJob",
@@ -363,6 +364,11 @@ class StepReport(_Event):
     peak_held: int = Field(default=0, ge=0)
     """The most microbatches whose forward had run and backward had not, at once: how
     many microbatches' activations the stage held at its peak."""
+    started_at: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    """When the step started here (Unix seconds; 0: an agent that does not say)."""
+    timeline: str = Field(default="", max_length=196608, pattern=TIMELINE_PATTERN)
+    """When each of the step's blocking waits and sends began and ended, from
+    ``started_at`` (:mod:`edge.wire.timeline`); empty from an agent that does not say."""
 
 
 class StageDone(_Event):

@@ -12,22 +12,27 @@ Claims under test:
   are unequal, and a version 2 group's sum;
 - :meth:`Anatomy.largest_loss` names the part besides compute that costs the fleet most;
 - ``edgetrain plan --explain`` prints the anatomy of the plan it gives, and adds it to
-  ``--json``.
+  ``--json``;
+- the measured anatomy splits each member's waits, from hand-made reports, into what
+  was on the wire (by the sender's clock) and what was fill and drain or steady state,
+  and its parts add up to each member's period.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import pytest
 from support.planning import make_problem, random_problem
 from typer.testing import CliRunner
 
-from coordinator.planner.anatomy import PARTS, Anatomy, StepTerms, anatomy
+from coordinator.planner.anatomy import PARTS, Anatomy, StepTerms, anatomy, measured_anatomy
 from coordinator.planner.predict import UnitSeconds, predict
 from coordinator.planner.score import Plan, Stage, score_plan
 from edge.problem import PlanningProblem
+from edge.wire.messages import StepReport
 from edgetrain.cli import app
 
 REL = 1e-9
@@ -209,3 +214,64 @@ def test_plan_explain_gives_the_anatomy_of_the_plan_it_prints() -> None:
     assert "where the step goes" in said and "the largest loss is group sum" in said
     plain = CliRunner().invoke(app, [*args[:-1], "--json"])
     assert "anatomy" not in json.loads(plain.output)
+
+
+def _report(stage: int, step: int, started_at: float, **fields: Any) -> StepReport:
+    return StepReport(
+        job="j1", stage=stage, device=f"d{stage}", step=step, started_at=started_at, **fields
+    )
+
+
+def test_the_measured_anatomy_splits_waits_by_the_senders_clock_and_the_stage_times() -> None:
+    """Two stages, two microbatches, 1F1B, hand-made reports (times in ms from 100 s).
+
+    Stage 1 waits 0-9 for activation 0, which stage 0 began sending at 10 (stage 1's
+    clock started at 2): 1 ms on the wire, 8 on stage 0. It waits 16-23 for activation
+    1, sent from 21: 4 on the wire, 3 on stage 0. Of its 11 ms on stage 0, the fill and
+    drain of stages of 5 and 10 ms a microbatch (compute over 2) cost it 15 - 10 = 5
+    (bubble), the rest is imbalance. Stage 0 waits 22-30 for gradient 0, sent from 17,
+    and 40-45 for gradient 1, sent from 32: all on the wire. Sends count as link; what
+    the period (to the next step's start) holds besides is fixed."""
+    zero = 100.0
+    reports = [
+        _report(
+            0,
+            0,
+            zero,
+            actions="F0 F1 B0 B1",
+            timeline="sA0@10+1 sA1@21+1 wG0@22+8 wG1@40+5",
+            compute_s=0.010,
+            step_s=0.060,
+        ),
+        _report(
+            1,
+            0,
+            zero + 0.002,
+            actions="F0 B0 F1 B1",
+            timeline="wA0@0+9 sG0@15+1 wA1@16+7 sG1@30+1",
+            compute_s=0.020,
+            step_s=0.050,
+        ),
+        _report(0, 1, zero + 0.070),
+        _report(1, 1, zero + 0.072),
+    ]
+    got = measured_anatomy(reports, 0)
+    assert got.step_time_s == pytest.approx(0.070, abs=1e-9)
+    ms = [{p: round(getattr(m, p) * 1e3, 6) for p in PARTS} for m in got.members]
+    assert ms == [
+        {"compute": 10, "fixed": 45, "bubble": 0, "imbalance": 0, "link": 15, "group_sum": 0},
+        {"compute": 20, "fixed": 32, "bubble": 5, "imbalance": 6, "link": 7, "group_sum": 0},
+    ]
+    last = measured_anatomy(reports[:2], 0)  # no next step: the period is the step's own
+    assert [m.total for m in last.members] == pytest.approx([0.060, 0.050], abs=1e-9)
+
+
+def test_a_report_without_a_timeline_has_its_waits_split_as_on_a_neighbour() -> None:
+    """One stage of 1 s (no F actions said: one microbatch) alone: no fill to pay, so
+    its 0.5 s of waiting is imbalance; its sends, unseen, stay in fixed."""
+    old = _report(0, 0, 0.0, compute_s=1.0, wait_s=0.5, send_s=0.25, step_s=2.0)
+    (member,) = measured_anatomy([old], 0).members
+    assert (member.compute, member.bubble, member.imbalance) == (1.0, 0.0, 0.5)
+    assert (member.link, member.fixed) == (0.0, 0.5)
+    with pytest.raises(ValueError, match="no report of step 3"):
+        measured_anatomy([old], 3)
