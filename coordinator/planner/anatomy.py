@@ -70,7 +70,15 @@ from edge.wire.timeline import Interval, parse_timeline
 if TYPE_CHECKING:
     from coordinator.planner.predict import Prediction
 
-__all__ = ["PARTS", "Anatomy", "MemberAnatomy", "StepTerms", "anatomy", "measured_anatomy"]
+__all__ = [
+    "PARTS",
+    "Anatomy",
+    "AnatomyMeter",
+    "MemberAnatomy",
+    "StepTerms",
+    "anatomy",
+    "measured_anatomy",
+]
 
 PARTS = ("compute", "fixed", "bubble", "imbalance", "link", "group_sum")
 """The parts of a step, in the order they are shown."""
@@ -271,3 +279,78 @@ def _began_sending(
         if i.what == wait.what and i.microbatch == wait.microbatch
     ]
     return max(began) if began else None
+
+
+class AnatomyMeter:
+    """A run's measured anatomy as its step reports arrive: each step whose every member
+    reported it and the next step (for the periods) is measured (:func:`measured_anatomy`),
+    and :meth:`mean` is the mean over those steps. The first ``warmup`` steps (the
+    run's first, or an attempt's after a restore) are left out, and only the reports of
+    steps not yet measured are kept: a bounded buffer."""
+
+    def __init__(self, members: int, *, warmup: int = 1) -> None:
+        self.members = members
+        self.warmup = warmup
+        self._reports: dict[int, dict[tuple[int, int], StepReport]] = {}
+        self._first: int | None = None
+        self._count = 0
+        self._sum: Anatomy | None = None  # each part summed over the steps measured
+
+    def add(self, report: StepReport) -> bool:
+        """Take one member's report of one step; whether a step was measured."""
+        if self._first is None:
+            self._first = report.step
+        if report.step < self._first + self.warmup:
+            return False
+        self._reports.setdefault(report.step, {})[(report.stage, report.member)] = report
+        measured = False
+        for step in sorted(self._reports):
+            after = self._reports.get(step + 1, {})
+            if len(self._reports[step]) < self.members or len(after) < self.members:
+                continue
+            both = [*self._reports[step].values(), *after.values()]
+            got = measured_anatomy(both, step)
+            self._sum = got if self._sum is None else _summed(self._sum, got)
+            self._count += 1
+            del self._reports[step]
+            measured = True
+        for step in [k for k in self._reports if k < max(self._reports) - 4]:
+            del self._reports[step]  # a step some member never reported: not waited for
+        return measured
+
+    @property
+    def steps(self) -> int:
+        """How many steps were measured."""
+        return self._count
+
+    def mean(self) -> Anatomy | None:
+        """The mean anatomy of the steps measured (``None`` before the first)."""
+        if self._sum is None:
+            return None
+        return _scaled(self._sum, self._count)
+
+
+def _summed(a: Anatomy, b: Anatomy) -> Anatomy:
+    """Two anatomies of one plan, part by part added."""
+    return Anatomy(
+        step_time_s=a.step_time_s + b.step_time_s,
+        members=[
+            MemberAnatomy(
+                stage=x.stage, device=x.device, **{p: getattr(x, p) + getattr(y, p) for p in PARTS}
+            )
+            for x, y in zip(a.members, b.members, strict=True)
+        ],
+    )
+
+
+def _scaled(total: Anatomy, count: int) -> Anatomy:
+    """A sum of ``count`` anatomies as their mean."""
+    return Anatomy(
+        step_time_s=total.step_time_s / count,
+        members=[
+            MemberAnatomy(
+                stage=m.stage, device=m.device, **{p: getattr(m, p) / count for p in PARTS}
+            )
+            for m in total.members
+        ],
+    )

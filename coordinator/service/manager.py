@@ -62,6 +62,7 @@ from coordinator.engine.options import JobAccess, JobHooks, RunOptions, Toleranc
 from coordinator.engine.replicas import ReplicaStore
 from coordinator.engine.runners import server_tier
 from coordinator.engine.spec import JobSpec, new_job_id
+from coordinator.planner.anatomy import AnatomyMeter, StepTerms, anatomy
 from coordinator.planner.baselines import job_baselines
 from coordinator.planner.predict import Prediction
 from coordinator.planner.score import Plan, for_plan
@@ -118,6 +119,7 @@ class JobManager:
         self._running: dict[str, list[str]] = {}
         self._attempt: dict[str, str] = {}  # job -> id of the attempt its stages run under
         self._resume: set[str] = set()  # jobs a previous coordinator left running
+        self._meters: dict[str, AnatomyMeter] = {}  # job -> its plan's measured anatomy
         self._stopping = False
         self._lock = threading.Lock()
         self._worker = threading.Thread(target=self._work, name="job-worker", daemon=True)
@@ -197,6 +199,7 @@ class JobManager:
                 self._finish(job, "failed", f"{type(exc).__name__}: {exc}")
 
     def _finish(self, job: str, state: str, reason: str | None = None, **fields: Any) -> None:
+        self._meters.pop(job, None)
         with self._lock:
             self._running.pop(job, None)
             if self._stopping and state != "completed":
@@ -213,6 +216,16 @@ class JobManager:
             log.log(level, "job %s %s", job, state, extra={"job": job, "reason": reason})
         self._announce(job)
 
+    def _measure(self, job: str, report: StepReport) -> None:
+        """Add one step report to the job's measured anatomy; store the mean each time a
+        step was measured ([Note: the measured anatomy] in
+        :mod:`coordinator.planner.anatomy`)."""
+        meter = self._meters.get(job)
+        if meter is not None and meter.add(report):
+            measured = _measured(meter)
+            if measured is not None:
+                self.store.set_job_anatomy(job, measured)
+
     def _store_plan(self, job: str, spec: JobSpec, planned: PlannedJob) -> None:
         """The job's plan, its baselines and simulation, as the API shows them; a re-plan
         on fewer stages than asked is a ``replan`` event."""
@@ -225,7 +238,16 @@ class JobManager:
             self.store.add_job_event(job, "replan", detail)
         problem, score = planned.problem, planned.score
         # A plan on groups is scored (and so simulated) under version 2, as it was planned.
-        sim = simulate(for_plan(problem, score.plan), score.plan, spec.schedule)
+        as_planned = for_plan(problem, score.plan)
+        sim = simulate(as_planned, score.plan, spec.schedule)
+        prediction = planned.found.prediction
+        terms = (
+            StepTerms.of_score(as_planned, score)
+            if prediction is None
+            else StepTerms.of_prediction(as_planned, prediction)
+        )
+        members = sum(len(st.devices) for st in score.plan.stages)
+        self._meters[job] = AnatomyMeter(members)  # a new plan is measured afresh
         self.store.set_job_plan(
             job,
             {
@@ -244,6 +266,7 @@ class JobManager:
                 "baselines": job_baselines(problem, planned.holders),
                 "egress": egress(spec, score.plan),
                 "simulation": sim.to_json(),
+                "anatomy": anatomy(score.plan, terms).to_json(),
             },
         )
 
@@ -283,6 +306,7 @@ class JobManager:
 
         def on_step(report: StepReport) -> None:
             self.store.add_step(job, report)
+            self._measure(job, report)
             if report.loss is not None:  # the last stage's report closes the step
                 with contextlib.suppress(ValueError):
                     self.store.set_job_state(job, "running", steps_done=report.step + 1)
@@ -415,6 +439,12 @@ class JobManager:
             if e.kind == "fault" and e.detail and e.detail.get("fired")
         }
         return [f for f in (parse_fault(t) for t in spec.faults) if str(f) not in fired]
+
+
+def _measured(meter: AnatomyMeter) -> dict[str, Any] | None:
+    """What the job stores of its measured anatomy: the mean, and over how many steps."""
+    mean = meter.mean()
+    return None if mean is None else {**mean.to_json(), "steps": meter.steps}
 
 
 def _predicted(spec: dict[str, Any], prediction: Prediction | None) -> dict[str, Any]:

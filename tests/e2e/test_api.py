@@ -107,6 +107,21 @@ def test_job_over_http_runs_a_three_stage_pipeline(tmp_path: Path) -> None:
                 == [(s, stages[s]["device"]) for s in range(3)]
                 for m in metrics
             )
+            # Where its steps went: the plan's predicted parts, and the measured ones over
+            # the steps between the first (warm-up) and the last (no next start).
+            parts = client.get(f"/api/v1/jobs/{job}/anatomy").json()
+            devices = [s["device"] for s in stages]
+            for side in ("predicted", "measured"):
+                got = parts[side]
+                assert [m["device"] for m in got["members"]] == devices, side
+                for m in got["members"]:
+                    total = sum(m[p] for p in got["parts"])
+                    assert total == pytest.approx(got["step_time_s"], rel=0.25), (side, m)
+            assert parts["predicted"]["step_time_s"] == pytest.approx(
+                record["plan"]["step_time_s"], rel=1e-9
+            )
+            assert parts["measured"]["steps"] == 6 - 2
+            assert client.get("/api/v1/jobs/doesnotexist/anatomy").status_code == 404
             weights = client.get(f"/api/v1/jobs/{job}/model")
             assert weights.status_code == 200
             tensors = safetensors.torch.load(weights.content)

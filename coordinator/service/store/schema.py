@@ -92,6 +92,15 @@ class _JobStep(_Base):
     ts: Mapped[float]
 
 
+class _JobAnatomy(_Base):
+    """A running job's measured anatomy (:class:`~coordinator.planner.anatomy.AnatomyMeter`):
+    one row a job, replaced as steps are measured."""
+
+    __tablename__ = "job_anatomy"
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    detail: Mapped[dict[str, Any]]
+
+
 class _JobEvent(_Base):
     __tablename__ = "job_events"
     id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)

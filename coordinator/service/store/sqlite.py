@@ -65,6 +65,7 @@ from coordinator.service.store.schema import (
     _Base,
     _Device,
     _Job,
+    _JobAnatomy,
     _JobEvent,
     _JobStep,
     _SchemaVersion,
@@ -377,6 +378,22 @@ class Store:
         )
         with self._sessions() as s:
             return [_step_report(r) for r in s.scalars(query)]
+
+    def set_job_anatomy(self, job_id: str, anatomy: Mapping[str, Any]) -> None:
+        """Store the job's measured anatomy (its JSON), in place of the one before."""
+        with self._write() as s:
+            _get_job(s, job_id)
+            row = s.get(_JobAnatomy, job_id)
+            if row is None:
+                s.add(_JobAnatomy(job_id=job_id, detail=dict(anatomy)))
+            else:
+                row.detail = dict(anatomy)
+
+    def job_anatomy(self, job_id: str) -> dict[str, Any] | None:
+        """The job's measured anatomy as stored, or ``None`` before a step was measured."""
+        with self._sessions() as s:
+            row = s.get(_JobAnatomy, job_id)
+            return None if row is None else dict(row.detail)
 
     def add_job_event(
         self, job_id: str, kind: str, detail: Mapping[str, Any] | None = None

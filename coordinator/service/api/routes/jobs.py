@@ -340,6 +340,16 @@ def job_metrics(
     return {"job": job_id, "steps": [steps[k] for k in sorted(steps)]}
 
 
+@router.get("/{job_id}/anatomy", dependencies=[ReadAuth], responses=NOT_FOUND)
+def job_anatomy(job_id: str, store: StoreDep) -> dict[str, Any]:
+    """Where the job's step goes, per stage member: ``predicted`` for its plan, and
+    ``measured`` over its steps so far (the mean, and over how many ``steps``), each in
+    the parts of :mod:`coordinator.planner.anatomy` (``null`` until there is one)."""
+    record = _job_or_404(store, job_id)
+    predicted = (record.plan or {}).get("anatomy")
+    return {"job": job_id, "predicted": predicted, "measured": store.job_anatomy(job_id)}
+
+
 @router.get("/{job_id}/events", dependencies=[ReadAuth], responses=NOT_FOUND)
 def job_events(job_id: str, store: StoreDep) -> dict[str, Any]:
     """What happened to the job, in order: state changes, attempts, failures (with the

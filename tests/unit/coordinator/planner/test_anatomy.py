@@ -15,7 +15,9 @@ Claims under test:
   ``--json``;
 - the measured anatomy splits each member's waits, from hand-made reports, into what
   was on the wire (by the sender's clock) and what was fill and drain or steady state,
-  and its parts add up to each member's period.
+  and its parts add up to each member's period;
+- a run's meter measures each step once every member reported it and the next (the
+  first, warm-up, left out), averages what it measured, and keeps a bounded buffer.
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ import pytest
 from support.planning import make_problem, random_problem
 from typer.testing import CliRunner
 
-from coordinator.planner.anatomy import PARTS, Anatomy, StepTerms, anatomy, measured_anatomy
+from coordinator.planner.anatomy import (
+    PARTS,
+    Anatomy,
+    AnatomyMeter,
+    StepTerms,
+    anatomy,
+    measured_anatomy,
+)
 from coordinator.planner.predict import UnitSeconds, predict
 from coordinator.planner.score import Plan, Stage, score_plan
 from edge.problem import PlanningProblem
@@ -275,3 +284,43 @@ def test_a_report_without_a_timeline_has_its_waits_split_as_on_a_neighbour() -> 
     assert (member.link, member.fixed) == (0.0, 0.5)
     with pytest.raises(ValueError, match="no report of step 3"):
         measured_anatomy([old], 3)
+
+
+def _two_members(step: int, at: float, compute: float) -> list[StepReport]:
+    """Stage 0 and 1 of one step, one microbatch each way, starting at ``at``."""
+    return [
+        _report(0, step, at, actions="F0 B0", timeline="sA0@0+1", compute_s=compute, step_s=0.9),
+        _report(1, step, at, actions="F0 B0", timeline="wA0@0+1", compute_s=compute, step_s=0.9),
+    ]
+
+
+def test_the_meter_measures_each_step_once_all_members_and_the_next_step_reported() -> None:
+    """Steps of 1 s, compute 0.2 s then 0.4 s: the first step is warm-up, the last waits for
+    a next one, and the mean is over what was measured, member by member."""
+    meter = AnatomyMeter(members=2)
+    runs = [_two_members(k, 100.0 + k, 0.2 if k < 3 else 0.4) for k in range(5)]
+    assert meter.mean() is None
+    seen = []
+    for step in runs:
+        for r in step:
+            seen.append(meter.add(r))
+    # step 1 is measured when step 2's second report arrives, and so on; step 0 never
+    assert seen == [False, False, False, False, False, True, False, True, False, True]
+    assert meter.steps == 3
+    mean = meter.mean()
+    assert mean is not None
+    assert mean.step_time_s == pytest.approx(1.0, abs=1e-9)
+    assert [m.compute for m in mean.members] == pytest.approx([(0.2 + 0.2 + 0.4) / 3] * 2)
+    assert [m.total for m in mean.members] == pytest.approx([1.0, 1.0], abs=1e-9)
+
+
+def test_the_meter_forgets_a_step_a_member_never_reported() -> None:
+    """Stage 1's report of step 2 is lost: steps 1 and 2 cannot be measured, later ones are,
+    and what it holds stays a few steps long."""
+    meter = AnatomyMeter(members=2, warmup=0)
+    for k in range(12):
+        for r in _two_members(k, 100.0 + k, 0.2):
+            if (k, r.stage) != (2, 1):
+                meter.add(r)
+    assert meter.steps == 11 - 2
+    assert len(meter._reports) <= 5  # the bound is the claim

@@ -67,7 +67,7 @@ def test_fresh_database_is_versioned_and_in_wal_mode(tmp_path: Path) -> None:
     with sqlite3.connect(tmp_path / "edgetrain.db") as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    assert {"schema_version", "devices", "jobs", "job_steps", "job_events"} <= tables
+    assert {"schema_version", "devices", "jobs", "job_steps", "job_events", "job_anatomy"} <= tables
 
 
 def test_everything_survives_a_restart(tmp_path: Path) -> None:
@@ -251,6 +251,19 @@ def test_a_repeated_step_report_updates_the_row(store: Store) -> None:
         store.add_step("nope", report("nope", 0, 0))
     with pytest.raises(ValueError, match="given for job j1"):
         store.add_step("j1", report("j2", 0, 0))
+
+
+def test_a_jobs_measured_anatomy_is_replaced_and_survives_a_restart(tmp_path: Path) -> None:
+    with Store(tmp_path) as s:
+        s.create_job("j1", SPEC)
+        assert s.job_anatomy("j1") is None
+        s.set_job_anatomy("j1", {"step_time_s": 1.0, "steps": 1})
+        s.set_job_anatomy("j1", {"step_time_s": 0.9, "steps": 2})
+        with pytest.raises(NotFoundError):
+            s.set_job_anatomy("nope", {"steps": 1})
+    with Store(tmp_path) as s:
+        assert s.job_anatomy("j1") == {"step_time_s": 0.9, "steps": 2}
+        assert s.job_anatomy("nope") is None
 
 
 def test_the_happy_path_stamps_times_and_logs_each_change(store: Store) -> None:

@@ -1,6 +1,7 @@
 """The routes of a job that need no broker: per-step metrics (``?since_step=``), the
-ONNX download without the ``export`` extra, and the checks a job passes before it is
-queued (a refused one never reaches the job manager, which is absent here).
+step's anatomy as stored, the ONNX download without the ``export`` extra, and the
+checks a job passes before it is queued (a refused one never reaches the job
+manager, which is absent here).
 
 The jobs router runs in-process (FastAPI's TestClient, no socket) over a real store;
 registry and manager are not started, as these routes only read the store.
@@ -99,6 +100,28 @@ def test_a_bad_since_step_is_a_422_naming_it(store: Store, client: TestClient, v
     assert response.status_code == 422, response.text
     (detail,) = response.json()["detail"]
     assert detail["loc"] == ["query", "since_step"]
+
+
+def test_anatomy_gives_the_plans_predicted_parts_and_the_stored_measured_ones(
+    store: Store, client: TestClient
+) -> None:
+    store.create_job("j1", SPEC)
+    assert client.get("/api/v1/jobs/j1/anatomy").json() == {
+        "job": "j1",
+        "predicted": None,
+        "measured": None,
+    }
+    predicted = {"step_time_s": 1.0, "members": [{"stage": 0, "device": "dev0"}]}
+    store.set_job_plan("j1", {"stages": [], "anatomy": predicted})
+    store.set_job_anatomy("j1", {"step_time_s": 1.2, "steps": 3})
+    got = client.get("/api/v1/jobs/j1/anatomy")
+    assert got.status_code == 200, got.text
+    assert got.json() == {
+        "job": "j1",
+        "predicted": predicted,
+        "measured": {"step_time_s": 1.2, "steps": 3},
+    }
+    assert client.get("/api/v1/jobs/j9/anatomy").status_code == 404
 
 
 def test_metrics_of_an_unknown_job_is_a_404(client: TestClient) -> None:
