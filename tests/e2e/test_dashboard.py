@@ -4,7 +4,8 @@ its polls asking only for new steps (``?since_step=``).
 Three agents run a 3-stage job (``stages=3``), so the timeline must show three rows.
 Before it, the same three run a short job on groups ``2,1`` (``group_sizes``): its
 pipeline view draws stage 0 as a group, each member with its share, and stage 1 as
-one device, as every one-device stage looks.
+one device, as every one-device stage looks; and where its step went draws, for each
+of its three members, the predicted and the measured parts the API gives.
 
 Needs Debian's ``chromium`` at ``/usr/bin/chromium`` and the ``playwright``
 Python package (its own browser download is not used).
@@ -59,7 +60,7 @@ def _call(url: str, method: str = "GET", body: dict[str, Any] | None = None) -> 
         return json.loads(response.read())
 
 
-GROUP_JOB = {
+GROUP_JOB: dict[str, Any] = {
     "model": "mlp",
     "steps": 3,
     "batch_size": 16,
@@ -69,14 +70,18 @@ GROUP_JOB = {
 }
 
 
-def _check_group_drawn(page: Any, record: dict[str, Any], tmp_path: Path) -> None:
+def _check_group_drawn(
+    page: Any, record: dict[str, Any], anatomy: dict[str, Any], tmp_path: Path
+) -> None:
     """The job of :data:`GROUP_JOB`'s pipeline view: stage 0's members with their shares
-    (from the plan's ``devices`` and ``shares``), stage 1 a plain one-device row."""
+    (from the plan's ``devices`` and ``shares``), stage 1 a plain one-device row; and
+    where its step went, member by member."""
     first, second = record["plan"]["stages"]
     assert len(first["devices"]) == 2 and len(first["shares"]) == 2
     assert "device" not in first and second["devices"] == [second["device"]]
     page.evaluate(f"location.hash = '#/jobs/{record['id']}'")
     page.wait_for_selector("#timeline .tl-member", timeout=15_000)
+    _check_anatomy_drawn(page, anatomy, record["plan"])
     page.screenshot(path=str(tmp_path / "dashboard-group.png"), full_page=True)
     group = page.locator('#timeline .tl-row[data-stage="0"]')
     assert group.get_attribute("data-members") == "2"
@@ -95,6 +100,27 @@ def _check_group_drawn(page: Any, record: dict[str, Any], tmp_path: Path) -> Non
     assert alone.locator(".tl-member").count() == 0
     assert alone.locator("text").first.text_content() == f"1 {second['device']}"[:14]
     assert page.locator("#timeline .tl-row").count() == 2
+
+
+def _check_anatomy_drawn(page: Any, anatomy: dict[str, Any], plan: dict[str, Any]) -> None:
+    """Where the step goes, for an ended job: a row per member of the plan, each with its
+    predicted parts stacked and its measured ones, as the API gives them."""
+    members = [d for st in plan["stages"] for d in st["devices"]]
+    assert anatomy["measured"]["steps"] == GROUP_JOB["steps"] - 2  # not the first, nor the last
+    page.wait_for_selector('#anatomy .an-bar[data-kind="measured"]', timeout=15_000)
+    rows = page.locator("#anatomy .an-row")
+    assert rows.count() == len(members) == 3
+    for i, device in enumerate(members):
+        row = rows.nth(i)
+        assert row.get_attribute("data-device") == device
+        for kind in ("predicted", "measured"):
+            bar = row.locator(f'.an-bar[data-kind="{kind}"]')
+            parts = anatomy[kind]["members"][i]
+            drawn = {
+                name: float(bar.locator(f"rect.part-{name}").get_attribute("data-seconds") or 0)
+                for name in anatomy[kind]["parts"]
+            }
+            assert drawn == pytest.approx({p: parts[p] for p in drawn}, abs=2e-6), (kind, device)
 
 
 @pytest.mark.slow
@@ -166,7 +192,12 @@ def test_dashboard_shows_fleet_timeline_and_a_growing_loss_curve(tmp_path: Path)
                             page.inner_text("#live"),
                         )
                         page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
-                        _check_group_drawn(page, _call(f"{api}/jobs/{grouped}"), tmp_path)
+                        _check_group_drawn(
+                            page,
+                            _call(f"{api}/jobs/{grouped}"),
+                            _call(f"{api}/jobs/{grouped}/anatomy"),
+                            tmp_path,
+                        )
                         assert not errors, errors
                         # The whole history once, then only the steps after the ones held.
                         polls = [u for u in requested if f"/jobs/{job}/metrics" in u]

@@ -1,7 +1,7 @@
 /* edgetrain dashboard: plain JavaScript, no framework, no build step.
  *
- * Views: "#/" (fleet and jobs) and "#/jobs/ID" (plan timeline, loss, samples/s,
- * utilisation). Data comes from /api/v1; live updates from /api/v1/events
+ * Views: "#/" (fleet and jobs) and "#/jobs/ID" (plan timeline, where the step goes,
+ * loss, samples/s, utilisation). Data comes from /api/v1; live updates from /api/v1/events
  * (Server-Sent Events), or from polling when reads need a token (EventSource
  * cannot send an Authorization header).
  */
@@ -19,6 +19,7 @@ const state = {
   jobs: [],
   job: null,
   metrics: [],
+  anatomy: null,
   route: { name: "home" },
   source: null,
   pollTimer: null,
@@ -159,9 +160,11 @@ async function loadJob(id) {
   const last = held.length ? held[held.length - 1].step : 0;
   const since = last >= 1 ? last - 1 : null;
   const query = since === null ? "" : `?since_step=${since}`;
-  const [job, metrics] = await Promise.all([api(`/jobs/${id}`), api(`/jobs/${id}/metrics${query}`)]);
+  const [job, metrics, anatomy] = await Promise.all([
+    api(`/jobs/${id}`), api(`/jobs/${id}/metrics${query}`), api(`/jobs/${id}/anatomy`)]);
   if (state.route.name !== "job" || state.route.id !== id) return;
   state.job = job;
+  state.anatomy = anatomy;
   state.metrics = since === null ? metrics.steps
     : state.metrics.filter((m) => m.step <= since).concat(metrics.steps);
 }
@@ -430,6 +433,62 @@ function measuredChart(last, nStages) {
   return svg;
 }
 
+/** The parts of a step (coordinator/planner/anatomy.py), in the order they stack. */
+const PARTS = [
+  ["compute", "var(--ok)"], ["fixed", "#8a6fd1"], ["bubble", "#454c55"],
+  ["imbalance", "#ef6b6b"], ["link", "var(--fwd)"], ["group_sum", "var(--bwd)"],
+];
+
+/** Where the step goes, per stage member: the plan's predicted parts above the measured
+ * ones (the mean over the steps measured), stacked, on one axis. */
+function anatomyChart(anat) {
+  const predicted = anat && anat.predicted, measured = anat && anat.measured;
+  const rows = (predicted || measured || { members: [] }).members;
+  if (!rows.length) return h("div", { class: "chart-empty", id: "anatomy" }, "No plan yet.");
+  const W = 1000, barH = 10, rowH = 2 * barH + 8, L = 150, R = 8, B = 20;
+  const H = rows.length * rowH + B;
+  const total = (m) => PARTS.reduce((a, [p]) => a + (m[p] || 0), 0);
+  const all = [predicted, measured].filter(Boolean).flatMap((a) => a.members.map(total));
+  const end = Math.max(...all) || 1;
+  const px = (t) => L + (t / end) * (W - L - R);
+  const svg = s("svg", { id: "anatomy", viewBox: `0 0 ${W} ${H}`, role: "img" });
+  rows.forEach((row, i) => {
+    const y = i * rowH;
+    const g = s("g", { class: "an-row", "data-stage": row.stage, "data-device": row.device });
+    g.append(s("text", { x: 0, y: y + barH + 3 }, `${row.stage} ${row.device}`.slice(0, 16)));
+    [["predicted", predicted], ["measured", measured]].forEach(([kind, side], k) => {
+      const m = side && side.members[i];
+      if (!m) return;
+      const bar = s("g", { class: "an-bar", "data-kind": kind, "data-total": total(m).toFixed(6) });
+      let at = 0;
+      for (const [part, color] of PARTS) {
+        const sec = m[part] || 0;
+        const r = s("rect", { class: `part-${part}`, "data-seconds": sec.toFixed(6), fill: color,
+          x: px(at), y: y + k * (barH + 2), width: Math.max(0, px(at + sec) - px(at)), height: barH });
+        r.append(s("title", {}, `${kind} ${part.replace("_", " ")}: ${fmtSeconds(sec)}`));
+        bar.append(r);
+        at += sec;
+      }
+      g.append(bar);
+    });
+    svg.append(g);
+  });
+  for (const v of niceTicks(0, end * 1000, 6)) {
+    svg.append(s("text", { x: px(v / 1000), y: H - 4, "text-anchor": "middle" }, `${+v.toPrecision(3)} ms`));
+  }
+  return svg;
+}
+
+/** The anatomy panel's aside: what was measured, and the largest loss of each side. */
+function anatomyAside(anat) {
+  const said = [];
+  if (anat && anat.predicted) said.push(`predicted: most lost to ${anat.predicted.largest_loss.replace("_", " ")}`);
+  if (anat && anat.measured) {
+    said.push(`measured over ${anat.measured.steps} steps: most lost to ${anat.measured.largest_loss.replace("_", " ")}`);
+  }
+  return said.join(" · ");
+}
+
 function legend(items) {
   return h("div", { class: "legend" }, items.map(([c, label]) => h("span", {}, h("i", { style: `background:${c}` }), label)));
 }
@@ -532,6 +591,11 @@ function renderJob(view) {
         h("span", { class: "aside" }, last ? `step ${last.step} · ${fmtSeconds(Math.max(...last.stages.map((r) => r.step_s)))}` : "")),
       measuredChart(last, (plan.stages || []).length),
       legend([["var(--ok)", "compute"], ["#454c55", "wait"]])),
+    h("section", { class: "panel span-12", id: "anatomy-panel" },
+      h("header", {}, h("h2", {}, "Where the step goes (per member: predicted, then measured)"),
+        h("span", { class: "aside" }, anatomyAside(state.anatomy))),
+      anatomyChart(state.anatomy),
+      legend(PARTS.map(([p, c]) => [c, p.replace("_", " ")]))),
     h("section", { class: "panel span-6" },
       h("header", {}, h("h2", {}, "Loss"), h("span", { class: "aside" }, `${loss.length} steps`)),
       lineChart("loss-chart", [{ name: "loss", color: "#6aa8ff", points: loss, opacity: 0.35 },
@@ -597,6 +661,7 @@ function onRoute() {
   state.route = parseRoute();
   state.job = null;
   state.metrics = [];
+  state.anatomy = null;
   render();
   if (state.route.name === "job") guard(loadJob(state.route.id).then(render));
   else guard(Promise.all([loadDevices(), loadJobs()]).then(render));
