@@ -117,6 +117,7 @@ from coordinator.engine.unit_profiles import (
     whole_model_bytes,
 )
 from coordinator.engine.watch import DeviceFeed
+from coordinator.planner.anatomy import AnatomyMeter, StepTerms, anatomy
 from coordinator.planner.baselines import even_split, single_device
 from coordinator.planner.build import parse_fleet
 from coordinator.planner.group_search import data_parallel_only
@@ -129,7 +130,7 @@ from coordinator.planner.predict import (
     predict,
     small_rows,
 )
-from coordinator.planner.score import Plan, score_plan
+from coordinator.planner.score import Plan, for_plan, score_plan
 from coordinator.testbed.testbed import MethodChoice, StartOptions, Testbed, measure_core_gflops
 from edge.errors import UserError
 from edge.models.zoo import get_model
@@ -157,6 +158,7 @@ def _sibling(name: str) -> ModuleType:
 
 
 hetero = _sibling("heterogeneity")
+anatomies = _sibling("anatomy")
 
 STRATEGIES = ("single", "even", "v1", "data-parallel", "v2")
 FLEETS = ("rpi4", "2fast4slow", "3x", "10x", "30x")
@@ -204,6 +206,12 @@ class Row:
     repeats: list[list[float]] = field(default_factory=list)
     """With ``--repeat``: each pass's measured and predicted samples/s, in pass order; the
     row is the pass whose measured samples/s is the median (:func:`median_rows`)."""
+    anatomy: dict[str, Any] | None = None
+    """Where the plan's step goes, member by member, as the cost model predicts it
+    (:func:`coordinator.planner.anatomy.anatomy` over :func:`predict`'s terms)."""
+    measured_anatomy: dict[str, Any] | None = None
+    """The same parts as the run's step reports measured them (the steady steps' mean):
+    ``bench/anatomy.py`` sums them over the fleet."""
 
     @property
     def ratio(self) -> float:
@@ -369,6 +377,8 @@ class Measured:
     bytes_per_sample: float
     """Bytes every device sent in the steady steps (``StepReport.bytes_sent``: frames that
     crossed the wire, a group's sums included) per sample trained."""
+    anatomy: dict[str, Any] | None = None
+    """Where the steady steps went, member by member (``Anatomy.to_json``), mean."""
 
 
 def measure(
@@ -385,6 +395,11 @@ def measure(
         spec, plan, control, shares=shares, options=RunOptions(timeout_s=1800, access=tb.accounts)
     )
     steady = [r for r in result.reports if r.step >= warmup]
+    meter = AnatomyMeter(sum(len(st.devices) for st in plan.stages), warmup=0)
+    for r in sorted(steady, key=lambda r: r.step):
+        meter.add(r)
+    meter.finish()  # the last step too, by its own step time
+    measured = meter.mean()
 
     def per_stage(field: str) -> list[float]:
         return [
@@ -405,6 +420,7 @@ def measure(
         waits,
         per_stage("allreduce_cpu_s"),
         sent,
+        None if measured is None else {**measured.to_json(), "steps": meter.steps},
     )
 
 
@@ -617,6 +633,8 @@ def _run_plans(
             got.allreduce_cpu_s,
             batch=f"{args.batch_size}x{args.microbatches}",
             unit_times=args.unit_times,
+            anatomy=anatomy(plan, StepTerms.of_prediction(for_plan(now, plan), guess)).to_json(),
+            measured_anatomy=got.anatomy,
         )
         rows.append(row)
         print(
@@ -892,6 +910,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="rpi4-4gb:4, vgg11, few steps")
     parser.add_argument("--results", type=Path, help="the JSON file written")
     parser.add_argument("--chart", type=Path, help="the chart written")
+    parser.add_argument("--anatomy", type=Path, help="where the steps went: the JSON written")
+    parser.add_argument("--anatomy-chart", type=Path, help="where the steps went: the chart")
     parser.add_argument("--from-json", type=Path, help="render a results file; run nothing")
     parser.add_argument(
         "--predict-shapes",
@@ -917,6 +937,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     stem = f"{stem}-shapes" if args.predict_shapes else stem
     args.results = args.results or results / f"{stem}.json"
     args.chart = args.chart or results / f"{stem}.png"
+    anatomy_stem = "anatomy-quick" if args.quick else "anatomy"
+    args.anatomy = args.anatomy or results / f"{anatomy_stem}.json"
+    args.anatomy_chart = args.anatomy_chart or results / f"{anatomy_stem}.png"
     return args
 
 
@@ -971,11 +994,15 @@ def main(argv: list[str] | None = None) -> int:
         rows = [row for key in fleets for row in on_fleet(key, models, args.method, run)]
         args.results.write_text(json.dumps(to_json(rows), indent=2) + "\n")
     chart(rows, args.chart)
+    parts = anatomies.write(to_json(rows), args.anatomy, args.anatomy_chart)
     if args.json:
         print(json.dumps(to_json(rows), indent=2))
         return 0
     print(f"limits: {rows[0].method}; results: {args.results}; chart: {args.chart}")
     print(table(rows))
+    if parts:
+        print(f"\nwhere the steps went: {args.anatomy}; chart: {args.anatomy_chart}")
+        print(anatomies.table(parts))
     return 0
 
 

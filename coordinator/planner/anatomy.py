@@ -318,6 +318,16 @@ class AnatomyMeter:
             del self._reports[step]  # a step some member never reported: not waited for
         return measured
 
+    def finish(self) -> None:
+        """The run ended: measure each step every member reported that no next step
+        followed (its period is its own ``step_s``), and drop what stays incomplete."""
+        for step in sorted(self._reports):
+            if len(self._reports[step]) == self.members:
+                got = measured_anatomy(list(self._reports[step].values()), step)
+                self._sum = got if self._sum is None else _summed(self._sum, got)
+                self._count += 1
+        self._reports.clear()
+
     @property
     def steps(self) -> int:
         """How many steps were measured."""

@@ -126,8 +126,10 @@ def test_quick_mode_is_one_fleet_one_model_few_steps(bench: ModuleType) -> None:
     assert (args.fleets, args.models) == ("rpi4", "vgg11")
     assert args.warmup + args.max_steps == 2 and args.batch_size == 16
     assert args.results == Path(tempfile.gettempdir()) / "hybrid-quick.json"
+    assert args.anatomy == Path(tempfile.gettempdir()) / "anatomy-quick.json"
     full = bench.parse_args([])
     assert full.results.parent.name == "results" and full.fleets.split(",") == list(bench.FLEETS)
+    assert (full.anatomy.name, full.anatomy_chart.name) == ("anatomy.json", "anatomy.png")
 
 
 def test_a_plan_run_once_shows_in_both_rows(bench: ModuleType) -> None:

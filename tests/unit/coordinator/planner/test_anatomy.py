@@ -312,6 +312,10 @@ def test_the_meter_measures_each_step_once_all_members_and_the_next_step_reporte
     assert mean.step_time_s == pytest.approx(1.0, abs=1e-9)
     assert [m.compute for m in mean.members] == pytest.approx([(0.2 + 0.2 + 0.4) / 3] * 2)
     assert [m.total for m in mean.members] == pytest.approx([1.0, 1.0], abs=1e-9)
+    meter.finish()  # the last step, by its own step_s (0.9 s)
+    assert meter.steps == 4
+    last = meter.mean()
+    assert last is not None and last.step_time_s == pytest.approx((3 * 1.0 + 0.9) / 4)
 
 
 def test_the_meter_forgets_a_step_a_member_never_reported() -> None:
