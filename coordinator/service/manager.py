@@ -64,6 +64,7 @@ from coordinator.engine.runners import server_tier
 from coordinator.engine.spec import JobSpec, new_job_id
 from coordinator.planner.anatomy import AnatomyMeter, StepTerms, anatomy
 from coordinator.planner.baselines import job_baselines
+from coordinator.planner.bounds import certificate
 from coordinator.planner.predict import Prediction
 from coordinator.planner.score import Plan, for_plan
 from coordinator.planner.simulator import simulate
@@ -267,6 +268,8 @@ class JobManager:
                 "egress": egress(spec, score.plan),
                 "simulation": sim.to_json(),
                 "anatomy": anatomy(score.plan, terms).to_json(),
+                # The spec's step against the least any plan of the problem could take.
+                **certificate(as_planned, score.step_time_s),
             },
         )
 

@@ -82,6 +82,7 @@ def plan_command(
     # The planner (numpy) is imported by the command, not with the module: every other
     # command starts without it ([Note: commands without torch] in edgetrain.cli).
     from coordinator.planner.anatomy import StepTerms, anatomy
+    from coordinator.planner.bounds import certificate
     from coordinator.planner.build import build_problem, parse_fleet
     from coordinator.planner.group_search import plan_any
     from coordinator.planner.simulator import simulate
@@ -119,7 +120,8 @@ def plan_command(
     parts = anatomy(result.score.plan, StepTerms.of_score(problem, result.score))
     if json_out:
         extra = {"anatomy": parts.to_json()} if explain else {}
-        typer.echo(json.dumps(result.score.to_json() | extra))
+        certified = certificate(problem, result.score.step_time_s)
+        typer.echo(json.dumps(result.score.to_json() | certified | extra))
         return
     _print_report(problem, result, parts if explain else None)
 
@@ -155,6 +157,7 @@ def _print_report(problem: PlanningProblem, result: SearchResult, parts: Anatomy
     from rich.console import Console
     from rich.table import Table
 
+    from coordinator.planner.bounds import certificate
     from coordinator.planner.simulator import simulate
 
     score = result.score
@@ -192,6 +195,11 @@ def _print_report(problem: PlanningProblem, result: SearchResult, parts: Anatomy
         f"* bottleneck {score.bottleneck_s * 1e3:.2f} ms per microbatch; step "
         f"{score.step_time_s * 1e3:.1f} ms; predicted {score.throughput_sps:.1f} samples/s "
         f"(planned in {result.wall_s:.2f} s, {'exact' if result.exact else 'heuristic'})"
+    )
+    certified = certificate(problem, score.step_time_s)
+    console.print(
+        f"lower bound {certified['lower_bound_step_s'] * 1e3:.1f} ms a step: no plan is "
+        f"faster; this one is within {certified['gap']:.0%} of it"
     )
     if problem.version == 2:
         reduce = max(score.allreduce_s, default=0.0)

@@ -98,6 +98,8 @@ def test_job_over_http_runs_a_three_stage_pipeline(tmp_path: Path) -> None:
             assert len(stages) == 3 and {s["device"] for s in stages} == set(fleet.ids)
             assert all(s["devices"] == [s["device"]] and s["shares"] == [1.0] for s in stages)
             assert record["plan"]["stages_asked"] == 3 and record["plan"]["partition"] == "plan"
+            spec_step = record["plan"].get("spec", record["plan"])["step_time_s"]
+            assert 0 < record["plan"]["lower_bound_step_s"] <= spec_step  # its certificate
             metrics = client.get(f"/api/v1/jobs/{job}/metrics").json()["steps"]
             assert [m["step"] for m in metrics] == list(range(6))
             assert all(m["loss"] is not None for m in metrics)

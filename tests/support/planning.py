@@ -35,6 +35,7 @@ from edge.problem import DeviceSpec, PlanningProblem, UnitSpec
 __all__ = [
     "REGIMES",
     "Reference",
+    "all_group_plans",
     "all_plans",
     "brute_force",
     "brute_force_literal",
@@ -114,6 +115,35 @@ def all_plans(problem: PlanningProblem) -> Iterator[Plan]:
             for inner in itertools.combinations(range(1, n), s - 1):
                 bounds = (0, *inner, n)
                 yield Plan(tuple(Stage(d, bounds[j], bounds[j + 1]) for j, d in enumerate(order)))
+
+
+def all_group_plans(problem: PlanningProblem) -> list[Plan]:
+    """Every plan of ``shared/spec/planning-v2.md``, literally: each device left out or in
+    one of ``k`` stages (members in index order), every set of cuts; groups only where
+    the problem allows them, stage 0 holding ``pin_first``."""
+    ids = [d.id for d in problem.devices]
+    n = len(problem.layers)
+    plans = []
+    for k in range(1, min(len(ids), n) + 1):
+        for where in itertools.product(range(-1, k), repeat=len(ids)):
+            groups = [[d for d, w in zip(ids, where, strict=True) if w == s] for s in range(k)]
+            if not all(groups):
+                continue
+            if not problem.allows_groups and any(len(g) > 1 for g in groups):
+                continue
+            if problem.pin_first is not None and problem.pin_first not in groups[0]:
+                continue
+            for cuts in itertools.combinations(range(1, n), k - 1):
+                bounds = [0, *cuts, n]
+                plans.append(
+                    Plan(
+                        tuple(
+                            Stage.group(g, a, b)
+                            for g, a, b in zip(groups, bounds, bounds[1:], strict=False)
+                        )
+                    )
+                )
+    return plans
 
 
 def brute_force_literal(problem: PlanningProblem) -> Reference | None:

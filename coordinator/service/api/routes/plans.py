@@ -32,6 +32,7 @@ from pydantic import (
 
 from coordinator.planner import plan_problem
 from coordinator.planner.baselines import run_baselines
+from coordinator.planner.bounds import certificate
 from coordinator.planner.build import build_problem, parse_fleet
 from coordinator.planner.simulator import simulate
 from coordinator.service.api.deps import RegistryDep, WriteAuth
@@ -185,6 +186,7 @@ def create_plan(body: PlanCreate, registry: RegistryDep) -> dict[str, Any]:
     baselines = run_baselines(problem)
     return {
         **found.score.to_json(),
+        **certificate(problem, found.score.step_time_s),
         "stages": found.score.plan.to_json(found.score.shares),  # with devices and shares
         "method": found.method,
         "exact": found.exact,

@@ -16,13 +16,12 @@ brute force over the plans that keep to them, written here from their definition
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 from typing import Any
 
 import pytest
-from support.planning import make_problem, random_problem
+from support.planning import all_group_plans, make_problem, random_problem
 
 from coordinator.planner.group_search import (
     EXACT_PLANS,
@@ -32,7 +31,7 @@ from coordinator.planner.group_search import (
     replan,
 )
 from coordinator.planner.group_tables import GroupLimits
-from coordinator.planner.score import Plan, PlanScore, Stage, score_plan
+from coordinator.planner.score import Plan, PlanScore, score_plan
 from coordinator.planner.solve import plan_problem
 from edge.problem import DeviceSpec, Objective, PlanningProblem
 from edge.wire.groups import split_samples
@@ -62,32 +61,6 @@ def _v2(
     )
 
 
-def _all_plans(problem: PlanningProblem) -> list[Plan]:
-    ids = [d.id for d in problem.devices]
-    n = len(problem.layers)
-    plans = []
-    for k in range(1, min(len(ids), n) + 1):
-        for where in itertools.product(range(-1, k), repeat=len(ids)):
-            groups = [[d for d, w in zip(ids, where, strict=True) if w == s] for s in range(k)]
-            if not all(groups):
-                continue
-            if not problem.allows_groups and any(len(g) > 1 for g in groups):
-                continue
-            if problem.pin_first is not None and problem.pin_first not in groups[0]:
-                continue
-            for cuts in itertools.combinations(range(1, n), k - 1):
-                bounds = [0, *cuts, n]
-                plans.append(
-                    Plan(
-                        tuple(
-                            Stage.group(g, a, b)
-                            for g, a, b in zip(groups, bounds, bounds[1:], strict=False)
-                        )
-                    )
-                )
-    return plans
-
-
 def _runnable(problem: PlanningProblem, plan: Plan, solo: set[int], whole: bool) -> bool:
     """No group of several devices holds a unit of ``solo``; with ``whole``, each member of
     a group gets a sample or more of a microbatch, split by speed as the runtime splits."""
@@ -110,7 +83,7 @@ def _brute(
     problem: PlanningProblem, solo: set[int] | None = None, whole: bool = False
 ) -> PlanScore | None:
     best: PlanScore | None = None
-    for plan in _all_plans(problem):
+    for plan in all_group_plans(problem):
         if (solo or whole) and not _runnable(problem, plan, solo or set(), whole):
             continue
         score = score_plan(problem, plan)
@@ -355,7 +328,7 @@ def test_a_fixed_stage_count(seed: int, stages: int, exact_limit: float) -> None
     problems and, from the structured search, a valid N-stage plan within 10%."""
     problem = _v2(random_problem(seed + 80, 4, 6, memory_fraction=(0.6, 2.0)), seed)
     best: PlanScore | None = None
-    for plan in _all_plans(problem):
+    for plan in all_group_plans(problem):
         score = score_plan(problem, plan)
         fits = len(plan.stages) == stages and score.feasible
         if fits and (best is None or score.step_time_s < best.step_time_s):

@@ -81,6 +81,8 @@ def test_known_catalogue_and_inline_devices_make_the_fleet(client: TestClient) -
     used = {stage["device"] for stage in plan["stages"]}
     assert all(s["devices"] == [s["device"]] and s["shares"] == [1.0] for s in plan["stages"])
     assert used <= {"pi-1", "rpi4-4gb-1", "rpi4-4gb-2", "box"}
+    assert 0 < plan["lower_bound_step_s"] <= plan["step_time_s"]  # its certificate
+    assert plan["gap"] == pytest.approx(plan["step_time_s"] / plan["lower_bound_step_s"] - 1)
 
 
 @pytest.mark.parametrize("item", ["/etc/hostname", "../coord/edgetrain.db", "me.json", "a,b"])
