@@ -826,6 +826,35 @@ MUTANTS = [
         new="",
         tests=("tests/integration/test_agent_memory.py",),
     ),
+    Mutant(
+        name="bound-ignores-groups",
+        what="a version 2 plan's lower bound is version 1's, which a group can beat: a "
+        "certificate below zero gap",
+        path="coordinator/planner/bounds.py",
+        old="    return min(pipelines, _group_bound(problem))\n",
+        new="    return pipelines\n",
+        tests=("tests/unit/coordinator/planner/test_bounds.py",),
+    ),
+    Mutant(
+        name="anatomy-wait-by-the-receivers-clock",
+        what="the measured anatomy counts a whole wait as link time, not from when the "
+        "neighbour began sending",
+        path="coordinator/planner/anatomy.py",
+        old=(
+            "            on_wire = 0.0 if began is None else "
+            "min(i.seconds, max(0.0, end - max(start, began)))\n"
+        ),
+        new="            on_wire = 0.0 if began is None else i.seconds\n",
+        tests=("tests/unit/coordinator/planner/test_anatomy.py",),
+    ),
+    Mutant(
+        name="anatomy-meter-keeps-warmup",
+        what="a run's measured anatomy averages in its warm-up step",
+        path="coordinator/planner/anatomy.py",
+        old="        if report.step < self._first + self.warmup:\n",
+        new="        if report.step < self._first:\n",
+        tests=("tests/unit/coordinator/planner/test_anatomy.py",),
+    ),
 ]
 
 
