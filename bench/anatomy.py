@@ -19,6 +19,13 @@ its runs; alone it renders a results file again:
 
     .venv/bin/python bench/anatomy.py [--from bench/results/hybrid.json]
         [--results bench/results/anatomy.json] [--chart bench/results/anatomy.png]
+
+``--spec`` runs nothing and reads no results: for each of ``bench/hybrid.py``'s fleets
+and models (its catalogue devices, its batch) it plans the version 2 job as the bench
+does and prints the anatomy the spec's score gives that plan, with the fraction of the
+ideal bound it predicts. No fixed costs and no measured unit times: what the plan's
+shape alone costs (bubble, imbalance, links, group sums), in seconds, to compare the
+parts by before a run says what else there is.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 
+from bench.siblings import sibling
 from coordinator.planner.anatomy import PARTS
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -143,12 +151,74 @@ def write(rows: list[dict[str, Any]], results: Path, chart_path: Path) -> list[d
     return items
 
 
+def spec_anatomies(
+    batch_size: int,
+    microbatches: int,
+    fleets: tuple[str, ...] | None = None,
+    models: tuple[str, ...] = ("vgg11", "resnet18", "gpt-mini"),
+) -> list[dict[str, Any]]:
+    """``--spec``: each bench cell's version 2 plan (``bench/hybrid.py``'s fleets, or
+    ``fleets``), as the spec's score splits its step."""
+    from coordinator.engine.engine import group_limits
+    from coordinator.engine.spec import JobSpec
+    from coordinator.planner.anatomy import StepTerms, anatomy
+    from coordinator.planner.build import build_problem
+    from coordinator.planner.score import for_plan, score_plan
+
+    hybrid = sibling("hybrid")
+    out = []
+    for key in fleets or hybrid.FLEETS:
+        devices = hybrid.fleet_devices(key)
+        for model in models:
+            problem = build_problem(
+                model, devices, batch_size=batch_size, microbatches=microbatches, version=2
+            )
+            job = JobSpec(model=model, steps=1, batch_size=batch_size, microbatches=microbatches)
+            plan = hybrid.plans(problem, group_limits(job))["v2"]
+            planned = for_plan(problem, plan)
+            score = score_plan(planned, plan)
+            parts = anatomy(plan, StepTerms.of_score(planned, score))
+            out.append(
+                {
+                    "model": model,
+                    "fleet": hybrid.fleet_name(key),
+                    "shape": "+".join(str(len(st.devices)) for st in plan.stages),
+                    "predicted_of_ideal": score.throughput_sps / hybrid.ideal_sps(problem),
+                    "parts": parts.fractions(),
+                    "largest_loss": parts.largest_loss(),
+                }
+            )
+    return out
+
+
+def spec_table(items: list[dict[str, Any]]) -> str:
+    """``--spec``'s items as a Markdown table (parts in % of the plan's device-seconds)."""
+    head = " | ".join(p.replace("_", " ") for p in PARTS)
+    lines = [
+        f"| fleet | model | devices per stage | predicted of ideal | {head} | largest loss |",
+        "|---" * (len(PARTS) + 5) + "|",
+    ]
+    for it in items:
+        cells = " | ".join(f"{it['parts'][p]:.0%}" for p in PARTS)
+        lines.append(
+            f"| {it['fleet']} | {it['model']} | {it['shape']} | {it['predicted_of_ideal']:.2f} "
+            f"| {cells} | {it['largest_loss'].replace('_', ' ')} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--from", dest="source", type=Path, default=RESULTS / "hybrid.json")
     parser.add_argument("--results", type=Path, default=RESULTS / "anatomy.json")
     parser.add_argument("--chart", type=Path, default=RESULTS / "anatomy.png")
+    parser.add_argument("--spec", action="store_true", help="each cell's plan by the spec's score")
+    parser.add_argument("--batch-size", type=int, default=64, help="with --spec")
+    parser.add_argument("--microbatches", type=int, default=4, help="with --spec")
     args = parser.parse_args(argv)
+    if args.spec:
+        print(spec_table(spec_anatomies(args.batch_size, args.microbatches)))
+        return 0
     try:
         rows = json.loads(args.source.read_text())
     except (OSError, json.JSONDecodeError) as exc:

@@ -88,7 +88,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -100,13 +99,13 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 
+from bench.siblings import sibling
 from coordinator.engine.engine import group_limits
 from coordinator.engine.options import RunOptions
 from coordinator.engine.runners import run_on_agents
@@ -143,22 +142,8 @@ from edge.wire.groups import sum_waits
 from edge.wire.messages import StepReport
 from edgetrain.cli.signals import exit_on_sigterm
 
-
-def _sibling(name: str) -> ModuleType:
-    """``bench/{name}.py`` as the module ``bench_{name}`` (as the bench tests load it)."""
-    module_name = f"bench_{name}"
-    if module_name not in sys.modules:
-        path = Path(__file__).resolve().parent / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
-
-
-hetero = _sibling("heterogeneity")
-anatomies = _sibling("anatomy")
+hetero = sibling("heterogeneity")
+anatomies = sibling("anatomy")
 
 STRATEGIES = ("single", "even", "v1", "data-parallel", "v2")
 FLEETS = ("rpi4", "2fast4slow", "3x", "10x", "30x")

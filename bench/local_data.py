@@ -51,7 +51,6 @@ renders the table, the chart and the JSON again from a results file.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
@@ -60,11 +59,11 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 
+from bench.siblings import sibling
 from coordinator.engine.engine import plan_over
 from coordinator.engine.spec import DataPlacement, JobSpec
 from coordinator.engine.watch import DeviceFeed
@@ -79,22 +78,7 @@ from edge.runtime.allocator import tune_malloc
 from edge.transport.mqtt import MqttTransport
 from edgetrain.cli.signals import exit_on_sigterm
 
-
-def _sibling(name: str) -> ModuleType:
-    """``bench/{name}.py`` as the module ``bench_{name}``, as ``bench/hybrid.py`` loads its
-    own sibling and the bench tests load them all."""
-    module_name = f"bench_{name}"
-    if module_name not in sys.modules:
-        path = Path(__file__).resolve().parent / f"{name}.py"
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module  # dataclasses look their module up
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
-
-
-hybrid = _sibling("hybrid")
+hybrid = sibling("hybrid")
 
 STRATEGIES = ("holders alone", "one holder", "plan")
 """The plans of each job, in the order they run: the holders alone first, so that every

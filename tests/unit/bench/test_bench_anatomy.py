@@ -93,3 +93,16 @@ def test_it_writes_the_json_and_the_chart_and_renders_a_results_file(
     source.write_text(json.dumps([_row(None)]))
     assert bench.main(["--from", str(source), "--results", str(out), "--chart", str(png)]) == 1
     assert "no row carries both anatomies" in capsys.readouterr().out
+
+
+def test_spec_mode_splits_each_cells_plan_by_the_spec_score(bench: ModuleType) -> None:
+    """vgg11 on four catalogue Pis: the version 2 plan is the group of four, whose only loss
+    by the spec's score is its sum of gradients; 2 fast + 4 slow: a pipeline, whose largest
+    loss is its bubble."""
+    pis, mixed = bench.spec_anatomies(64, 4, fleets=("rpi4", "2fast4slow"), models=("vgg11",))
+    assert (pis["fleet"], pis["shape"], pis["largest_loss"]) == ("rpi4-4gb:4", "4", "group_sum")
+    assert pis["parts"]["compute"] + pis["parts"]["group_sum"] == pytest.approx(1.0)
+    assert pis["predicted_of_ideal"] == pytest.approx(pis["parts"]["compute"])  # equal Pis
+    assert len(mixed["shape"].split("+")) > 1 and mixed["largest_loss"] == "bubble"
+    assert sum(mixed["parts"].values()) == pytest.approx(1.0)
+    assert "| rpi4-4gb:4 | vgg11 | 4 | 0.81 |" in bench.spec_table([pis])
