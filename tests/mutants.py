@@ -827,6 +827,23 @@ MUTANTS = [
         tests=("tests/integration/test_agent_memory.py",),
     ),
     Mutant(
+        name="overlap-waits-for-the-last-backward",
+        what="an armed group sum sends nothing as gradients become final: its reduce-scatter "
+        "waits for the last backward anyway",
+        path="edge/runtime/group_sum.py",
+        old="                self._send_ready(armed)\n",
+        new="                pass\n",
+        tests=("tests/unit/edge/runtime/test_group_sum.py",),
+    ),
+    Mutant(
+        name="stage-never-arms-its-sum",
+        what="a group's stage starts its sum only after its last backward",
+        path="edge/runtime/stage.py",
+        old="                    self.group_sum.arm(step, mine)\n",
+        new="                    pass\n",
+        tests=("tests/e2e/test_group_parity.py",),
+    ),
+    Mutant(
         name="bound-ignores-groups",
         what="a version 2 plan's lower bound is version 1's, which a group can beat: a "
         "certificate below zero gap",

@@ -39,17 +39,31 @@ sum's bytes cost 3.8-4.0 ns each in pieces of 256 KiB and 2.0-2.8 in pieces of
 a chunk of 1 MiB keeps four pieces of 256 KiB and its links overlapped, one of vgg11's
 9 MB chunks over four members goes in nine of 1 MiB at 0.5-0.7 of the CPU a byte.
 
+[Note: the sum overlapped with the backward]
+A piece of the reduce-scatter can go as soon as the gradients it holds are final, and
+in the step's last backward the last units' gradients are final first: the chunks of
+the vector's tail go while the first units still compute, as DDP's buckets do. So the
+stage arms its sum (:meth:`GroupSum.arm`) just before its last backward: each
+parameter's post-accumulate-grad hook marks it final, and a piece all of whose
+parameters (and, on the last stage, the loss, known by then) are final is sent at
+once. After the backward :meth:`GroupSum.sum` sends what is left (the pieces of
+parameters that got no gradient, counted as zeros) and sums as before, in member
+order, so the bits are the same as without the overlap. ``early_bytes`` says how much
+of the reduce-scatter went while the backward still ran.
+
 This is the MQTT-side counterpart of :class:`edge.server.data_parallel.DataParallel`
 (which averages copies of a stage over torch.distributed), and runs at the same
-place: once, after the step's last backward.
+place: its sum ends after the step's last backward.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from edge.transport.base import Channel, Transport
 from edge.transport.inbox import Expected, Inbox
@@ -101,6 +115,12 @@ class GroupSum:
         self.cpu_s = 0.0
         """CPU seconds of this whole process (the client's network thread included) during
         the last :meth:`sum`."""
+        self.early_bytes = 0
+        """Bytes of the last step's reduce-scatter sent while its last backward still ran
+        ([Note: the sum overlapped with the backward])."""
+        self._spans = _param_spans(params)
+        self._loss_at = self._spans[-1][1] if self._spans else 0  # the loss's element
+        self._armed: _Armed | None = None
 
     @property
     def expected(self) -> dict[Kind, Expected]:
@@ -108,17 +128,91 @@ class GroupSum:
         chunk = Expected((self.chunk,), frozenset({torch.float32}), tuple(self.pieces))
         return {Kind.REDUCE: chunk, Kind.GATHER: chunk}
 
+    def arm(self, step: int, loss: float | None) -> None:
+        """Before ``step``'s last backward: send each reduce-scatter piece as soon as its
+        gradients are final (``loss``: the member's loss on the last stage, else
+        ``None``). See [Note: the sum overlapped with the backward]."""
+        self.disarm()
+        self.bytes_sent = self.early_bytes = 0
+        armed = _Armed(step, loss, self._pieces_to_send(loss))
+        self._armed = armed
+        for i, p in enumerate(self.params):
+            armed.handles.append(p.register_post_accumulate_grad_hook(self._final(i)))
+        self._send_ready(armed)
+
+    def disarm(self) -> None:
+        """Stop sending on gradients' hooks (the backward ended, or the step failed)."""
+        if self._armed is not None:
+            for handle in self._armed.handles:
+                handle.remove()
+            self._armed = None
+
     def sum(self, inbox: Inbox, step: int, loss: float | None) -> float | None:
         """Replace every gradient by the group's sum; the group's loss (``None`` off the
         last stage). A parameter without a gradient counts as zeros, so every member
         sums the same vector."""
+        armed = self._armed if self._armed is not None and self._armed.step == step else None
+        self.disarm()
+        if armed is None:
+            self.bytes_sent = self.early_bytes = 0
         self.started, cpu0 = time.time(), time.process_time()
         try:
-            return self._sum(inbox, step, loss)
+            return self._sum(inbox, step, loss, armed.sent if armed is not None else set())
         finally:
             self.cpu_s = time.process_time() - cpu0
 
-    def _sum(self, inbox: Inbox, step: int, loss: float | None) -> float | None:
+    def _final(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
+            armed = self._armed
+            if armed is not None and index not in armed.final:
+                armed.final.add(index)
+                self._send_ready(armed)
+
+        return hook
+
+    def _pieces_to_send(self, loss: float | None) -> dict[tuple[int, int], set[int]]:
+        """Each piece this member sends in the reduce-scatter, ``(owner, lo)``, and the
+        parameters it waits for (the loss's element is ready when ``loss`` is known)."""
+        g, me, c = self.members, self.a.member, self.chunk
+        out: dict[tuple[int, int], set[int]] = {}
+        for k in ((me + j) % g for j in range(1, g)):
+            for lo, hi in self.pieces:
+                start, end = k * c + lo, k * c + hi
+                needs = {i for i, (a, b) in enumerate(self._spans) if a < end and start < b}
+                if loss is None and self.a.is_last and start <= self._loss_at < end:
+                    needs.add(-1)  # never final: the piece waits for the sum
+                out[(k, lo)] = needs
+        return out
+
+    def _send_ready(self, armed: _Armed) -> None:
+        """Send every piece whose parameters are all final, in the staggered order."""
+        for key, needs in armed.waiting.items():
+            if key in armed.sent or not needs <= armed.final:
+                continue
+            owner, lo = key
+            hi = next(h for start, h in self.pieces if start == lo)
+            piece = self._elements(owner * self.chunk + lo, owner * self.chunk + hi, armed.loss)
+            before = self.bytes_sent
+            self._send_piece(Kind.REDUCE, armed.step, piece, lo, owner)
+            self.early_bytes += self.bytes_sent - before
+            armed.sent.add(key)
+
+    def _elements(self, start: int, end: int, loss: float | None) -> torch.Tensor:
+        """Elements ``[start, end)`` of this member's flat vector, from the gradients as
+        they are (the same values :meth:`_sum` flattens)."""
+        out = torch.zeros(end - start, dtype=torch.float32)
+        for p, (a, b) in zip(self.params, self._spans, strict=True):
+            if a < end and start < b and p.grad is not None:
+                lo, hi = max(a, start), min(b, end)
+                flat = p.grad.detach().reshape(-1)[lo - a : hi - a]
+                out[lo - start : hi - start] = flat.float().cpu()
+        if loss is not None and start <= self._loss_at < end:
+            out[self._loss_at - start] = loss
+        return out
+
+    def _sum(
+        self, inbox: Inbox, step: int, loss: float | None, sent: set[tuple[int, int]]
+    ) -> float | None:
         a, g, me, c = self.a, self.members, self.a.member, self.chunk
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         parts = [t.detach().reshape(-1).float().cpu() for t in grads]
@@ -127,10 +221,11 @@ class GroupSum:
         numel = sum(t.numel() for t in parts)
         vector = torch.zeros(c * g, dtype=torch.float32)
         torch.cat(parts, out=vector[:numel])
-        self.bytes_sent = 0
         others = [(me + j) % g for j in range(1, g)]  # staggered: see [Note: pieces of a chunk]
-        for k in others:  # reduce-scatter: chunk k to its owner
-            self._send(Kind.REDUCE, step, vector[k * c : (k + 1) * c], k)
+        for k in others:  # reduce-scatter: chunk k to its owner, what the backward left
+            for lo, hi in self.pieces:
+                if (k, lo) not in sent:
+                    self._send_piece(Kind.REDUCE, step, vector[k * c + lo : k * c + hi], lo, k)
         timeout = a.recv_timeout_s
         mine = torch.zeros(c, dtype=torch.float32)
         for i in range(g):  # in member order, on every owner: the same bits everywhere
@@ -160,9 +255,37 @@ class GroupSum:
         """One chunk, piece by piece, on this member's own topic: a ``REDUCE`` chunk to
         ``member`` of the stage, a ``GATHER`` chunk to every other member at once; each
         frame's microbatch names the sender too, its rows the piece's elements."""
+        for lo, hi in self.pieces:
+            self._send_piece(kind, step, chunk[lo:hi], lo, member)
+
+    def _send_piece(
+        self, kind: Kind, step: int, piece: torch.Tensor, lo: int, member: int = 0
+    ) -> None:
+        """One piece of a chunk, its elements from ``lo`` of the chunk (see :meth:`_send`)."""
         a = self.a
         channel: Channel = "reduce" if kind == Kind.REDUCE else "gather"
-        for lo, hi in self.pieces:
-            frame = encode_frame(kind, a.job, step, a.member, chunk[lo:hi], Codec.RAW, first=lo)
-            self.transport.send(a.job, a.stage, channel, frame, member, sender=a.member)
-            self.bytes_sent += len(frame)
+        frame = encode_frame(kind, a.job, step, a.member, piece, Codec.RAW, first=lo)
+        self.transport.send(a.job, a.stage, channel, frame, member, sender=a.member)
+        self.bytes_sent += len(frame)
+
+
+class _Armed:
+    """A step's reduce-scatter while its last backward runs: what each piece waits for,
+    the parameters final so far, the pieces sent, and the hooks to remove."""
+
+    def __init__(
+        self, step: int, loss: float | None, waiting: dict[tuple[int, int], set[int]]
+    ) -> None:
+        self.step, self.loss, self.waiting = step, loss, waiting
+        self.final: set[int] = set()
+        self.sent: set[tuple[int, int]] = set()
+        self.handles: list[RemovableHandle] = []
+
+
+def _param_spans(params: list[torch.nn.Parameter]) -> list[tuple[int, int]]:
+    """Each parameter's elements ``[start, end)`` in the flat vector, in order."""
+    spans, at = [], 0
+    for p in params:
+        spans.append((at, at + p.numel()))
+        at += p.numel()
+    return spans

@@ -379,7 +379,7 @@ class StageRuntime:
         received_before = self.inbox.bytes_received
         compute = reduce = reduce_started = reduce_cpu = 0.0
         self._own_s = 0.0
-        sent = reduce_bytes = 0
+        sent = reduce_bytes = early = 0
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         losses: dict[int, torch.Tensor] = {}
@@ -443,6 +443,10 @@ class StageRuntime:
                 ran.append(f"F{mb}")
                 peak_held = max(peak_held, len(inputs.keys() | outputs.keys()))
             else:
+                if self.group_sum is not None and action is self.actions[-1]:
+                    # The step's last backward: its sum starts as its gradients become final.
+                    mine = float(sum(v.item() for v in losses.values())) if a.is_last else None
+                    self.group_sum.arm(step, mine)
                 if a.is_last:
                     t0 = self._start()
                     losses[mb].backward()
@@ -464,7 +468,7 @@ class StageRuntime:
             t0 = time.perf_counter()
             loss = self.group_sum.sum(self.inbox, step, loss)
             reduce = time.perf_counter() - t0
-            reduce_bytes = self.group_sum.bytes_sent
+            reduce_bytes, early = self.group_sum.bytes_sent, self.group_sum.early_bytes
             reduce_started, reduce_cpu = self.group_sum.started, self.group_sum.cpu_s
             sent += reduce_bytes
         if self.data_parallel is not None and a.group_size > 1:
@@ -508,6 +512,7 @@ class StageRuntime:
             allreduce_bytes=reduce_bytes,
             allreduce_started=reduce_started,
             allreduce_cpu_s=reduce_cpu,
+            allreduce_early_bytes=early,
             actions=" ".join(ran),
             peak_held=peak_held,
             timeline=clock.timeline(),

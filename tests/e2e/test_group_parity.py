@@ -7,7 +7,10 @@ parameters equal, within 1e-5, those of the plain PyTorch loop
 (:mod:`support.reference`); over MQTT (a real Mosquitto that enforces the
 plan's grants, :func:`edge.wire.topics.stage_access`, and four real agent
 processes) and in-process. Every member reports every step with the samples
-of its share, and members end with the same weights (the runners check that).
+of its share, and members end with the same weights (the runners check that). Each
+member's reduce-scatter went while its last backward still ran ([Note: the sum
+overlapped with the backward] in :mod:`edge.runtime.group_sum`): its report's
+``allreduce_early_bytes`` is the whole chunk it sent, and the sums are the same bits.
 """
 
 from __future__ import annotations
@@ -109,10 +112,14 @@ def _check(result: JobResult, plan: Plan, counts: tuple[int, int]) -> None:
         share = counts[m] if s == group[0] else N
         assert report.samples == share * MICROBATCHES
         assert report.device == plan.stages[s].devices[m]
+        chunk = prefix_size(1) + 4 * _chunk(plan, s)
         if s == group[0]:  # the group summed its gradients: g = 2 chunks sent (one its sum)
-            assert report.allreduce_bytes == 2 * (prefix_size(1) + 4 * _chunk(plan, s))
+            assert report.allreduce_bytes == 2 * chunk
+            # The reduce-scatter's chunk went while the last backward still ran (its
+            # gradients final, hook by hook); only the all-gather's came after it.
+            assert report.allreduce_early_bytes == chunk
         else:
-            assert report.allreduce_bytes == 0
+            assert report.allreduce_bytes == report.allreduce_early_bytes == 0
 
 
 @pytest.mark.parametrize("shares", list(SHARES))

@@ -1,9 +1,13 @@
-"""A group's gradient sum: the same bits on every member, chunks in pieces, exact bytes."""
+"""A group's gradient sum: the same bits on every member, chunks in pieces, exact bytes,
+and, armed before the last backward, pieces sent as their gradients become final."""
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -17,7 +21,7 @@ from edge.runtime.group_sum import (
 )
 from edge.transport.inbox import Inbox
 from edge.transport.inprocess import InProcessTransport
-from edge.wire.frames import prefix_size
+from edge.wire.frames import prefix_size, read_header
 from edge.wire.groups import split_samples, sum_waits
 from edge.wire.messages import StageAssignment
 
@@ -120,3 +124,84 @@ def test_each_member_says_when_its_sum_started_and_the_cpu_it_cost() -> None:
     waits = sum_waits(started)
     assert waits[2] == 0.0 and min(waits[:2]) >= 0.2
     assert all(summer.cpu_s > 0 for summer, _, _ in got)
+
+
+@dataclass
+class _Seen:
+    """What one member saw of its step: when its backward ended, the bytes of its sum
+    sent before that and in all, and each reduce-scatter piece it sent (when, and from
+    which element of its chunk)."""
+
+    backward_end: float = 0.0
+    early: int = 0
+    sent_bytes: int = 0
+    pieces: list[tuple[float, int]] = field(default_factory=list)
+
+
+def _backward_and_sum(armed: bool) -> tuple[list[list[torch.Tensor]], list[_Seen]]:
+    """Two members of a stage of four 256-wide layers (chunks of three pieces each) each
+    run a backward on their own rows, then sum; ``armed``: each arms its sum just before
+    the backward. Each member's summed gradients, and what it saw."""
+    transport = InProcessTransport()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
+    x = torch.randn(6, 256)
+    sent: list[tuple[float, int, int]] = []  # (time, sending member, first element)
+    send = transport.send
+
+    def recording(job: str, stage: int, channel: Any, frame: bytes, *args: Any, **kw: Any) -> None:
+        if channel == "reduce":
+            sent.append((time.perf_counter(), int(kw["sender"]), read_header(frame).samples[0]))
+        send(job, stage, channel, frame, *args, **kw)
+
+    transport.send = recording  # type: ignore[method-assign]
+    copies = [copy.deepcopy(model) for _ in range(2)]
+    seen = [_Seen(), _Seen()]
+    grads: list[list[torch.Tensor]] = [[], []]
+
+    def run(m: int) -> None:
+        a = _member(2, m, last=False)
+        params = list(copies[m].parameters())
+        summer = GroupSum(a, transport, params)
+        inbox = transport.attach(a.job, a.stage, m, members=2)
+        inbox.expect(summer.expected, microbatches=1, step=0, members=2)
+        loss = copies[m](x[3 * m : 3 * m + 3]).square().sum()
+        if armed:
+            summer.arm(0, None)
+        loss.backward()
+        seen[m].backward_end = time.perf_counter()
+        seen[m].early = summer.early_bytes
+        summer.sum(inbox, 0, None)
+        seen[m].sent_bytes = summer.bytes_sent
+        grads[m] = [p.grad.clone() for p in params if p.grad is not None]
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    transport.close()
+    for m in range(2):
+        seen[m].pieces = [(when, lo) for when, who, lo in sent if who == m]
+    return grads, seen
+
+
+def test_an_armed_sum_sends_each_piece_as_its_gradients_become_final() -> None:
+    """[Note: the sum overlapped with the backward]: armed, every reduce-scatter piece goes
+    before the backward returns, member 0's (the vector's tail: the last layers, final
+    first) from its last piece to its first; the sum is the same bits as unarmed."""
+    plain, _ = _backward_and_sum(armed=False)
+    overlapped, seen = _backward_and_sum(armed=True)
+    for a, b in zip(plain, overlapped, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    for member in seen:
+        assert len(member.pieces) == 3
+        assert all(when < member.backward_end for when, _ in member.pieces)
+        assert member.early == member.sent_bytes - member.early  # the gather's half after
+    tail = [lo for _, lo in seen[0].pieces]
+    assert tail == sorted(tail, reverse=True), tail
+
+
+def test_an_unarmed_sum_sends_nothing_early() -> None:
+    _, seen = _backward_and_sum(armed=False)
+    assert [member.early for member in seen] == [0, 0]
