@@ -836,6 +836,25 @@ MUTANTS = [
         tests=("tests/unit/edge/runtime/test_group_sum.py",),
     ),
     Mutant(
+        name="overlap-hides-more-than-the-backward",
+        what="the cost model hides the reduce-scatter's whole half however short the last backward",
+        path="coordinator/planner/predict.py",
+        old=(
+            "            hidden = min(allreduce[s] / 2, "
+            "min(members[s]) * _backward_share(problem, st))\n"
+        ),
+        new="            hidden = allreduce[s] / 2\n",
+        tests=("tests/unit/coordinator/planner/test_predict.py",),
+    ),
+    Mutant(
+        name="dist-overlap-waits-for-the-last-backward",
+        what="an armed all-reduce over torch.distributed starts no bucket from the hooks",
+        path="edge/server/data_parallel.py",
+        old="                    self.early_bytes += self._start(armed, b)\n",
+        new="                    pass\n",
+        tests=("tests/integration/test_data_parallel_groups.py",),
+    ),
+    Mutant(
         name="stage-never-arms-its-sum",
         what="a group's stage starts its sum only after its last backward",
         path="edge/runtime/stage.py",

@@ -33,13 +33,25 @@ prediction every job shows and plans by, :func:`predict`:
   of it (:func:`edge.wire.groups.sum_traffic`); ``byte_s`` prices a byte sent and
   received together (the probe publishes to itself), so each side at half of it.
   The larger, not the sum: the pieces keep both busy at once (see [Note: a group's
-  sum is the larger of its links and its bytes]);
+  sum is the larger of its links and its bytes]). The links' part is less what the
+  last backward hides of it ([Note: what the overlap hides]);
 - per step: the slowest stage's fixed cost per step plus one frame (its report),
   and on a pipeline the labels stage 0 sends the last stage, one frame each
   (none when the labels stay home: a U-shaped plan, whose holders compute both
   ends, so ``tau`` is at least their sum, as in the score);
 - step time: the spec's shape, ``(M - 1) * tau + sum(T) + sum(C) + max(R)``, over
   these terms, plus the per-step terms.
+
+[Note: what the overlap hides]
+A group's member sends each piece of its reduce-scatter as soon as its gradients are
+final, during the step's last backward ([Note: the sum overlapped with the backward]
+in :mod:`edge.runtime.group_sum`). So of the links' ring time ``R_s`` (half of it the
+reduce-scatter, half the all-gather) the reduce-scatter's half can pass while the
+last backward computes: ``min(R_s / 2, bwd)`` is hidden, ``bwd`` the member's backward
+of one microbatch (its seconds a microbatch times the stage's backward share of
+FLOPs; the member with the least). The all-gather must wait for every member's sum,
+and what the bytes cost the members' CPU is spent either way, so neither hides. The
+spec's score keeps its ``R_s`` (a problem file scores as the spec says).
 
 A device's fixed costs are what its agent measured and announced
 (:func:`edge.profiling.fixed_costs.fixed_costs_of`); a device without them (a
@@ -299,8 +311,6 @@ def predict(
     allreduce = list(spec.allreduce_s)
     for s, st in enumerate(plan.stages):
         share = spec.shares[s]
-        if len(st.devices) > 1:  # what each member sends and receives, half each
-            allreduce[s] = max(allreduce[s], _sum_bytes_s(problem, st, fixed))
         t = spec.compute_s[s]
         if units is not None:  # the member that takes longest on its share
             members[s] = [
@@ -308,6 +318,12 @@ def predict(
                 for i, w in zip(st.devices, share, strict=True)
             ]
             t = max(members[s])
+        if len(st.devices) > 1:
+            # The links' reduce-scatter runs while the last backward does; what each
+            # member's CPU moves, half each way, does not hide ([Note: what the overlap
+            # hides]).
+            hidden = min(allreduce[s] / 2, min(members[s]) * _backward_share(problem, st))
+            allreduce[s] = max(allreduce[s] - hidden, _sum_bytes_s(problem, st, fixed))
         # The probe's microbatch ran PROBE_BLOCKS compute blocks; only the last stage runs
         # the loss's block too.
         blocks = PROBE_BLOCKS if s == n_stages - 1 else PROBE_BLOCKS - 1
@@ -395,6 +411,14 @@ def balanced_shares(
             clamped |= low
         out[s] = w
     return out
+
+
+def _backward_share(problem: PlanningProblem, stage: Stage) -> float:
+    """The part of ``stage``'s compute that is backward: its units' backward FLOPs over
+    their training FLOPs (a half where they have none)."""
+    units = problem.layers[stage.start : stage.end]
+    total = sum(u.train_flops for u in units)
+    return (total - sum(u.fwd_flops for u in units)) / total if total > 0 else 0.5
 
 
 def _sum_bytes_s(problem: PlanningProblem, stage: Stage, fixed: Mapping[str, FixedCosts]) -> float:

@@ -25,7 +25,10 @@ The model:
   its ``B``; memory is ``k * params + held * b * acts``. The optimizer step after
   the last backward is taken as free, so the step ends with the last ``B``, or, in
   a version 2 plan, when the last group has summed its gradients: stage ``s``'s
-  group takes ``R_s`` after its own last ``B``. A group runs as one stage at the
+  group sends its reduce-scatter half while its own last ``B`` runs, and takes the
+  rest, ``R_s - min(R_s / 2, g_s)``, after it ([Note: what the overlap hides] in
+  :mod:`coordinator.planner.predict`; the spec's score keeps the whole ``R_s``, so
+  here a group's step is that much below the closed form). A group runs as one stage at the
   score's ``T_s`` (its members' summed speed); its peak memory is its most
   loaded member's, whose share of each microbatch it holds. A U-shaped plan's two
   ends (:attr:`~coordinator.planner.score.Plan.u_shaped`) are simulated as two
@@ -235,14 +238,15 @@ def simulate(
     run = _Run(actions, fwd_s, bwd_s, [c / 2 for c in score.link_s])
     run.run()
     compute = [e for e in run.timeline if e.lane == "stage"]
-    # A group sums its gradients once its last backward is done (version 2's ``R_s``,
-    # 0 for one device); the step ends when the last group has.
+    # A group sums its gradients (version 2's ``R_s``, 0 for one device), its
+    # reduce-scatter half during its last backward ([Note: what the overlap hides] in
+    # coordinator.planner.predict): what is left of it runs after that backward, and
+    # the step ends when the last group has summed.
     last_b = [
         max(e.end_s for e in compute if e.kind == "B" and e.index == s) for s in range(n_stages)
     ]
-    step = max(
-        end + r for end, r in zip(last_b, score.allreduce_s or [0.0] * n_stages, strict=True)
-    )
+    reduce = score.allreduce_s or [0.0] * n_stages
+    step = max(end + r - min(r / 2, g) for end, r, g in zip(last_b, reduce, bwd_s, strict=True))
     busy = [0.0] * n_stages
     for e in compute:
         busy[e.index] += e.end_s - e.start_s

@@ -443,10 +443,13 @@ class StageRuntime:
                 ran.append(f"F{mb}")
                 peak_held = max(peak_held, len(inputs.keys() | outputs.keys()))
             else:
-                if self.group_sum is not None and action is self.actions[-1]:
+                if a.group_size > 1 and action is self.actions[-1]:
                     # The step's last backward: its sum starts as its gradients become final.
                     mine = float(sum(v.item() for v in losses.values())) if a.is_last else None
-                    self.group_sum.arm(step, mine)
+                    if self.group_sum is not None:
+                        self.group_sum.arm(step, mine)
+                    elif self.data_parallel is not None:
+                        self.data_parallel.arm(self.segment.parameters(), mine)
                 if a.is_last:
                     t0 = self._start()
                     losses[mb].backward()
@@ -477,6 +480,7 @@ class StageRuntime:
             loss = self.data_parallel.sum_gradients(self.segment.parameters(), loss)
             reduce = time.perf_counter() - t0
             reduce_bytes = self.data_parallel.bytes_reduced - before
+            early = self.data_parallel.early_bytes
         elif self.data_parallel is not None:
             reduce = self.data_parallel.average_gradients(self.segment.parameters())
             if loss is not None:

@@ -27,16 +27,28 @@ division), and the member's share of the step's loss rides in the last bucket,
 so a step costs one bucketed all-reduce. It replaces
 :class:`edge.runtime.group_sum.GroupSum`, the same sum through the ``reduce``
 channel of an MQTT or in-process transport.
+
+A group's sum overlaps the step's last backward as the MQTT one does ([Note: the sum
+overlapped with the backward] in :mod:`edge.runtime.group_sum`): armed
+(:meth:`DataParallel.arm`) just before it, each bucket's all-reduce starts
+(``async_op``) from its parameters' post-accumulate-grad hooks once they are all
+final, the last bucket (the last units, and the loss) first. Every member runs the
+same segment, so autograd makes its gradients final in the same order on each, and
+the members start the same collectives in the same order, as DDP relies on too.
+:meth:`DataParallel.sum_gradients` starts what is left, waits for all of them and
+copies the sums back.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.utils.hooks import RemovableHandle
 
 __all__ = ["DataParallel", "buckets"]
 
@@ -87,6 +99,29 @@ class DataParallel:
         self.replicas = replicas
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.bytes_reduced = 0
+        self.early_bytes = 0
+        """Bytes of the last group sum whose all-reduce started while its last backward
+        still ran (see the module docstring)."""
+        self._armed: _Armed | None = None
+
+    def arm(self, params: Iterable[torch.nn.Parameter], loss: float | None) -> None:
+        """Before a group's last backward of a step: start each bucket's all-reduce as soon
+        as its parameters' gradients are final (``loss``: the member's share of the step's
+        loss on the last stage, else ``None``)."""
+        self.disarm()
+        self.early_bytes = 0
+        trainable = [p for p in params if p.requires_grad]
+        armed = _Armed(trainable, loss, self.bucket_bytes)
+        self._armed = armed
+        for i, p in enumerate(trainable):
+            armed.handles.append(p.register_post_accumulate_grad_hook(self._final(i)))
+
+    def disarm(self) -> None:
+        """Stop starting all-reduces on gradients' hooks."""
+        if self._armed is not None:
+            for handle in self._armed.handles:
+                handle.remove()
+            self._armed = None
 
     def average_gradients(self, params: Iterable[torch.nn.Parameter]) -> float:
         """All-reduce the gradients of ``params`` and divide by the replicas; seconds taken.
@@ -103,7 +138,14 @@ class DataParallel:
     ) -> float | None:
         """Replace the gradients of ``params`` by their sum over the group, with one
         bucketed all-reduce that also sums ``loss`` (the member's share of the step's
-        loss, on the last stage); the group's loss, ``None`` without one."""
+        loss, on the last stage); the group's loss, ``None`` without one. Armed
+        (:meth:`arm`), the buckets already started are waited for, the rest started."""
+        armed, self._armed = self._armed, None
+        if armed is not None:
+            for handle in armed.handles:
+                handle.remove()
+            return self._finish(armed)
+        self.early_bytes = 0
         grads = _grads(params)
         extra = []
         if loss is not None:
@@ -111,6 +153,39 @@ class DataParallel:
             extra.append(torch.tensor([loss], dtype=torch.float32, device=where))
         self._all_reduce(grads + extra, 1)
         return float(extra[0].item()) if extra else None
+
+    def _final(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
+            armed = self._armed
+            if armed is None:
+                return
+            armed.final.add(index)
+            for b in range(len(armed.waiting)):
+                if b not in armed.started and armed.waiting[b] <= armed.final:
+                    self.early_bytes += self._start(armed, b)
+
+        return hook
+
+    def _start(self, armed: _Armed, b: int) -> int:
+        """Start bucket ``b``'s all-reduce; its bytes."""
+        tensors = armed.bucket_tensors(b)
+        flat = _flatten_dense_tensors(tensors)
+        armed.started[b] = (flat, tensors, dist.all_reduce(flat, group=self.group, async_op=True))
+        return flat.numel() * flat.element_size()
+
+    def _finish(self, armed: _Armed) -> float | None:
+        """Start the buckets not started yet (in bucket order: on every member the same),
+        wait for every one, and copy the sums back."""
+        for b in range(len(armed.waiting)):
+            if b not in armed.started:
+                self._start(armed, b)
+        for b in sorted(armed.started):
+            flat, tensors, work = armed.started[b]
+            work.wait()
+            for t, reduced in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
+                t.copy_(reduced)
+            self.bytes_reduced += flat.numel() * flat.element_size()
+        return float(armed.loss_tensor.item()) if armed.loss_tensor is not None else None
 
     def _all_reduce(self, tensors: list[torch.Tensor], divide: int) -> None:
         """Sum ``tensors`` in place over the group, bucket by bucket; divide by ``divide``."""
@@ -141,3 +216,45 @@ def _grads(params: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
             p.grad = torch.zeros_like(p)
         grads.append(p.grad)
     return grads
+
+
+class _Armed:
+    """A group's sum while its last backward runs: its buckets (as :func:`buckets` makes
+    them, the loss in the last), the parameters each waits for, those final so far, and
+    the all-reduces started."""
+
+    def __init__(
+        self, params: list[torch.nn.Parameter], loss: float | None, bucket_bytes: int
+    ) -> None:
+        self.params = params
+        self.loss_tensor: torch.Tensor | None = None
+        slots: list[Any] = list(range(len(params)))  # a parameter's index, or the loss
+        shapes = [p.detach() for p in params]
+        if loss is not None:
+            where = params[-1].device if params else torch.device("cpu")
+            self.loss_tensor = torch.tensor([loss], dtype=torch.float32, device=where)
+            slots.append("loss")
+            shapes.append(self.loss_tensor)
+        order = {id(t): i for i, t in enumerate(shapes)}
+        self.slots = [
+            [slots[order[id(t)]] for t in bucket] for bucket in buckets(shapes, bucket_bytes)
+        ]
+        self.waiting = [{i for i in bucket if i != "loss"} for bucket in self.slots]
+        self.final: set[int] = set()
+        self.started: dict[int, tuple[torch.Tensor, list[torch.Tensor], Any]] = {}
+        self.handles: list[RemovableHandle] = []
+
+    def bucket_tensors(self, b: int) -> list[torch.Tensor]:
+        """The tensors of bucket ``b``: its parameters' gradients (zeros where a parameter
+        got none) and the loss."""
+        out = []
+        for slot in self.slots[b]:
+            if slot == "loss":
+                assert self.loss_tensor is not None
+                out.append(self.loss_tensor)
+                continue
+            p = self.params[slot]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            out.append(p.grad)
+        return out

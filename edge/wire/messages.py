@@ -358,8 +358,9 @@ class StepReport(_Event):
     """A group's member over MQTT: CPU seconds its whole process spent during the sum
     (encoding, the client library, TLS, decoding, adding; its network thread included)."""
     allreduce_early_bytes: int = Field(default=0, ge=0)
-    """A group's member over MQTT: bytes of its sum it sent while its last backward still
-    ran ([Note: the sum overlapped with the backward] in :mod:`edge.runtime.group_sum`)."""
+    """A group's member: bytes of its sum it sent (over torch.distributed, whose
+    all-reduce it started) while its last backward still ran ([Note: the sum overlapped
+    with the backward] in :mod:`edge.runtime.group_sum`)."""
     actions: str = Field(default="", max_length=65536, pattern=r"^([FB]\d+( [FB]\d+)*)?$")
     """The forwards and backwards the stage ran in the step, in the order it ran them, as
     a schedule row (``"F0 F1 B0 B1"``: :func:`edge.runtime.schedules.format_schedule`);

@@ -7,8 +7,9 @@ per-step losses and final parameters equal, within 1e-5, to those of the plain
 PyTorch loop (:mod:`support.reference`), the job of
 ``tests/e2e/test_group_parity.py`` (MQTT and in-process). Every member reports
 every step with the samples of its share, the group sums its gradients and loss
-with one bucketed all-reduce of exactly their size, and the members end with
-the same weights (:func:`edge.server.job_file.read_results` checks that).
+with one bucketed all-reduce of exactly their size, started while the last backward
+still ran, and the members end with the same weights
+(:func:`edge.server.job_file.read_results` checks that).
 """
 
 from __future__ import annotations
@@ -89,7 +90,9 @@ def test_groups_over_gloo_equal_one_device(
         if s == group[0]:  # one bucketed all-reduce of the gradients (and the loss)
             assert report.samples == want[m] * MICROBATCHES
             assert report.allreduce_bytes == _reduced_bytes(job, s)
+            # Its one bucket started from the hooks, before the last backward returned.
+            assert report.allreduce_early_bytes == report.allreduce_bytes
             assert report.bytes_sent > 0 and report.bytes_received > 0
         else:
             assert report.samples == N * MICROBATCHES
-            assert report.allreduce_bytes == 0
+            assert report.allreduce_bytes == report.allreduce_early_bytes == 0

@@ -6,8 +6,11 @@ all-reduce really averages across processes; the rest run in a one-process group
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from support.ranks import gloo_world, run_ranks
@@ -123,3 +126,43 @@ def test_two_processes_end_with_the_mean_gradient(tmp_path: Path) -> None:
     assert [g["loss"] for g in got] == [1.5, 1.5]
     trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     assert [g["bytes"] for g in got] == [trainable, trainable]
+
+
+def test_an_armed_group_sum_starts_each_bucket_as_its_gradients_become_final(
+    world_of_one: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group's sum armed before the last backward ([Note: the sum overlapped with the
+    backward]): each layer's bucket starts its all-reduce from the hooks, before the
+    backward returns, the last layer's first; the sums and the loss are what the plain
+    path gives."""
+    started: list[tuple[float, int]] = []
+    all_reduce = dist.all_reduce
+
+    def recording(tensor: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        started.append((time.perf_counter(), tensor.numel()))
+        return all_reduce(tensor, *args, **kw)
+
+    def run(armed: bool) -> tuple[list[torch.Tensor], float | None, float, DataParallel]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(8, 9), torch.nn.Linear(9, 10), torch.nn.Linear(10, 11)
+        )
+        dp = DataParallel(None, 1, bucket_mb=500 / 2**20)  # a bucket a layer
+        loss = model(torch.randn(3, 8)).square().sum()
+        if armed:
+            dp.arm(model.parameters(), 2.5)
+        loss.backward()
+        ended = time.perf_counter()
+        got = dp.sum_gradients(model.parameters(), 2.5)
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None], got, ended, dp
+
+    monkeypatch.setattr(dist, "all_reduce", recording)
+    plain, plain_loss, _, _ = run(armed=False)
+    started.clear()
+    grads, loss, ended, dp = run(armed=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, grads, strict=True))
+    assert loss == plain_loss == 2.5
+    sizes = [8 * 9 + 9, 9 * 10 + 10, 10 * 11 + 11 + 1]  # each layer's bucket; the loss last
+    assert [n for _, n in started] == sizes[::-1]
+    assert all(when < ended for when, _ in started)
+    assert dp.early_bytes == dp.bytes_reduced == 4 * sum(sizes)
