@@ -77,7 +77,10 @@ def plan_command(
     the model's unit costs and the device catalogue). Exit status 2 for bad
     input, 3 when no plan fits the devices' memory. --explain splits each member's
     step into compute, fixed costs, pipeline bubble, imbalance, link and group sum
-    (with --json, as "anatomy").
+    (with --json, as "anatomy"). Every plan's report gives a lower bound on the step
+    no plan beats and the plan's gap to it; --json adds them (lower_bound_step_s, gap)
+    for --model, and for --problem with --explain: a problem file's object is the
+    spec's.
     """
     # The planner (numpy) is imported by the command, not with the module: every other
     # command starts without it ([Note: commands without torch] in edgetrain.cli).
@@ -119,9 +122,12 @@ def plan_command(
         _write(timeline, json.dumps(trace), "--timeline")
     parts = anatomy(result.score.plan, StepTerms.of_score(problem, result.score))
     if json_out:
+        # A problem file's object is the spec's, exactly; edgetrain's own figures join it
+        # when asked for (--explain), and always for a plan of a model.
         extra = {"anatomy": parts.to_json()} if explain else {}
-        certified = certificate(problem, result.score.step_time_s)
-        typer.echo(json.dumps(result.score.to_json() | certified | extra))
+        if explain or problem_file is None:
+            extra |= certificate(problem, result.score.step_time_s)
+        typer.echo(json.dumps(result.score.to_json() | extra))
         return
     _print_report(problem, result, parts if explain else None)
 

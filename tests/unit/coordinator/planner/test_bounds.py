@@ -6,13 +6,15 @@ certificate every plan carries.
   is the optimum the version 1 bound alone would have been above it;
 - the bound is reached where nothing but compute costs: equal devices, free links, no
   parameters, where the group of all is optimal (gap 0);
-- ``edgetrain plan --json`` gives every plan its ``lower_bound_step_s`` and ``gap``, and
-  the REST API's what-if plans and the text report the same.
+- ``edgetrain plan --json`` gives every plan of a model its ``lower_bound_step_s`` and
+  ``gap`` (a problem file's with ``--explain``: its plain object is the spec's,
+  tests/integration/test_plan_cli.py), and the text report the same.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from support.planning import all_group_plans, make_problem, random_problem
@@ -100,3 +102,18 @@ def test_plan_json_certifies_every_plan(groups: str) -> None:
     shown = CliRunner().invoke(app, args)
     said = " ".join(shown.output.split())
     assert f"lower bound {got['lower_bound_step_s'] * 1e3:.1f} ms" in said, said
+
+
+def test_a_problem_files_object_gains_the_certificate_only_when_explained(
+    tmp_path: Path,
+) -> None:
+    problem = random_problem(2, 3, 4).as_version(2)
+    path = tmp_path / "problem.json"
+    path.write_text(json.dumps(problem.to_json()))
+    plain = CliRunner().invoke(app, ["plan", "--problem", str(path), "--json"])
+    assert plain.exit_code == 0, plain.output
+    assert "gap" not in json.loads(plain.output)
+    explained = CliRunner().invoke(app, ["plan", "--problem", str(path), "--json", "--explain"])
+    got = json.loads(explained.output)
+    assert got["lower_bound_step_s"] == pytest.approx(lower_bound(problem), rel=REL)
+    assert got["gap"] == pytest.approx(got["step_time_s"] / got["lower_bound_step_s"] - 1)
