@@ -310,7 +310,7 @@ class _Event(_Message):
     device: str
     member: int = Field(default=0, ge=0)
     """Which member of the stage's group sent it (0 alone)."""
-    ts: float = Field(default_factory=time.time)
+    ts: float = Field(default_factory=time.time, allow_inf_nan=False)
 
 
 class StageReady(_Event):
@@ -320,28 +320,36 @@ class StageReady(_Event):
     parameters: int = 0
 
 
+StepSeconds = Annotated[float, Field(ge=0.0, le=1e9, allow_inf_nan=False)]
+"""A step report's duration: finite, not negative, under 31 years. What a device says is
+summed and served as JSON (:mod:`coordinator.planner.anatomy`, the metrics routes), where
+a non-finite or overflowing figure would break the reply."""
+UnixTime = Annotated[float, Field(ge=0.0, le=1e11, allow_inf_nan=False)]
+"""A wall-clock instant a report names (Unix seconds; 0: not said)."""
+
+
 class StepReport(_Event):
     """One step of one stage: what it cost and, on the last stage, the loss."""
 
     type: Literal["step"] = "step"
     step: int = Field(ge=0)
     loss: float | None = None
-    compute_s: float = 0.0
-    own_compute_s: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
+    compute_s: StepSeconds = 0.0
+    own_compute_s: StepSeconds | None = None
     """The compute seconds the device itself took (``compute_s`` less the time other
     processes held a CPU, where that can be told apart: [Note: a device's own compute
     seconds] in :mod:`edge.runtime.stage`); ``None`` from an agent that does not say."""
-    wait_s: float = 0.0
-    send_s: float = 0.0
-    step_s: float = 0.0
+    wait_s: StepSeconds = 0.0
+    send_s: StepSeconds = 0.0
+    step_s: StepSeconds = 0.0
     bytes_sent: int = 0
     bytes_received: int = 0
     frames_dropped: int = 0
     replica_bytes: int = 0
     """Size of the state published after this step, for step ``step + 1`` (0: none was)."""
-    replica_s: float = 0.0
+    replica_s: StepSeconds = 0.0
     """Seconds spent serialising and handing over that state."""
-    allreduce_s: float = 0.0
+    allreduce_s: StepSeconds = 0.0
     """Data parallelism: seconds averaging gradients (and the loss) over the replicas,
     or summing them over the stage's group."""
     samples: int = 0
@@ -349,12 +357,12 @@ class StepReport(_Event):
     allreduce_bytes: int = 0
     """A group's member: bytes it sent summing the group's gradients (in ``bytes_sent``);
     over torch.distributed, the bytes of the vector it all-reduced (c10d's own traffic)."""
-    allreduce_started: float = Field(default=0.0, ge=0.0)
+    allreduce_started: UnixTime = 0.0
     """A group's member over MQTT: when its sum started (Unix seconds, 0: no sum), right
     after its last backward. The sum cannot finish before the last member starts its own,
     so ``max(started over the group) - started`` of ``allreduce_s`` is this member's wait
     for the slowest, the rest the transfer (:func:`edge.wire.groups.sum_waits`)."""
-    allreduce_cpu_s: float = Field(default=0.0, ge=0.0)
+    allreduce_cpu_s: StepSeconds = 0.0
     """A group's member over MQTT: CPU seconds its whole process spent during the sum
     (encoding, the client library, TLS, decoding, adding; its network thread included)."""
     allreduce_early_bytes: int = Field(default=0, ge=0)
@@ -368,7 +376,7 @@ class StepReport(_Event):
     peak_held: int = Field(default=0, ge=0)
     """The most microbatches whose forward had run and backward had not, at once: how
     many microbatches' activations the stage held at its peak."""
-    started_at: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    started_at: UnixTime = 0.0
     """When the step started here (Unix seconds; 0: an agent that does not say)."""
     timeline: str = Field(default="", max_length=196608, pattern=TIMELINE_PATTERN)
     """When each of the step's blocking waits and sends began and ended, from

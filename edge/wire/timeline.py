@@ -12,7 +12,9 @@ entry per blocking wait or send, separated by spaces::
 
 ``w`` is a wait, ``s`` a send; ``A``, ``G`` and ``L`` are activations, gradients and
 labels. Offsets and durations are milliseconds from the report's ``started_at``, to
-the microsecond. A group member's entry covers the whole block it took or sent, all
+the microsecond, each at most nine digits before the point (11 days) and the
+microbatch at most four (the job's at most 1024): whatever a device writes parses
+to finite numbers. A group member's entry covers the whole block it took or sent, all
 of its pieces.
 
 Tested in tests/unit/edge/wire/test_timeline.py.
@@ -26,11 +28,11 @@ from typing import Literal
 
 __all__ = ["TIMELINE_PATTERN", "Interval", "Op", "What", "format_timeline", "parse_timeline"]
 
-_ONE = r"[ws][AGL]\d+@\d+(\.\d+)?\+\d+(\.\d+)?"
+_ONE = r"[ws][AGL]\d{1,4}@\d{1,9}(\.\d{1,3})?\+\d{1,9}(\.\d{1,3})?"
 TIMELINE_PATTERN = rf"^({_ONE}( {_ONE})*)?$"
 """What a step report's ``timeline`` may hold (empty: an agent that does not say)."""
 
-_ENTRY = re.compile(r"([ws])([AGL])(\d+)@(\d+(?:\.\d+)?)\+(\d+(?:\.\d+)?)")
+_ENTRY = re.compile(r"([ws])([AGL])(\d+)@(\d+(?:\.\d+)?)\+(\d+(?:\.\d+)?)")  # within _ONE
 
 Op = Literal["w", "s"]
 What = Literal["A", "G", "L"]

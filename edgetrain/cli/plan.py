@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -124,7 +124,7 @@ def plan_command(
     if json_out:
         # A problem file's object is the spec's, exactly; edgetrain's own figures join it
         # when asked for (--explain), and always for a plan of a model.
-        extra = {"anatomy": parts.to_json()} if explain else {}
+        extra: dict[str, Any] = {"anatomy": parts.to_json()} if explain else {}
         if explain or problem_file is None:
             extra |= certificate(problem, result.score.step_time_s)
         typer.echo(json.dumps(result.score.to_json() | extra))

@@ -31,6 +31,7 @@ writers, transitions) and tests/unit/coordinator/service/test_final_jobs.py.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 import time
@@ -346,7 +347,8 @@ class Store:
             "step": report.step,
             "stage": report.stage,
             "device": report.device,
-            "loss": report.loss,
+            # A diverged loss (NaN, or infinite) is stored as none: JSON has no such number.
+            "loss": report.loss if report.loss is None or math.isfinite(report.loss) else None,
             "compute_s": report.compute_s,
             "wait_s": report.wait_s,
             "send_s": report.send_s,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sqlite3
 import threading
 import time
@@ -251,6 +252,13 @@ def test_a_repeated_step_report_updates_the_row(store: Store) -> None:
         store.add_step("nope", report("nope", 0, 0))
     with pytest.raises(ValueError, match="given for job j1"):
         store.add_step("j1", report("j2", 0, 0))
+
+
+@pytest.mark.parametrize("loss", [math.nan, math.inf, -math.inf])
+def test_a_diverged_loss_reads_back_as_none(store: Store, loss: float) -> None:
+    store.create_job("j1", SPEC)
+    store.add_step("j1", report("j1", 0, 1, loss=loss))
+    assert [r.loss for r in store.job_steps("j1")] == [None]
 
 
 def test_a_jobs_measured_anatomy_is_replaced_and_survives_a_restart(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@
 - the text round-trips every interval to the microsecond, and a report refuses text
   that is not a timeline, with the field named;
 - the clock sums what it timed into ``wait_s`` and ``send_s`` and lists each wait and
-  send where it happened, from the step's start.
+  send where it happened, from the step's start;
+- a step report refuses figures that JSON could not serve once summed.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from edge.runtime.step_clock import StepClock
-from edge.wire.messages import StepReport
+from edge.wire.messages import MessageError, StepReport, parse_event
 from edge.wire.timeline import Interval, format_timeline, parse_timeline
 
 
@@ -73,3 +74,27 @@ def test_the_clock_sums_and_lists_what_it_timed() -> None:
     assert clock.wait_s == pytest.approx(sum(i.seconds for i in waits), abs=1e-5)
     assert clock.send_s == pytest.approx(send.seconds, abs=1e-5)
     assert clock.elapsed() >= send.end_s
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("compute_s", "Infinity"),
+        ("wait_s", "NaN"),
+        ("step_s", "1e300"),
+        ("allreduce_s", "-1"),
+        ("started_at", "1e300"),
+        ("allreduce_started", "Infinity"),
+        ("ts", "NaN"),
+        ("timeline", '"wA0@1234567890+1"'),
+        ("timeline", '"wA12345@1+1"'),
+    ],
+)
+def test_a_step_report_refuses_figures_json_cannot_serve(field: str, value: str) -> None:
+    """What a device reports is summed and served as JSON (the metrics, the anatomy): a
+    non-finite, negative or absurd figure, or a timeline number too long to stay finite,
+    is refused naming the field."""
+    body = '{"type": "step", "job": "j1", "stage": 0, "device": "d", "step": 0, '
+    with pytest.raises(MessageError, match=field):
+        parse_event(f'{body}"{field}": {value}}}')
+    assert parse_event(body + '"loss": NaN}').type == "step"  # a diverged loss is a loss
