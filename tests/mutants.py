@@ -587,8 +587,8 @@ MUTANTS = [
         name="predict-free-gradient-bytes",
         what="the cost model forgets the CPU a group's members spend moving gradients",
         path="coordinator/planner/predict.py",
-        old="allreduce[s] = max(allreduce[s], _sum_bytes_s(problem, st, fixed))",
-        new="allreduce[s] = max(allreduce[s], 0.0)",
+        old="allreduce[s] = max(allreduce[s] - hidden, _sum_bytes_s(problem, st, fixed))",
+        new="allreduce[s] = max(allreduce[s] - hidden, 0.0)",
         tests=("tests/unit/coordinator/planner/test_predict.py",),
     ),
     Mutant(
@@ -596,8 +596,8 @@ MUTANTS = [
         what="the cost model charges a group's sum its links' time and then its bytes' time, "
         "where the pieces keep both busy at once (measured: the sum takes the longer)",
         path="coordinator/planner/predict.py",
-        old="allreduce[s] = max(allreduce[s], _sum_bytes_s(problem, st, fixed))",
-        new="allreduce[s] += _sum_bytes_s(problem, st, fixed)",
+        old="allreduce[s] = max(allreduce[s] - hidden, _sum_bytes_s(problem, st, fixed))",
+        new="allreduce[s] = allreduce[s] - hidden + _sum_bytes_s(problem, st, fixed)",
         tests=("tests/unit/coordinator/planner/test_predict.py",),
     ),
     Mutant(

@@ -84,8 +84,6 @@ def plan_command(
     """
     # The planner (numpy) is imported by the command, not with the module: every other
     # command starts without it ([Note: commands without torch] in edgetrain.cli).
-    from coordinator.planner.anatomy import StepTerms, anatomy
-    from coordinator.planner.bounds import certificate
     from coordinator.planner.build import build_problem, parse_fleet
     from coordinator.planner.group_search import plan_any
     from coordinator.planner.simulator import simulate
@@ -120,16 +118,30 @@ def plan_command(
     if timeline is not None:
         trace = simulate(problem, result.score.plan, "1f1b").to_chrome_trace()
         _write(timeline, json.dumps(trace), "--timeline")
-    parts = anatomy(result.score.plan, StepTerms.of_score(problem, result.score))
     if json_out:
-        # A problem file's object is the spec's, exactly; edgetrain's own figures join it
-        # when asked for (--explain), and always for a plan of a model.
-        extra: dict[str, Any] = {"anatomy": parts.to_json()} if explain else {}
-        if explain or problem_file is None:
-            extra |= certificate(problem, result.score.step_time_s)
-        typer.echo(json.dumps(result.score.to_json() | extra))
+        typer.echo(json.dumps(_plan_object(problem, result.score, explain, problem_file is None)))
         return
-    _print_report(problem, result, parts if explain else None)
+    _print_report(problem, result, _anatomy(problem, result.score) if explain else None)
+
+
+def _plan_object(
+    problem: PlanningProblem, score: PlanScore, explain: bool, of_model: bool
+) -> dict[str, Any]:
+    """What ``--json`` prints: the spec's object, and edgetrain's own figures with it when
+    asked for (``explain``: the anatomy) or for a plan of a model (the certificate). A
+    problem file's plain object is the spec's, exactly."""
+    from coordinator.planner.bounds import certificate
+
+    extra: dict[str, Any] = {"anatomy": _anatomy(problem, score).to_json()} if explain else {}
+    if explain or of_model:
+        extra |= certificate(problem, score.step_time_s)
+    return score.to_json() | extra
+
+
+def _anatomy(problem: PlanningProblem, score: PlanScore) -> Anatomy:
+    from coordinator.planner.anatomy import StepTerms, anatomy
+
+    return anatomy(score.plan, StepTerms.of_score(problem, score))
 
 
 def with_objective(
