@@ -877,10 +877,10 @@ MUTANTS = [
         "neighbour began sending",
         path="coordinator/planner/anatomy.py",
         old=(
-            "            on_wire = 0.0 if began is None else "
-            "min(i.seconds, max(0.0, end - max(start, began)))\n"
+            "            on_wire = 0.0 if sent is None else "
+            "min(i.seconds, max(0.0, end - max(start, sent)))\n"
         ),
-        new="            on_wire = 0.0 if began is None else i.seconds\n",
+        new="            on_wire = 0.0 if sent is None else i.seconds\n",
         tests=("tests/unit/coordinator/planner/test_anatomy.py",),
     ),
     Mutant(

@@ -228,7 +228,8 @@ def measured_anatomy(reports: Sequence[StepReport], step: int) -> Anatomy:
     later = {(r.stage, r.member): r for r in reports if r.step == step + 1}
     if not now:
         raise ValueError(f"no report of step {step}")
-    sends = {key: [i for i in parse_timeline(r.timeline) if i.op == "s"] for key, r in now.items()}
+    timelines = {key: parse_timeline(r.timeline) for key, r in now.items()}  # once each
+    began = _began_sending(now, timelines)
     per_mb: dict[int, float] = {}  # T_s: each stage's slowest member's, per microbatch
     for (stage, _), r in now.items():
         count = max(1, r.actions.count("F"))
@@ -240,16 +241,16 @@ def measured_anatomy(reports: Sequence[StepReport], step: int) -> Anatomy:
         period = nxt.started_at - r.started_at if nxt is not None else r.step_s
         parts = dict.fromkeys(PARTS, 0.0)
         parts["compute"], parts["group_sum"] = r.compute_s, r.allreduce_s
-        timeline = parse_timeline(r.timeline)
+        timeline = timelines[(stage, member)]
         waited = 0.0 if timeline else r.wait_s  # on a neighbour still computing
         for i in timeline:
             if i.op == "s":
                 parts["link"] += i.seconds
                 continue
             sender = 0 if i.what == "L" else stage + _SENDER[i.what]
-            began = _began_sending(sends, now, sender, i)
+            sent = began.get((sender, i.what, i.microbatch))
             start, end = r.started_at + i.start_s, r.started_at + i.end_s
-            on_wire = 0.0 if began is None else min(i.seconds, max(0.0, end - max(start, began)))
+            on_wire = 0.0 if sent is None else min(i.seconds, max(0.0, end - max(start, sent)))
             parts["link"] += on_wire
             waited += i.seconds - on_wire
         parts["bubble"] = min(waited, max(0.0, filled - per_mb[stage]))
@@ -264,21 +265,18 @@ def measured_anatomy(reports: Sequence[StepReport], step: int) -> Anatomy:
 
 
 def _began_sending(
-    sends: dict[tuple[int, int], list[Interval]],
-    reports: dict[tuple[int, int], StepReport],
-    stage: int,
-    wait: Interval,
-) -> float | None:
-    """When the last member of ``stage`` began sending what ``wait`` waited for (Unix
-    seconds), or ``None`` if no report of that stage says."""
-    began = [
-        reports[key].started_at + i.start_s
-        for key, mine in sends.items()
-        if key[0] == stage
-        for i in mine
-        if i.what == wait.what and i.microbatch == wait.microbatch
-    ]
-    return max(began) if began else None
+    reports: dict[tuple[int, int], StepReport], timelines: dict[tuple[int, int], list[Interval]]
+) -> dict[tuple[int, str, int], float]:
+    """For each stage, tensor kind and microbatch its members sent, when the last of them
+    began sending it (Unix seconds): the index a wait is looked up in."""
+    out: dict[tuple[int, str, int], float] = {}
+    for (stage, member), timeline in timelines.items():
+        zero = reports[(stage, member)].started_at
+        for i in timeline:
+            if i.op == "s":
+                key = (stage, i.what, i.microbatch)
+                out[key] = max(out.get(key, zero + i.start_s), zero + i.start_s)
+    return out
 
 
 class AnatomyMeter:

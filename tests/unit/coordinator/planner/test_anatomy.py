@@ -27,6 +27,7 @@ import random
 from typing import Any
 
 import pytest
+from support.calibrated import with_measured_costs
 from support.planning import make_problem, random_problem
 from typer.testing import CliRunner
 
@@ -38,7 +39,7 @@ from coordinator.planner.anatomy import (
     anatomy,
     measured_anatomy,
 )
-from coordinator.planner.predict import UnitSeconds, predict
+from coordinator.planner.predict import predict
 from coordinator.planner.score import Plan, Stage, score_plan
 from edge.problem import PlanningProblem
 from edge.wire.messages import StepReport
@@ -90,16 +91,7 @@ def test_the_parts_add_up_to_the_spec_score_of_random_plans(seed: int) -> None:
 def test_the_parts_add_up_to_the_prediction_with_fixed_costs_and_unit_seconds(seed: int) -> None:
     rng = random.Random(seed)
     problem = random_problem(seed, 6, 6, memory_fraction=(5.0, 10.0)).as_version(2)
-    costs = {
-        "microbatch_s": rng.uniform(0, 0.01),
-        "step_s": rng.uniform(0, 0.05),
-        "frame_s": rng.uniform(0, 0.01),
-        "byte_s": 10 ** rng.uniform(-10, -7),
-    }
-    devices = [d.model_copy(update={"details": {"fixed_costs": costs}}) for d in problem.devices]
-    problem = problem.model_copy(update={"devices": devices})
-    seconds = tuple(rng.uniform(0.01, 0.5) for _ in problem.layers)
-    units = UnitSeconds(seconds, 20.0, fixed=tuple(s * rng.uniform(0, 0.8) for s in seconds))
+    problem, units = with_measured_costs(problem, rng)
     plan = _random_plan(problem, rng, groups=True)
     prediction = predict(problem, plan, units)
     got = anatomy(plan, StepTerms.of_prediction(problem, prediction))

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.calibrated import with_measured_costs
 from support.planning import random_problem
 from typer.testing import CliRunner
 
@@ -585,16 +586,7 @@ def test_a_version_2_job_is_never_predicted_slower_than_version_1(seed: int) -> 
     version 1 job gets over the same devices, under the same model."""
     rng = random.Random(seed)
     problem = random_problem(seed, 4, 5, memory_fraction=(0.6, 2.0)).as_version(2)
-    costs = {
-        "microbatch_s": rng.uniform(0, 0.01),
-        "step_s": rng.uniform(0, 0.05),
-        "frame_s": rng.uniform(0, 0.01),
-        "byte_s": 10 ** rng.uniform(-10, -7),
-    }
-    devices = [d.model_copy(update={"details": {"fixed_costs": costs}}) for d in problem.devices]
-    problem = problem.model_copy(update={"devices": devices})
-    seconds = tuple(rng.uniform(0.01, 0.5) for _ in problem.layers)
-    units = UnitSeconds(seconds, 20.0, fixed=tuple(s * rng.uniform(0, 0.8) for s in seconds))
+    problem, units = with_measured_costs(problem, rng)
     try:
         v1 = plan_job(problem.as_version(1), units=units)
     except UserError:
