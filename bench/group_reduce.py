@@ -98,13 +98,18 @@ def measure(
             took = [0.0] * g
             start = threading.Barrier(g)
             threads = [
-                threading.Thread(target=_one_sum, args=(members[m], m, step, start, took))
+                threading.Thread(
+                    target=_one_sum, args=(members[m], m, step, start, took), daemon=True
+                )
                 for m in range(g)
             ]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
+            try:
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+            finally:  # a SIGTERM between two starts: the started ones stop waiting
+                start.abort()
             want = float(g * (g + 1) // 2)
             grads = [p.grad for _, _, p in members]
             assert all(t is not None and bool(torch.all(t == want)) for t in grads), "wrong sum"
@@ -127,7 +132,10 @@ def _one_sum(
     """Member ``m``'s sum of ``step``, its gradients reset first; seconds into ``took``."""
     summer, inbox, param = member
     param.grad = torch.full((param.numel(),), float(m + 1))
-    start.wait()
+    try:
+        start.wait()
+    except threading.BrokenBarrierError:  # the run is stopping
+        return
     t0 = time.perf_counter()
     summer.sum(inbox, step, None)
     took[m] = time.perf_counter() - t0
