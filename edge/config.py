@@ -173,7 +173,9 @@ class TrainConfigBase(BaseModel):
     @model_validator(mode="after")
     def _check_batch(self) -> TrainConfigBase:
         # A shape with data-parallel replicas splits every microbatch over them too.
-        check_batch_split(self.batch_size, self.microbatches, getattr(self, "replicas", None))
+        # A job's "auto" (coordinator.engine.spec.JobBase) is checked once its plan chose.
+        if isinstance(self.microbatches, int):
+            check_batch_split(self.batch_size, self.microbatches, getattr(self, "replicas", None))
         return self
 
     @field_validator("model_options")

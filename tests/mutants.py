@@ -847,6 +847,14 @@ MUTANTS = [
         tests=("tests/unit/coordinator/planner/test_predict.py",),
     ),
     Mutant(
+        name="auto-microbatches-ignore-fixed-costs",
+        what="auto microbatches chosen by the spec's score, blind to what each one costs fixed",
+        path="coordinator/planner/microbatches.py",
+        old="        if best is None or guess.step_time_s < best.prediction.step_time_s:\n",
+        new="        if best is None or score.step_time_s < best.score.step_time_s:\n",
+        tests=("tests/unit/coordinator/planner/test_microbatches.py",),
+    ),
+    Mutant(
         name="dist-overlap-waits-for-the-last-backward",
         what="an armed all-reduce over torch.distributed starts no bucket from the hooks",
         path="edge/server/data_parallel.py",

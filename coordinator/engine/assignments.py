@@ -17,14 +17,22 @@ from collections.abc import Sequence
 
 import torch
 
-from coordinator.engine.spec import JobSpec
+from coordinator.engine.spec import JobSpec, microbatches_of
+from coordinator.planner.microbatches import first_microbatches, microbatch_choices
 from coordinator.planner.score import Plan
 from edge.errors import UserError
 from edge.runtime.stage import batchnorm_in, group_batchnorm_error
 from edge.wire.groups import split_samples
 from edge.wire.messages import StageAssignment
 
-__all__ = ["batchnorm_units", "group_samples", "make_assignments", "u_tail"]
+__all__ = [
+    "batchnorm_units",
+    "group_samples",
+    "make_assignments",
+    "microbatch_choices_of",
+    "planning_start",
+    "u_tail",
+]
 
 
 def group_samples(
@@ -39,7 +47,7 @@ def group_samples(
     shares = shares if shares is not None else [[1.0] * len(st.devices) for st in stages]
     if len(shares) != len(stages):
         raise ValueError(f"{len(shares)} stages of shares for a plan of {len(stages)}")
-    n = spec.batch_size // spec.microbatches
+    n = spec.batch_size // microbatches_of(spec)
     out = []
     for s, (st, ours) in enumerate(zip(stages, shares, strict=True)):
         if len(ours) != len(st.devices):
@@ -78,6 +86,7 @@ def make_assignments(
     so the survivors of a group can hand over ([Note: a group member dies] in
     :mod:`coordinator.engine.handover`).
     """
+    microbatches_of(spec)  # an "auto" job runs at its plan's number: refused unplanned
     dataset, options = spec.resolve_data()
     stages = plan.stages
     default = spec.link_codec
@@ -160,6 +169,23 @@ def batchnorm_units(spec: JobSpec) -> frozenset[int] | None:
             )
     except Exception:  # a user model: its stages check when they build it
         return None
+
+
+def microbatch_choices_of(spec: JobSpec) -> tuple[int, ...]:
+    """The numbers of microbatches a job of ``spec`` may split its batch into
+    (:func:`~coordinator.planner.microbatches.microbatch_choices`): each microbatch of at
+    least two rows where the model has BatchNorm (a batch statistic of one row is
+    none), else one."""
+    return microbatch_choices(spec.batch_size, min_rows=2 if batchnorm_units(spec) else 1)
+
+
+def planning_start(spec: JobSpec) -> JobSpec:
+    """``spec`` at the microbatches its planning starts from: itself, unless ``auto``, then
+    the first of its choices (:func:`~coordinator.planner.microbatches.first_microbatches`),
+    the shape its units are timed at before the plan chooses."""
+    if spec.microbatches != "auto":
+        return spec
+    return spec.at_microbatches(first_microbatches(microbatch_choices_of(spec)))
 
 
 def _refuse_batchnorm(spec: JobSpec, plan: Plan) -> None:

@@ -41,14 +41,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from coordinator.engine.assignments import batchnorm_units
+from coordinator.engine.assignments import batchnorm_units, microbatch_choices_of, planning_start
 from coordinator.engine.faults import Fault, FaultActuator, FaultInjector, parse_fault
 from coordinator.engine.monitor import JobResult
 from coordinator.engine.options import JobHooks, RunOptions, Tolerance
 from coordinator.engine.rebalance import Rebalancer, replication_interval
 from coordinator.engine.resilient import PlanNotes, Resilience, ResilientResult, ResilientRun
 from coordinator.engine.runners import run_on_agents
-from coordinator.engine.spec import JobSpec
+from coordinator.engine.spec import JobSpec, microbatches_of
 from coordinator.engine.unit_profiles import (
     time_units_on_devices,
     timing_request,
@@ -57,9 +57,22 @@ from coordinator.engine.unit_profiles import (
 from coordinator.planner.build import build_problem
 from coordinator.planner.group_tables import GroupLimits
 from coordinator.planner.holders import HolderPlans
-from coordinator.planner.partition import FoundPlan, PartitionOptions, plan_holders_job, plan_job
-from coordinator.planner.predict import UnitSeconds, calibrated, measure_unit_seconds, predict
-from coordinator.planner.score import Plan, PlanScore
+from coordinator.planner.microbatches import best_microbatches, plan_microbatches
+from coordinator.planner.partition import (
+    FoundPlan,
+    PartitionOptions,
+    plan_holders_job,
+    plan_job,
+    scored,
+)
+from coordinator.planner.predict import (
+    Prediction,
+    UnitSeconds,
+    calibrated,
+    measure_unit_seconds,
+    predict,
+)
+from coordinator.planner.score import Plan, PlanScore, score_plan
 from edge.errors import UserError
 from edge.models.local_data import announced
 from edge.models.zoo import get_model
@@ -173,7 +186,7 @@ def job_problem(
         spec.model,
         devices,
         batch_size=spec.batch_size,
-        microbatches=spec.microbatches,
+        microbatches=microbatches_of(planning_start(spec)),
         model_options=spec.model_options,
         pin_first=pin_first or spec.pin_first,
         version=2 if objective or groups else 1,
@@ -212,6 +225,9 @@ def plan_over(
     takes for those devices instead of this machine's scaled."""
     if not devices:
         raise UserError(f"no device of {where} may run this job")
+    # "auto": planned with the plan ([Note: choosing the microbatches])
+    choices = microbatch_choices_of(spec) if spec.microbatches == "auto" else None
+    spec = planning_start(spec)
     first = pin_first or spec.pin_first
     if first is not None and first not in {d.id for d in devices}:
         raise UserError(f"pin_first device {first} is not online")
@@ -230,6 +246,7 @@ def plan_over(
             where,
             groups=plans_groups(spec) if groups is None else groups,
             device_units=device_units,
+            choices=choices,
         )
     sizes = spec.group_sizes
     if again and sizes is not None and previous is not None:
@@ -248,14 +265,27 @@ def plan_over(
     options = PartitionOptions(
         partition=spec.partition, stages=stages, codec=spec.codec, group_sizes=sizes
     )
-    found = plan_job(
-        problem,
-        options,
-        where=where,
-        previous=previous if again else None,
-        limits=limits,
-        units=units,
-    )
+    found_at: dict[int, FoundPlan] = {}
+
+    def search(q: PlanningProblem, moved: UnitSeconds | None) -> Plan:
+        found_at[q.microbatches] = plan_job(
+            q,
+            options,
+            where=where,
+            previous=previous if again else None,
+            limits=limits,
+            units=moved,
+        )
+        return found_at[q.microbatches].plan
+
+    if choices is None:
+        search(problem, units)
+        found = found_at[problem.microbatches]
+    else:
+        problem, chose = plan_microbatches(problem, units, choices, search, scored)
+        found = found_at[chose.found_at]
+        method = f"{found.method}, at {chose.microbatches} microbatches of {list(choices)}"
+        found = replace(found, score=chose.score, prediction=chose.prediction, method=method)
     own = tuple(sorted(units.devices)) if units is not None else ()
     return PlannedJob(problem=problem, found=found, fewer_stages=fewer, own_units=own)
 
@@ -273,7 +303,7 @@ def _unit_seconds(
         units = measure_unit_seconds(
             spec.model,
             spec.batch_size,
-            spec.microbatches,
+            microbatches_of(spec),
             model_options=spec.model_options,
             optimizer=spec.optimizer,
         )
@@ -290,11 +320,14 @@ def _plan_on_holders(
     *,
     groups: bool,
     device_units: Mapping[str, UnitSeconds] | None = None,
+    choices: tuple[int, ...] | None = None,
 ) -> PlannedJob:
     """The plan of a job on local data (``spec.data``): the devices that announce the
     dataset are stage 0, each with a share of every microbatch by how many samples it
     holds; the planner places the rest (:func:`~coordinator.planner.partition.plan_holders_job`),
-    between two ends on the holders when the labels stay home too."""
+    between two ends on the holders when the labels stay home too. ``choices``: an
+    ``auto`` job's numbers of microbatches, the best of which the plan runs with (the
+    holders' alternatives stay priced at the first)."""
     assert spec.data is not None
     name = spec.data.name
     held = {d.id: announced(d.model_dump()).get(name) for d in devices}
@@ -318,8 +351,19 @@ def _plan_on_holders(
     )
     units = _unit_seconds(spec, device_units) if calibrated(problem) else None
     ends = {0: shares, len(found.plan.stages) - 1: shares} if found.plan.u_shaped else {0: shares}
-    guess = predict(problem, found.plan, units, fixed_shares=ends)
-    found = replace(found, prediction=guess)
+
+    def holders_scored(
+        q: PlanningProblem, plan: Plan, moved: UnitSeconds | None
+    ) -> tuple[PlanScore, Prediction]:
+        return score_plan(q, plan, fixed_shares=ends), predict(q, plan, moved, fixed_shares=ends)
+
+    score, guess = found.score, predict(problem, found.plan, units, fixed_shares=ends)
+    if choices is not None:  # "auto": the holders' plan at its best number of microbatches
+        chose = best_microbatches(problem, found.plan, units, choices, holders_scored)
+        if chose is not None:
+            problem = problem.model_copy(update={"microbatches": chose.microbatches})
+            score, guess = chose.score, chose.prediction
+    found = replace(found, score=score, prediction=guess)
     own = tuple(sorted(units.devices)) if units is not None else ()
     return PlannedJob(problem=problem, found=found, holders=alternatives, own_units=own)
 
@@ -437,6 +481,7 @@ class JobEngine:
         :meth:`replication`'s to say from ``spec`` and ``tolerance``; such a run re-plans
         over the devices still ``allowed`` (``pin_first`` on stage 0 while it lives).
         """
+        spec = spec.at_microbatches(planned.problem.microbatches)  # "auto": the plan's
         every = self.replication(spec, planned, tolerance)
         if every and planned.plan.u_shaped:  # its replicas, re-plans and hand-overs: not yet
             raise UserError('labels "local" cannot be combined with fault tolerance yet')

@@ -15,12 +15,22 @@ and tests/unit/coordinator/engine/test_message_bound.py.
 from __future__ import annotations
 
 import secrets
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    TypeAdapter,
+    ValidationError,
+    WithJsonSchema,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from coordinator.engine.faults import FaultText
-from edge.config import RecvTimeout, ReplicateEvery, TrainConfig
+from edge.config import Microbatches, RecvTimeout, ReplicateEvery, TrainConfig
 
 __all__ = [
     "DataPlacement",
@@ -28,10 +38,12 @@ __all__ = [
     "JobBase",
     "JobSpec",
     "Labels",
+    "MicrobatchesOrAuto",
     "Objective",
     "Partition",
     "UnitTimes",
     "largest_message_bytes",
+    "microbatches_of",
     "new_job_id",
 ]
 
@@ -75,6 +87,30 @@ lone surrogate (``"\\ud800"``, which Python's JSON parser gives) is refused rath
 kept in a job that no JSON response can carry."""
 
 
+_COUNT: TypeAdapter[int] = TypeAdapter(Microbatches)
+
+
+def _auto_or_count(value: object) -> int | Literal["auto"]:
+    """``"auto"``, or a number of microbatches checked as every shape checks it, refused with
+    its one message (a plain union would give one error per arm)."""
+    if value == "auto":
+        return "auto"
+    try:
+        return _COUNT.validate_python(value)
+    except ValidationError as exc:
+        message = exc.errors()[0]["msg"].replace("{", "{{").replace("}", "}}")
+        raise PydanticCustomError("microbatches", message) from None
+
+
+MicrobatchesOrAuto = Annotated[
+    int | Literal["auto"],
+    PlainValidator(_auto_or_count),
+    WithJsonSchema({"anyOf": [_COUNT.json_schema(), {"const": "auto"}]}),
+]
+"""A job's microbatches: :data:`~edge.config.Microbatches`, or ``"auto"`` (see
+:attr:`JobBase.microbatches`)."""
+
+
 class JobBase(TrainConfig):
     """Every field of a job, each defined here once: :class:`~edge.config.TrainConfig`'s,
     with how the job is planned, its fault tolerance and where its data lives on top.
@@ -85,6 +121,11 @@ class JobBase(TrainConfig):
     and names the field in its 422.
     """
 
+    microbatches: MicrobatchesOrAuto = "auto"  # type: ignore[assignment]
+    """Microbatches per step; they divide ``batch_size``. ``auto``: the planner chooses them
+    with the plan, weighing the bubble against what each microbatch costs whatever its
+    rows ([Note: choosing the microbatches] in :mod:`coordinator.planner.microbatches`);
+    the job runs with its plan's number (:meth:`at_microbatches`)."""
     recv_timeout_s: RecvTimeout = 120.0
     """Seconds a stage waits for one frame before it gives up on the job."""
     pin_first: DeviceName | None = None
@@ -135,6 +176,12 @@ class JobBase(TrainConfig):
     only says what samples look like). The holders are stage 0, and only activations
     after ``min_local_units`` units leave them."""
 
+    def at_microbatches(self, microbatches: int) -> Self:
+        """This job with ``microbatches`` a step: an ``auto`` job as its plan runs it."""
+        if self.microbatches != "auto":
+            return self
+        return self.model_copy(update={"microbatches": microbatches})
+
     def conflict(self) -> tuple[tuple[str, ...], str] | None:
         """The first of this job's fields that cannot go with the others, as ``(where,
         why)``: the field to name (a field of ``data``: its path) and why; ``None`` when
@@ -172,6 +219,14 @@ class JobSpec(JobBase):
         return self
 
 
+def microbatches_of(spec: JobBase) -> int:
+    """``spec``'s microbatches a step; :class:`ValueError` for an ``auto`` job, which runs
+    with its plan's (:meth:`JobBase.at_microbatches`)."""
+    if isinstance(spec.microbatches, int):
+        return spec.microbatches
+    raise ValueError('microbatches "auto" is chosen with the plan: plan the job first')
+
+
 _MQTT_MAX = 268_435_455  # MQTT's own limit on one packet
 
 
@@ -189,7 +244,8 @@ def largest_message_bytes(spec: JobSpec) -> int:
 
     try:
         model = get_model(spec.model, seed=spec.seed, **spec.model_options)
-        microbatch = max(1, spec.batch_size // spec.microbatches)
+        m = 1 if spec.microbatches == "auto" else microbatches_of(spec)  # auto: at most all
+        microbatch = max(1, spec.batch_size // m)
         units = profile_model(model, microbatch, timing=False).units
     except Exception:  # a user model that will fail later, with its own message
         return _MQTT_MAX

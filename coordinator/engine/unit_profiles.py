@@ -40,7 +40,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from coordinator.engine.spec import JobSpec
+from coordinator.engine.assignments import planning_start
+from coordinator.engine.spec import JobSpec, microbatches_of
 from coordinator.planner.predict import UnitSeconds, device_speed, fit_unit_seconds, small_rows
 from coordinator.planner.score import Plan, score_plan
 from edge.models.zoo import get_model
@@ -85,7 +86,8 @@ def timing_request(
     """The command that times ``spec``'s model at its batch shape: a whole microbatch's
     rows and :func:`small_rows` of them, one microbatch a step after one warm-up, up to
     ``steps`` steps or ``budget_s`` seconds of them, whichever ends first."""
-    rows = spec.batch_size // spec.microbatches
+    m = microbatches_of(planning_start(spec))  # "auto": the shape planning starts from
+    rows = spec.batch_size // m
     few = small_rows(rows)
     return TimeUnits(
         request="u" + secrets.token_hex(6),
@@ -93,8 +95,8 @@ def timing_request(
         model_options=spec.model_options,
         optimizer=spec.optimizer,
         batch_size=spec.batch_size,
-        microbatches=spec.microbatches,
-        small_batch_size=few * spec.microbatches if few < rows else None,
+        microbatches=m,
+        small_batch_size=few * m if few < rows else None,
         timed_microbatches=1,
         steps=steps,
         warmup=1,

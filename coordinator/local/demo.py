@@ -105,7 +105,7 @@ class DemoFleet:
         return AgentRoles(profiles=self.profiles, slowdowns=self.slowdowns, data=self.data)
 
 
-def job_body(steps: int, batch_size: int, microbatches: int, lr: float) -> dict[str, Any]:
+def job_body(steps: int, batch_size: int, microbatches: int | str, lr: float) -> dict[str, Any]:
     """The demo's job, as ``POST /api/v1/jobs`` takes it: on the holders' digits."""
     return {
         "model": MODEL,

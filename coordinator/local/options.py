@@ -190,6 +190,10 @@ def _check(run: Mapping[str, Any], job: Any) -> None:
         per = "" if replicas == 1 else f" / --replicas {replicas}"
         raise UserError(f"--stages {stages} is more than --devices {devices}{per}")
     batch, microbatches = _figure(job, "batch_size"), _figure(job, "microbatches")
+    if replicas > 1 and microbatches == "auto":
+        raise UserError("--replicas needs a number of --microbatches (auto plans one pipeline)")
+    if isinstance(microbatches, str) and microbatches.isdigit():  # as the flag gives it
+        microbatches = int(microbatches)
     split = isinstance(batch, int) and isinstance(microbatches, int) and microbatches > 0
     if split and batch % (microbatches * replicas):  # the job's own check knows no replicas
         raise UserError(f"--batch-size {batch} is not a multiple of --microbatches x --replicas")

@@ -63,16 +63,19 @@ def _quiet(_text: str) -> None:
     pass
 
 
-def _plan(spec: JobSpec, devices: list[Any], groups: bool | None = None) -> tuple[Any, Any]:
+def _plan(
+    spec: JobSpec, devices: list[Any], groups: bool | None = None
+) -> tuple[JobSpec, Any, Any]:
     """The plan over ``devices`` (the first holds the data) with the spec's ``partition``
-    and ``stages``, and its spec score; ``groups``: whether the planner may place device
-    groups (``None``: as :func:`~coordinator.engine.engine.plans_groups` says)."""
+    and ``stages``, its spec score, and the spec as the plan runs it (an ``auto`` job at
+    the plan's microbatches); ``groups``: whether the planner may place device groups
+    (``None``: as :func:`~coordinator.engine.engine.plans_groups` says)."""
     from coordinator.engine.engine import plan_over
 
-    found = plan_over(
+    planned = plan_over(
         spec, devices, pin_first=devices[0].id, where="these devices", groups=groups
-    ).found
-    return found.plan, found.score
+    )
+    return spec.at_microbatches(planned.problem.microbatches), planned.plan, planned.score
 
 
 def emulated(profiles: list[str]) -> tuple[list[Any], list[float]]:
@@ -105,7 +108,7 @@ def train_inprocess(
     else:
         me = profile_device("local", seconds=0.3).to_device_spec()
         fleet = [me.model_copy(update={"id": f"local-{i}"}) for i in range(n)]
-    plan, score = _plan(spec, fleet)
+    spec, plan, score = _plan(spec, fleet)
     shares = score.shares if plan.grouped else None
     return LocalRun(run_inprocess(spec, plan, on_step=on_step, shares=shares), score)
 
@@ -128,7 +131,7 @@ def train_dist(
 
     me = profile_device("local", seconds=0.3).to_device_spec()
     fleet = [me.model_copy(update={"id": f"rank-{i}"}) for i in range(n // replicas)]
-    plan, score = _plan(spec, fleet, groups=None if replicas == 1 else False)  # see DistJob
+    spec, plan, score = _plan(spec, fleet, groups=None if replicas == 1 else False)  # see DistJob
     with tempfile.TemporaryDirectory(prefix="edgetrain-dist-") as out:
         job = DistJob.model_validate(
             spec.train_settings()
@@ -272,6 +275,7 @@ def train_on_local_fleet(
         asked = engine.replication_asked(spec, tolerance)
         first = fleet.ids[0]
         planned = engine.plan(spec, pin_first=first, where="these devices", resilient=asked != 0)
+        spec = spec.at_microbatches(planned.problem.microbatches)  # "auto": the plan's
         check_fault_stages(tolerance.faults or (), [len(st.devices) for st in planned.plan.stages])
         extra: dict[str, Any] = {"egress": egress(spec, planned.plan)}
         # The speeds the agents announced, which the plan and a group's shares follow.

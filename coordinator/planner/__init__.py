@@ -14,6 +14,7 @@
 - :mod:`coordinator.planner.holders`: plans for data that stays home (holders, U-shaped);
 - :mod:`coordinator.planner.predict`: the internal cost model: a plan's step on real devices;
 - :mod:`coordinator.planner.refine`: a job's plan improved by that prediction;
+- :mod:`coordinator.planner.microbatches`: how many microbatches a step splits into (``auto``);
 - :mod:`coordinator.planner.partition`: a job's ``partition`` and ``stages`` made into a plan;
 - :mod:`coordinator.planner.simulator`: one step of a plan under a schedule, event by event;
 - :mod:`coordinator.planner.anatomy`: where a plan's step goes, per member, in parts that add up.

@@ -87,6 +87,7 @@ __all__ = [
     "even_devices",
     "plan_holders_job",
     "plan_job",
+    "scored",
 ]
 
 Partition = Literal["plan", "even"]
@@ -248,7 +249,7 @@ def _fastest_predicted(
                 except UserError:
                     continue
         for other in (found, *fewer):
-            score, guess = _scored(problem, other.plan, units)
+            score, guess = scored(problem, other.plan, units)
             if not score.feasible:
                 continue
             if best is None or guess.step_time_s < best_s:
@@ -262,7 +263,7 @@ def _fastest_predicted(
     if problem.allows_groups and stages is None and best.exact:
         plan, guess = refine(problem, best.plan, units, limits)
         if plan != best.plan:
-            score, guess = _scored(problem, plan, units)
+            score, guess = scored(problem, plan, units)
             if score.feasible and guess.step_time_s < best_s:
                 method = f"{best.method}, refined by the cost model"
                 best = replace(best, score=score, method=method, prediction=guess)
@@ -272,7 +273,7 @@ def _fastest_predicted(
     return best
 
 
-def _scored(
+def scored(
     problem: PlanningProblem, plan: Plan, units: UnitSeconds | None
 ) -> tuple[PlanScore, Prediction]:
     """``plan``'s score on ``problem`` and its prediction, its groups split by their

@@ -155,6 +155,18 @@ class UnitSeconds:
             return device_speed(device)
         return self.gflops * sum(self.seconds) / sum(own.seconds)
 
+    def at_rows(self, rows: float, timed_rows: float) -> UnitSeconds:
+        """These seconds, timed at ``timed_rows`` rows a microbatch, moved along each unit's
+        fitted line to ``rows`` rows: the fixed part as it is, the rest in proportion
+        (the devices' own seconds too, timed at the same rows)."""
+        if rows == timed_rows:
+            return self
+        k = rows / timed_rows
+        fixed = self.fixed or (0.0,) * len(self.seconds)
+        seconds = tuple(f + (s - f) * k for s, f in zip(self.seconds, fixed, strict=True))
+        devices = {d: u.at_rows(rows, timed_rows) for d, u in self.devices.items()}
+        return UnitSeconds(seconds, self.gflops, self.fixed, devices)
+
     def check(self, problem: PlanningProblem) -> None:
         """:class:`ValueError` unless these, and each device's own, have one entry per
         layer of ``problem``."""

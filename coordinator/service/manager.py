@@ -258,6 +258,7 @@ class JobManager:
                 "exact": planned.found.exact,
                 "partition": spec.partition,
                 "stages_asked": spec.stages,
+                "microbatches": problem.microbatches,  # an "auto" job's: the plan's choice
                 "compute_s": score.compute_s,
                 "link_s": score.link_s,
                 # What the job shows is the internal model's prediction (fixed costs and
@@ -287,6 +288,7 @@ class JobManager:
         except UserError as exc:
             self._finish(job, "failed", exc.message)
             return
+        spec = spec.at_microbatches(planned.problem.microbatches)  # "auto": the plan's
         self._store_plan(job, spec, planned)
         plan = planned.plan
         if not resuming:  # a resumed job's plan may have lost stages to failures

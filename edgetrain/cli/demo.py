@@ -39,7 +39,9 @@ def demo_command(
     ),
     steps: int = typer.Option(200, min=1, help="Training steps."),
     batch_size: int = typer.Option(48, min=1, help="Samples per step."),
-    microbatches: int = typer.Option(4, min=1, help="Microbatches per step."),
+    microbatches: str = typer.Option(
+        "auto", help="Microbatches per step: a number, or auto (the planner chooses)."
+    ),
     lr: float = typer.Option(0.05, help="SGD learning rate."),
     port: int = typer.Option(0, help="Coordinator port (0: a free one)."),
     exit_after: bool = typer.Option(False, "--exit", help="Stop when the job is done."),

@@ -75,7 +75,14 @@ DevicesOpt = Annotated[
 ]
 StepsOpt = Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps.")]
 BatchSizeOpt = Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Samples per step.")]
-MicrobatchesOpt = Annotated[int, typer.Option("--microbatches", "-m", min=1, help="Per step.")]
+MicrobatchesOpt = Annotated[
+    str,
+    typer.Option(
+        "--microbatches",
+        "-m",
+        help="Per step: a number, or auto (the planner chooses, the default).",
+    ),
+]
 ScheduleOpt = Annotated[str, typer.Option("--schedule", help="1f1b or gpipe.")]
 OptimizerOpt = Annotated[OptimizerName, typer.Option("--optimizer", help="sgd or adamw.")]
 LrOpt = Annotated[float, typer.Option("--lr", help="Learning rate.")]
@@ -256,7 +263,7 @@ def train_command(
     devices_opt: DevicesOpt = "3",
     steps: StepsOpt = 50,
     batch_size: BatchSizeOpt = 64,
-    microbatches: MicrobatchesOpt = 4,
+    microbatches: MicrobatchesOpt = "auto",
     schedule: ScheduleOpt = "1f1b",
     optimizer_name: OptimizerOpt = "sgd",
     lr: LrOpt = 0.05,

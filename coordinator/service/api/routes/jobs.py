@@ -52,7 +52,7 @@ from coordinator.service.api.routes.errors import (
 )
 from coordinator.service.registry import DeviceRegistry
 from coordinator.service.store.sqlite import JobRecord
-from edge.config import BatchSize, Microbatches, ReplicateEvery, Steps
+from edge.config import BatchSize, ReplicateEvery, Steps
 from edge.errors import UserError, describe_validation_error
 from edge.models.datasets import DATASETS, build_dataset
 from edge.models.zoo import get_model
@@ -72,7 +72,6 @@ class JobCreate(JobBase):
     steps: Steps | None = None  # type: ignore[assignment]  # or epochs: resolved by the route
     epochs: float | None = Field(default=None, gt=0, le=10_000)
     batch_size: BatchSize = 32
-    microbatches: Microbatches = 4
     devices: list[DeviceName] | None = None
     """Devices the job may use (all online devices when absent)."""
     replicate_every: ReplicateEvery | None = None  # type: ignore[assignment]  # resolved too

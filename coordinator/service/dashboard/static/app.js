@@ -558,7 +558,9 @@ function renderJob(view) {
       stat("Predicted", fmt(plan.throughput_sps, 1)),
       stat("Measured / predicted", liveSps && plan.throughput_sps ? fmt(liveSps / plan.throughput_sps, 2) : "–"),
       stat("Stages", (plan.stages || []).length || "–"),
-      stat("Microbatches", j.spec ? j.spec.microbatches : "–"),
+      stat("Microbatches", plan.microbatches !== undefined
+        ? `${plan.microbatches}${j.spec && j.spec.microbatches === "auto" ? " (auto)" : ""}`
+        : (j.spec ? j.spec.microbatches : "–")),
       stat("Schedule", j.spec ? j.spec.schedule : "–"),
       stat("Bubble (sim)", sim.bubble_fraction !== undefined ? `${fmt(sim.bubble_fraction * 100, 0)} %` : "–"),
       stat("Planner", plan.method || "–")));

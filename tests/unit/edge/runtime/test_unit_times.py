@@ -131,7 +131,7 @@ def test_bad_arguments_are_refused() -> None:
 
 
 def _runtime(slowdown: float) -> StageRuntime:
-    spec = JobSpec(model="mlp", steps=1, batch_size=8)
+    spec = JobSpec(model="mlp", steps=1, batch_size=8, microbatches=1)
     (assignment,) = make_assignments("jthrottle", spec, Plan.of(("d", 0, 3)))
     return StageRuntime(assignment, InProcessTransport(), slowdown=slowdown)
 
