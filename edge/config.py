@@ -82,7 +82,7 @@ DatasetName = Annotated[str, Field(min_length=1)]
 Steps = Annotated[int, Field(ge=1, le=1_000_000)]
 BatchSize = Annotated[int, Field(ge=1, le=65_536)]
 Microbatches = Annotated[int, Field(ge=1, le=1024)]
-Schedule = Literal["1f1b", "gpipe"]
+Schedule = Literal["1f1b", "gpipe", "zb-h1"]
 Precision = Literal["fp32", "bf16"]
 OptimizerName = Literal["sgd", "adamw"]
 Seed = Annotated[int, Field(ge=0, le=2**31)]
@@ -163,7 +163,9 @@ class TrainConfigBase(BaseModel):
     microbatches: Microbatches = 1
     """Microbatches per step; they divide ``batch_size``."""
     schedule: Schedule = "1f1b"
-    """``1f1b``: PipeDream-Flush; ``gpipe``: every forward, then every backward."""
+    """``1f1b``: PipeDream-Flush; ``gpipe``: every forward, then every backward;
+    ``zb-h1``: 1F1B with each backward split, the weights' gradients filling the bubble
+    ([Note: zero bubble] in :mod:`edge.runtime.schedules`)."""
     optimizer: OptimizerSpec = OptimizerSpec()
     precision: Precision = "fp32"
     """``bf16``: stages compute under bf16 autocast (weights and optimizer stay fp32)."""

@@ -855,6 +855,20 @@ MUTANTS = [
         tests=("tests/unit/coordinator/planner/test_microbatches.py",),
     ),
     Mutant(
+        name="zero-bubble-weight-gradient-twice",
+        what="a zero-bubble stage's B runs the whole backward, and its W adds the weights' again",
+        path="edge/runtime/stage.py",
+        old="                weight_passes[mb] = input_backward(out, grad, inp, self._weights)\n",
+        new=(
+            "                out.backward(grad, retain_graph=True)\n"
+            "                weight_passes[mb] = input_backward(out, grad, inp, self._weights)\n"
+        ),
+        tests=(
+            "tests/unit/edge/runtime/test_reference_parity.py::"
+            "test_three_stages_equal_the_reference[mlp-zb-h1]",
+        ),
+    ),
+    Mutant(
         name="dist-overlap-waits-for-the-last-backward",
         what="an armed all-reduce over torch.distributed starts no bucket from the hooks",
         path="edge/server/data_parallel.py",

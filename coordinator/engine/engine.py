@@ -72,7 +72,8 @@ from coordinator.planner.predict import (
     measure_unit_seconds,
     predict,
 )
-from coordinator.planner.score import Plan, PlanScore, score_plan
+from coordinator.planner.score import Plan, PlanScore, for_plan, score_plan
+from coordinator.planner.simulator import memory_error
 from edge.errors import UserError
 from edge.models.local_data import announced
 from edge.models.zoo import get_model
@@ -240,7 +241,7 @@ def plan_over(
         fewer = f"stages={stages}, but only {have}: planning {len(devices)} stages"
         stages = len(devices)
     if spec.data is not None:
-        return _plan_on_holders(
+        planned = _plan_on_holders(
             spec,
             devices,
             where,
@@ -248,6 +249,7 @@ def plan_over(
             device_units=device_units,
             choices=choices,
         )
+        return _fits_schedule(spec, planned)
     sizes = spec.group_sizes
     if again and sizes is not None and previous is not None:
         by_id = {d.id: d for d in devices}
@@ -287,7 +289,22 @@ def plan_over(
         method = f"{found.method}, at {chose.microbatches} microbatches of {list(choices)}"
         found = replace(found, score=chose.score, prediction=chose.prediction, method=method)
     own = tuple(sorted(units.devices)) if units is not None else ()
-    return PlannedJob(problem=problem, found=found, fewer_stages=fewer, own_units=own)
+    planned = PlannedJob(problem=problem, found=found, fewer_stages=fewer, own_units=own)
+    return _fits_schedule(spec, planned)
+
+
+def _fits_schedule(spec: JobSpec, planned: PlannedJob) -> PlannedJob:
+    """``planned``, or a one-line :class:`UserError` when it does not fit its devices'
+    memory under the job's schedule: the planner checks 1F1B's, and GPipe and ZB-H1 keep
+    more microbatches in flight on the later stages
+    (:func:`~coordinator.planner.simulator.memory_error`)."""
+    if spec.schedule == "1f1b":
+        return planned
+    plan = planned.plan
+    why = memory_error(for_plan(planned.problem, plan), plan, spec.schedule)
+    if why is not None:
+        raise UserError(why)
+    return planned
 
 
 def _unit_seconds(

@@ -10,7 +10,12 @@ The model:
 
 - Stage ``s`` runs its actions in the schedule's order, one at a time. A forward
   takes ``f_s = T_s * phi_s`` and a backward ``g_s = T_s - f_s``, where ``phi_s``
-  is the stage's share of forward FLOPs, ``sum(fwd) / sum(fwd + bwd)``.
+  is the stage's share of forward FLOPs, ``sum(fwd) / sum(fwd + bwd)``. A schedule
+  that splits the backward ([Note: zero bubble] in :mod:`edge.runtime.schedules`)
+  runs its ``B`` in ``min(f_s, g_s)``, an input gradient costing what the forward
+  costs (a matmul's or a convolution's, transposed), and its ``W`` in the rest of
+  ``g_s``; on stage 0, whose input takes no gradient, ``B`` is free and ``W`` is all
+  of ``g_s``, as the runtime does it.
 - Link ``s`` joins stages ``s`` and ``s + 1``. The spec's ``C_s`` is a round trip
   (an activation forward, its gradient back, each paying both latencies), so
   each direction takes ``c_s = C_s / 2``. Each direction is a resource carrying
@@ -20,13 +25,15 @@ The model:
 - An action starts when its stage is free and its input is there: ``F`` on stage
   0 needs nothing, ``F`` on stage ``s`` the activation from ``s - 1``; ``B`` needs
   the stage's own ``F`` of that microbatch and, except on the last stage, the
-  gradient from ``s + 1``.
+  gradient from ``s + 1``; ``W`` needs the stage's own ``B``. The gradient leaves
+  when ``B`` ends.
 - A microbatch's activations are held from the start of its ``F`` to the end of
-  its ``B``; memory is ``k * params + held * b * acts``. The optimizer step after
-  the last backward is taken as free, so the step ends with the last ``B``, or, in
-  a version 2 plan, when the last group has summed its gradients: stage ``s``'s
-  group sends its reduce-scatter half while its own last ``B`` runs, and takes the
-  rest, ``R_s - min(R_s / 2, g_s)``, after it ([Note: what the overlap hides] in
+  its backward (its ``W`` when split); memory is ``k * params + held * b * acts``.
+  The optimizer step after the last backward is taken as free, so the step ends
+  with the stage's last action, or, in a version 2 plan, when the last group has
+  summed its gradients: stage ``s``'s group sends its reduce-scatter half while
+  its own last action runs, and takes the rest, ``R_s - min(R_s / 2, last)``,
+  after it ([Note: what the overlap hides] in
   :mod:`coordinator.planner.predict`; the spec's score keeps the whole ``R_s``, so
   here a group's step is that much below the closed form). A group runs as one stage at the
   score's ``T_s`` (its members' summed speed); its peak memory is its most
@@ -110,11 +117,11 @@ from coordinator.planner.score import Plan, score_plan
 from coordinator.planner.terms import need_bytes, ordered_sum
 from edge.files import write_atomic
 from edge.problem import PlanningProblem
-from edge.runtime.schedules import Action, Schedule, make_schedule, validate_schedule
+from edge.runtime.schedules import Action, Schedule, is_split, make_schedule, validate_schedule
 
-__all__ = ["DeadlockError", "SimulationResult", "TimelineEvent", "simulate"]
+__all__ = ["DeadlockError", "SimulationResult", "TimelineEvent", "memory_error", "simulate"]
 
-EventKind = Literal["F", "B", "send-fwd", "send-bwd"]
+EventKind = Literal["F", "B", "W", "send-fwd", "send-bwd"]
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,7 @@ class TimelineEvent:
     index: int
     """Stage ``s``; for a link, the link between stage ``s`` and ``s + 1``."""
     kind: EventKind
-    """``F``/``B`` on a stage; ``send-fwd`` (activation to ``s + 1``) or
+    """``F``/``B``/``W`` on a stage; ``send-fwd`` (activation to ``s + 1``) or
     ``send-bwd`` (gradient to ``s``) on a link."""
     microbatch: int
     start_s: float
@@ -146,7 +153,8 @@ class SimulationResult:
     """The device of each stage."""
     num_microbatches: int
     step_time_s: float
-    """When the last backward ends (the optimizer step is taken as free)."""
+    """When the last backward ends and the groups have summed (the optimizer step is
+    taken as free)."""
     bubble_fraction: float
     """Idle share of stage-time: ``1 - sum(busy_s) / (S * step_time_s)``."""
     busy_s: list[float]
@@ -211,8 +219,8 @@ def simulate(
     :data:`edge.runtime.schedules.SCHEDULES`, or actions per stage).
 
     Raises ``ValueError`` for an invalid plan or a schedule that does not run
-    every microbatch's ``F`` and ``B`` once per stage, and :class:`DeadlockError`
-    for one whose order cannot complete.
+    every microbatch's ``F`` and ``B`` (and ``W``, or none) once per stage, and
+    :class:`DeadlockError` for one whose order cannot complete.
     """
     score = score_plan(problem, plan)
     n_stages, m = len(plan.stages), problem.microbatches
@@ -235,18 +243,20 @@ def simulate(
         params.append(ordered_sum(unit.param_bytes for unit in chunk))
         acts.append(ordered_sum(unit.saved_bytes for unit in chunk))
 
-    run = _Run(actions, fwd_s, bwd_s, [c / 2 for c in score.link_s])
+    run = _Run(actions, fwd_s, _split(actions, fwd_s, bwd_s), [c / 2 for c in score.link_s])
     run.run()
     compute = [e for e in run.timeline if e.lane == "stage"]
     # A group sums its gradients (version 2's ``R_s``, 0 for one device), its
-    # reduce-scatter half during its last backward ([Note: what the overlap hides] in
-    # coordinator.planner.predict): what is left of it runs after that backward, and
-    # the step ends when the last group has summed.
-    last_b = [
-        max(e.end_s for e in compute if e.kind == "B" and e.index == s) for s in range(n_stages)
+    # reduce-scatter half during its last backward or weight pass ([Note: what the
+    # overlap hides] in coordinator.planner.predict): what is left of it runs after
+    # that, and the step ends when the last group has summed.
+    last = [
+        max((e for e in compute if e.index == s), key=lambda e: e.end_s) for s in range(n_stages)
     ]
     reduce = score.allreduce_s or [0.0] * n_stages
-    step = max(end + r - min(r / 2, g) for end, r, g in zip(last_b, reduce, bwd_s, strict=True))
+    step = max(
+        e.end_s + r - min(r / 2, e.end_s - e.start_s) for e, r in zip(last, reduce, strict=True)
+    )
     busy = [0.0] * n_stages
     for e in compute:
         busy[e.index] += e.end_s - e.start_s
@@ -267,20 +277,75 @@ def simulate(
     )
 
 
+def _split(actions: Schedule, fwd_s: list[float], bwd_s: list[float]) -> list[tuple[float, float]]:
+    """Per stage, the seconds of its ``B`` and of its ``W`` (0 for a whole backward)."""
+    out = []
+    for s, (f, g) in enumerate(zip(fwd_s, bwd_s, strict=True)):
+        if not is_split(actions[s]):
+            out.append((g, 0.0))
+        else:
+            inp = 0.0 if s == 0 else min(f, g)  # stage 0's input takes no gradient
+            out.append((inp, g - inp))
+    return out
+
+
+def memory_error(problem: PlanningProblem, plan: Plan, schedule: str) -> str | None:
+    """Why ``plan`` does not fit its devices' memory under ``schedule``, in one line, or
+    ``None`` when it does.
+
+    The planner checks 1F1B's memory, ``min(S - s, M)`` microbatches in flight on stage
+    ``s``. GPipe holds ``M`` on every stage and ZB-H1 ``min(S, M)``, so a plan can fit
+    under one and not the other. This is the score's per-member check (the member with
+    the least room decides; a U-shape's tail also holds the head) at the simulated peak.
+    """
+    if len(plan.stages) == 1:  # one stage holds one microbatch under every schedule
+        return None
+    sim = simulate(problem, plan, schedule)
+    score = score_plan(problem, plan)
+    devices = {d.id: d for d in problem.devices}
+    b, k = problem.batch_size / problem.microbatches, problem.optimizer_state_factor
+    head: list[float] = []
+    for s, st in enumerate(plan.stages):
+        chunk = problem.layers[st.start : st.end]
+        params = ordered_sum(unit.param_bytes for unit in chunk)
+        acts = ordered_sum(unit.saved_bytes for unit in chunk)
+        held = sim.peak_microbatches_held[s]
+        need = [need_bytes(k, params, held, w, b, acts) for w in score.shares[s]]
+        if plan.u_shaped and s == len(plan.stages) - 1:
+            need = [mine + first for mine, first in zip(need, head, strict=True)]
+        if s == 0:
+            head = need
+        for device, bytes_ in zip(st.devices, need, strict=True):
+            has = devices[device].memory_bytes
+            if bytes_ > has:
+                return (
+                    f"stage {s} on {device} needs {bytes_ / 2**20:.0f} MiB under {schedule} "
+                    f"({held} microbatches in flight), and it has {has / 2**20:.0f} MiB: "
+                    "use 1f1b or more microbatches"
+                )
+    return None
+
+
 class _Run:
     """The event loop. Events are ``(time, seq, stage, what, microbatch)``: ``what``
-    is ``F``/``B`` (that compute ended on ``stage``) or ``act``/``grad`` (that input
-    arrived at ``stage``); ``seq`` keeps ties in the order they were made."""
+    is ``F``/``B``/``W`` (that compute ended on ``stage``) or ``act``/``grad`` (that
+    input arrived at ``stage``); ``seq`` keeps ties in the order they were made."""
 
     def __init__(
-        self, actions: Schedule, fwd_s: list[float], bwd_s: list[float], send_s: list[float]
+        self,
+        actions: Schedule,
+        fwd_s: list[float],
+        bwd_s: list[tuple[float, float]],
+        send_s: list[float],
     ) -> None:
         n = len(actions)
         self.actions, self.fwd_s, self.bwd_s, self.send_s = actions, fwd_s, bwd_s, send_s
+        self.split = [is_split(row) for row in actions]
         self.next = [0] * n
         self.busy = [False] * n
         self.inputs: list[set[tuple[str, int]]] = [set() for _ in range(n)]
         self.forwarded: list[set[int]] = [set() for _ in range(n)]
+        self.backwarded: list[set[int]] = [set() for _ in range(n)]
         self.held = [0] * n
         self.peak = [0] * n
         self.link_free: dict[tuple[int, str], float] = {}
@@ -300,9 +365,14 @@ class _Run:
                     self._send(s, "send-fwd", mb, to=s + 1, what="act")
             elif what == "B":
                 self.busy[s] = False
-                self.held[s] -= 1
+                self.backwarded[s].add(mb)
+                if not self.split[s]:
+                    self.held[s] -= 1
                 if s > 0:
                     self._send(s - 1, "send-bwd", mb, to=s - 1, what="grad")
+            elif what == "W":
+                self.busy[s] = False
+                self.held[s] -= 1
             else:
                 self.inputs[s].add((what, mb))
             self._start_ready()
@@ -314,6 +384,8 @@ class _Run:
     def _ready(self, s: int, a: Action) -> bool:
         if a.kind == "F":
             return s == 0 or ("act", a.microbatch) in self.inputs[s]
+        if a.kind == "W":
+            return a.microbatch in self.backwarded[s]
         last = s == len(self.actions) - 1
         return a.microbatch in self.forwarded[s] and (
             last or ("grad", a.microbatch) in self.inputs[s]
@@ -330,7 +402,8 @@ class _Run:
                 # Activations count from the forward's start to the backward's end.
                 self.held[s] += 1
                 self.peak[s] = max(self.peak[s], self.held[s])
-            end = self.now + (self.fwd_s[s] if a.kind == "F" else self.bwd_s[s])
+            took = {"F": self.fwd_s[s], "B": self.bwd_s[s][0], "W": self.bwd_s[s][1]}[a.kind]
+            end = self.now + took
             self.timeline.append(
                 TimelineEvent(
                     lane="stage",
@@ -363,6 +436,8 @@ class _Run:
         a = self.actions[s][self.next[s]]
         if a.kind == "F":
             need = f"the activation of microbatch {a.microbatch} from stage {s - 1}"
+        elif a.kind == "W":
+            need = f"its own B{a.microbatch}"
         elif a.microbatch not in self.forwarded[s]:
             need = f"its own F{a.microbatch}"
         else:

@@ -12,8 +12,26 @@ This module owns only the order. The simulator reads it to predict a step, the
 stage runtime will read it to run one, and neither may add an action of its own:
 an action the schedule does not list does not happen.
 
-Both schedules here are synchronous: every stage steps its optimizer after its
+Every schedule here is synchronous: every stage steps its optimizer after its
 last backward (the flush), so a step equals single-device training.
+
+[Note: zero bubble]
+A schedule may split each backward in two ([Note: where the graph is cut] in
+:mod:`edge.runtime.split_backward`): ``B`` computes only the gradient of the stage's
+input, which the stage before is waiting for, and ``W`` the weights' gradients, which
+nobody waits for. A split schedule lists a ``W`` for every microbatch on every stage,
+after its ``B``; a schedule without ``W`` runs each backward whole at its ``B``. The
+zero-bubble schedule ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024)
+is 1F1B with the backward split, and stage ``s`` putting off its first ``s`` weight
+passes: its ``W`` of microbatch ``i`` runs right after its ``B`` of microbatch
+``i + s``, and the last ``s`` run at the end. Every stage holds at most ``min(S, M)``
+microbatches (from a forward to its ``W``): what stage 0 holds under 1F1B, but on
+every stage, so the later stages need more memory than under 1F1B (the job's
+memory check simulates the schedule it runs). The last stages, which 1F1B leaves
+idle while the gradients travel back up, spend that time on the weight passes they
+put off. On ``S`` equal stages whose ``F``, ``B`` and ``W`` take equal times, with
+free links and ``M >= S``, the step takes ``3 M + S - 1`` of them, against 1F1B's
+``3 (M + S - 1)``: the bubble is a third of 1F1B's.
 
 Tested in tests/unit/coordinator/planner/test_simulator.py::test_one_f_one_b_text_form,
 ::test_schedules_round_trip_and_are_complete and ::test_malformed_schedules_are_refused;
@@ -33,19 +51,22 @@ __all__ = [
     "Schedule",
     "format_schedule",
     "gpipe",
+    "is_split",
     "make_schedule",
     "one_f_one_b",
     "parse_schedule",
     "validate_schedule",
+    "zb_h1",
 ]
 
-Kind = Literal["F", "B"]
-_TOKEN = re.compile(r"([FB])(\d+)")
+Kind = Literal["F", "B", "W"]
+_TOKEN = re.compile(r"([FBW])(\d+)")
 
 
 @dataclass(frozen=True)
 class Action:
-    """One forward (``F``) or backward (``B``) of one microbatch on one stage."""
+    """One forward (``F``), backward (``B``) or weight pass (``W``, [Note: zero bubble])
+    of one microbatch on one stage."""
 
     kind: Kind
     microbatch: int
@@ -58,8 +79,8 @@ class Action:
         """``"F3"`` -> ``Action("F", 3)``."""
         match = _TOKEN.fullmatch(token.strip())
         if match is None:
-            raise ValueError(f"not an action: {token!r} (expected F<n> or B<n>)")
-        kind: Kind = "F" if match[1] == "F" else "B"
+            raise ValueError(f"not an action: {token!r} (expected F<n>, B<n> or W<n>)")
+        kind: Kind = "F" if match[1] == "F" else "B" if match[1] == "B" else "W"
         return cls(kind, int(match[2]))
 
 
@@ -99,7 +120,33 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     return [list(one) for _ in range(num_stages)]
 
 
-SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {"1f1b": one_f_one_b, "gpipe": gpipe}
+def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H1 ([Note: zero bubble]): 1F1B's forwards and input backwards, stage ``s``
+    putting its weight passes ``s`` backwards behind."""
+    _check_sizes(num_stages, num_microbatches)
+    out = []
+    for s, row in enumerate(one_f_one_b(num_stages, num_microbatches)):
+        actions: list[Action] = []
+        for a in row:
+            actions.append(a)
+            if a.kind == "B" and a.microbatch >= s:
+                actions.append(Action("W", a.microbatch - s))
+        start = max(0, num_microbatches - s)
+        actions += [Action("W", i) for i in range(start, num_microbatches)]
+        out.append(actions)
+    return out
+
+
+def is_split(actions: Sequence[Action]) -> bool:
+    """Whether a stage's row splits its backwards ([Note: zero bubble]): it has a ``W``."""
+    return any(a.kind == "W" for a in actions)
+
+
+SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
+    "1f1b": one_f_one_b,
+    "gpipe": gpipe,
+    "zb-h1": zb_h1,
+}
 """Schedules by the name a job file uses."""
 
 
@@ -131,11 +178,13 @@ def validate_schedule(
     schedule: Sequence[Sequence[Action]], num_stages: int, num_microbatches: int
 ) -> None:
     """Raise ``ValueError`` unless every stage runs each microbatch's ``F`` and ``B``
-    exactly once. Order is not checked here: a bad order is a deadlock, which
-    only running (or simulating) the schedule finds."""
+    exactly once, and either no ``W`` or each microbatch's ``W`` once, after its ``B``.
+    Any other order is not checked here: a bad order is a deadlock, which only running
+    (or simulating) the schedule finds."""
     if len(schedule) != num_stages:
         raise ValueError(f"schedule has {len(schedule)} stages, the plan {num_stages}")
-    want = sorted((kind, i) for kind in "BF" for i in range(num_microbatches))
+    kinds = "BFW" if any(is_split(actions) for actions in schedule) else "BF"
+    want = sorted((kind, i) for kind in kinds for i in range(num_microbatches))
     for s, actions in enumerate(schedule):
         have = sorted((a.kind, a.microbatch) for a in actions)
         if have != want:
@@ -143,9 +192,15 @@ def validate_schedule(
             extra = [x for x in have if have.count(x) > 1 or x not in want]
             detail = f"missing {_names(missing)}" if missing else f"extra {_names(extra)}"
             raise ValueError(
-                f"stage {s}: must run F and B of microbatches 0..{num_microbatches - 1} "
-                f"exactly once each; {detail}"
+                f"stage {s}: must run {'F, B and W' if kinds == 'BFW' else 'F and B'} of "
+                f"microbatches 0..{num_microbatches - 1} exactly once each; {detail}"
             )
+        done = {(a.kind, a.microbatch): i for i, a in enumerate(actions)}
+        late = [
+            i for i in range(num_microbatches) if kinds == "BFW" and done["W", i] < done["B", i]
+        ]
+        if late:
+            raise ValueError(f"stage {s}: W{late[0]} runs before B{late[0]}")
 
 
 def _names(items: Sequence[tuple[str, int]]) -> str:

@@ -8,7 +8,10 @@ over their parameters, and runs a step by executing its row of the schedule
   take the activation frame), run the segment forward, and send the output on
   (or, on the last stage, compute the loss);
 - ``B m``: take the gradient of the output (or, on the last stage, backprop
-  the loss), run backward, and send the input's gradient back.
+  the loss), run backward, and send the input's gradient back;
+- ``W m`` (a schedule that splits the backward, [Note: zero bubble] in
+  :mod:`edge.runtime.schedules`): its ``B m`` ran only the input's gradient
+  (:mod:`edge.runtime.split_backward`); this runs the weights' gradients.
 
 After the last action the optimizer steps (the flush). Stage 0 sends every
 microbatch's labels straight to the last stage before the first forward, unless
@@ -113,7 +116,8 @@ from edge.runtime.checkpoint import load_state, read_state, select, stage_state
 from edge.runtime.data import EpochSampler, check_data_fits, load_batch, open_local
 from edge.runtime.group_sum import GroupSum
 from edge.runtime.links import block, expected_frames
-from edge.runtime.schedules import make_schedule
+from edge.runtime.schedules import is_split, make_schedule
+from edge.runtime.split_backward import WeightBackward, input_backward
 from edge.runtime.step_clock import StepClock
 from edge.transport.base import Transport
 from edge.wire.frames import Codec, Kind, encode_frame
@@ -269,14 +273,17 @@ class StageRuntime:
             raise ValueError(group_batchnorm_error(a.stage, a.group_size, norm))
         self.optimizer = build_optimizer(a.optimizer, self.segment.parameters())
         self.actions = make_schedule(a.schedule, a.num_stages, a.microbatches)[a.stage]
+        self.split = is_split(self.actions)
+        """Whether a backward runs in two actions, ``B`` then ``W``."""
         self.codec_out = Codec.parse(a.codec_out)
         self.codec_in = Codec.parse(a.codec_in)
         self.expected = expected_frames(a, spec, self.dataset if self.reads else None)
         """What the plan lets this stage receive (see :mod:`edge.runtime.links`)."""
+        self._weights = [p for p in self.segment.parameters() if p.requires_grad]
+        """What a weight pass (``W``) accumulates into."""
         self.group_sum: GroupSum | None = None
         if a.group_size > 1 and data_parallel is None:
-            params = [p for p in self.segment.parameters() if p.requires_grad]
-            self.group_sum = GroupSum(a, transport, params)
+            self.group_sum = GroupSum(a, transport, self._weights)
             self.expected |= self.group_sum.expected
         self.inbox = transport.attach(a.job, a.stage, a.member, members=a.group_size)
         self._expect(a.first_step)
@@ -383,6 +390,7 @@ class StageRuntime:
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         losses: dict[int, torch.Tensor] = {}
+        weight_passes: dict[int, WeightBackward] = {}  # split: each B's W, until it runs
         xs: tuple[torch.Tensor, ...] = ()
         ys: tuple[torch.Tensor, ...] = ()
         ran: list[str] = []  # what this step ran, action by action, and the most it held
@@ -442,30 +450,42 @@ class StageRuntime:
                     outputs[mb] = out
                 ran.append(f"F{mb}")
                 peak_held = max(peak_held, len(inputs.keys() | outputs.keys()))
-            else:
-                if a.group_size > 1 and action is self.actions[-1]:
-                    # The step's last backward: its sum starts as its gradients become final.
-                    mine = float(sum(v.item() for v in losses.values())) if a.is_last else None
-                    if self.group_sum is not None:
-                        self.group_sum.arm(step, mine)
-                    elif self.data_parallel is not None:
-                        self.data_parallel.arm(self.segment.parameters(), mine)
-                if a.is_last:
-                    t0 = self._start()
-                    losses[mb].backward()
-                else:
-                    with clock.waiting("G", mb):
-                        grad = self._here(self._take(Kind.GRADIENT, a.stage + 1, step, mb, timeout))
-                    t0 = self._start()
-                    outputs.pop(mb).backward(grad)
+                continue
+            if a.group_size > 1 and action is self.actions[-1]:
+                # The step's last backward: its sum starts as its gradients become final.
+                mine = float(sum(v.item() for v in losses.values())) if a.is_last else None
+                if self.group_sum is not None:
+                    self.group_sum.arm(step, mine)
+                elif self.data_parallel is not None:
+                    self.data_parallel.arm(self.segment.parameters(), mine)
+            if action.kind == "W":
+                t0 = self._start()
+                weight_passes.pop(mb).run()
                 compute += self._throttle(t0)
+                inputs.pop(mb)
+                ran.append(f"W{mb}")
+                continue
+            if a.is_last:
+                out, grad = losses[mb], None
+                t0 = self._start()
+            else:
+                with clock.waiting("G", mb):
+                    grad = self._here(self._take(Kind.GRADIENT, a.stage + 1, step, mb, timeout))
+                out = outputs.pop(mb)
+                t0 = self._start()
+            if self.split:  # the input's gradient now, the weights' at this W
+                inp = inputs[mb]
+                weight_passes[mb] = input_backward(out, grad, inp, self._weights)
+            else:
+                out.backward(grad)
                 inp = inputs.pop(mb)
-                if not a.is_first and inp.grad is not None:
-                    with clock.sending("G", mb):
-                        sent += self._send(
-                            a.stage - 1, "bwd", Kind.GRADIENT, step, mb, inp.grad, self.codec_in
-                        )
-                ran.append(f"B{mb}")
+            compute += self._throttle(t0)
+            if not a.is_first and inp.grad is not None:
+                with clock.sending("G", mb):
+                    sent += self._send(
+                        a.stage - 1, "bwd", Kind.GRADIENT, step, mb, inp.grad, self.codec_in
+                    )
+            ran.append(f"B{mb}")
         loss = float(sum(v.item() for v in losses.values())) if a.is_last else None
         if self.group_sum is not None:
             t0 = time.perf_counter()

@@ -369,13 +369,13 @@ class StepReport(_Event):
     """A group's member: bytes of its sum it sent (over torch.distributed, whose
     all-reduce it started) while its last backward still ran ([Note: the sum overlapped
     with the backward] in :mod:`edge.runtime.group_sum`)."""
-    actions: str = Field(default="", max_length=65536, pattern=r"^([FB]\d+( [FB]\d+)*)?$")
-    """The forwards and backwards the stage ran in the step, in the order it ran them, as
-    a schedule row (``"F0 F1 B0 B1"``: :func:`edge.runtime.schedules.format_schedule`);
-    empty from an agent that does not say."""
+    actions: str = Field(default="", max_length=65536, pattern=r"^([FBW]\d+( [FBW]\d+)*)?$")
+    """The forwards, backwards and weight passes the stage ran in the step, in the order it
+    ran them, as a schedule row (``"F0 F1 B0 W0 B1 W1"``:
+    :func:`edge.runtime.schedules.format_schedule`); empty from an agent that does not say."""
     peak_held: int = Field(default=0, ge=0)
-    """The most microbatches whose forward had run and backward had not, at once: how
-    many microbatches' activations the stage held at its peak."""
+    """The most microbatches whose forward had run and backward (weight pass, when split)
+    had not, at once: how many microbatches' activations the stage held at its peak."""
     started_at: UnixTime = 0.0
     """When the step started here (Unix seconds; 0: an agent that does not say)."""
     timeline: str = Field(default="", max_length=196608, pattern=TIMELINE_PATTERN)

@@ -176,7 +176,8 @@ def _print_report(problem: PlanningProblem, result: SearchResult, parts: Anatomy
     from rich.table import Table
 
     from coordinator.planner.bounds import certificate
-    from coordinator.planner.simulator import simulate
+    from coordinator.planner.simulator import memory_error, simulate
+    from edge.runtime.schedules import SCHEDULES
 
     score = result.score
     assert score is not None
@@ -226,12 +227,14 @@ def _print_report(problem: PlanningProblem, result: SearchResult, parts: Anatomy
             f"{score.energy_j_per_sample:.3g} J/sample ({score.energy_j_per_step:.3g} J/step, "
             "from datasheet power figures: a prediction, nothing measures power)"
         )
-    sims = {name: simulate(problem, score.plan, name) for name in ("1f1b", "gpipe")}
+    sims = {name: simulate(problem, score.plan, name) for name in SCHEDULES}
+    fits = {name for name in SCHEDULES if memory_error(problem, score.plan, name) is None}
     console.print(
         "simulated step: "
         + "; ".join(
             f"{name} {sim.step_time_s * 1e3:.1f} ms, bubble {sim.bubble_fraction:.0%}, "
             f"peak memory {max(sim.peak_memory_bytes) / 1e6:.1f} MB"
+            + ("" if name in fits else " (does not fit)")
             for name, sim in sims.items()
         )
     )

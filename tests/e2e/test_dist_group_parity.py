@@ -20,6 +20,7 @@ import pytest
 from support.reference import ReferenceRun, assert_matches, train_reference
 
 from edge.models.zoo import get_model
+from edge.runtime.schedules import SCHEDULES
 from edge.server.job_file import DistJob, read_results
 from edge.server.launch import launch
 
@@ -66,7 +67,7 @@ def _reduced_bytes(job: DistJob, stage: int) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("shares", list(SHARES))
 @pytest.mark.parametrize("sizes", list(SIZES))
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_groups_over_gloo_equal_one_device(
     tmp_path: Path, schedule: str, sizes: str, shares: str
 ) -> None:

@@ -32,6 +32,7 @@ from coordinator.local.owned import OwnedBroker
 from coordinator.planner.score import Plan, Stage
 from edge.errors import UserError
 from edge.models.zoo import get_model
+from edge.runtime.schedules import SCHEDULES
 from edge.runtime.stage import StageRuntime
 from edge.transport.inprocess import InProcessTransport
 from edge.transport.mqtt import MqttTransport
@@ -124,7 +125,7 @@ def _check(result: JobResult, plan: Plan, counts: tuple[int, int]) -> None:
 
 @pytest.mark.parametrize("shares", list(SHARES))
 @pytest.mark.parametrize("sizes", list(SIZES))
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_groups_in_process_equal_one_device(schedule: str, sizes: str, shares: str) -> None:
     plan = _plan(["a", "b", "c", "d"], SIZES[sizes])
     result = run_inprocess(
@@ -175,7 +176,7 @@ def fleet(secure_broker: OwnedBroker, secure_control: MqttTransport) -> Iterator
 
 @pytest.mark.parametrize("shares", list(SHARES))
 @pytest.mark.parametrize("sizes", list(SIZES))
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_groups_over_mqtt_equal_one_device(
     fleet: LocalFleet,
     secure_control: MqttTransport,

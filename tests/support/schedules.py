@@ -49,6 +49,12 @@ def drawn(problem: PlanningProblem, plan: Plan, schedule: str) -> tuple[list[str
     return rows, list(sim.peak_microbatches_held)
 
 
+def framed(row: str) -> str:
+    """A schedule row as a stage's frames can tell it: without its weight passes (``W``),
+    which neither send nor take a frame."""
+    return " ".join(token for token in row.split() if not token.startswith("W"))
+
+
 @dataclass
 class WireLog:
     """Every activation and gradient a stage sent or took, in the order it did."""

@@ -19,10 +19,12 @@ from coordinator.planner.simulator import (
     DeadlockError,
     SimulationResult,
     TimelineEvent,
+    memory_error,
     simulate,
 )
 from edge.problem import PlanningProblem
 from edge.runtime.schedules import (
+    SCHEDULES,
     Action,
     format_schedule,
     gpipe,
@@ -30,6 +32,7 @@ from edge.runtime.schedules import (
     one_f_one_b,
     parse_schedule,
     validate_schedule,
+    zb_h1,
 )
 
 REL = 1e-9
@@ -205,7 +208,53 @@ def test_one_f_one_b_text_form() -> None:
     assert format_schedule(gpipe(2, 3)).splitlines() == ["F0 F1 F2 B0 B1 B2"] * 2
 
 
-@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+def test_zb_h1_text_form() -> None:
+    """1F1B's rows, stage ``s`` putting each weight pass ``s`` backwards behind."""
+    assert format_schedule(zb_h1(3, 4)).splitlines() == [
+        "F0 F1 F2 B0 W0 F3 B1 W1 B2 W2 B3 W3",
+        "F0 F1 B0 F2 B1 W0 F3 B2 W1 B3 W2 W3",
+        "F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3",
+    ]
+    assert format_schedule(zb_h1(3, 1)).splitlines() == ["F0 B0 W0"] * 3
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8, 12])
+def test_zb_h1_takes_a_third_of_the_bubble_in_the_same_memory(n: int, m: int) -> None:
+    """Equal stages, F = B = W, free links: ``3 M + S - 1`` against 1F1B's ``3 (M + S - 1)``
+    once ``M >= S``, never slower, and every stage holds ``min(S, M)``: stage 0's 1F1B peak."""
+    problem, plan = _pipe([3.0] * n, m)  # f = 1 and g = 2 on every stage
+    zb, ofob = simulate(problem, plan, "zb-h1"), simulate(problem, plan, "1f1b")
+    assert _close(ofob.step_time_s, 3 * (m + n - 1))
+    if m >= n:
+        assert _close(zb.step_time_s, 3 * m + n - 1)
+    assert zb.step_time_s <= ofob.step_time_s + 1e-12
+    assert zb.peak_microbatches_held == [min(n, m)] * n
+    assert max(zb.peak_microbatches_held) == max(ofob.peak_microbatches_held)
+    w = [e for e in zb.timeline if e.kind == "W"]
+    assert len(w) == n * m and all(_close(e.end_s - e.start_s, 1.0) for e in w if e.index > 0)
+    assert all(_close(e.end_s - e.start_s, 2.0) for e in w if e.index == 0)  # B is free there
+
+
+def test_a_plan_that_fits_1f1b_may_not_fit_zb_h1_or_gpipe() -> None:
+    """The last stage holds one microbatch under 1F1B, three under ZB-H1 and four under
+    GPipe: with room for exactly 1F1B's, the other two are refused, naming the stage."""
+    problem, plan = _pipe([3.0, 3.0, 3.0], 4)
+    tight = score_plan(problem, plan).memory_bytes[2]
+    devices = [
+        d.model_copy(update={"memory_bytes": tight}) if d.id == "d2" else d for d in problem.devices
+    ]
+    problem = problem.model_copy(update={"devices": devices})
+    assert memory_error(problem, plan, "1f1b") is None
+    for schedule, held in (("zb-h1", 3), ("gpipe", 4)):
+        why = memory_error(problem, plan, schedule)
+        assert why is not None and why.startswith("stage 2 on d2 needs ")
+        assert f"under {schedule} ({held} microbatches in flight)" in why
+    roomy = [d.model_copy(update={"memory_bytes": tight * 2}) for d in problem.devices]
+    assert memory_error(problem.model_copy(update={"devices": roomy}), plan, "zb-h1") is None
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
 @pytest.mark.parametrize(("n", "m"), [(1, 1), (1, 5), (3, 2), (4, 4), (5, 9)])
 def test_schedules_round_trip_and_are_complete(name: str, n: int, m: int) -> None:
     schedule = make_schedule(name, n, m)
@@ -216,6 +265,7 @@ def test_schedules_round_trip_and_are_complete(name: str, n: int, m: int) -> Non
         == [[Action("F", 0), Action("B", 0)]] * 2
     )
     assert str(Action("B", 12)) == "B12" and Action.parse("F7") == Action("F", 7)
+    assert Action.parse("W3") == Action("W", 3)
 
 
 def test_malformed_schedules_are_refused() -> None:
@@ -227,6 +277,10 @@ def test_malformed_schedules_are_refused() -> None:
         validate_schedule(parse_schedule("F0 F0 B0"), 1, 1)
     with pytest.raises(ValueError, match="2 stages"):
         validate_schedule(one_f_one_b(2, 2), 3, 2)
+    with pytest.raises(ValueError, match="stage 1: W0 runs before B0"):
+        validate_schedule(parse_schedule("F0 B0 W0\nF0 W0 B0"), 2, 1)
+    with pytest.raises(ValueError, match=r"stage 1: must run F, B and W .* missing W0"):
+        validate_schedule(parse_schedule("F0 B0 W0\nF0 B0"), 2, 1)
     with pytest.raises(ValueError, match="unknown schedule 'zb'"):
         make_schedule("zb", 2, 2)
     problem, plan = _pipe([1.0, 1.0], 2)

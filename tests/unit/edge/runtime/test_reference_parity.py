@@ -27,6 +27,7 @@ from coordinator.engine.runners import run_inprocess
 from coordinator.engine.spec import JobSpec
 from coordinator.planner.score import Plan
 from edge.models.zoo import get_model
+from edge.runtime.schedules import SCHEDULES
 
 SEED = 3
 
@@ -76,7 +77,7 @@ def _assert_equal_training(spec: JobSpec, stages: int = 3) -> JobResult:
     return piped
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("model", ["mlp", "cnn-digits", "gpt-mini"])
 def test_three_stages_equal_the_reference(model: str, schedule: str) -> None:
     _assert_equal_training(_spec(model, schedule=schedule, steps=4 if model == "gpt-mini" else 6))

@@ -6,14 +6,15 @@ same order, so a stage that ran the wrong one would still train exactly. Here a
 (:data:`edge.runtime.schedules.SCHEDULES`, so a schedule added later is checked
 too), and for every stage and step two records of what it ran must equal what
 :func:`coordinator.planner.simulator.simulate` draws for the same plan and
-problem: the stage's own report (its actions and the most microbatches it held)
-and the order of the frames it sent and took (:mod:`support.schedules`).
+problem: the stage's own report (its actions, weight passes included, and the most
+microbatches it held) and the order of the frames it sent and took
+(:mod:`support.schedules`), which shows its forwards and backwards.
 """
 
 from __future__ import annotations
 
 import pytest
-from support.schedules import drawn, record_wire
+from support.schedules import drawn, framed, record_wire
 
 from coordinator.engine.runners import run_inprocess
 from coordinator.engine.spec import JobSpec
@@ -64,5 +65,5 @@ def test_every_stage_runs_the_schedule_the_simulator_draws(
     for r in result.reports:
         where = f"stage {r.stage}, step {r.step}"
         assert r.actions == rows[r.stage], f"{where} ran another order than {schedule}'s"
-        assert wire.actions(r.stage, r.step) == rows[r.stage], f"{where}: its frames' order"
+        assert wire.actions(r.stage, r.step) == framed(rows[r.stage]), f"{where}: its frames"
         assert r.peak_held == peaks[r.stage], f"{where} held {r.peak_held} microbatches"
