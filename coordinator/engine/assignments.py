@@ -87,6 +87,8 @@ def make_assignments(
     :mod:`coordinator.engine.handover`).
     """
     microbatches_of(spec)  # an "auto" job runs at its plan's number: refused unplanned
+    if spec.schedule == "auto":
+        raise ValueError('schedule "auto" is chosen with the plan: plan the job first')
     dataset, options = spec.resolve_data()
     stages = plan.stages
     default = spec.link_codec

@@ -26,7 +26,19 @@ hears through :class:`JobHooks`.
   :class:`~coordinator.engine.rebalance.Rebalancer` migrates it to a faster plan
   when measured stage times drift or a device joins.
 
-Tested in tests/unit/coordinator/engine/test_plan_groups.py (where a job is planned on
+[Note: choosing the schedule]
+The planner cuts a job by 1F1B's step and checks 1F1B's memory. Then the job's schedule
+is fitted to the plan (:func:`_with_schedule`). Another schedule keeps more microbatches
+in flight on the later stages (GPipe ``M``, ZB-H1 ``min(S, M)``), so a named one the
+plan's devices cannot hold is refused, naming the stage. ``auto`` simulates the plan's
+step under every schedule they hold (:func:`~coordinator.planner.simulator.simulate`,
+on the spec's times) and takes the fastest, 1F1B on a tie. The internal model's
+prediction is then moved to that schedule
+(:func:`~coordinator.planner.predict.under_schedule`). The plan is not cut again for
+it: a cut for ZB-H1's step might differ.
+
+Tested in tests/unit/coordinator/engine/test_schedule_memory.py (the schedule fitted to
+the plan), tests/unit/coordinator/engine/test_plan_groups.py (where a job is planned on
 groups), tests/unit/coordinator/engine/test_plan_objective.py (the energy objective and
 deadlines) and tests/unit/coordinator/engine/test_tolerance.py (when a run has fault
 tolerance); whole jobs through the service in tests/e2e/test_service.py.
@@ -39,7 +51,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, get_args
 
 from coordinator.engine.assignments import batchnorm_units, microbatch_choices_of, planning_start
 from coordinator.engine.faults import Fault, FaultActuator, FaultInjector, parse_fault
@@ -71,9 +83,11 @@ from coordinator.planner.predict import (
     calibrated,
     measure_unit_seconds,
     predict,
+    under_schedule,
 )
 from coordinator.planner.score import Plan, PlanScore, for_plan, score_plan
-from coordinator.planner.simulator import memory_error
+from coordinator.planner.simulator import memory_error, simulate
+from edge.config import Schedule
 from edge.errors import UserError
 from edge.models.local_data import announced
 from edge.models.zoo import get_model
@@ -125,10 +139,17 @@ class PlannedJob:
     """On local data: the alternatives the job allows (the holders alone, each alone)."""
     own_units: tuple[str, ...] = ()
     """The devices whose own unit seconds (``unit_times="devices"``) priced the plan."""
+    schedule: Schedule = "1f1b"
+    """The schedule the job runs: its own, or the plan's choice for ``auto``."""
 
     @property
     def plan(self) -> Plan:
         return self.found.plan
+
+    def resolve(self, spec: JobSpec) -> JobSpec:
+        """``spec`` as this plan runs it: an ``auto`` job at the plan's microbatches and
+        schedule."""
+        return spec.at_microbatches(self.problem.microbatches).at_schedule(self.schedule)
 
     @property
     def score(self) -> PlanScore:
@@ -249,7 +270,7 @@ def plan_over(
             device_units=device_units,
             choices=choices,
         )
-        return _fits_schedule(spec, planned)
+        return _with_schedule(spec, planned)
     sizes = spec.group_sizes
     if again and sizes is not None and previous is not None:
         by_id = {d.id: d for d in devices}
@@ -290,21 +311,32 @@ def plan_over(
         found = replace(found, score=chose.score, prediction=chose.prediction, method=method)
     own = tuple(sorted(units.devices)) if units is not None else ()
     planned = PlannedJob(problem=problem, found=found, fewer_stages=fewer, own_units=own)
-    return _fits_schedule(spec, planned)
+    return _with_schedule(spec, planned)
 
 
-def _fits_schedule(spec: JobSpec, planned: PlannedJob) -> PlannedJob:
-    """``planned``, or a one-line :class:`UserError` when it does not fit its devices'
-    memory under the job's schedule: the planner checks 1F1B's, and GPipe and ZB-H1 keep
-    more microbatches in flight on the later stages
-    (:func:`~coordinator.planner.simulator.memory_error`)."""
-    if spec.schedule == "1f1b":
-        return planned
+def _with_schedule(spec: JobSpec, planned: PlannedJob) -> PlannedJob:
+    """``planned`` under the job's schedule ([Note: choosing the schedule]), or a one-line
+    :class:`UserError` when it does not fit its devices' memory under it."""
     plan = planned.plan
-    why = memory_error(for_plan(planned.problem, plan), plan, spec.schedule)
-    if why is not None:
-        raise UserError(why)
-    return planned
+    problem = for_plan(planned.problem, plan)
+    if spec.schedule == "auto":
+        names: tuple[Schedule, ...] = get_args(Schedule)
+        fits = [name for name in names if memory_error(problem, plan, name) is None]
+        steps = {name: simulate(problem, plan, name).step_time_s for name in fits}
+        schedule = min(fits, key=lambda name: steps[name])  # 1f1b always fits
+        how = f"{schedule} of {', '.join(f'{n} {t * 1e3:.1f} ms' for n, t in steps.items())}"
+    else:
+        schedule, how = spec.schedule, ""
+        why = None if schedule == "1f1b" else memory_error(problem, plan, schedule)
+        if why is not None:
+            raise UserError(why)
+    found = planned.found
+    if found.prediction is not None and schedule != found.prediction.schedule:
+        prediction = under_schedule(planned.problem, plan, found.prediction, schedule)
+        found = replace(found, prediction=prediction)
+    if how:
+        found = replace(found, method=f"{found.method}; schedule {how} (simulated)")
+    return replace(planned, found=found, schedule=schedule)
 
 
 def _unit_seconds(
@@ -498,7 +530,7 @@ class JobEngine:
         :meth:`replication`'s to say from ``spec`` and ``tolerance``; such a run re-plans
         over the devices still ``allowed`` (``pin_first`` on stage 0 while it lives).
         """
-        spec = spec.at_microbatches(planned.problem.microbatches)  # "auto": the plan's
+        spec = planned.resolve(spec)  # "auto": the plan's microbatches and schedule
         every = self.replication(spec, planned, tolerance)
         if every and planned.plan.u_shaped:  # its replicas, re-plans and hand-overs: not yet
             raise UserError('labels "local" cannot be combined with fault tolerance yet')

@@ -15,7 +15,8 @@ and tests/unit/coordinator/engine/test_message_bound.py.
 from __future__ import annotations
 
 import secrets
-from typing import Annotated, Literal, Self
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, Self, get_args
 
 from pydantic import (
     BaseModel,
@@ -30,7 +31,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from coordinator.engine.faults import FaultText
-from edge.config import Microbatches, RecvTimeout, ReplicateEvery, TrainConfig
+from edge.config import Microbatches, RecvTimeout, ReplicateEvery, Schedule, TrainConfig
 
 __all__ = [
     "DataPlacement",
@@ -41,6 +42,7 @@ __all__ = [
     "MicrobatchesOrAuto",
     "Objective",
     "Partition",
+    "ScheduleOrAuto",
     "UnitTimes",
     "largest_message_bytes",
     "microbatches_of",
@@ -88,27 +90,41 @@ kept in a job that no JSON response can carry."""
 
 
 _COUNT: TypeAdapter[int] = TypeAdapter(Microbatches)
+_SCHEDULE: TypeAdapter[Schedule] = TypeAdapter(Schedule)
 
 
-def _auto_or_count(value: object) -> int | Literal["auto"]:
-    """``"auto"``, or a number of microbatches checked as every shape checks it, refused with
-    its one message (a plain union would give one error per arm)."""
-    if value == "auto":
-        return "auto"
-    try:
-        return _COUNT.validate_python(value)
-    except ValidationError as exc:
-        message = exc.errors()[0]["msg"].replace("{", "{{").replace("}", "}}")
-        raise PydanticCustomError("microbatches", message) from None
+def _or_auto(adapter: TypeAdapter[Any], field: str) -> Callable[[object], Any]:
+    """A check that takes ``"auto"``, or a value ``adapter`` takes, refused with the
+    adapter's one message, as every shape refuses it (a plain union would give one error
+    per arm)."""
+
+    def check(value: object) -> Any:
+        if value == "auto":
+            return "auto"
+        try:
+            return adapter.validate_python(value)
+        except ValidationError as exc:
+            message = exc.errors()[0]["msg"].replace("{", "{{").replace("}", "}}")
+            raise PydanticCustomError(field, message) from None
+
+    return check
 
 
 MicrobatchesOrAuto = Annotated[
     int | Literal["auto"],
-    PlainValidator(_auto_or_count),
+    PlainValidator(_or_auto(_COUNT, "microbatches")),
     WithJsonSchema({"anyOf": [_COUNT.json_schema(), {"const": "auto"}]}),
 ]
 """A job's microbatches: :data:`~edge.config.Microbatches`, or ``"auto"`` (see
 :attr:`JobBase.microbatches`)."""
+
+ScheduleOrAuto = Annotated[
+    Schedule | Literal["auto"],
+    PlainValidator(_or_auto(_SCHEDULE, "schedule")),
+    WithJsonSchema({"enum": [*get_args(Schedule), "auto"], "type": "string"}),
+]
+"""A job's schedule: :data:`~edge.config.Schedule`, or ``"auto"`` (see
+:attr:`JobBase.schedule`)."""
 
 
 class JobBase(TrainConfig):
@@ -126,6 +142,13 @@ class JobBase(TrainConfig):
     with the plan, weighing the bubble against what each microbatch costs whatever its
     rows ([Note: choosing the microbatches] in :mod:`coordinator.planner.microbatches`);
     the job runs with its plan's number (:meth:`at_microbatches`)."""
+    schedule: ScheduleOrAuto = "1f1b"  # type: ignore[assignment]
+    """``1f1b``: PipeDream-Flush; ``gpipe``: every forward, then every backward; ``zb-h1``:
+    1F1B with each backward split, the weights' gradients filling the bubble ([Note: zero
+    bubble] in :mod:`edge.runtime.schedules`); ``auto``: whichever of them the plan's
+    simulated step finds fastest among those its devices hold ([Note: choosing the
+    schedule] in :mod:`coordinator.engine.engine`); the job runs with it
+    (:meth:`at_schedule`)."""
     recv_timeout_s: RecvTimeout = 120.0
     """Seconds a stage waits for one frame before it gives up on the job."""
     pin_first: DeviceName | None = None
@@ -181,6 +204,12 @@ class JobBase(TrainConfig):
         if self.microbatches != "auto":
             return self
         return self.model_copy(update={"microbatches": microbatches})
+
+    def at_schedule(self, schedule: Schedule) -> Self:
+        """This job under ``schedule``: an ``auto`` job as its plan runs it."""
+        if self.schedule != "auto":
+            return self
+        return self.model_copy(update={"schedule": schedule})
 
     def conflict(self) -> tuple[tuple[str, ...], str] | None:
         """The first of this job's fields that cannot go with the others, as ``(where,

@@ -68,14 +68,14 @@ def _plan(
 ) -> tuple[JobSpec, Any, Any]:
     """The plan over ``devices`` (the first holds the data) with the spec's ``partition``
     and ``stages``, its spec score, and the spec as the plan runs it (an ``auto`` job at
-    the plan's microbatches); ``groups``: whether the planner may place device groups
+    the plan's microbatches and schedule); ``groups``: whether the planner may place device groups
     (``None``: as :func:`~coordinator.engine.engine.plans_groups` says)."""
     from coordinator.engine.engine import plan_over
 
     planned = plan_over(
         spec, devices, pin_first=devices[0].id, where="these devices", groups=groups
     )
-    return spec.at_microbatches(planned.problem.microbatches), planned.plan, planned.score
+    return planned.resolve(spec), planned.plan, planned.score
 
 
 def emulated(profiles: list[str]) -> tuple[list[Any], list[float]]:
@@ -275,7 +275,7 @@ def train_on_local_fleet(
         asked = engine.replication_asked(spec, tolerance)
         first = fleet.ids[0]
         planned = engine.plan(spec, pin_first=first, where="these devices", resilient=asked != 0)
-        spec = spec.at_microbatches(planned.problem.microbatches)  # "auto": the plan's
+        spec = planned.resolve(spec)  # "auto": the plan's microbatches and schedule
         check_fault_stages(tolerance.faults or (), [len(st.devices) for st in planned.plan.stages])
         extra: dict[str, Any] = {"egress": egress(spec, planned.plan)}
         # The speeds the agents announced, which the plan and a group's shares follow.

@@ -14,7 +14,8 @@ step, and this module says what it spends it on, in six parts that add up to it:
   per microbatch: per compute block, per unit call), which do not shrink with the rows;
 - ``bubble``: waiting while the pipeline fills and drains, ``sum(T) - T_s``: the time the
   other stages take on the first forward and the last backward. It shrinks only with
-  fewer stages or a schedule that fills it;
+  fewer stages or a schedule that fills it (less what the schedule saves over 1F1B,
+  [Note: another schedule] in :mod:`coordinator.planner.predict`);
 - ``imbalance``: waiting on a slower neighbour in the steady state,
   ``(M - 1) * (T_max - T_s)`` (``T_max`` the slowest stage, or a U's two ends), plus, in a
   group, waiting on its slowest member, ``M * (T_s - f_s - c)``;
@@ -102,6 +103,10 @@ class StepTerms:
     """Per stage: its group's sum of gradients per step (0 for one device)."""
     sums: bool
     """Whether the step waits for the groups' sums (a version 2 problem)."""
+    schedule_saving_s: float = 0.0
+    """What the schedule's order takes off 1F1B's step (ZB-H1's weight passes filling the
+    drain): out of the bubble ([Note: another schedule] in
+    :mod:`coordinator.planner.predict`)."""
 
     @classmethod
     def of_score(cls, problem: PlanningProblem, score: PlanScore) -> StepTerms:
@@ -129,6 +134,7 @@ class StepTerms:
             per_step_s=prediction.per_step_s,
             allreduce_s=list(prediction.allreduce_s),
             sums=problem.version == 2,
+            schedule_saving_s=prediction.schedule_saving_s,
         )
 
 
@@ -194,9 +200,13 @@ def anatomy(plan: Plan, terms: StepTerms) -> Anatomy:
     sums = terms.allreduce_s + ([terms.allreduce_s[0] + terms.allreduce_s[-1]] if both else [])
     group_sum = max(sums) if terms.sums else 0.0
     filled, crossed = ordered_sum(stage_s), ordered_sum(terms.link_s)
-    step = (m - 1) * tau + filled + crossed + terms.per_step_s + group_sum
+    saving = terms.schedule_saving_s
+    step = (m - 1) * tau + filled + crossed + terms.per_step_s + group_sum - saving
     members = []
     for s, (st, times) in enumerate(zip(plan.stages, terms.member_s, strict=True)):
+        # The schedule's saving comes out of the bubble; past it (a member with little
+        # bubble), out of its imbalance.
+        bubble = filled - stage_s[s] - saving
         for device, c in zip(st.devices, times, strict=True):
             members.append(
                 MemberAnatomy(
@@ -204,9 +214,10 @@ def anatomy(plan: Plan, terms: StepTerms) -> Anatomy:
                     device=device,
                     compute=m * c,
                     fixed=m * terms.fixed_s[s] + terms.per_step_s,
-                    bubble=filled - stage_s[s],
+                    bubble=max(0.0, bubble),
                     imbalance=(m - 1) * (slowest - stage_s[s])
-                    + m * (stage_s[s] - terms.fixed_s[s] - c),
+                    + m * (stage_s[s] - terms.fixed_s[s] - c)
+                    + min(0.0, bubble),
                     link=crossed + (m - 1) * (tau - slowest),
                     group_sum=group_sum,
                 )

@@ -58,6 +58,13 @@ A device's fixed costs are what its agent measured and announced
 catalogue entry, a problem file) costs nothing fixed. With no unit seconds and no
 fixed costs the prediction is the spec's step time (up to rounding).
 
+[Note: another schedule]
+The step's shape is 1F1B's. Under another schedule (ZB-H1 fills the drain with weight
+passes, GPipe holds every forward first) :func:`under_schedule` takes off what the
+event simulator (:func:`coordinator.planner.simulator.schedule_saving`) finds that
+schedule saves over 1F1B on this prediction's own stage and link times: the shape's
+terms stay, and the bubble shrinks by the saving (:mod:`coordinator.planner.anatomy`).
+
 The simulator (``plan --timeline``) and the rebalancer stay on the spec score:
 they compare a plan with others under one calculator-checkable model, and the
 rebalancer's measured/predicted factors are per device compute, which fixed terms
@@ -69,12 +76,13 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from coordinator.planner.score import Plan, Stage, for_plan, member_seconds, score_plan
+from coordinator.planner.simulator import schedule_saving
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem
 from edge.profiling.fixed_costs import PROBE_BLOCKS, FixedCosts, fixed_costs_of
@@ -96,6 +104,7 @@ __all__ = [
     "predict",
     "small_rows",
     "timed_problem",
+    "under_schedule",
 ]
 
 _NONE = FixedCosts(0.0, 0.0, 0.0, 0.0)
@@ -233,9 +242,16 @@ class Prediction:
     """Per stage, its group's sum of gradients once a step (0 for one device)."""
     spec_step_time_s: float
     """The spec's score of the same plan, for comparison."""
+    schedule: str = "1f1b"
+    """The schedule the step runs (:func:`under_schedule`)."""
+    schedule_saving_s: float = 0.0
+    """What the schedule takes off 1F1B's step, already out of ``step_time_s``: the bubble
+    it fills (negative for a slower schedule)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "schedule": self.schedule,
+            "schedule_saving_s": self.schedule_saving_s,
             "step_time_s": self.step_time_s,
             "throughput_sps": self.throughput_sps,
             "compute_s": self.compute_s,
@@ -375,6 +391,27 @@ def predict(
         per_step_s=per_step,
         allreduce_s=allreduce,
         spec_step_time_s=spec.step_time_s,
+    )
+
+
+def under_schedule(
+    problem: PlanningProblem, plan: Plan, prediction: Prediction, schedule: str
+) -> Prediction:
+    """``prediction`` (1F1B's) for the step under ``schedule``: less what the schedule's
+    order saves on these stage and link times, simulated ([Note: another schedule])."""
+    if schedule == prediction.schedule:
+        return prediction
+    saving = schedule_saving(
+        for_plan(problem, plan), plan, prediction.compute_s, prediction.link_s, schedule
+    )
+    saving -= prediction.schedule_saving_s  # from 1F1B's, whichever it was for
+    step = prediction.step_time_s - saving
+    return replace(
+        prediction,
+        step_time_s=step,
+        throughput_sps=problem.batch_size / step if step > 0 else float("inf"),
+        schedule=schedule,
+        schedule_saving_s=prediction.schedule_saving_s + saving,
     )
 
 

@@ -119,7 +119,14 @@ from edge.files import write_atomic
 from edge.problem import PlanningProblem
 from edge.runtime.schedules import Action, Schedule, is_split, make_schedule, validate_schedule
 
-__all__ = ["DeadlockError", "SimulationResult", "TimelineEvent", "memory_error", "simulate"]
+__all__ = [
+    "DeadlockError",
+    "SimulationResult",
+    "TimelineEvent",
+    "memory_error",
+    "schedule_saving",
+    "simulate",
+]
 
 EventKind = Literal["F", "B", "W", "send-fwd", "send-bwd"]
 
@@ -232,13 +239,10 @@ def simulate(
 
     b = problem.batch_size / problem.microbatches
     k = problem.optimizer_state_factor
-    fwd_s, bwd_s, params, acts = [], [], [], []
-    for s, st in enumerate(plan.stages):
+    fwd_s, bwd_s = _forward_backward(problem, plan, score.compute_s)
+    params, acts = [], []
+    for st in plan.stages:
         chunk = problem.layers[st.start : st.end]
-        total = sum(unit.train_flops for unit in chunk)
-        share = sum(unit.fwd_flops for unit in chunk) / total if total > 0 else 0.5
-        fwd_s.append(score.compute_s[s] * share)
-        bwd_s.append(score.compute_s[s] - fwd_s[-1])
         # The same sums in the same order as score_plan, so the peaks match it exactly.
         params.append(ordered_sum(unit.param_bytes for unit in chunk))
         acts.append(ordered_sum(unit.saved_bytes for unit in chunk))
@@ -287,6 +291,48 @@ def _split(actions: Schedule, fwd_s: list[float], bwd_s: list[float]) -> list[tu
             inp = 0.0 if s == 0 else min(f, g)  # stage 0's input takes no gradient
             out.append((inp, g - inp))
     return out
+
+
+def _forward_backward(
+    problem: PlanningProblem, plan: Plan, compute_s: Sequence[float]
+) -> tuple[list[float], list[float]]:
+    """Each stage's ``compute_s`` per microbatch split into its forward and backward by the
+    stage's share of forward FLOPs (half and half for a stage without FLOPs)."""
+    fwd_s, bwd_s = [], []
+    for st, t in zip(plan.stages, compute_s, strict=True):
+        chunk = problem.layers[st.start : st.end]
+        total = sum(unit.train_flops for unit in chunk)
+        share = sum(unit.fwd_flops for unit in chunk) / total if total > 0 else 0.5
+        fwd_s.append(t * share)
+        bwd_s.append(t - fwd_s[-1])
+    return fwd_s, bwd_s
+
+
+def schedule_saving(
+    problem: PlanningProblem,
+    plan: Plan,
+    compute_s: Sequence[float],
+    link_s: Sequence[float],
+    schedule: str,
+) -> float:
+    """Seconds a step takes under 1F1B beyond what it takes under ``schedule``, both
+    simulated on these per-microbatch stage times and link round trips (the internal
+    model's, say) instead of the spec's: what a model of 1F1B's shape takes off for
+    ``schedule`` (negative for a slower one). Group sums are left out: they end the step
+    the same way under every schedule."""
+    if schedule == "1f1b":
+        return 0.0
+    n, m = len(plan.stages), problem.microbatches
+    fwd_s, bwd_s = _forward_backward(problem, plan, compute_s)
+    sends = [c / 2 for c in link_s]
+
+    def step(name: str) -> float:
+        actions = make_schedule(name, n, m)
+        run = _Run(actions, fwd_s, _split(actions, fwd_s, bwd_s), sends)
+        run.run()
+        return max(e.end_s for e in run.timeline if e.lane == "stage")
+
+    return step("1f1b") - step(schedule)
 
 
 def memory_error(problem: PlanningProblem, plan: Plan, schedule: str) -> str | None:

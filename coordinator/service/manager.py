@@ -240,7 +240,7 @@ class JobManager:
         problem, score = planned.problem, planned.score
         # A plan on groups is scored (and so simulated) under version 2, as it was planned.
         as_planned = for_plan(problem, score.plan)
-        sim = simulate(as_planned, score.plan, spec.schedule)
+        sim = simulate(as_planned, score.plan, planned.schedule)
         prediction = planned.found.prediction
         terms = (
             StepTerms.of_score(as_planned, score)
@@ -259,6 +259,7 @@ class JobManager:
                 "partition": spec.partition,
                 "stages_asked": spec.stages,
                 "microbatches": problem.microbatches,  # an "auto" job's: the plan's choice
+                "schedule": planned.schedule,  # likewise
                 "compute_s": score.compute_s,
                 "link_s": score.link_s,
                 # What the job shows is the internal model's prediction (fixed costs and
@@ -288,7 +289,7 @@ class JobManager:
         except UserError as exc:
             self._finish(job, "failed", exc.message)
             return
-        spec = spec.at_microbatches(planned.problem.microbatches)  # "auto": the plan's
+        spec = planned.resolve(spec)  # "auto": the plan's microbatches and schedule
         self._store_plan(job, spec, planned)
         plan = planned.plan
         if not resuming:  # a resumed job's plan may have lost stages to failures

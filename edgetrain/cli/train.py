@@ -83,7 +83,13 @@ MicrobatchesOpt = Annotated[
         help="Per step: a number, or auto (the planner chooses, the default).",
     ),
 ]
-ScheduleOpt = Annotated[str, typer.Option("--schedule", help="1f1b, gpipe or zb-h1 (zero bubble).")]
+ScheduleOpt = Annotated[
+    str,
+    typer.Option(
+        "--schedule",
+        help="1f1b, gpipe, zb-h1 (zero bubble) or auto (the fastest its plan's devices hold).",
+    ),
+]
 OptimizerOpt = Annotated[OptimizerName, typer.Option("--optimizer", help="sgd or adamw.")]
 LrOpt = Annotated[float, typer.Option("--lr", help="Learning rate.")]
 MomentumOpt = Annotated[float, typer.Option("--momentum", help="SGD momentum.")]

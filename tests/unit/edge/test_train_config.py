@@ -28,7 +28,7 @@ from coordinator.engine import spec as spec_module
 from coordinator.engine.spec import JobBase, JobSpec
 from coordinator.service.api.routes import jobs
 from coordinator.service.api.routes.jobs import JobCreate
-from edge.config import CodecName, Microbatches, TrainConfig, TrainConfigBase
+from edge.config import CodecName, Microbatches, Schedule, TrainConfig, TrainConfigBase
 from edge.errors import UserError
 from edge.server.job_file import DistJob, load_job
 from edge.wire.messages import MessageError, StageAssignment, parse_command
@@ -181,10 +181,11 @@ def test_shapes_take_their_fields_from_train_config(shape: type[TrainConfigBase]
         assert issubclass(shape, TrainConfig)
         shared = TrainConfig.model_fields
     for name, field in shared.items():
-        if issubclass(shape, JobBase) and name == "microbatches":
-            # A job may leave them to the planner: "auto", or TrainConfig's own count.
+        if issubclass(shape, JobBase) and name in ("microbatches", "schedule"):
+            # A job may leave them to the planner: "auto", or TrainConfig's own values.
             assert shape.model_fields[name].metadata == JobBase.model_fields[name].metadata
             assert spec_module._COUNT.core_schema == TypeAdapter(Microbatches).core_schema
+            assert spec_module._SCHEDULE.core_schema == TypeAdapter(Schedule).core_schema
             continue
         mine, theirs = _definition(shape.model_fields[name]), _definition(field)
         assert mine[0] == theirs[0], (shape.__name__, name)

@@ -561,7 +561,9 @@ function renderJob(view) {
       stat("Microbatches", plan.microbatches !== undefined
         ? `${plan.microbatches}${j.spec && j.spec.microbatches === "auto" ? " (auto)" : ""}`
         : (j.spec ? j.spec.microbatches : "–")),
-      stat("Schedule", j.spec ? j.spec.schedule : "–"),
+      stat("Schedule", plan.schedule !== undefined
+        ? `${plan.schedule}${j.spec && j.spec.schedule === "auto" ? " (auto)" : ""}`
+        : (j.spec ? j.spec.schedule : "–")),
       stat("Bubble (sim)", sim.bubble_fraction !== undefined ? `${fmt(sim.bubble_fraction * 100, 0)} %` : "–"),
       stat("Planner", plan.method || "–")));
 

@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 from pathlib import Path
+from typing import get_args
 
 import pytest
 from hypothesis import assume, given, settings
@@ -22,6 +23,7 @@ from coordinator.planner.simulator import (
     memory_error,
     simulate,
 )
+from edge.config import Schedule
 from edge.problem import PlanningProblem
 from edge.runtime.schedules import (
     SCHEDULES,
@@ -206,6 +208,10 @@ def test_one_f_one_b_text_form() -> None:
     ]
     assert format_schedule(one_f_one_b(3, 2)).splitlines() == ["F0 F1 B0 B1"] * 2 + ["F0 B0 F1 B1"]
     assert format_schedule(gpipe(2, 3)).splitlines() == ["F0 F1 F2 B0 B1 B2"] * 2
+
+
+def test_a_job_may_name_every_schedule_and_no_other() -> None:
+    assert set(get_args(Schedule)) == set(SCHEDULES)
 
 
 def test_zb_h1_text_form() -> None:
