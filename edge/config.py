@@ -40,6 +40,7 @@ __all__ = [
     "CodecChoice",
     "CodecName",
     "DatasetName",
+    "DiLoCo",
     "Microbatches",
     "ModelName",
     "OptimizerName",
@@ -143,6 +144,21 @@ class OptimizerSpec(BaseModel):
     eps: float = Field(default=1e-8, gt=0)
 
 
+class DiLoCo(BaseModel):
+    """The non-exact mode of a stage group: DiLoCo (Douillard et al., "DiLoCo: Distributed
+    Low-Communication Training of Language Models", 2023), [Note: DiLoCo in a group] in
+    :mod:`edge.runtime.outer_sync`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    every: int = Field(ge=2, le=10_000)
+    """Steps between a group's syncs: its members step on their own rows in between."""
+    outer_lr: float = Field(default=0.7, gt=0, le=10)
+    """The outer step's learning rate (Nesterov SGD on the members' mean movement)."""
+    outer_momentum: float = Field(default=0.9, ge=0, lt=1)
+    """The outer step's Nesterov momentum."""
+
+
 class TrainConfigBase(BaseModel):
     """Every setting of :class:`TrainConfig` but the codec, which a stage has per link."""
 
@@ -171,6 +187,11 @@ class TrainConfigBase(BaseModel):
     """``bf16``: stages compute under bf16 autocast (weights and optimizer stay fp32)."""
     seed: Seed = 0
     """Seed of the weights and the data order."""
+    diloco: DiLoCo | None = None
+    """``None``: exact, a stage group sums its gradients every step. Set: **non-exact**, each
+    member of a group steps its own optimizer on its own rows and the group syncs every
+    ``every`` steps ([Note: DiLoCo in a group] in :mod:`edge.runtime.outer_sync`); a stage
+    on one device trains as ever."""
 
     @model_validator(mode="after")
     def _check_batch(self) -> TrainConfigBase:

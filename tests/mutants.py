@@ -869,6 +869,14 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        name="diloco-steps-on-its-share",
+        what="a DiLoCo member steps on its share of the microbatches' gradient, not its rows' mean",
+        path="edge/runtime/outer_sync.py",
+        old="                p.grad.div_(self.share)\n",
+        new="                pass\n",
+        tests=("tests/unit/edge/runtime/test_outer_sync.py",),
+    ),
+    Mutant(
         name="dist-overlap-waits-for-the-last-backward",
         what="an armed all-reduce over torch.distributed starts no bucket from the hooks",
         path="edge/server/data_parallel.py",

@@ -205,6 +205,13 @@ class JobBase(TrainConfig):
             return self
         return self.model_copy(update={"microbatches": microbatches})
 
+    @property
+    def training(self) -> str:
+        """``exact`` (a step equals single-device training), or what makes it non-exact."""
+        if self.diloco is None:
+            return "exact"
+        return f"non-exact: DiLoCo, a stage group syncs every {self.diloco.every} steps"
+
     def at_schedule(self, schedule: Schedule) -> Self:
         """This job under ``schedule``: an ``auto`` job as its plan runs it."""
         if self.schedule != "auto":
@@ -222,6 +229,11 @@ class JobBase(TrainConfig):
             if self.stages is not None and self.stages != len(sizes):
                 why = f"stages={self.stages}, but group_sizes has {len(sizes)} stages"
                 return ("group_sizes",), why
+        if self.diloco is not None and (self.replicate_every or self.faults):
+            why = "diloco cannot be combined with fault tolerance yet (replicate_every, faults)"
+            return ("diloco",), why
+        if self.diloco is not None and self.data is not None:
+            return ("diloco",), "diloco cannot be combined with local data yet"
         data = self.data
         if data is None:
             return None

@@ -287,6 +287,10 @@ def train_on_local_fleet(
         tier = server_tier(announced)
         if tier and not asked:
             extra["servers"] = sorted(tier)
+        extra["training"] = spec.training
+        if spec.diloco is not None:
+            grouped = planned.plan.grouped
+            note(spec.training + ("" if grouped else " (the plan has no group: exact anyway)"))
 
         def on_plan(again: Any) -> None:
             if again.fewer_stages:

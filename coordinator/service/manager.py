@@ -260,6 +260,7 @@ class JobManager:
                 "stages_asked": spec.stages,
                 "microbatches": problem.microbatches,  # an "auto" job's: the plan's choice
                 "schedule": planned.schedule,  # likewise
+                "training": spec.training,  # exact, or non-exact and why
                 "compute_s": score.compute_s,
                 "link_s": score.link_s,
                 # What the job shows is the internal model's prediction (fixed costs and

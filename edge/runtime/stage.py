@@ -116,6 +116,7 @@ from edge.runtime.checkpoint import load_state, read_state, select, stage_state
 from edge.runtime.data import EpochSampler, check_data_fits, load_batch, open_local
 from edge.runtime.group_sum import GroupSum
 from edge.runtime.links import block, expected_frames
+from edge.runtime.outer_sync import OuterSync
 from edge.runtime.schedules import is_split, make_schedule
 from edge.runtime.split_backward import WeightBackward, input_backward
 from edge.runtime.step_clock import StepClock
@@ -285,8 +286,45 @@ class StageRuntime:
         if a.group_size > 1 and data_parallel is None:
             self.group_sum = GroupSum(a, transport, self._weights)
             self.expected |= self.group_sum.expected
+        self.outer = self._outer_sync(a)
+        """Non-exact, in a group: its own steps, and the group's every few."""
         self.inbox = transport.attach(a.job, a.stage, a.member, members=a.group_size)
         self._expect(a.first_step)
+
+    def _outer_sync(self, a: StageAssignment) -> OuterSync | None:
+        """The member's DiLoCo state ([Note: DiLoCo in a group]), when its job asks for it
+        and it is in a group; a one-line :class:`ValueError` where it cannot run yet."""
+        if a.diloco is None or a.group_size == 1:
+            return None
+        if self.group_sum is None:
+            raise ValueError("diloco: a group over torch.distributed syncs every step (yet)")
+        if a.replicate_every or a.handover:
+            raise ValueError("diloco cannot be combined with fault tolerance yet")
+        lo, hi = self.rows
+        return OuterSync(self._weights, a.diloco, (hi - lo) / sum(a.samples_of(a.stage)))
+
+    def _outer_step(self, step: int, loss: float | None) -> tuple[float | None, float, float]:
+        """A non-exact member's step: its own optimizer's, on its rows' mean gradient, and
+        at a sync the group's outer step. The loss to report (the group's at a sync,
+        member 0's own between), the compute seconds and the sum's seconds."""
+        assert self.outer is not None and self.group_sum is not None
+        outer, a = self.outer, self.a
+        t0 = self._start()
+        outer.own_gradients()
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        compute = self._throttle(t0)
+        if not outer.due(step, a.steps):
+            own = None if loss is None or a.member else loss / outer.share
+            return own, compute, 0.0
+        outer.outer_gradients()
+        t0 = time.perf_counter()
+        loss = self.group_sum.sum(self.inbox, step, loss)
+        reduce = time.perf_counter() - t0
+        t0 = self._start()
+        outer.step()
+        return loss, compute + self._throttle(t0), reduce
 
     def _expect(self, step: int) -> None:
         """Have the inbox keep only the frames of the plan, for ``step`` and the next."""
@@ -451,7 +489,7 @@ class StageRuntime:
                 ran.append(f"F{mb}")
                 peak_held = max(peak_held, len(inputs.keys() | outputs.keys()))
                 continue
-            if a.group_size > 1 and action is self.actions[-1]:
+            if a.group_size > 1 and action is self.actions[-1] and self.outer is None:
                 # The step's last backward: its sum starts as its gradients become final.
                 mine = float(sum(v.item() for v in losses.values())) if a.is_last else None
                 if self.group_sum is not None:
@@ -487,7 +525,13 @@ class StageRuntime:
                     )
             ran.append(f"B{mb}")
         loss = float(sum(v.item() for v in losses.values())) if a.is_last else None
-        if self.group_sum is not None:
+        if self.outer is not None and self.group_sum is not None:
+            loss, took, reduce = self._outer_step(step, loss)
+            compute += took
+            if reduce:  # the group synced
+                reduce_bytes, reduce_started = self.group_sum.bytes_sent, self.group_sum.started
+                reduce_cpu, sent = self.group_sum.cpu_s, sent + self.group_sum.bytes_sent
+        elif self.group_sum is not None:
             t0 = time.perf_counter()
             loss = self.group_sum.sum(self.inbox, step, loss)
             reduce = time.perf_counter() - t0
@@ -510,7 +554,7 @@ class StageRuntime:
         if a.handover:  # the state at the start of this step, until the next one ends
             self._previous = (step, self.state(step))
         t0 = self._start()
-        if self.optimizer is not None:
+        if self.optimizer is not None and self.outer is None:  # (a non-exact one stepped)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         compute += self._throttle(t0)

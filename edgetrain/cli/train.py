@@ -94,6 +94,18 @@ OptimizerOpt = Annotated[OptimizerName, typer.Option("--optimizer", help="sgd or
 LrOpt = Annotated[float, typer.Option("--lr", help="Learning rate.")]
 MomentumOpt = Annotated[float, typer.Option("--momentum", help="SGD momentum.")]
 WeightDecayOpt = Annotated[float, typer.Option("--weight-decay", help="Weight decay.")]
+DiLoCoOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--diloco",
+        help="NON-EXACT: a stage group's members step on their own rows and sync every "
+        "this many steps (DiLoCo). Absent: exact.",
+    ),
+]
+OuterLrOpt = Annotated[float, typer.Option("--outer-lr", help="DiLoCo's outer learning rate.")]
+OuterMomentumOpt = Annotated[
+    float, typer.Option("--outer-momentum", help="DiLoCo's outer Nesterov momentum.")
+]
 CodecOpt = Annotated[
     str,
     typer.Option(
@@ -275,6 +287,9 @@ def train_command(
     lr: LrOpt = 0.05,
     momentum: MomentumOpt = 0.9,
     weight_decay: WeightDecayOpt = 0.0,
+    diloco_every: DiLoCoOpt = None,
+    outer_lr: OuterLrOpt = 0.7,
+    outer_momentum: OuterMomentumOpt = 0.9,
     codec: CodecOpt = "fp32",
     seed: SeedOpt = 0,
     recv_timeout_s: RecvTimeoutOpt = 120.0,
@@ -335,6 +350,12 @@ def local_training(flags: Mapping[str, Any]) -> LocalTraining:
         "momentum": flags["momentum"],
         "weight_decay": flags["weight_decay"],
     }
+    if flags["diloco_every"] is not None:
+        job["diloco"] = {
+            "every": flags["diloco_every"],
+            "outer_lr": flags["outer_lr"],
+            "outer_momentum": flags["outer_momentum"],
+        }
     run = {n: flags[n] for n in run_fields if n in flags}
     run |= _devices(flags["devices_opt"])
     run["faults"] = flags["fault"] or ()

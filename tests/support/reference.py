@@ -53,7 +53,14 @@ import torch.nn.functional as F
 from edge.models.datasets import build_dataset
 from edge.models.zoo import get_model
 
-__all__ = ["ReferenceRun", "assert_matches", "batch_indices", "one_thread", "train_reference"]
+__all__ = [
+    "ReferenceRun",
+    "assert_matches",
+    "batch_indices",
+    "one_thread",
+    "reference_optimizer",
+    "train_reference",
+]
 
 
 @dataclass(frozen=True)
@@ -72,7 +79,9 @@ def batch_indices(size: int, batch_size: int, seed: int, step: int) -> torch.Ten
     return torch.randperm(size, generator=gen)[k * batch_size : (k + 1) * batch_size]
 
 
-def _optimizer(params: list[torch.nn.Parameter], spec: Mapping[str, Any]) -> torch.optim.Optimizer:
+def reference_optimizer(
+    params: list[torch.nn.Parameter], spec: Mapping[str, Any]
+) -> torch.optim.Optimizer:
     name = spec.get("name", "sgd")
     lr = spec.get("lr", 0.05)
     decay = spec.get("weight_decay", 0.0)
@@ -161,7 +170,7 @@ def train_on_batches(
         spec = get_model(model, seed=seed, **dict(model_options or {}))
         net = spec.build().train()
         params = [p for p in net.parameters() if p.requires_grad]
-        opt = _optimizer(params, optimizer or {})
+        opt = reference_optimizer(params, optimizer or {})
         losses = []
         for step in range(steps):
             x, y = batch(step)

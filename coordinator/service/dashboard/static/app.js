@@ -564,6 +564,7 @@ function renderJob(view) {
       stat("Schedule", plan.schedule !== undefined
         ? `${plan.schedule}${j.spec && j.spec.schedule === "auto" ? " (auto)" : ""}`
         : (j.spec ? j.spec.schedule : "–")),
+      stat("Training", plan.training || "exact"),
       stat("Bubble (sim)", sim.bubble_fraction !== undefined ? `${fmt(sim.bubble_fraction * 100, 0)} %` : "–"),
       stat("Planner", plan.method || "–")));
 

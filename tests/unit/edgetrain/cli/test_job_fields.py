@@ -66,6 +66,7 @@ VALUES: dict[str, Any] = {
     "unit_times": "devices",
     "faults": ["slow:0@1:2"],
     "data": {"name": "digits", "labels": "local"},
+    "diloco": {"every": 4, "outer_lr": 0.5, "outer_momentum": 0.8},
     # The REST body's own:
     "epochs": 0.5,
     "devices": ["dev-a", "dev-b"],
@@ -141,6 +142,10 @@ TRAIN_FLAGS: dict[str, Callable[[Any], list[str]]] = {
     # The data stays on the first K agents (K holders of its shards): its name is the
     # job's dataset's (here the model's own, digits), min_local_units the default.
     "data": lambda value: ["--holders", "1", "--labels", value["labels"]],
+    "diloco": lambda value: [
+        *("--diloco", str(value["every"]), "--outer-lr", str(value["outer_lr"])),
+        *("--outer-momentum", str(value["outer_momentum"])),
+    ],
 }
 """Fields whose value takes more than ``--field VALUE``."""
 

@@ -1,0 +1,81 @@
+"""A group with ``diloco`` trains as the independent DiLoCo loop says ([Note: DiLoCo in a
+group] in :mod:`edge.runtime.outer_sync`), and sums only when it syncs.
+
+Pipelines of the mlp run in process with a group of two members at unequal shares (six
+rows and two of every microbatch): ahead of a single last stage, and as the whole model
+alone. Every step's loss and the final weights must equal
+:func:`support.diloco.train_diloco_reference` within the parity tests' 1e-5. The same
+job without ``diloco`` must not, so the comparison tells the modes apart. The group's
+members report a sum's bytes on the sync steps, and on no other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from support.diloco import train_diloco_reference
+from support.reference import assert_matches
+
+from coordinator.engine.runners import run_inprocess
+from coordinator.engine.spec import JobSpec
+from coordinator.planner.score import Plan, Stage
+
+STEPS, BATCH, MICROBATCHES, EVERY = 5, 16, 2, 2
+ROWS = (6, 2)
+DILOCO = {"every": EVERY, "outer_lr": 0.7, "outer_momentum": 0.9}
+PLANS = {
+    "ahead of the last stage": Plan((Stage.group(["a", "b"], 0, 2), Stage("c", 2, 3))),
+    "the whole model": Plan((Stage.group(["a", "b"], 0, 3),)),
+}
+
+
+def _spec(**fields: Any) -> JobSpec:
+    return JobSpec.model_validate(
+        {
+            "model": "mlp",
+            "steps": STEPS,
+            "batch_size": BATCH,
+            "microbatches": MICROBATCHES,
+            "seed": 3,
+            **fields,
+        }
+    )
+
+
+@pytest.mark.parametrize("where", list(PLANS))
+def test_a_diloco_group_trains_as_the_reference_loop(where: str) -> None:
+    plan = PLANS[where]
+    shares = [[0.75, 0.25]] + [[1.0]] * (len(plan.stages) - 1)
+    result = run_inprocess(_spec(diloco=DILOCO), plan, shares=shares, timeout_s=120)
+    group = plan.stages[0]
+    reference = train_diloco_reference(
+        "mlp",
+        steps=STEPS,
+        batch_size=BATCH,
+        microbatches=MICROBATCHES,
+        group=(group.start, group.end),
+        rows=ROWS,
+        diloco=DILOCO,
+        seed=3,
+    )
+    assert_matches(result.losses, result.weights, reference)
+    synced = {t for t in range(STEPS) if (t + 1) % EVERY == 0 or t == STEPS - 1}
+    for r in result.reports:
+        if r.stage == 0:
+            assert r.samples == ROWS[r.member] * MICROBATCHES
+            assert (r.allreduce_bytes > 0) == (r.step in synced), (r.step, r.member)
+    exact = run_inprocess(_spec(), plan, shares=shares, timeout_s=120)
+    assert not all(
+        torch.allclose(exact.weights[k], v, rtol=1e-5, atol=1e-7) for k, v in result.weights.items()
+    ), "the exact job trained the same weights: the test cannot tell the modes apart"
+
+
+def test_diloco_refuses_fault_tolerance_and_local_data() -> None:
+    with pytest.raises(ValueError, match="diloco cannot be combined with fault tolerance yet"):
+        _spec(diloco=DILOCO, replicate_every=2)
+    with pytest.raises(ValueError, match="diloco cannot be combined with local data yet"):
+        _spec(diloco=DILOCO, data={"name": "digits"})
+    with pytest.raises(ValueError, match="every"):
+        _spec(diloco={"every": 1})
