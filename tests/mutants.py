@@ -877,6 +877,14 @@ MUTANTS = [
         tests=("tests/unit/edge/runtime/test_outer_sync.py",),
     ),
     Mutant(
+        name="diloco-priced-as-exact",
+        what="a DiLoCo job's groups are priced as summing every step",
+        path="coordinator/planner/predict.py",
+        old="_sum_bytes_s(problem, st, fixed)) / sum_every\n",
+        new="_sum_bytes_s(problem, st, fixed)) / 1\n",
+        tests=("tests/unit/coordinator/engine/test_diloco_plan.py",),
+    ),
+    Mutant(
         name="dist-overlap-waits-for-the-last-backward",
         what="an armed all-reduce over torch.distributed starts no bucket from the hooks",
         path="edge/server/data_parallel.py",

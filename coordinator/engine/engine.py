@@ -37,6 +37,16 @@ prediction is then moved to that schedule
 (:func:`~coordinator.planner.predict.under_schedule`). The plan is not cut again for
 it: a cut for ZB-H1's step might differ.
 
+[Note: planning a DiLoCo job]
+A job with ``diloco`` ([Note: DiLoCo in a group] in :mod:`edge.runtime.outer_sync`) is cut
+by the planner as an exact one, whose search prices a group's sum every step. Its groups
+sum once in ``every`` steps, so the engine predicts the plan with that
+(:func:`~coordinator.planner.predict.predict`'s ``sum_every``) and sets it beside the plan
+DiLoCo is made for: one group of every device over the whole model, each member a data
+replica on its share of the rows (where each device holds the model and the runtime can
+train the group). It takes whichever is predicted faster and says so in the plan's
+method. Plans between the two, cut for the rarer sum, are not searched yet.
+
 Tested in tests/unit/coordinator/engine/test_schedule_memory.py (the schedule fitted to
 the plan), tests/unit/coordinator/engine/test_plan_groups.py (where a job is planned on
 groups), tests/unit/coordinator/engine/test_plan_objective.py (the energy objective and
@@ -85,7 +95,7 @@ from coordinator.planner.predict import (
     predict,
     under_schedule,
 )
-from coordinator.planner.score import Plan, PlanScore, for_plan, score_plan
+from coordinator.planner.score import Plan, PlanScore, Stage, for_plan, score_plan
 from coordinator.planner.simulator import memory_error, simulate
 from edge.config import Schedule
 from edge.errors import UserError
@@ -283,6 +293,7 @@ def plan_over(
     limits = group_limits(spec) if groups else None
     groups = limits is not None
     problem = job_problem(spec, devices, first, groups=groups)
+    timed_rows = problem.batch_size / problem.microbatches
     # Agents that measured their fixed costs: predict what they will do.
     units = _unit_seconds(spec, device_units) if calibrated(problem) else None
     options = PartitionOptions(
@@ -309,9 +320,42 @@ def plan_over(
         found = found_at[chose.found_at]
         method = f"{found.method}, at {chose.microbatches} microbatches of {list(choices)}"
         found = replace(found, score=chose.score, prediction=chose.prediction, method=method)
+    if spec.diloco is not None and limits is not None:
+        rows = problem.batch_size / problem.microbatches
+        moved = None if units is None else units.at_rows(rows, timed_rows)
+        found = _diloco_found(problem, found, moved, limits, spec.diloco.every)
     own = tuple(sorted(units.devices)) if units is not None else ()
     planned = PlannedJob(problem=problem, found=found, fewer_stages=fewer, own_units=own)
     return _with_schedule(spec, planned)
+
+
+def _diloco_found(
+    problem: PlanningProblem,
+    found: FoundPlan,
+    units: UnitSeconds | None,
+    limits: GroupLimits,
+    every: int,
+) -> FoundPlan:
+    """A non-exact job's plan ([Note: planning a DiLoCo job]): the search's, or one group
+    of every device over the whole model, whichever the internal model predicts faster
+    with groups that sum once in ``every`` steps."""
+    guess = predict(problem, found.plan, units, sum_every=every)
+    note = f"groups sum every {every} steps (DiLoCo, non-exact)"
+    said = note if found.plan.grouped else "DiLoCo asked, but no group: exact"
+    best = replace(found, prediction=guess, method=f"{found.method}; {said}")
+    ids = [d.id for d in problem.devices]
+    whole = Plan((Stage.group(ids, 0, len(problem.layers)),))
+    if len(ids) < 2 or not limits.allows(problem, whole):
+        return best
+    score = score_plan(problem, whole)
+    if not score.feasible:
+        return best
+    other = predict(problem, whole, units, sum_every=every)
+    if other.step_time_s >= guess.step_time_s:
+        return best
+    ms = f"{other.step_time_s * 1e3:.1f} ms against the search's {guess.step_time_s * 1e3:.1f} ms"
+    method = f"one group of every device over the whole model, {note}: predicted {ms}"
+    return FoundPlan(score, method, exact=False, prediction=other)
 
 
 def _with_schedule(spec: JobSpec, planned: PlannedJob) -> PlannedJob:

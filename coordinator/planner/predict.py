@@ -58,6 +58,13 @@ A device's fixed costs are what its agent measured and announced
 catalogue entry, a problem file) costs nothing fixed. With no unit seconds and no
 fixed costs the prediction is the spec's step time (up to rounding).
 
+[Note: a DiLoCo group's sum]
+A non-exact job's group (``diloco``, [Note: DiLoCo in a group] in
+:mod:`edge.runtime.outer_sync`) sums once in ``every`` steps, after the step's own
+optimizer step, so nothing of it hides behind a backward: its whole sum, the larger of
+the links' ``R_s`` and what the members' CPU moves, is spread over ``every`` steps.
+The rest of the step is an exact one's.
+
 [Note: another schedule]
 The step's shape is 1F1B's. Under another schedule (ZB-H1 fills the drain with weight
 passes, GPipe holds every forward first) :func:`under_schedule` takes off what the
@@ -322,10 +329,13 @@ def predict(
     units: UnitSeconds | None = None,
     *,
     fixed_shares: Mapping[int, Sequence[float]] | None = None,
+    sum_every: int = 1,
 ) -> Prediction:
     """The predicted step of ``plan`` (see the module docstring); ``units`` must have one
     entry per layer of ``problem`` when given; ``fixed_shares`` as for
-    :func:`~coordinator.planner.score.score_plan` (the holders of local data)."""
+    :func:`~coordinator.planner.score.score_plan` (the holders of local data);
+    ``sum_every``: a non-exact job's groups sum once in that many steps ([Note: a DiLoCo
+    group's sum])."""
     if units is not None:
         units.check(problem)
     spec = score_plan(for_plan(problem, plan), plan, fixed_shares=fixed_shares)
@@ -346,7 +356,9 @@ def predict(
                 for i, w in zip(st.devices, share, strict=True)
             ]
             t = max(members[s])
-        if len(st.devices) > 1:
+        if len(st.devices) > 1 and sum_every > 1:  # [Note: a DiLoCo group's sum]
+            allreduce[s] = max(allreduce[s], _sum_bytes_s(problem, st, fixed)) / sum_every
+        elif len(st.devices) > 1:
             # The links' reduce-scatter runs while the last backward does; what each
             # member's CPU moves, half each way, does not hide ([Note: what the overlap
             # hides]).

@@ -1,0 +1,52 @@
+"""A non-exact job is planned with its groups' rarer sum ([Note: planning a DiLoCo job] in
+:mod:`coordinator.engine.engine`, [Note: a DiLoCo group's sum] in
+:mod:`coordinator.planner.predict`).
+
+Four Pi 4s on 10 Mbit/s links train gpt-mini. Exactly, every step's sum of its gradients
+costs more than a group saves, and the plan is one device. With ``diloco: {every: 8}`` the
+engine predicts one group of all four faster and takes it, its sum an eighth of an exact
+group's, and says so in the plan's method.
+"""
+
+from __future__ import annotations
+
+from coordinator.engine.engine import plan_over
+from coordinator.engine.spec import JobSpec
+from coordinator.planner.build import parse_fleet
+from coordinator.planner.predict import predict
+from coordinator.planner.score import score_plan
+
+EVERY = 8
+
+
+def _fleet() -> list:  # type: ignore[type-arg]
+    return [
+        d.model_copy(update={"id": f"pi-{i}", "bandwidth_mbps": 10.0})
+        for i, d in enumerate(parse_fleet("rpi4-4gb:4"))
+    ]
+
+
+def test_a_diloco_job_takes_the_group_its_rare_sum_makes_fastest() -> None:
+    base = {"model": "gpt-mini", "steps": 10, "batch_size": 64, "microbatches": 4}
+    exact = plan_over(JobSpec(**base), _fleet())
+    diloco = plan_over(JobSpec(**base, diloco={"every": EVERY}), _fleet())
+    assert not exact.plan.grouped, "the exact job should not pay for a group here"
+    (stage,) = diloco.plan.stages
+    assert sorted(stage.devices) == [f"pi-{i}" for i in range(4)]
+    assert (stage.start, stage.end) == (0, len(diloco.problem.layers))
+    assert "one group of every device" in diloco.found.method
+    assert "DiLoCo, non-exact" in diloco.found.method
+    before, after = exact.found.prediction, diloco.found.prediction
+    assert before is not None and after is not None
+    assert after.step_time_s < before.step_time_s
+    # The group's sum is an eighth of what an exact group would pay (no fixed costs here).
+    links = score_plan(diloco.problem, diloco.plan).allreduce_s[0]
+    assert after.allreduce_s[0] == links / EVERY
+    assert predict(diloco.problem, diloco.plan).allreduce_s[0] > after.allreduce_s[0]
+
+
+def test_a_diloco_job_without_a_group_says_it_is_exact() -> None:
+    base = {"model": "mlp", "steps": 10, "batch_size": 64, "microbatches": 4}
+    planned = plan_over(JobSpec(**base, diloco={"every": EVERY}), _fleet())
+    assert not planned.plan.grouped
+    assert planned.found.method.endswith("DiLoCo asked, but no group: exact")
