@@ -367,7 +367,10 @@ def _with_schedule(spec: JobSpec, planned: PlannedJob) -> PlannedJob:
         names: tuple[Schedule, ...] = get_args(Schedule)
         fits = [name for name in names if memory_error(problem, plan, name) is None]
         steps = {name: simulate(problem, plan, name).step_time_s for name in fits}
-        schedule = min(fits, key=lambda name: steps[name])  # 1f1b always fits
+        # 1f1b fits whatever the planner found; should it not (shares the score does not
+        # know), 1f1b is what the job would have run anyway.
+        fallback: Schedule = "1f1b"
+        schedule = min(fits, key=lambda name: steps[name], default=fallback)
         how = f"{schedule} of {', '.join(f'{n} {t * 1e3:.1f} ms' for n, t in steps.items())}"
     else:
         schedule, how = spec.schedule, ""

@@ -4,6 +4,8 @@
 - :mod:`edge.runtime.keeper`: the stages one device runs or holds, restore, neighbour
   replicas, hold and hand-over (the agent's);
 - :mod:`edge.runtime.group_sum`: a stage group's once-a-step sum of its gradients;
+- :mod:`edge.runtime.outer_sync`: DiLoCo in a group (non-exact): its own steps, and a sum
+  every few;
 - :mod:`edge.runtime.schedules`: 1F1B, GPipe and ZB-H1 as per-stage action lists;
 - :mod:`edge.runtime.split_backward`: a backward split into the input's gradient and the
   weights' (zero-bubble schedules);

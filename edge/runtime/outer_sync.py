@@ -62,8 +62,9 @@ class OuterSync:
         self.anchor = [p.detach().clone() for p in self.params]
         self.optimizer: torch.optim.Optimizer | None = None
         if self.params:
+            momentum = spec.outer_momentum
             self.optimizer = torch.optim.SGD(
-                self.params, lr=spec.outer_lr, momentum=spec.outer_momentum, nesterov=True
+                self.params, lr=spec.outer_lr, momentum=momentum, nesterov=momentum > 0
             )
 
     def due(self, step: int, steps: int) -> bool:

@@ -72,11 +72,9 @@ def train_diloco_reference(
         shares = [r / sum(rows) for r in rows]
         anchor = [t.detach().clone() for t in copies[0].parameters()]
         outer_params = list(copies[0].parameters())
+        momentum = diloco.get("outer_momentum", 0.9)
         outer = torch.optim.SGD(
-            outer_params,
-            lr=diloco.get("outer_lr", 0.7),
-            momentum=diloco.get("outer_momentum", 0.9),
-            nesterov=True,
+            outer_params, lr=diloco.get("outer_lr", 0.7), momentum=momentum, nesterov=momentum > 0
         )
         losses = []
         for step in range(steps):

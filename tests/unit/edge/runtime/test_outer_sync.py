@@ -21,6 +21,8 @@ from support.reference import assert_matches
 from coordinator.engine.runners import run_inprocess
 from coordinator.engine.spec import JobSpec
 from coordinator.planner.score import Plan, Stage
+from edge.config import DiLoCo
+from edge.runtime.outer_sync import OuterSync
 
 STEPS, BATCH, MICROBATCHES, EVERY = 5, 16, 2, 2
 ROWS = (6, 2)
@@ -79,3 +81,37 @@ def test_diloco_refuses_fault_tolerance_and_local_data() -> None:
         _spec(diloco=DILOCO, data={"name": "digits"})
     with pytest.raises(ValueError, match="every"):
         _spec(diloco={"every": 1})
+
+
+def test_an_outer_step_of_one_without_momentum_averages_the_members() -> None:
+    """``outer_lr`` 1 and no momentum: after a sync each member holds its group's weights
+    averaged by share (local SGD), whatever it held before."""
+    torch.manual_seed(0)
+    spec = DiLoCo(every=2, outer_lr=1.0, outer_momentum=0.0)
+    layers = [torch.nn.Linear(3, 2) for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    syncs = [
+        OuterSync(list(m.parameters()), spec, share)
+        for m, share in zip(layers, (0.75, 0.25), strict=True)
+    ]
+    with torch.no_grad():  # the members move apart, as their own steps would move them
+        for m in layers:
+            for p in m.parameters():
+                p.add_(torch.randn_like(p))
+    want = [
+        0.75 * a.detach() + 0.25 * b.detach()
+        for a, b in zip(*(m.parameters() for m in layers), strict=True)
+    ]
+    for sync in syncs:
+        sync.outer_gradients()
+    for a, b in zip(
+        *(m.parameters() for m in layers), strict=True
+    ):  # the group's sum, as GroupSum gives it
+        total = a.grad + b.grad
+        a.grad, b.grad = total.clone(), total.clone()
+    for sync in syncs:
+        sync.step()
+    for m in layers:
+        for p, w in zip(m.parameters(), want, strict=True):
+            torch.testing.assert_close(p.detach(), w, rtol=1e-6, atol=1e-6)
+    assert syncs[0].due(1, 10) and not syncs[0].due(2, 10) and syncs[0].due(2, 3)
