@@ -61,7 +61,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, get_args
+from typing import Any, Protocol
 
 from coordinator.engine.assignments import batchnorm_units, microbatch_choices_of, planning_start
 from coordinator.engine.faults import Fault, FaultActuator, FaultInjector, parse_fault
@@ -96,7 +96,7 @@ from coordinator.planner.predict import (
     under_schedule,
 )
 from coordinator.planner.score import Plan, PlanScore, Stage, for_plan, score_plan
-from coordinator.planner.simulator import memory_error, simulate
+from coordinator.planner.simulator import fastest_schedule, memory_error
 from edge.config import Schedule
 from edge.errors import UserError
 from edge.models.local_data import announced
@@ -364,13 +364,7 @@ def _with_schedule(spec: JobSpec, planned: PlannedJob) -> PlannedJob:
     plan = planned.plan
     problem = for_plan(planned.problem, plan)
     if spec.schedule == "auto":
-        names: tuple[Schedule, ...] = get_args(Schedule)
-        fits = [name for name in names if memory_error(problem, plan, name) is None]
-        steps = {name: simulate(problem, plan, name).step_time_s for name in fits}
-        # 1f1b fits whatever the planner found; should it not (shares the score does not
-        # know), 1f1b is what the job would have run anyway.
-        fallback: Schedule = "1f1b"
-        schedule = min(fits, key=lambda name: steps[name], default=fallback)
+        schedule, steps = fastest_schedule(problem, plan)
         how = f"{schedule} of {', '.join(f'{n} {t * 1e3:.1f} ms' for n, t in steps.items())}"
     else:
         schedule, how = spec.schedule, ""

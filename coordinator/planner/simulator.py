@@ -111,10 +111,11 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from coordinator.planner.score import Plan, score_plan
 from coordinator.planner.terms import need_bytes, ordered_sum
+from edge.config import Schedule as ScheduleName
 from edge.files import write_atomic
 from edge.problem import PlanningProblem
 from edge.runtime.schedules import Action, Schedule, is_split, make_schedule, validate_schedule
@@ -123,6 +124,7 @@ __all__ = [
     "DeadlockError",
     "SimulationResult",
     "TimelineEvent",
+    "fastest_schedule",
     "memory_error",
     "schedule_saving",
     "simulate",
@@ -291,6 +293,18 @@ def _split(actions: Schedule, fwd_s: list[float], bwd_s: list[float]) -> list[tu
             inp = 0.0 if s == 0 else min(f, g)  # stage 0's input takes no gradient
             out.append((inp, g - inp))
     return out
+
+
+def fastest_schedule(problem: PlanningProblem, plan: Plan) -> tuple[ScheduleName, dict[str, float]]:
+    """The schedule whose simulated step of ``plan`` is shortest among those its devices
+    hold (:func:`memory_error`), 1F1B on a tie, and each of those schedules' step. 1F1B
+    fits whatever the planner found; should it not (shares the score does not know), it
+    is what the job would have run anyway."""
+    names: tuple[ScheduleName, ...] = get_args(ScheduleName)
+    fits = [name for name in names if memory_error(problem, plan, name) is None]
+    steps: dict[str, float] = {n: simulate(problem, plan, n).step_time_s for n in fits}
+    fallback: ScheduleName = "1f1b"
+    return min(fits, key=lambda name: steps[name], default=fallback), steps
 
 
 def _forward_backward(
