@@ -22,6 +22,12 @@ drift of this host's speed over minutes falls on each alike), each run priced by
 own calibration; a row is its median pass, and the table gives v2/v1 for each pass
 and their medians.
 
+Each plan runs under ``--schedule``: ``auto``, the default, takes the fastest schedule
+its devices hold, as a job's ``"auto"`` does
+(:func:`~coordinator.planner.simulator.fastest_schedule`), and its prediction is moved to
+that schedule (:func:`~coordinator.planner.predict.under_schedule`). Rows before
+2026-12-06 ran 1F1B.
+
 v1 and v2 are chosen and priced with the same unit times. A plan that is an earlier
 row's plan stage for stage (v2 is often v1's) is not run again: its row is that
 run's, marked ``same_as`` (``v2 (= v1)`` in the table).
@@ -61,7 +67,8 @@ devices are the profiles the agents announced.
 
     .venv/bin/python bench/hybrid.py [--models vgg11,resnet18,gpt-mini]
         [--fleets rpi4,2fast4slow,3x,10x,30x] [--strategies single,even,v1,data-parallel,v2]
-        [--batch-size 64] [--microbatches 4] [--method auto|kernel|software] [--json]
+        [--batch-size 64] [--microbatches 4] [--schedule auto|1f1b|gpipe|zb-h1]
+        [--method auto|kernel|software] [--json]
         [--results bench/results/hybrid.json] [--chart bench/results/hybrid.png]
         [--from-json FILE] [--quick] [--predict-shapes 32x4,128x8,...] [--repeat N]
         [--unit-times devices|host]
@@ -99,7 +106,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -128,9 +135,12 @@ from coordinator.planner.predict import (
     fit_unit_seconds,
     predict,
     small_rows,
+    under_schedule,
 )
 from coordinator.planner.score import Plan, for_plan, score_plan
+from coordinator.planner.simulator import fastest_schedule
 from coordinator.testbed.testbed import MethodChoice, StartOptions, Testbed, measure_core_gflops
+from edge.config import Schedule
 from edge.errors import UserError
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem
@@ -197,6 +207,9 @@ class Row:
     measured_anatomy: dict[str, Any] | None = None
     """The same parts as the run's step reports measured them (the steady steps' mean):
     ``bench/anatomy.py`` sums them over the fleet."""
+    schedule: str = "1f1b"
+    """The schedule the plan ran (``--schedule``; ``auto``: the fastest its devices hold,
+    as a job's ``"auto"`` takes it, :func:`~coordinator.planner.simulator.fastest_schedule`)."""
 
     @property
     def ratio(self) -> float:
@@ -575,19 +588,21 @@ def _run_plans(
         fixed = balanced_shares(first, plan, first_units) or None
         planned = score_plan(first, plan, fixed_shares=fixed).shares
         score = score_plan(now, plan, fixed_shares=fixed)
-        guess = predict(now, plan, units, fixed_shares=fixed)
+        schedule = _schedule(args.schedule, for_plan(first, plan), plan)
+        guess = under_schedule(now, plan, predict(now, plan, units, fixed_shares=fixed), schedule)
         steps = args.warmup + max(
             args.min_steps, min(args.max_steps, math.ceil(args.seconds / guess.step_time_s))
         )
         started = time.perf_counter()
         shares = planned if plan.grouped else None
-        job = spec.model_copy(update={"steps": steps})
+        job = spec.model_copy(update={"steps": steps, "schedule": schedule})
         got = measure(control, job, plan, args.warmup, tb, shares)
         if own and not args.quick:
             units = replace(units, devices=mean_own(units.devices, retime(now, plan)))
             priced[strategy] = (now, units)
             score = score_plan(now, plan, fixed_shares=fixed)
             guess = predict(now, plan, units, fixed_shares=fixed)
+            guess = under_schedule(now, plan, guess, schedule)
         if plan.grouped:  # what each member is predicted to compute a step, at its share
             dev, m = {d.id: d for d in now.devices}, args.microbatches
             print(
@@ -620,6 +635,7 @@ def _run_plans(
             unit_times=args.unit_times,
             anatomy=anatomy(plan, StepTerms.of_prediction(for_plan(now, plan), guess)).to_json(),
             measured_anatomy=got.anatomy,
+            schedule=schedule,
         )
         rows.append(row)
         print(
@@ -633,6 +649,13 @@ def _run_plans(
             file=sys.stderr,
         )
     return rows
+
+
+def _schedule(asked: str, problem: PlanningProblem, plan: Plan) -> Schedule:
+    """The schedule ``plan`` runs: ``asked``, or for ``auto`` the fastest its devices hold."""
+    if asked == "auto":
+        return fastest_schedule(problem, plan)[0]
+    return cast(Schedule, asked)  # one of --schedule's choices
 
 
 def fleet_problem(
@@ -770,15 +793,15 @@ def _rounded(values: list[float]) -> list[float]:
 def table(rows: list[Row]) -> str:
     """The rows as a Markdown table, then version 2 against version 1 per model and fleet."""
     lines = [
-        "| model | fleet | batch | unit times | plan | devices per stage | measured sps "
-        "| predicted sps | measured/predicted | ideal sps | measured of ideal "
+        "| model | fleet | batch | unit times | plan | devices per stage | schedule "
+        "| measured sps | predicted sps | measured/predicted | ideal sps | measured of ideal "
         "| predicted of ideal |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.model} | {r.fleet} | {r.batch} | {r.unit_times} | {r.label} | {r.shape} | "
-            f"{r.measured_sps:.1f} | "
+            f"{r.schedule} | {r.measured_sps:.1f} | "
             f"{r.predicted_sps:.1f} | {r.ratio:.2f} | {r.ideal_sps:.1f} | {r.fraction:.0%} | "
             f"{r.predicted_fraction:.0%} |"
         )
@@ -869,6 +892,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--batch-size", type=int, default=64, help="samples a step (the default: see the docstring)"
     )
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument(
+        "--schedule",
+        choices=["auto", "1f1b", "gpipe", "zb-h1"],
+        default="auto",
+        help="each plan's schedule; auto: the fastest its devices hold, as a job's auto",
+    )
     parser.add_argument(
         "--strategies", default=",".join(STRATEGIES), help="the plans run: " + ", ".join(STRATEGIES)
     )

@@ -19,7 +19,8 @@ from coordinator.engine.engine import group_limits
 from coordinator.engine.spec import JobSpec
 from coordinator.planner.build import build_problem
 from coordinator.planner.predict import UnitSeconds, predict
-from coordinator.planner.score import score_plan
+from coordinator.planner.score import Plan, score_plan
+from coordinator.planner.simulator import fastest_schedule
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +107,12 @@ def test_table_json_and_chart(bench: ModuleType, tmp_path: Path) -> None:
     ]
     text = bench.table(rows)
     assert (
-        "| vgg11 | rpi4-4gb:4 | 64x4 | host | v1 | 1+1+1+1 | 10.0 | 16.0 | 0.62 | 40.0 | 25% "
-        "| 40% |" in text
+        "| vgg11 | rpi4-4gb:4 | 64x4 | host | v1 | 1+1+1+1 | 1f1b | 10.0 | 16.0 | 0.62 | 40.0 "
+        "| 25% | 40% |" in text
     )
     assert (
-        "| vgg11 | rpi4-4gb:4 | 64x4 | host | v2 | 4 | 20.0 | 25.0 | 0.80 | 40.0 | 50% | 62% |"
-        in text
+        "| vgg11 | rpi4-4gb:4 | 64x4 | host | v2 | 4 | 1f1b | 20.0 | 25.0 | 0.80 | 40.0 | 50% "
+        "| 62% |" in text
     )
     assert "- vgg11, rpi4-4gb:4: v2 (4) = 2.00x v1 measured, 1.56x predicted" in text
     out = bench.to_json(rows)
@@ -137,7 +138,8 @@ def test_a_plan_run_once_shows_in_both_rows(bench: ModuleType) -> None:
     v1 = _row(bench, "v1", 10.0, 16.0, "1111")
     v2 = dataclasses.replace(v1, strategy="v2", same_as="v1")
     text = bench.table([v1, v2])
-    assert "| vgg11 | rpi4-4gb:4 | 64x4 | host | v2 (= v1) | 1+1+1+1 | 10.0 | 16.0 | 0.62 |" in text
+    row = "| vgg11 | rpi4-4gb:4 | 64x4 | host | v2 (= v1) | 1+1+1+1 | 1f1b | 10.0 | 16.0 | 0.62 |"
+    assert row in text
     assert "- vgg11, rpi4-4gb:4: v2 (1+1+1+1) (v1's plan: one run) = 1.00x v1 measured" in text
     out = bench.to_json([v1, v2])
     assert out[0]["same_as"] is None and out[1]["same_as"] == "v1"
@@ -187,3 +189,13 @@ def test_a_run_is_priced_by_the_mean_of_the_timings_before_and_after_it(
     assert got["a"].fixed == pytest.approx((0.3, 0.2), rel=1e-12)
     assert got["b"] == before["b"] and got["c"] == after["c"]  # timed once: that timing
     assert bench.parse_args([]).unit_times == "devices"
+
+
+def test_each_plan_runs_the_schedule_a_job_would(bench: ModuleType) -> None:
+    """``--schedule auto`` takes what a job's ``"auto"`` takes; a named one is that one."""
+    devices = bench.parse_fleet("rpi4-4gb:3")
+    problem = build_problem("mlp", devices, batch_size=64, microbatches=4)
+    plan = Plan.of(*((d.id, s, s + 1) for s, d in enumerate(devices)))
+    assert bench._schedule("auto", problem, plan) == fastest_schedule(problem, plan)[0] == "zb-h1"
+    assert bench._schedule("gpipe", problem, plan) == "gpipe"
+    assert bench.parse_args([]).schedule == "auto"
