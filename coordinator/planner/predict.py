@@ -458,20 +458,28 @@ def balanced_shares(
         c = [y - x for x, y in zip(a, whole, strict=True)]
         if min(c) <= 0:
             continue
-        floor = 1 / rows
-        clamped: set[int] = set()
-        while True:
-            free = [k for k in range(g) if k not in clamped]
-            t = (1 - floor * len(clamped) + sum(a[k] / c[k] for k in free)) / sum(
-                1 / c[k] for k in free
-            )
-            w = [floor if k in clamped else (t - a[k]) / c[k] for k in range(g)]
-            low = {k for k in free if w[k] < floor}
-            if not low:
-                break
-            clamped |= low
-        out[s] = w
+        out[s] = _finish_together(a, c, 1 / rows)
     return out
+
+
+def _finish_together(a: Sequence[float], c: Sequence[float], floor: float) -> list[float]:
+    """Shares ``w`` adding up to one at which every member's ``a_i + c_i w_i`` is the same,
+    none below ``floor`` (one sample's share): a member that would be is held there and
+    the rest balanced again."""
+    g = len(a)
+    clamped: set[int] = set()
+    while True:
+        free = [k for k in range(g) if k not in clamped]
+        t = (1 - floor * len(clamped) + sum(a[k] / c[k] for k in free)) / sum(
+            1 / c[k] for k in free
+        )
+        w = [floor if k in clamped else (t - a[k]) / c[k] for k in range(g)]
+        low = {k for k in free if w[k] < floor}
+        if not low:
+            return w
+        if low == set(free):  # all at one sample, up to rounding: as many rows as members
+            return [1 / g] * g
+        clamped |= low
 
 
 def _backward_share(problem: PlanningProblem, stage: Stage) -> float:

@@ -41,6 +41,7 @@ from support.calibrated import with_measured_costs
 from support.planning import random_problem
 from typer.testing import CliRunner
 
+import coordinator.planner.predict as predict_module
 from coordinator.planner.group_search import plan_groups
 from coordinator.planner.partition import GROUP_MARGIN, plan_job
 from coordinator.planner.predict import (
@@ -632,3 +633,13 @@ def test_a_version_2_job_splits_a_member_off_where_the_model_says_its_rows_do_no
     assert chosen.prediction.step_time_s == pytest.approx(3 * 0.45 + 0.75, rel=1e-6)
     assert chosen.method.endswith("refined by the cost model")
     assert chosen.score == score_plan(problem, chosen.plan)
+
+
+def test_as_many_rows_as_members_is_one_sample_each() -> None:
+    """Two members, two rows: one sample each, however unequal their seconds. These two
+    left both a hair below one sample once the first was held there, and the balance
+    divided by zero (``bench/hybrid.py --quick`` on vgg11 found it)."""
+    assert predict_module._finish_together([0.569, 0.802], [0.136, 0.245], 0.5) == [0.5, 0.5]
+    assert predict_module._finish_together([0.0, 0.0], [1.0, 3.0], 0.25) == pytest.approx(
+        [0.75, 0.25], rel=REL
+    )
