@@ -297,7 +297,7 @@ class StageRuntime:
         if a.diloco is None or a.group_size == 1:
             return None
         if self.group_sum is None:
-            raise ValueError("diloco: a group over torch.distributed syncs every step (yet)")
+            raise ValueError("diloco: a group over torch.distributed cannot sync less often yet")
         if a.replicate_every or a.handover:
             raise ValueError("diloco cannot be combined with fault tolerance yet")
         lo, hi = self.rows
