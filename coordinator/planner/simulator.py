@@ -301,8 +301,9 @@ def fastest_schedule(problem: PlanningProblem, plan: Plan) -> tuple[ScheduleName
     fits whatever the planner found; should it not (shares the score does not know), it
     is what the job would have run anyway."""
     names: tuple[ScheduleName, ...] = get_args(ScheduleName)
-    fits = [name for name in names if memory_error(problem, plan, name) is None]
-    steps: dict[str, float] = {n: simulate(problem, plan, n).step_time_s for n in fits}
+    sims = {name: simulate(problem, plan, name) for name in names}
+    fits = [n for n in names if memory_error(problem, plan, n, sims[n]) is None]
+    steps: dict[str, float] = {n: sims[n].step_time_s for n in fits}
     fallback: ScheduleName = "1f1b"
     return min(fits, key=lambda name: steps[name], default=fallback), steps
 
@@ -349,18 +350,21 @@ def schedule_saving(
     return step("1f1b") - step(schedule)
 
 
-def memory_error(problem: PlanningProblem, plan: Plan, schedule: str) -> str | None:
+def memory_error(
+    problem: PlanningProblem,
+    plan: Plan,
+    schedule: str,
+    simulated: SimulationResult | None = None,
+) -> str | None:
     """Why ``plan`` does not fit its devices' memory under ``schedule``, in one line, or
-    ``None`` when it does.
+    ``None`` when it does; ``simulated``: the plan's step under it, when already simulated.
 
     The planner checks 1F1B's memory, ``min(S - s, M)`` microbatches in flight on stage
     ``s``. GPipe holds ``M`` on every stage and ZB-H1 ``min(S, M)``, so a plan can fit
     under one and not the other. This is the score's per-member check (the member with
     the least room decides; a U-shape's tail also holds the head) at the simulated peak.
     """
-    if len(plan.stages) == 1:  # one stage holds one microbatch under every schedule
-        return None
-    sim = simulate(problem, plan, schedule)
+    sim = simulated if simulated is not None else simulate(problem, plan, schedule)
     score = score_plan(problem, plan)
     devices = {d.id: d for d in problem.devices}
     b, k = problem.batch_size / problem.microbatches, problem.optimizer_state_factor

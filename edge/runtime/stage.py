@@ -528,7 +528,7 @@ class StageRuntime:
         if self.outer is not None and self.group_sum is not None:
             loss, took, reduce = self._outer_step(step, loss)
             compute += took
-            if reduce:  # the group synced
+            if self.outer.due(step, a.steps):  # the group synced
                 reduce_bytes, reduce_started = self.group_sum.bytes_sent, self.group_sum.started
                 reduce_cpu, sent = self.group_sum.cpu_s, sent + self.group_sum.bytes_sent
         elif self.group_sum is not None:

@@ -228,7 +228,7 @@ def _print_report(problem: PlanningProblem, result: SearchResult, parts: Anatomy
             "from datasheet power figures: a prediction, nothing measures power)"
         )
     sims = {name: simulate(problem, score.plan, name) for name in SCHEDULES}
-    fits = {name for name in SCHEDULES if memory_error(problem, score.plan, name) is None}
+    fits = {n for n in SCHEDULES if memory_error(problem, score.plan, n, sims[n]) is None}
     console.print(
         "simulated step: "
         + "; ".join(

@@ -256,6 +256,14 @@ def test_a_plan_that_fits_1f1b_may_not_fit_zb_h1_or_gpipe() -> None:
         why = memory_error(problem, plan, schedule)
         assert why is not None and why.startswith("stage 2 on d2 needs ")
         assert f"under {schedule} ({held} microbatches in flight)" in why
+    # One stage: 1F1B and ZB-H1 hold one microbatch, GPipe all four.
+    alone, one = _pipe([3.0], 4)
+    room = score_plan(alone, one).memory_bytes[0]
+    alone = alone.model_copy(
+        update={"devices": [d.model_copy(update={"memory_bytes": room}) for d in alone.devices]}
+    )
+    assert memory_error(alone, one, "1f1b") is None and memory_error(alone, one, "zb-h1") is None
+    assert "under gpipe (4 microbatches in flight)" in (memory_error(alone, one, "gpipe") or "")
     roomy = [d.model_copy(update={"memory_bytes": tight * 2}) for d in problem.devices]
     assert memory_error(problem.model_copy(update={"devices": roomy}), plan, "zb-h1") is None
 
