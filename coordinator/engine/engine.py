@@ -364,7 +364,8 @@ def _with_schedule(spec: JobSpec, planned: PlannedJob) -> PlannedJob:
     plan = planned.plan
     problem = for_plan(planned.problem, plan)
     if spec.schedule == "auto":
-        schedule, steps = fastest_schedule(problem, plan)
+        every = spec.diloco.every if spec.diloco is not None else 1
+        schedule, steps = fastest_schedule(problem, plan, sum_every=every)
         how = f"{schedule} of {', '.join(f'{n} {t * 1e3:.1f} ms' for n, t in steps.items())}"
     else:
         schedule, how = spec.schedule, ""

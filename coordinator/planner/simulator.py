@@ -223,9 +223,14 @@ def simulate(
     problem: PlanningProblem,
     plan: Plan,
     schedule: str | Sequence[Sequence[Action]] = "1f1b",
+    *,
+    sum_every: int = 1,
 ) -> SimulationResult:
     """Simulate one step of ``plan`` under ``schedule`` (a name from
-    :data:`edge.runtime.schedules.SCHEDULES`, or actions per stage).
+    :data:`edge.runtime.schedules.SCHEDULES`, or actions per stage). ``sum_every``: a
+    non-exact job's groups sum once in that many steps, after the optimizer's step (none
+    of it hidden behind a backward), and the step is the mean one ([Note: a DiLoCo
+    group's sum] in :mod:`coordinator.planner.predict`).
 
     Raises ``ValueError`` for an invalid plan or a schedule that does not run
     every microbatch's ``F`` and ``B`` (and ``W``, or none) once per stage, and
@@ -260,9 +265,12 @@ def simulate(
         max((e for e in compute if e.index == s), key=lambda e: e.end_s) for s in range(n_stages)
     ]
     reduce = score.allreduce_s or [0.0] * n_stages
-    step = max(
-        e.end_s + r - min(r / 2, e.end_s - e.start_s) for e, r in zip(last, reduce, strict=True)
-    )
+    if sum_every > 1:
+        step = max(e.end_s + r / sum_every for e, r in zip(last, reduce, strict=True))
+    else:
+        step = max(
+            e.end_s + r - min(r / 2, e.end_s - e.start_s) for e, r in zip(last, reduce, strict=True)
+        )
     busy = [0.0] * n_stages
     for e in compute:
         busy[e.index] += e.end_s - e.start_s
@@ -295,13 +303,15 @@ def _split(actions: Schedule, fwd_s: list[float], bwd_s: list[float]) -> list[tu
     return out
 
 
-def fastest_schedule(problem: PlanningProblem, plan: Plan) -> tuple[ScheduleName, dict[str, float]]:
+def fastest_schedule(
+    problem: PlanningProblem, plan: Plan, *, sum_every: int = 1
+) -> tuple[ScheduleName, dict[str, float]]:
     """The schedule whose simulated step of ``plan`` is shortest among those its devices
-    hold (:func:`memory_error`), 1F1B on a tie, and each of those schedules' step. 1F1B
-    fits whatever the planner found; should it not (shares the score does not know), it
-    is what the job would have run anyway."""
+    hold (:func:`memory_error`), 1F1B on a tie, and each of those schedules' step
+    (``sum_every``: as :func:`simulate`'s). 1F1B fits whatever the planner found; should it
+    not (shares the score does not know), it is what the job would have run anyway."""
     names: tuple[ScheduleName, ...] = get_args(ScheduleName)
-    sims = {name: simulate(problem, plan, name) for name in names}
+    sims = {name: simulate(problem, plan, name, sum_every=sum_every) for name in names}
     fits = [n for n in names if memory_error(problem, plan, n, sims[n]) is None]
     steps: dict[str, float] = {n: sims[n].step_time_s for n in fits}
     fallback: ScheduleName = "1f1b"

@@ -10,6 +10,8 @@ group's, and says so in the plan's method.
 
 from __future__ import annotations
 
+import pytest
+
 from coordinator.engine.engine import plan_over
 from coordinator.engine.spec import JobSpec
 from coordinator.planner.build import parse_fleet
@@ -50,3 +52,16 @@ def test_a_diloco_job_without_a_group_says_it_is_exact() -> None:
     planned = plan_over(JobSpec(**base, diloco={"every": EVERY}), _fleet())
     assert not planned.plan.grouped
     assert planned.found.method.endswith("DiLoCo asked, but no group: exact")
+
+
+def test_a_diloco_jobs_schedule_is_simulated_with_its_rare_sum() -> None:
+    """``schedule: auto`` simulates a DiLoCo plan's step with the sum it pays: each
+    schedule's simulated step in the plan's method is the prediction's, not an exact
+    group's that sums every step."""
+    base = {"model": "gpt-mini", "steps": 10, "batch_size": 64, "microbatches": 4}
+    planned = plan_over(JobSpec(**base, diloco={"every": EVERY}, schedule="auto"), _fleet())
+    prediction = planned.found.prediction
+    assert planned.plan.grouped and prediction is not None
+    said = planned.found.method.split("schedule ")[-1]
+    ms = float(said.split("1f1b ")[2].split(" ms")[0])
+    assert ms == pytest.approx(prediction.step_time_s * 1e3, rel=0.02)

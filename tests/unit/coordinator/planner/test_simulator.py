@@ -20,6 +20,7 @@ from coordinator.planner.simulator import (
     DeadlockError,
     SimulationResult,
     TimelineEvent,
+    fastest_schedule,
     memory_error,
     simulate,
 )
@@ -535,3 +536,32 @@ def test_a_group_sums_its_gradients_after_its_last_backward() -> None:
     b, k = problem.batch_size / 4, problem.optimizer_state_factor
     held = sim.peak_microbatches_held[0]
     assert sim.peak_memory_bytes[0] == pytest.approx(k * 4e6 + held * 0.75 * b * 1e6)
+
+
+def test_a_diloco_group_sums_once_in_its_steps_after_them() -> None:
+    """A non-exact job's group sums its movement once in ``sum_every`` steps, after the
+    optimizer's step: nothing of it hides behind a backward, and the simulated step is the
+    mean, the compute's end plus ``R / H``, as :func:`predict` prices it."""
+    unit = {"fwd_flops": 1e9, "param_bytes": 4e6, "out_bytes": 1e5, "act_bytes": 1e6}
+    devices = [
+        {
+            "id": f"d{i}",
+            "gflops": 20.0,
+            "memory_bytes": 1e10,
+            "bandwidth_mbps": 10.0,
+            "latency_ms": 1.0,
+        }
+        for i in range(2)
+    ]
+    problem = make_problem([unit, unit], devices, microbatches=4).model_copy(update={"version": 2})
+    plan = Plan((Stage.group(["d0", "d1"], 0, 2),))
+    score = score_plan(problem, plan)
+    r = score.allreduce_s[0]
+    exact = simulate(problem, plan)
+    for every in (2, 8):
+        sim = simulate(problem, plan, sum_every=every)
+        end = max(e.end_s for e in sim.timeline if e.lane == "stage")
+        assert sim.step_time_s == pytest.approx(end + r / every, rel=1e-12)
+        assert sim.step_time_s < exact.step_time_s
+    steps = fastest_schedule(problem, plan, sum_every=8)[1]
+    assert steps["1f1b"] == pytest.approx(simulate(problem, plan, sum_every=8).step_time_s)
