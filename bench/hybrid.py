@@ -113,6 +113,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 
 from bench.siblings import sibling
+from coordinator.engine.assignments import microbatch_choices_of
 from coordinator.engine.engine import group_limits
 from coordinator.engine.options import RunOptions
 from coordinator.engine.runners import run_on_agents
@@ -128,7 +129,12 @@ from coordinator.planner.baselines import even_split, single_device
 from coordinator.planner.build import parse_fleet
 from coordinator.planner.group_search import data_parallel_only
 from coordinator.planner.group_tables import GroupLimits
-from coordinator.planner.partition import plan_job
+from coordinator.planner.microbatches import (
+    FIRST_MICROBATCHES,
+    best_microbatches,
+    plan_microbatches,
+)
+from coordinator.planner.partition import plan_job, scored
 from coordinator.planner.predict import (
     UnitSeconds,
     balanced_shares,
@@ -449,7 +455,19 @@ def on_fleet(key: str, models: list[str], method: MethodChoice, work: Work) -> l
     ``work`` returned, in order."""
     devices = fleet_devices(key)
     scale = catalogue_scale(measure_core_gflops(1.0)) if key == "rpi4" else None
-    name = fleet_name(key)
+    return on_devices(devices, fleet_name(key), scale, models, method, work)
+
+
+def on_devices(
+    devices: list[DeviceSpec],
+    name: str,
+    scale: float | None,
+    models: list[str],
+    method: MethodChoice,
+    work: Work,
+) -> list[Any]:
+    """:func:`on_fleet` for the fleet ``devices``, called ``name``, at the testbed's
+    ``scale`` (``None``: its own)."""
     out: list[Any] = []
     with (
         tempfile.TemporaryDirectory(prefix="edgetrain-hybrid-") as state,
@@ -488,28 +506,40 @@ def _run_model(
     model: str,
     args: argparse.Namespace,
 ) -> list[Row]:
-    spec = JobSpec(
-        model=model, steps=1, batch_size=args.batch_size, microbatches=args.microbatches, seed=0
-    )
+    timed_at = FIRST_MICROBATCHES if args.microbatches == "auto" else args.microbatches
+    spec = JobSpec(model=model, steps=1, batch_size=args.batch_size, microbatches=timed_at, seed=0)
 
-    def problem(steps: int, among: Plan | None = None) -> tuple[PlanningProblem, UnitSeconds]:
+    def problem(
+        steps: int, among: Plan | None = None, microbatches: int = timed_at
+    ) -> tuple[PlanningProblem, UnitSeconds]:
         now, units = fleet_problem(
-            model, args.batch_size, args.microbatches, devices, announced, tb.core_gflops, steps
+            model, args.batch_size, microbatches, devices, announced, tb.core_gflops, steps
         )
         if args.unit_times == "devices":
-            units = replace(units, devices=retime(now, among))
+            at = spec.model_copy(update={"microbatches": microbatches})
+            units = replace(units, devices=retime(now, among, at))
         return now, units
 
-    def retime(now: PlanningProblem, among: Plan | None = None) -> dict[str, UnitSeconds]:
-        """Every device's own unit seconds, or only those of ``among``'s devices (what
-        pricing that plan needs: the slowest device of 30x times vgg11 for a minute)."""
+    def retime(
+        now: PlanningProblem, among: Plan | None = None, at: JobSpec = spec
+    ) -> dict[str, UnitSeconds]:
+        """Every device's own unit seconds at ``at``'s shape, or only those of ``among``'s
+        devices (what pricing that plan needs: the slowest device of 30x times vgg11 for
+        a minute)."""
         used = devices if among is None else [d for d in devices if d.id in among.devices]
-        return own_unit_seconds(control, used, announced, spec, whole_model_bytes(now))
+        return own_unit_seconds(control, used, announced, at, whole_model_bytes(now))
 
     limits = group_limits(spec)
     assert limits is not None  # a zoo model
     first, first_units = problem(args.calibration_steps)
-    chosen = plans(first, limits, first_units)
+    chosen = {s: Shaped(p, timed_at) for s, p in plans(first, limits, first_units).items()}
+    if args.microbatches == "auto":
+        chosen = auto_microbatches(first, limits, first_units, chosen, microbatch_choices_of(spec))
+        print(
+            f"# {model} {fleet}: microbatches "
+            + ", ".join(f"{s} {c.microbatches}" for s, c in chosen.items()),
+            file=sys.stderr,
+        )
     passes = []
     for n in range(args.repeat):
         if args.repeat > 1:
@@ -520,6 +550,38 @@ def _run_model(
             )
         )
     return median_rows(passes)
+
+
+@dataclass(frozen=True)
+class Shaped:
+    """A strategy's plan and the number of microbatches it runs at."""
+
+    plan: Plan
+    microbatches: int
+
+
+def auto_microbatches(
+    problem: PlanningProblem,
+    limits: GroupLimits,
+    units: UnitSeconds | None,
+    chosen: dict[str, Shaped],
+    choices: tuple[int, ...],
+) -> dict[str, Shaped]:
+    """Each strategy at the microbatches a job's ``"auto"`` would take
+    ([Note: choosing the microbatches] in :mod:`coordinator.planner.microbatches`):
+    v1 and v2 planned with them, as the engine plans (:func:`plan_microbatches`), and the
+    fixed plans (single, even, data parallel) at their best number for that plan
+    (:func:`best_microbatches`). ``units`` were timed at ``problem``'s microbatches."""
+    out = {}
+    for strategy, shaped in chosen.items():
+        if strategy in ("v1", "v2"):
+            v1 = strategy == "v1"
+            q = problem.as_version(1) if v1 else problem
+            out[strategy] = _auto_planned(q, None if v1 else limits, units, choices)
+        else:
+            best = best_microbatches(problem, shaped.plan, units, choices, scored)
+            out[strategy] = shaped if best is None else Shaped(shaped.plan, best.microbatches)
+    return out
 
 
 def median_rows(passes: list[list[Row]]) -> list[Row]:
@@ -543,10 +605,10 @@ def _run_plans(
     fleet: str,
     spec: JobSpec,
     args: argparse.Namespace,
-    chosen: dict[str, Plan],
-    problem: Callable[[int, Plan], tuple[PlanningProblem, UnitSeconds]],
+    chosen: dict[str, Shaped],
+    problem: Callable[[int, Plan, int], tuple[PlanningProblem, UnitSeconds]],
     calibrated: tuple[PlanningProblem, UnitSeconds],
-    retime: Callable[[PlanningProblem, Plan], dict[str, UnitSeconds]],
+    retime: Callable[[PlanningProblem, Plan, JobSpec], dict[str, UnitSeconds]],
 ) -> list[Row]:
     """One pass: each strategy's plan run once (a plan an earlier row ran is its row);
     ``calibrated`` is the problem and unit seconds the plans were chosen with.
@@ -559,13 +621,15 @@ def _run_plans(
     timings are of single units, not of the plan: composing them into a step (stages,
     links, sums, fixed costs) is still the cost model's."""
     model = spec.model
-    first, first_units = calibrated
     rows: list[Row] = []
     priced: dict[str, tuple[PlanningProblem, UnitSeconds]] = {}
-    for strategy, plan in chosen.items():
+    for strategy, shaped in chosen.items():
         if strategy not in args.strategies:
             continue
-        same = next((r for r in rows if chosen[r.strategy].stages == plan.stages), None)
+        plan, m = shaped.plan, shaped.microbatches
+        first, first_units = _moved(calibrated, m)
+        at = spec.model_copy(update={"microbatches": m})
+        same = next((r for r in rows if _same(chosen[r.strategy], shaped)), None)
         if same is not None:  # the same plan, stage for stage: one run, two rows
             rows.append(replace(same, strategy=strategy, same_as=same.strategy))
             priced[strategy] = priced[same.strategy]
@@ -577,10 +641,10 @@ def _run_plans(
         own = args.unit_times == "devices"
         if args.quick:
             now, units = first, first_units
-        elif strategy == "v2" and "v1" in priced and not own:
+        elif strategy == "v2" and "v1" in priced and not own and chosen["v1"].microbatches == m:
             now, units = priced["v1"]
         else:
-            now, units = problem(3, plan)
+            now, units = problem(3, plan, m)
         priced[strategy] = (now, units)
         # A group splits its microbatches by the shares it was planned with (by its
         # members' own seconds where they timed the units, as a job's: [Note: shares by a
@@ -595,16 +659,16 @@ def _run_plans(
         )
         started = time.perf_counter()
         shares = planned if plan.grouped else None
-        job = spec.model_copy(update={"steps": steps, "schedule": schedule})
+        job = at.model_copy(update={"steps": steps, "schedule": schedule})
         got = measure(control, job, plan, args.warmup, tb, shares)
         if own and not args.quick:
-            units = replace(units, devices=mean_own(units.devices, retime(now, plan)))
+            units = replace(units, devices=mean_own(units.devices, retime(now, plan, at)))
             priced[strategy] = (now, units)
             score = score_plan(now, plan, fixed_shares=fixed)
             guess = predict(now, plan, units, fixed_shares=fixed)
             guess = under_schedule(now, plan, guess, schedule)
         if plan.grouped:  # what each member is predicted to compute a step, at its share
-            dev, m = {d.id: d for d in now.devices}, args.microbatches
+            dev = {d.id: d for d in now.devices}
             print(
                 f"# predicted members of {plan}: "
                 + ", ".join(
@@ -626,12 +690,12 @@ def _run_plans(
             steps,
             tb.method,
             got.compute_s,
-            [t * args.microbatches for t in guess.compute_s],
+            [t * m for t in guess.compute_s],
             got.allreduce_s,
             list(guess.allreduce_s),
             got.allreduce_wait_s,
             got.allreduce_cpu_s,
-            batch=f"{args.batch_size}x{args.microbatches}",
+            batch=f"{args.batch_size}x{m}",
             unit_times=args.unit_times,
             anatomy=anatomy(plan, StepTerms.of_prediction(for_plan(now, plan), guess)).to_json(),
             measured_anatomy=got.anatomy,
@@ -649,6 +713,42 @@ def _run_plans(
             file=sys.stderr,
         )
     return rows
+
+
+def _auto_planned(
+    problem: PlanningProblem,
+    limits: GroupLimits | None,
+    units: UnitSeconds | None,
+    choices: tuple[int, ...],
+) -> Shaped:
+    """The job's plan of ``problem`` and its microbatches, chosen together
+    (:func:`plan_microbatches` over :func:`plan_job`, as the engine plans an ``auto`` job)."""
+    found: dict[int, Plan] = {}
+
+    def search(q: PlanningProblem, moved: UnitSeconds | None) -> Plan:
+        found[q.microbatches] = plan_job(q, limits=limits, units=moved).plan
+        return found[q.microbatches]
+
+    _, choice = plan_microbatches(problem, units, choices, search, scored)
+    return Shaped(found[choice.found_at], choice.microbatches)
+
+
+def _moved(
+    calibrated: tuple[PlanningProblem, UnitSeconds], m: int
+) -> tuple[PlanningProblem, UnitSeconds]:
+    """The calibrated problem and unit seconds at ``m`` microbatches: the units moved along
+    their fitted lines to its rows (:meth:`UnitSeconds.at_rows`), as the engine moves them."""
+    problem, units = calibrated
+    if m == problem.microbatches:
+        return problem, units
+    rows = problem.batch_size / problem.microbatches
+    moved = units.at_rows(problem.batch_size / m, rows)
+    return problem.model_copy(update={"microbatches": m}), moved
+
+
+def _same(a: Shaped, b: Shaped) -> bool:
+    """Whether two strategies run one plan: the same stages at the same microbatches."""
+    return a.plan.stages == b.plan.stages and a.microbatches == b.microbatches
 
 
 def _schedule(asked: str, problem: PlanningProblem, plan: Plan) -> Schedule:
@@ -891,7 +991,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--batch-size", type=int, default=64, help="samples a step (the default: see the docstring)"
     )
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument(
+        "--microbatches",
+        type=_microbatches,
+        default="auto",
+        help="auto (the default: each plan at the number a job's auto takes) or a number",
+    )
     parser.add_argument(
         "--schedule",
         choices=["auto", "1f1b", "gpipe", "zb-h1"],
@@ -982,6 +1087,18 @@ def _predict_shapes(fleets: list[str], models: list[str], args: argparse.Namespa
             f"| {v1} | {v2} | {it['v2_over_v1']:.2f} |"
         )
     return 0
+
+
+def _microbatches(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither auto nor a number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: at least one microbatch")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

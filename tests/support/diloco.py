@@ -53,11 +53,17 @@ def train_diloco_reference(
     diloco: Mapping[str, Any],
     seed: int = 0,
     optimizer: Mapping[str, Any] | None = None,
+    model_options: Mapping[str, Any] | None = None,
+    snapshot_every: int = 0,
 ) -> ReferenceRun:
     """Train ``model`` with its units ``group`` on a group whose members take ``rows`` rows
-    of every microbatch (see the module docstring); member 0's copy gives the weights."""
+    of every microbatch (see the module docstring); member 0's copy gives the weights.
+    ``snapshot_every=K`` (a multiple of ``diloco["every"]``) keeps them after every
+    ``K``-th step, each a sync: the weights a job of that many steps ends with."""
+    if snapshot_every % diloco["every"]:
+        raise ValueError(f"snapshot_every {snapshot_every} is not a multiple of every")
     with one_thread():
-        spec = get_model(model, seed=seed)
+        spec = get_model(model, seed=seed, **dict(model_options or {}))
         data = build_dataset(spec.dataset, "train", **dict(spec.dataset_options))
         size = len(data)  # type: ignore[arg-type]
         g0, g1 = group
@@ -77,6 +83,7 @@ def train_diloco_reference(
             outer_params, lr=diloco.get("outer_lr", 0.7), momentum=momentum, nesterov=momentum > 0
         )
         losses = []
+        snapshots = {}
         for step in range(steps):
             x, y = stack([data[i] for i in batch_indices(size, batch_size, seed, step).tolist()])
             for opt in optimizers:
@@ -116,10 +123,17 @@ def train_diloco_reference(
                         for p, a in zip(copy.parameters(), anchor, strict=True):
                             p.copy_(a)
             losses.append(total if tail is not None or synced else own)
-        weights: dict[str, torch.Tensor] = {}
-        for part in [p for p in (head, copies[0], tail) if p is not None]:
-            weights |= {k: v.detach().clone() for k, v in part.state_dict().items()}
-        return ReferenceRun(losses, weights)
+            if snapshot_every and (step + 1) % snapshot_every == 0:
+                snapshots[step + 1] = _state(head, copies[0], tail)
+        return ReferenceRun(losses, _state(head, copies[0], tail), snapshots)
+
+
+def _state(*parts: torch.nn.Module | None) -> dict[str, torch.Tensor]:
+    """The parts' weights as one model's ``state_dict``."""
+    weights: dict[str, torch.Tensor] = {}
+    for part in [p for p in parts if p is not None]:
+        weights |= {k: v.detach().clone() for k, v in part.state_dict().items()}
+    return weights
 
 
 def _tokens(flat: torch.Tensor, target: torch.Tensor, rows: int) -> int:

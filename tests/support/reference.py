@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -69,6 +69,8 @@ class ReferenceRun:
 
     losses: list[float]
     weights: dict[str, torch.Tensor]
+    snapshots: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """With ``snapshot_every=K``: the weights after every ``K``-th step, by steps done."""
 
 
 def batch_indices(size: int, batch_size: int, seed: int, step: int) -> torch.Tensor:
@@ -120,11 +122,13 @@ def train_reference(
     dataset: str | None = None,
     dataset_options: Mapping[str, Any] | None = None,
     microbatches: int = 1,
+    snapshot_every: int = 0,
 ) -> ReferenceRun:
     """Train ``model`` for ``steps`` steps with a plain loop (see the module docstring).
 
     Arguments mirror a job's settings (``optimizer`` as the job's optimizer fields);
-    ``microbatches`` accumulates gradients over that many chunks (module docstring).
+    ``microbatches`` accumulates gradients over that many chunks (module docstring);
+    ``snapshot_every=K`` keeps the weights after every ``K``-th step.
     """
     spec = get_model(model, seed=seed, **dict(model_options or {}))
     name = dataset or spec.dataset
@@ -144,6 +148,7 @@ def train_reference(
         optimizer=optimizer,
         model_options=model_options,
         microbatches=microbatches,
+        snapshot_every=snapshot_every,
     )
 
 
@@ -163,15 +168,17 @@ def train_on_batches(
     optimizer: Mapping[str, Any] | None = None,
     model_options: Mapping[str, Any] | None = None,
     microbatches: int = 1,
+    snapshot_every: int = 0,
 ) -> ReferenceRun:
     """The plain loop of :func:`train_reference` on the batches ``batch(step)`` gives,
-    each cut into ``microbatches`` equal chunks in order."""
+    each cut into ``microbatches`` equal chunks in order (``snapshot_every``: as there)."""
     with one_thread():
         spec = get_model(model, seed=seed, **dict(model_options or {}))
         net = spec.build().train()
         params = [p for p in net.parameters() if p.requires_grad]
         opt = reference_optimizer(params, optimizer or {})
         losses = []
+        snapshots = {}
         for step in range(steps):
             x, y = batch(step)
             if len(x) % microbatches:
@@ -187,8 +194,13 @@ def train_on_batches(
                 loss += part.item()
             opt.step()
             losses.append(loss)
-        weights = {k: v.detach().clone() for k, v in net.state_dict().items()}
-        return ReferenceRun(losses, weights)
+            if snapshot_every and (step + 1) % snapshot_every == 0:
+                snapshots[step + 1] = _state(net)
+        return ReferenceRun(losses, _state(net), snapshots)
+
+
+def _state(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
 def union_batches(

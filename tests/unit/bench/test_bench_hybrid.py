@@ -199,3 +199,33 @@ def test_each_plan_runs_the_schedule_a_job_would(bench: ModuleType) -> None:
     assert bench._schedule("auto", problem, plan) == fastest_schedule(problem, plan)[0] == "zb-h1"
     assert bench._schedule("gpipe", problem, plan) == "gpipe"
     assert bench.parse_args([]).schedule == "auto"
+
+
+def test_auto_microbatches_are_the_engines(bench: ModuleType) -> None:
+    """``--microbatches auto``: v2 is the plan and number of microbatches the engine gives
+    a job of ``"auto"`` over the same devices, and every fixed plan runs at a number
+    the batch splits into, its prediction there no slower than at the calibrated one."""
+    from coordinator.engine.assignments import microbatch_choices_of
+    from coordinator.engine.engine import plan_over
+    from coordinator.planner.partition import scored
+
+    devices = bench.fleet_devices("3x")
+    spec = JobSpec(model="resnet18", steps=1, batch_size=64, microbatches=4)
+    problem = build_problem("resnet18", devices, batch_size=64, microbatches=4, version=2)
+    limits = group_limits(spec)
+    chosen = {s: bench.Shaped(p, 4) for s, p in bench.plans(problem, limits).items()}
+    choices = microbatch_choices_of(spec)
+    got = bench.auto_microbatches(problem, limits, None, chosen, choices)
+    assert set(got) == set(chosen)
+    job = plan_over(spec.model_copy(update={"microbatches": "auto"}), devices)
+    assert got["v2"].plan.stages == job.plan.stages
+    assert got["v2"].microbatches == job.problem.microbatches
+    assert any(s.microbatches != 4 for s in got.values()), "auto moved no strategy"
+    for strategy in ("single", "even", "data-parallel"):
+        shaped = got[strategy]
+        assert shaped.plan == chosen[strategy].plan and shaped.microbatches in choices
+        at = problem.model_copy(update={"microbatches": shaped.microbatches})
+        assert (
+            scored(at, shaped.plan, None)[1].step_time_s
+            <= scored(problem, shaped.plan, None)[1].step_time_s
+        )
