@@ -877,6 +877,14 @@ MUTANTS = [
         tests=("tests/unit/edge/runtime/test_outer_sync.py",),
     ),
     Mutant(
+        name="diloco-inbox-two-steps",
+        what="a DiLoCo member's inbox drops the next sum's chunks from a member steps ahead",
+        path="edge/transport/inbox.py",
+        old="            return max(_WINDOW, plan.group_every + 1)\n",
+        new="            return _WINDOW\n",
+        tests=("tests/unit/edge/transport/test_inbox.py",),
+    ),
+    Mutant(
         name="diloco-priced-as-exact",
         what="a DiLoCo job's groups are priced as summing every step",
         path="coordinator/planner/predict.py",

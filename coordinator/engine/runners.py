@@ -76,10 +76,11 @@ def run_inprocess(
     timeout_s: float = 3600.0,
     shares: Sequence[Sequence[float]] | None = None,
     local: Mapping[str, LocalData] | None = None,
+    slowdowns: Mapping[str, float] | None = None,
 ) -> JobResult:
     """Run every stage of ``plan`` (every member of a group) in a thread of this process;
     on local data (``spec.data``), stage 0's devices read it from what ``local`` says
-    each holds."""
+    each holds; ``slowdowns`` throttles devices (a device that much slower)."""
     job = job or new_job_id()
     assignments = make_assignments(job, spec, plan, shares=shares)
     sizes = [len(st.devices) for st in plan.stages]
@@ -90,7 +91,10 @@ def run_inprocess(
         for a in assignments:
             device = plan.stages[a.stage].devices[a.member]
             on = StageDevice(device_id=device, local_data=(local or {}).get(device))
-            runtimes.append(StageRuntime(a, transport, on=on, report=monitor.on_event))
+            slowdown = (slowdowns or {}).get(device, 1.0)
+            runtimes.append(
+                StageRuntime(a, transport, on=on, report=monitor.on_event, slowdown=slowdown)
+            )
     except BaseException:
         transport.close()
         raise

@@ -329,8 +329,13 @@ class StageRuntime:
     def _expect(self, step: int) -> None:
         """Have the inbox keep only the frames of the plan, for ``step`` and the next."""
         a = self.a
+        every = a.diloco.every if a.diloco is not None and a.group_size > 1 else 1
         self.inbox.expect(
-            self.expected, microbatches=a.microbatches, step=step, members=a.group_size
+            self.expected,
+            microbatches=a.microbatches,
+            step=step,
+            members=a.group_size,
+            group_every=every,
         )
 
     def _start(self) -> float:

@@ -27,7 +27,12 @@ pays for the payload ([Note: bounded decoding] in :mod:`edge.wire.frames`):
   sends further ahead: a stage starts step ``k + 1`` only once every stage after
   it has sent back its gradients of step ``k``, so a stage that sends to another
   is at most one step ahead of it (stage 0 sends the last stage labels of step
-  ``k + 1`` when that stage has finished the backward passes of step ``k``);
+  ``k + 1`` when that stage has finished the backward passes of step ``k``).
+  A non-exact group ([Note: DiLoCo in a group] in :mod:`edge.runtime.outer_sync`)
+  sums only once in ``H`` steps, and between its sums nothing holds its members
+  together: a member that waits in the sum of step ``k`` may hear a faster one's
+  chunks of the next sum, step ``k + H``. So the group's kinds are kept up to ``H``
+  steps ahead (``group_every``), still for two sums at most;
 - the plan: the kinds, microbatches, shapes and dtypes the stage's plan implies
   (:class:`Expected`, given by the stage). A frame that does not match is
   dropped *before* its key is recorded, so a forged frame of the wrong shape
@@ -171,6 +176,7 @@ class _Plan:
     kinds: Mapping[Kind, Expected | None]
     microbatches: int
     members: int
+    group_every: int = 1
 
 
 def _what(head: FrameHeader) -> str:
@@ -230,16 +236,22 @@ class Inbox:
         microbatches: int,
         step: int,
         members: int = 1,
+        group_every: int = 1,
     ) -> None:
         """From now on keep only ``kinds`` (``None``: that kind, any shape), microbatches
         below ``microbatches`` (the group's gradient kinds: senders below ``members``),
-        and steps ``step`` and ``step + 1``.
+        and steps ``step`` and ``step + 1``; the group's kinds up to ``step +
+        group_every``, a group that sums once in that many steps (see [Note: bounded
+        inboxes]).
 
         The totals become what two steps of that take, and frames already held
         that do not fit are dropped and counted.
         """
-        if microbatches < 1 or members < 1:
-            raise ValueError(f"microbatches and members must be at least 1, got {microbatches}")
+        if microbatches < 1 or members < 1 or group_every < 1:
+            raise ValueError(
+                f"microbatches, members and group_every must be at least 1, got "
+                f"{microbatches}, {members} and {group_every}"
+            )
         largest = [MAX_FRAME_BYTES if spec is None else spec.max_nbytes for spec in kinds.values()]
         frames = nbytes = 0
         for kind, spec in kinds.items():
@@ -247,7 +259,7 @@ class Inbox:
             frames += times * (1 if spec is None else spec.frames)
             nbytes += times * (MAX_FRAME_BYTES if spec is None else spec.total_nbytes)
         with self._cond:
-            self._plan = _Plan(dict(kinds), microbatches, members)
+            self._plan = _Plan(dict(kinds), microbatches, members, group_every)
             self.max_frames = max(1, _WINDOW * frames)
             self.max_bytes = max(1, _WINDOW * nbytes)
             self.max_frame_bytes = max(largest, default=1)
@@ -256,13 +268,16 @@ class Inbox:
 
     def forget_before(self, step: int) -> None:
         """The stage runs ``step`` now: forget earlier steps' keys and frames, refuse their
-        late repeats, and keep frames of ``step`` and ``step + 1`` only."""
+        late repeats, and keep frames of ``step`` and ``step + 1`` only (a non-exact
+        group's kinds further: :meth:`expect`)."""
         with self._cond:
             self._floor, self._windowed = max(self._floor, step), True
             self._prune_locked()
 
     def _prune_locked(self, refit: bool = False) -> None:
-        self._seen = {k for k in self._seen if self._floor <= k[1] < self._floor + _WINDOW}
+        self._seen = {
+            k for k in self._seen if self._floor <= k[1] < self._floor + self._reach(k[0])
+        }
         for key, frame in list(self._frames.items()):
             if key[1] < self._floor:  # a finished step's: nobody will take it
                 self._remove_locked(key)
@@ -288,7 +303,7 @@ class Inbox:
         """Why a frame of this key is not wanted now (window, kind, microbatch), if it is not."""
         if step < self._floor:
             return "late"
-        if self._windowed and step >= self._floor + _WINDOW:
+        if self._windowed and step >= self._floor + self._reach(kind):
             return "ahead"
         plan = self._plan
         if plan is not None:
@@ -297,6 +312,13 @@ class Inbox:
             if microbatch >= (plan.members if kind in _BY_MEMBER else plan.microbatches):
                 return "wrong-microbatch"
         return None
+
+    def _reach(self, kind: int) -> int:
+        """How many steps from the one it runs a stage keeps frames of ``kind`` for."""
+        plan = self._plan
+        if plan is not None and kind in _BY_MEMBER:
+            return max(_WINDOW, plan.group_every + 1)
+        return _WINDOW
 
     def _mismatch(
         self, kind: Kind, shape: tuple[int, ...], dtype: torch.dtype, rows: tuple[int, int]

@@ -115,3 +115,36 @@ def test_an_outer_step_of_one_without_momentum_averages_the_members() -> None:
         for p, w in zip(m.parameters(), want, strict=True):
             torch.testing.assert_close(p.detach(), w, rtol=1e-6, atol=1e-6)
     assert syncs[0].due(1, 10) and not syncs[0].due(2, 10) and syncs[0].due(2, 3)
+
+
+def test_members_that_run_apart_between_syncs_still_sync() -> None:
+    """Between syncs nothing holds a DiLoCo group's members together: a member ten times
+    slower is steps behind when the faster one sends its chunks of the next sum. Its
+    inbox keeps them ([Note: bounded inboxes] in :mod:`edge.transport.inbox`), and the
+    group trains as the reference loop (four Pis at 10 Mbit/s timed out on exactly
+    this, a member's chunk dropped as ``ahead``)."""
+    every, steps = 4, 8
+    diloco = {**DILOCO, "every": every}
+    plan = Plan((Stage.group(["a", "b"], 0, 3),))
+    result = run_inprocess(
+        _spec(diloco=diloco, steps=steps),
+        plan,
+        shares=[[0.5, 0.5]],
+        timeout_s=120,
+        slowdowns={"a": 10.0},
+    )
+    by = {(r.member, r.step): r for r in result.reports}
+    assert by[1, every - 1].allreduce_started < by[0, every - 2].started_at, (
+        "the fast member was not two steps ahead: the test shows nothing"
+    )
+    reference = train_diloco_reference(
+        "mlp",
+        steps=steps,
+        batch_size=BATCH,
+        microbatches=MICROBATCHES,
+        group=(0, 3),
+        rows=(BATCH // MICROBATCHES // 2,) * 2,
+        diloco=diloco,
+        seed=3,
+    )
+    assert_matches(result.losses, result.weights, reference)

@@ -370,3 +370,31 @@ def test_totals_of_a_group_count_every_piece_and_chunk() -> None:
                 assert inbox.deliver(frame, channel, sender)
     assert inbox.pending == inbox.max_frames and inbox.held_bytes == inbox.max_bytes
     assert not inbox.dropped
+
+
+def test_a_non_exact_group_keeps_the_next_sums_chunks_and_no_further() -> None:
+    """A DiLoCo group sums once in ``H`` steps, and a member waiting in the sum of step
+    ``k`` may hear a faster member's chunks of step ``k + H``: kept, with their repeats
+    refused, while activations keep the two-step window and a chunk past ``k + H`` is
+    refused ([Note: bounded inboxes])."""
+    inbox = Inbox(JOB, 1, 1)
+    plan = {Kind.ACTIVATION: BLOCK, Kind.REDUCE: CHUNK, Kind.GATHER: CHUNK}
+    inbox.expect(plan, microbatches=2, step=7, members=3, group_every=8)
+    for kind, channel in _GROUP_CHANNELS:
+        chunk = encode_frame(kind, JOB, 15, 2, torch.ones(5), Codec.RAW)
+        assert inbox.deliver(chunk, channel, 2)
+        assert not inbox.deliver(chunk, channel, 2)  # QoS 1's repeat
+        beyond = encode_frame(kind, JOB, 16, 2, torch.ones(5), Codec.RAW)
+        assert not inbox.deliver(beyond, channel, 2)
+    assert not inbox.deliver(piece(9, (2, 4)), "fwd")
+    assert inbox.dropped == {"duplicate": 2, "ahead": 3}
+    inbox.forget_before(8)  # the held chunks, and their keys, outlive the step
+    again = encode_frame(Kind.REDUCE, JOB, 15, 2, torch.ones(5), Codec.RAW)
+    assert not inbox.deliver(again, "reduce", 2)
+    assert inbox.take(Kind.REDUCE, 15, 2, timeout=0).tensor.tolist() == [1.0] * 5
+    exact = in_group(members=3)  # an exact group sums every step: two steps, as before
+    early = encode_frame(Kind.REDUCE, JOB, 2, 2, torch.ones(5), Codec.RAW)
+    assert not exact.deliver(early, "reduce", 2)
+    assert exact.dropped == {"ahead": 1}
+    with pytest.raises(ValueError, match="group_every"):
+        exact.expect(plan, microbatches=2, step=0, members=3, group_every=0)
