@@ -67,7 +67,7 @@ devices are the profiles the agents announced.
 
     .venv/bin/python bench/hybrid.py [--models vgg11,resnet18,gpt-mini]
         [--fleets rpi4,2fast4slow,3x,10x,30x] [--strategies single,even,v1,data-parallel,v2]
-        [--batch-size 64] [--microbatches 4] [--schedule auto|1f1b|gpipe|zb-h1]
+        [--batch-size 64] [--microbatches auto|N] [--schedule auto|1f1b|gpipe|zb-h1]
         [--method auto|kernel|software] [--json]
         [--results bench/results/hybrid.json] [--chart bench/results/hybrid.png]
         [--from-json FILE] [--quick] [--predict-shapes 32x4,128x8,...] [--repeat N]
@@ -77,7 +77,14 @@ devices are the profiles the agents announced.
 and two steps a plan (one of them warm-up), and writes its JSON and chart to the temporary directory
 unless ``--results``/``--chart`` say otherwise. ``--from-json`` runs nothing: it
 renders the table, the chart and the JSON again from a results file.
-The default batch, 64 samples in 4 microbatches (16 rows each), is chosen from
+``--microbatches auto``, the default, runs each plan at the number of microbatches a
+job's ``"auto"`` takes: v1 and v2 are planned with it, as the engine plans
+(:func:`plan_microbatches`), and the fixed plans (single, even, data parallel) run at
+their best number for that plan (:func:`best_microbatches`); the units are timed at 4
+and moved along their fitted lines, and each run is priced at its own shape. The row's
+``batch`` says which (``64x8``). Rows before 2026-12-07 ran 4.
+
+The default batch, 64 samples (in 4 microbatches then, 16 rows each), was chosen from
 ``--predict-shapes`` on ``rpi4-4gb:4`` (one calibration a shape; 2026-12-02): a
 group's sum is paid once a step and a member's fixed costs once a microbatch, so
 groups gain with the rows per microbatch, and a pipeline with the microbatches.
