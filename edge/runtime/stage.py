@@ -177,6 +177,46 @@ def build_optimizer(
     )
 
 
+class _Step:
+    """One step's work in progress on a stage: what it has taken, sent and computed."""
+
+    def __init__(self, step: int, timeout: float, received_before: int) -> None:
+        self.step, self.timeout, self.received_before = step, timeout, received_before
+        self.clock = StepClock()
+        self.compute = 0.0
+        self.sent = 0
+        self.loss_share: float | None = None
+        """A group member's share of each microbatch's rows (and of its loss)."""
+        self.xs: tuple[torch.Tensor, ...] = ()
+        self.ys: tuple[torch.Tensor, ...] = ()
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.weight_passes: dict[int, WeightBackward] = {}
+        """Split: each ``B``'s weight gradient, until its ``W`` runs."""
+        self.ran: list[str] = []
+        """What the step ran, action by action."""
+        self.peak_held = 0
+
+
+@dataclass
+class _Summed:
+    """What a step's sum of gradients (or a DiLoCo sync) did, for its report."""
+
+    loss: float | None
+    seconds: float = 0.0
+    bytes: int = 0
+    started: float = 0.0
+    cpu_s: float = 0.0
+    early: int = 0
+
+    def of_group(self, group_sum: GroupSum, *, early: bool) -> None:
+        """The bytes, start and CPU of ``group_sum``'s last sum (and what of it went early)."""
+        self.bytes, self.started = group_sum.bytes_sent, group_sum.started
+        self.cpu_s = group_sum.cpu_s
+        self.early = group_sum.early_bytes if early else 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class StageDevice:
     """The device a stage runs on, as the stage sees it: what it is called, where its
@@ -423,172 +463,198 @@ class StageRuntime:
 
     def run_step(self, step: int) -> StepReport:
         """Execute this stage's actions for ``step`` and step the optimizer."""
-        a, m = self.a, self.a.microbatches
-        timeout = a.recv_timeout_s
-        clock = StepClock()
-        received_before = self.inbox.bytes_received
-        compute = reduce = reduce_started = reduce_cpu = 0.0
+        a = self.a
         self._own_s = 0.0
-        sent = reduce_bytes = early = 0
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        losses: dict[int, torch.Tensor] = {}
-        weight_passes: dict[int, WeightBackward] = {}  # split: each B's W, until it runs
-        xs: tuple[torch.Tensor, ...] = ()
-        ys: tuple[torch.Tensor, ...] = ()
-        ran: list[str] = []  # what this step ran, action by action, and the most it held
-        peak_held = 0
-        # A group's member: its share of each microbatch's loss ([Note: groups on the wire]).
+        st = _Step(step, a.recv_timeout_s, self.inbox.bytes_received)
         lo, hi = self.rows
-        loss_share = None if a.group_size == 1 else (hi - lo) / sum(a.samples_of(a.stage))
+        if a.group_size > 1:  # its share of each microbatch's loss ([Note: groups on the wire])
+            st.loss_share = (hi - lo) / sum(a.samples_of(a.stage))
         if self.reads:
-            assert self.sampler is not None
-            x, y = load_batch(self.dataset, self.sampler, step)
-            if a.replicas > 1:  # this replica's share of the step's batch
-                share = a.batch_size // a.replicas
-                x = x[a.replica * share : (a.replica + 1) * share]
-                y = y[a.replica * share : (a.replica + 1) * share]
-            xs, ys = self._here(x).chunk(m), self._here(y).chunk(m)
-            if a.group_samples is not None and a.local_data is None:  # its rows of each
-                xs, ys = tuple(t[lo:hi] for t in xs), tuple(t[lo:hi] for t in ys)
-            if not a.is_last and not a.labels_local:
-                for mb, labels in enumerate(ys):
-                    with clock.sending("L", mb):
-                        sent += self._send(
-                            a.num_stages - 1, "fwd", Kind.LABELS, step, mb, labels, Codec.RAW
-                        )
+            self._load(st)
         for action in self.actions:
-            mb = action.microbatch
             if action.kind == "F":
-                if a.is_first:
-                    inp = xs[mb]
-                else:
-                    with clock.waiting("A", mb):
-                        taken = self._take(Kind.ACTIVATION, a.stage - 1, step, mb, timeout)
-                    inp = self._here(taken)
-                    if inp.is_floating_point():
-                        inp = inp.detach().requires_grad_()
-                inputs[mb] = inp
-                t0 = self._start()
-                with self._autocast():
-                    out = self.segment(inp)
-                compute += self._throttle(t0)
-                if a.is_last:
-                    if self.reads:  # its own labels ([Note: labels stay home])
-                        target = ys[mb]
-                    else:
-                        with clock.waiting("L", mb):
-                            target = self._here(self._take(Kind.LABELS, 0, step, mb, timeout))
-                    t0 = self._start()
-                    mb_loss = loss_fn(out.float(), target)
-                    losses[mb] = mb_loss / m if m > 1 else mb_loss  # /1 is exact: skip it
-                    if loss_share is not None:
-                        losses[mb] = losses[mb] * loss_share
-                    compute += self._throttle(t0)
-                else:
-                    with clock.sending("A", mb):
-                        sent += self._send(
-                            a.stage + 1, "fwd", Kind.ACTIVATION, step, mb, out, self.codec_out
-                        )
-                    outputs[mb] = out
-                ran.append(f"F{mb}")
-                peak_held = max(peak_held, len(inputs.keys() | outputs.keys()))
+                self._forward(st, action.microbatch)
                 continue
             if a.group_size > 1 and action is self.actions[-1] and self.outer is None:
-                # The step's last backward: its sum starts as its gradients become final.
-                mine = float(sum(v.item() for v in losses.values())) if a.is_last else None
-                if self.group_sum is not None:
-                    self.group_sum.arm(step, mine)
-                elif self.data_parallel is not None:
-                    self.data_parallel.arm(self.segment.parameters(), mine)
+                self._arm_sum(st)  # the last backward: the sum starts as gradients are final
             if action.kind == "W":
-                t0 = self._start()
-                weight_passes.pop(mb).run()
-                compute += self._throttle(t0)
-                inputs.pop(mb)
-                ran.append(f"W{mb}")
-                continue
-            if a.is_last:
-                out, grad = losses[mb], None
-                t0 = self._start()
+                self._weight_pass(st, action.microbatch)
             else:
-                with clock.waiting("G", mb):
-                    grad = self._here(self._take(Kind.GRADIENT, a.stage + 1, step, mb, timeout))
-                out = outputs.pop(mb)
-                t0 = self._start()
-            if self.split:  # the input's gradient now, the weights' at this W
-                inp = inputs[mb]
-                weight_passes[mb] = input_backward(out, grad, inp, self._weights)
-            else:
-                out.backward(grad)
-                inp = inputs.pop(mb)
-            compute += self._throttle(t0)
-            if not a.is_first and inp.grad is not None:
-                with clock.sending("G", mb):
-                    sent += self._send(
-                        a.stage - 1, "bwd", Kind.GRADIENT, step, mb, inp.grad, self.codec_in
-                    )
-            ran.append(f"B{mb}")
-        loss = float(sum(v.item() for v in losses.values())) if a.is_last else None
-        if self.outer is not None and self.group_sum is not None:
-            loss, took, reduce = self._outer_step(step, loss)
-            compute += took
-            if self.outer.due(step, a.steps):  # the group synced
-                reduce_bytes, reduce_started = self.group_sum.bytes_sent, self.group_sum.started
-                reduce_cpu, sent = self.group_sum.cpu_s, sent + self.group_sum.bytes_sent
-        elif self.group_sum is not None:
-            t0 = time.perf_counter()
-            loss = self.group_sum.sum(self.inbox, step, loss)
-            reduce = time.perf_counter() - t0
-            reduce_bytes, early = self.group_sum.bytes_sent, self.group_sum.early_bytes
-            reduce_started, reduce_cpu = self.group_sum.started, self.group_sum.cpu_s
-            sent += reduce_bytes
-        if self.data_parallel is not None and a.group_size > 1:
-            t0 = time.perf_counter()
-            before = self.data_parallel.bytes_reduced
-            loss = self.data_parallel.sum_gradients(self.segment.parameters(), loss)
-            reduce = time.perf_counter() - t0
-            reduce_bytes = self.data_parallel.bytes_reduced - before
-            early = self.data_parallel.early_bytes
-        elif self.data_parallel is not None:
-            reduce = self.data_parallel.average_gradients(self.segment.parameters())
-            if loss is not None:
-                t0 = time.perf_counter()
-                loss = self.data_parallel.average(loss)
-                reduce += time.perf_counter() - t0
+                self._backward(st, action.microbatch)
+        loss = float(sum(v.item() for v in st.losses.values())) if a.is_last else None
+        summed = self._sum(st, loss)
         if a.handover:  # the state at the start of this step, until the next one ends
             self._previous = (step, self.state(step))
         t0 = self._start()
         if self.optimizer is not None and self.outer is None:  # (a non-exact one stepped)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        compute += self._throttle(t0)
+        st.compute += self._throttle(t0)
         self.inbox.forget_before(step + 1)
+        return self._report(st, summed)
+
+    def _load(self, st: _Step) -> None:
+        """Read the step's batch (this replica's, this member's rows of each microbatch)
+        and send the last stage its labels, unless they stay home."""
+        a, m = self.a, self.a.microbatches
+        assert self.sampler is not None
+        x, y = load_batch(self.dataset, self.sampler, st.step)
+        if a.replicas > 1:  # this replica's share of the step's batch
+            share = a.batch_size // a.replicas
+            x = x[a.replica * share : (a.replica + 1) * share]
+            y = y[a.replica * share : (a.replica + 1) * share]
+        st.xs, st.ys = self._here(x).chunk(m), self._here(y).chunk(m)
+        if a.group_samples is not None and a.local_data is None:  # its rows of each
+            lo, hi = self.rows
+            st.xs, st.ys = tuple(t[lo:hi] for t in st.xs), tuple(t[lo:hi] for t in st.ys)
+        if not a.is_last and not a.labels_local:
+            for mb, labels in enumerate(st.ys):
+                with st.clock.sending("L", mb):
+                    st.sent += self._send(
+                        a.num_stages - 1, "fwd", Kind.LABELS, st.step, mb, labels, Codec.RAW
+                    )
+
+    def _forward(self, st: _Step, mb: int) -> None:
+        """Microbatch ``mb``'s forward: its input taken (or read), its output sent on, or on
+        the last stage its loss."""
+        a = self.a
+        if a.is_first:
+            inp = st.xs[mb]
+        else:
+            with st.clock.waiting("A", mb):
+                taken = self._take(Kind.ACTIVATION, a.stage - 1, st.step, mb, st.timeout)
+            inp = self._here(taken)
+            if inp.is_floating_point():
+                inp = inp.detach().requires_grad_()
+        st.inputs[mb] = inp
+        t0 = self._start()
+        with self._autocast():
+            out = self.segment(inp)
+        st.compute += self._throttle(t0)
+        if a.is_last:
+            if self.reads:  # its own labels ([Note: labels stay home])
+                target = st.ys[mb]
+            else:
+                with st.clock.waiting("L", mb):
+                    target = self._here(self._take(Kind.LABELS, 0, st.step, mb, st.timeout))
+            t0 = self._start()
+            m = a.microbatches
+            mb_loss = loss_fn(out.float(), target)
+            st.losses[mb] = mb_loss / m if m > 1 else mb_loss  # /1 is exact: skip it
+            if st.loss_share is not None:
+                st.losses[mb] = st.losses[mb] * st.loss_share
+            st.compute += self._throttle(t0)
+        else:
+            with st.clock.sending("A", mb):
+                st.sent += self._send(
+                    a.stage + 1, "fwd", Kind.ACTIVATION, st.step, mb, out, self.codec_out
+                )
+            st.outputs[mb] = out
+        st.ran.append(f"F{mb}")
+        st.peak_held = max(st.peak_held, len(st.inputs.keys() | st.outputs.keys()))
+
+    def _backward(self, st: _Step, mb: int) -> None:
+        """Microbatch ``mb``'s backward (``B``): the output's gradient taken (or the loss),
+        the input's gradient sent back; split, the weights' gradient is left for its ``W``."""
+        a = self.a
+        if a.is_last:
+            out, grad = st.losses[mb], None
+            t0 = self._start()
+        else:
+            with st.clock.waiting("G", mb):
+                taken = self._take(Kind.GRADIENT, a.stage + 1, st.step, mb, st.timeout)
+            grad = self._here(taken)
+            out = st.outputs.pop(mb)
+            t0 = self._start()
+        if self.split:  # the input's gradient now, the weights' at this W
+            inp = st.inputs[mb]
+            st.weight_passes[mb] = input_backward(out, grad, inp, self._weights)
+        else:
+            out.backward(grad)
+            inp = st.inputs.pop(mb)
+        st.compute += self._throttle(t0)
+        if not a.is_first and inp.grad is not None:
+            with st.clock.sending("G", mb):
+                st.sent += self._send(
+                    a.stage - 1, "bwd", Kind.GRADIENT, st.step, mb, inp.grad, self.codec_in
+                )
+        st.ran.append(f"B{mb}")
+
+    def _weight_pass(self, st: _Step, mb: int) -> None:
+        """Microbatch ``mb``'s weight gradient (``W``), which its ``B`` left."""
+        t0 = self._start()
+        st.weight_passes.pop(mb).run()
+        st.compute += self._throttle(t0)
+        st.inputs.pop(mb)
+        st.ran.append(f"W{mb}")
+
+    def _arm_sum(self, st: _Step) -> None:
+        """Before the step's last backward: a group's sum sends each piece as soon as its
+        gradients are final ([Note: the sum overlapped with the backward])."""
+        mine = float(sum(v.item() for v in st.losses.values())) if self.a.is_last else None
+        if self.group_sum is not None:
+            self.group_sum.arm(st.step, mine)
+        elif self.data_parallel is not None:
+            self.data_parallel.arm(self.segment.parameters(), mine)
+
+    def _sum(self, st: _Step, loss: float | None) -> _Summed:
+        """The group's or the replicas' sum of this step's gradients (a DiLoCo member's own
+        step, and its group's sum when due), and the loss to report."""
+        a, out = self.a, _Summed(loss)
+        if self.outer is not None and self.group_sum is not None:
+            out.loss, took, out.seconds = self._outer_step(st.step, loss)
+            st.compute += took
+            if self.outer.due(st.step, a.steps):  # the group synced
+                out.of_group(self.group_sum, early=False)
+                st.sent += out.bytes
+        elif self.group_sum is not None:
+            t0 = time.perf_counter()
+            out.loss = self.group_sum.sum(self.inbox, st.step, loss)
+            out.seconds = time.perf_counter() - t0
+            out.of_group(self.group_sum, early=True)
+            st.sent += out.bytes
+        if self.data_parallel is not None and a.group_size > 1:
+            t0 = time.perf_counter()
+            before = self.data_parallel.bytes_reduced
+            out.loss = self.data_parallel.sum_gradients(self.segment.parameters(), out.loss)
+            out.seconds = time.perf_counter() - t0
+            out.bytes = self.data_parallel.bytes_reduced - before
+            out.early = self.data_parallel.early_bytes
+        elif self.data_parallel is not None:
+            out.seconds = self.data_parallel.average_gradients(self.segment.parameters())
+            if out.loss is not None:
+                t0 = time.perf_counter()
+                out.loss = self.data_parallel.average(out.loss)
+                out.seconds += time.perf_counter() - t0
+        return out
+
+    def _report(self, st: _Step, summed: _Summed) -> StepReport:
+        a = self.a
         return StepReport(
             job=a.job,
             stage=a.stage,
             member=a.member,
             device=self.device,
-            step=step,
-            samples=(self.rows[1] - self.rows[0]) * m,
-            loss=loss,
-            compute_s=compute,
+            step=st.step,
+            samples=(self.rows[1] - self.rows[0]) * a.microbatches,
+            loss=summed.loss,
+            compute_s=st.compute,
             own_compute_s=self._own_s,
-            wait_s=clock.wait_s,
-            send_s=clock.send_s,
-            step_s=clock.elapsed(),
-            started_at=clock.started_at,
-            bytes_sent=sent,
-            bytes_received=self.inbox.bytes_received - received_before,
+            wait_s=st.clock.wait_s,
+            send_s=st.clock.send_s,
+            step_s=st.clock.elapsed(),
+            started_at=st.clock.started_at,
+            bytes_sent=st.sent,
+            bytes_received=self.inbox.bytes_received - st.received_before,
             frames_dropped=sum(self.inbox.dropped.values()),
-            allreduce_s=reduce,
-            allreduce_bytes=reduce_bytes,
-            allreduce_started=reduce_started,
-            allreduce_cpu_s=reduce_cpu,
-            allreduce_early_bytes=early,
-            actions=" ".join(ran),
-            peak_held=peak_held,
-            timeline=clock.timeline(),
+            allreduce_s=summed.seconds,
+            allreduce_bytes=summed.bytes,
+            allreduce_started=summed.started,
+            allreduce_cpu_s=summed.cpu_s,
+            allreduce_early_bytes=summed.early,
+            actions=" ".join(st.ran),
+            peak_held=st.peak_held,
+            timeline=st.clock.timeline(),
         )
 
     def run(self, first_step: int | None = None) -> int:
