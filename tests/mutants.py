@@ -157,8 +157,8 @@ MUTANTS = [
         name="gradient-half-scale",
         what="the gradient sent back over a link is halved",
         path="edge/runtime/stage.py",
-        old='"bwd", Kind.GRADIENT, step, mb, inp.grad, self.codec_in',
-        new='"bwd", Kind.GRADIENT, step, mb, inp.grad * 0.5, self.codec_in',
+        old='"bwd", Kind.GRADIENT, st.step, mb, inp.grad, self.codec_in',
+        new='"bwd", Kind.GRADIENT, st.step, mb, inp.grad * 0.5, self.codec_in',
         tests=(
             "tests/unit/edge/runtime/test_reference_parity.py::test_three_stages_equal_the_reference",
         ),
@@ -462,8 +462,8 @@ MUTANTS = [
         name="group-loss-not-shared",
         what="a group member's loss is not scaled by its share of the microbatch's samples",
         path="edge/runtime/stage.py",
-        old="loss_share = None if a.group_size == 1 else (hi - lo) / sum(a.samples_of(a.stage))",
-        new="loss_share = None",
+        old="st.loss_share = (hi - lo) / sum(a.samples_of(a.stage))",
+        new="st.loss_share = None",
         tests=(_GROUP_PARITY,),
     ),
     Mutant(
@@ -555,8 +555,8 @@ MUTANTS = [
         name="u-head-sends-labels",
         what="with labels local the head still sends its labels; the tail's inbox drops them",
         path="edge/runtime/stage.py",
-        old="            if not a.is_last and not a.labels_local:",
-        new="            if not a.is_last:",
+        old="        if not a.is_last and not a.labels_local:",
+        new="        if not a.is_last:",
         tests=(
             "tests/e2e/test_local_data_parity.py::"
             "test_labels_that_stay_home_equal_one_device_on_the_union",
@@ -567,9 +567,9 @@ MUTANTS = [
         what="with labels local the tail pairs each of its samples with its neighbour's label",
         path="edge/runtime/stage.py",
         old="if self.reads:  # its own labels ([Note: labels stay home])\n"
-        "                        target = ys[mb]",
+        "                target = st.ys[mb]",
         new="if self.reads:  # its own labels ([Note: labels stay home])\n"
-        "                        target = ys[mb] if a.is_first else ys[mb].roll(1)",
+        "                target = st.ys[mb] if a.is_first else st.ys[mb].roll(1)",
         tests=(
             "tests/e2e/test_local_data_parity.py::"
             "test_labels_that_stay_home_equal_one_device_on_the_union",
@@ -579,7 +579,7 @@ MUTANTS = [
         name="u-tail-forgets-head-memory",
         what="a U's score checks the holders' tail memory without their stage 0 segment",
         path="coordinator/planner/score.py",
-        old="need = [mine + first for mine, first in zip(need, head_need, strict=True)]",
+        old="need = [mine + first for mine, first in zip(need, out[0], strict=True)]",
         new="need = list(need)",
         tests=("tests/unit/coordinator/planner/test_holders.py",),
     ),
@@ -858,10 +858,10 @@ MUTANTS = [
         name="zero-bubble-weight-gradient-twice",
         what="a zero-bubble stage's B runs the whole backward, and its W adds the weights' again",
         path="edge/runtime/stage.py",
-        old="                weight_passes[mb] = input_backward(out, grad, inp, self._weights)\n",
+        old="            st.weight_passes[mb] = input_backward(out, grad, inp, self._weights)\n",
         new=(
-            "                out.backward(grad, retain_graph=True)\n"
-            "                weight_passes[mb] = input_backward(out, grad, inp, self._weights)\n"
+            "            out.backward(grad, retain_graph=True)\n"
+            "            st.weight_passes[mb] = input_backward(out, grad, inp, self._weights)\n"
         ),
         tests=(
             "tests/unit/edge/runtime/test_reference_parity.py::"
@@ -904,8 +904,8 @@ MUTANTS = [
         name="stage-never-arms-its-sum",
         what="a group's stage starts its sum only after its last backward",
         path="edge/runtime/stage.py",
-        old="                    self.group_sum.arm(step, mine)\n",
-        new="                    pass\n",
+        old="            self.group_sum.arm(st.step, mine)\n",
+        new="            pass\n",
         tests=("tests/e2e/test_group_parity.py",),
     ),
     Mutant(

@@ -46,6 +46,7 @@ __all__ = [
     "PlanScore",
     "Stage",
     "for_plan",
+    "member_needs",
     "member_seconds",
     "score_plan",
     "shares_of",
@@ -236,20 +237,23 @@ def score_plan(
     layers = problem.layers
     b = problem.batch_size / problem.microbatches
     m = problem.microbatches
-    k = problem.optimizer_state_factor
     n_stages = len(plan.stages)
     compute, links, memory, limits, reasons = [], [], [], [], []
     shares: list[list[float]] = []
     allreduce: list[float] = []
     busy: list[tuple[DeviceSpec, float]] = []  # each member and its busy seconds per step
-    head_need: list[float] = []  # stage 0's members' memory (a U's tail adds it)
     for s, st in enumerate(plan.stages):
         group = [dev[i] for i in st.devices]
-        speed = group_gflops(group)
         share = list(fixed[s]) if s in fixed else shares_of(group)
         if len(share) != len(group) or abs(ordered_sum(share) - 1.0) > 1e-9 or min(share) <= 0:
             raise ValueError(f"stage {s}: shares {share} do not split a microbatch over its group")
         shares.append(share)
+    # 1F1B: stage s holds min(S - s, M) microbatches in flight
+    needs = member_needs(problem, plan, shares, [min(n_stages - s, m) for s in range(n_stages)])
+    for s, st in enumerate(plan.stages):
+        group = [dev[i] for i in st.devices]
+        speed = group_gflops(group)
+        share = shares[s]
         chunk = layers[st.start : st.end]
         flops = ordered_sum(unit.train_flops for unit in chunk)
         if s in fixed:
@@ -258,14 +262,8 @@ def score_plan(
         else:
             compute.append(compute_s(b, flops, speed))
         params = ordered_sum(unit.param_bytes for unit in chunk)
-        acts = ordered_sum(unit.saved_bytes for unit in chunk)
-        depth = min(n_stages - s, m)
         # The member with the least room decides; one device: version 1's figure exactly.
-        need = [need_bytes(k, params, depth, w, b, acts) for w in share]
-        if plan.u_shaped and s == n_stages - 1:  # its devices hold stage 0's segment too
-            need = [mine + first for mine, first in zip(need, head_need, strict=True)]
-        if s == 0:
-            head_need = need
+        need = needs[s]
         tight = max(range(len(group)), key=lambda i: need[i] / group[i].memory_bytes)
         memory.append(need[tight])
         limits.append(group[tight].memory_bytes)
@@ -327,6 +325,31 @@ def score_plan(
         energy_j_per_step=energy,
         batch_size=problem.batch_size,
     )
+
+
+def member_needs(
+    problem: PlanningProblem,
+    plan: Plan,
+    shares: Sequence[Sequence[float]],
+    held: Sequence[int],
+) -> list[list[float]]:
+    """Each stage's members' memory in bytes, ``held[s]`` microbatches in flight on stage
+    ``s`` and each member at its share of a microbatch's rows
+    (:func:`~coordinator.planner.terms.need_bytes`); a U-shape's tail also holds the head
+    (its devices are stage 0's). The same sums in the same order wherever it is asked,
+    so the score's figure and a schedule's check
+    (:func:`~coordinator.planner.simulator.memory_error`) agree to the bit."""
+    b, k = problem.batch_size / problem.microbatches, problem.optimizer_state_factor
+    out: list[list[float]] = []
+    for s, st in enumerate(plan.stages):
+        chunk = problem.layers[st.start : st.end]
+        params = ordered_sum(unit.param_bytes for unit in chunk)
+        acts = ordered_sum(unit.saved_bytes for unit in chunk)
+        need = [need_bytes(k, params, held[s], w, b, acts) for w in shares[s]]
+        if plan.u_shaped and s == len(plan.stages) - 1:
+            need = [mine + first for mine, first in zip(need, out[0], strict=True)]
+        out.append(need)
+    return out
 
 
 def shares_of(group: list[DeviceSpec]) -> list[float]:

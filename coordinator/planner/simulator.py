@@ -113,7 +113,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from coordinator.planner.score import Plan, score_plan
+from coordinator.planner.score import Plan, member_needs, score_plan
 from coordinator.planner.terms import need_bytes, ordered_sum
 from edge.config import Schedule as ScheduleName
 from edge.files import write_atomic
@@ -375,20 +375,11 @@ def memory_error(
     the least room decides; a U-shape's tail also holds the head) at the simulated peak.
     """
     sim = simulated if simulated is not None else simulate(problem, plan, schedule)
-    score = score_plan(problem, plan)
+    shares = score_plan(problem, plan).shares
+    needs = member_needs(problem, plan, shares, sim.peak_microbatches_held)
     devices = {d.id: d for d in problem.devices}
-    b, k = problem.batch_size / problem.microbatches, problem.optimizer_state_factor
-    head: list[float] = []
-    for s, st in enumerate(plan.stages):
-        chunk = problem.layers[st.start : st.end]
-        params = ordered_sum(unit.param_bytes for unit in chunk)
-        acts = ordered_sum(unit.saved_bytes for unit in chunk)
+    for s, (st, need) in enumerate(zip(plan.stages, needs, strict=True)):
         held = sim.peak_microbatches_held[s]
-        need = [need_bytes(k, params, held, w, b, acts) for w in score.shares[s]]
-        if plan.u_shaped and s == len(plan.stages) - 1:
-            need = [mine + first for mine, first in zip(need, head, strict=True)]
-        if s == 0:
-            head = need
         for device, bytes_ in zip(st.devices, need, strict=True):
             has = devices[device].memory_bytes
             if bytes_ > has:
