@@ -70,7 +70,7 @@ devices are the profiles the agents announced.
         [--batch-size 64] [--microbatches auto|N] [--schedule auto|1f1b|gpipe|zb-h1]
         [--method auto|kernel|software] [--json]
         [--results bench/results/hybrid.json] [--chart bench/results/hybrid.png]
-        [--from-json FILE] [--quick] [--predict-shapes 32x4,128x8,...] [--repeat N]
+        [--from-json FILE] [--quick] [--predict-shapes 32x4,64xauto,...] [--repeat N]
         [--unit-times devices|host]
 
 ``--quick`` runs one fleet (``rpi4-4gb:4``), one model (``vgg11``, batches of 16)
@@ -94,8 +94,10 @@ throughput, but its steps (a minute for resnet18 on one Pi) take a whole run pas
 12 minutes per model; 64x4 keeps each fleet and model within that.
 ``--predict-shapes`` runs no plan either: it brings each fleet up for its agents'
 profiles, and for each model and batch shape calibrates once and prints (and writes,
-to ``bench/results/hybrid-shapes.json``) every strategy's predicted samples/s and
-v2 against v1.
+to ``bench/results/hybrid-shapes.json``) every strategy's predicted samples/s under
+``--schedule``, v2 against v1, v2's fraction of the ideal and the part of its step the
+anatomy says costs most. A shape ``64xauto`` predicts each strategy at the
+microbatches ``--microbatches auto`` would run it at.
 """
 
 from __future__ import annotations
@@ -139,10 +141,12 @@ from coordinator.planner.group_tables import GroupLimits
 from coordinator.planner.microbatches import (
     FIRST_MICROBATCHES,
     best_microbatches,
+    first_microbatches,
     plan_microbatches,
 )
 from coordinator.planner.partition import plan_job, scored
 from coordinator.planner.predict import (
+    Prediction,
     UnitSeconds,
     balanced_shares,
     fit_unit_seconds,
@@ -846,48 +850,78 @@ def predicted_shapes(
     args: argparse.Namespace,
 ) -> list[dict[str, Any]]:
     """For each ``--predict-shapes`` batch shape: every strategy's plan and predicted
-    samples/s over the announced profiles, priced by one calibration at that shape (no
-    runs), and v2 against v1 predicted."""
+    samples/s over the announced profiles under ``--schedule``, priced by one calibration
+    at that shape (no runs), and v2 against v1 predicted. ``Bxauto``: each strategy at
+    the microbatches a job's ``"auto"`` takes (:func:`auto_microbatches`), the units timed
+    at the first of them."""
     out = []
-    for batch_size, microbatches in args.predict_shapes:
-        spec = JobSpec(
-            model=model, steps=1, batch_size=batch_size, microbatches=microbatches, seed=0
-        )
+    for batch_size, asked in args.predict_shapes:
+        spec = JobSpec(model=model, steps=1, batch_size=batch_size, microbatches=asked, seed=0)
+        choices = microbatch_choices_of(spec)
+        timed_at = first_microbatches(choices) if asked == "auto" else int(asked)
+        spec = spec.model_copy(update={"microbatches": timed_at})
         limits = group_limits(spec)
         assert limits is not None  # a zoo model
-        now, units = fleet_problem(
-            model,
-            batch_size,
-            microbatches,
-            devices,
-            announced,
-            core_gflops,
-            args.calibration_steps,
+        calibrated = fleet_problem(
+            model, batch_size, timed_at, devices, announced, core_gflops, args.calibration_steps
         )
+        now, units = calibrated
         if args.unit_times == "devices":
             own = own_unit_seconds(control, devices, announced, spec, whole_model_bytes(now))
             units = replace(units, devices=own)
-        chosen = plans(now, limits, units)
-        predicted = {s: predict(now, plan, units).throughput_sps for s, plan in chosen.items()}
-        shapes = {s: "+".join(str(len(st.devices)) for st in p.stages) for s, p in chosen.items()}
+            calibrated = (now, units)
+        chosen = {s: Shaped(p, timed_at) for s, p in plans(now, limits, units).items()}
+        if asked == "auto":
+            chosen = auto_microbatches(now, limits, units, chosen, choices)
+        at = {s: _moved(calibrated, c.microbatches) for s, c in chosen.items()}
+        priced = {s: _priced(at[s], c.plan, args.schedule) for s, c in chosen.items()}
+        predicted = {s: guess.throughput_sps for s, (guess, _) in priced.items()}
+        shapes = {
+            s: "+".join(str(len(st.devices)) for st in c.plan.stages) for s, c in chosen.items()
+        }
+        ideal = ideal_sps(now)
         item = {
             "model": model,
             "fleet": fleet,
             "batch_size": batch_size,
-            "microbatches": microbatches,
+            "microbatches": asked,
+            "chosen_microbatches": {s: c.microbatches for s, c in chosen.items()},
+            "schedule": {s: schedule for s, (_, schedule) in priced.items()},
             "predicted_sps": predicted,
+            "predicted_fraction": {s: v / ideal for s, v in predicted.items()},
+            "largest_loss": {
+                s: anatomy(
+                    c.plan, StepTerms.of_prediction(for_plan(at[s][0], c.plan), priced[s][0])
+                ).largest_loss()
+                for s, c in chosen.items()
+            },
             "shape": shapes,
             "v2_over_v1": predicted["v2"] / predicted["v1"],
-            "ideal_sps": ideal_sps(now),
+            "ideal_sps": ideal,
         }
         out.append(item)
         print(
-            f"# {model} {fleet} batch {batch_size} x {microbatches} microbatches: "
-            + ", ".join(f"{s} [{shapes[s]}] {v:.2f}" for s, v in predicted.items())
+            f"# {model} {fleet} batch {batch_size} x {asked} microbatches: "
+            + ", ".join(
+                f"{s} [{shapes[s]}] x{chosen[s].microbatches} {priced[s][1]} {v:.2f}"
+                for s, v in predicted.items()
+            )
             + f"; v2/v1 {item['v2_over_v1']:.2f}",
             file=sys.stderr,
         )
     return out
+
+
+def _priced(
+    calibrated: tuple[PlanningProblem, UnitSeconds], plan: Plan, asked: str
+) -> tuple[Prediction, Schedule]:
+    """``plan``'s prediction on the calibrated problem, its groups at the shares a job's
+    would take, under the schedule ``asked`` (``auto``: the fastest its devices hold)."""
+    problem, units = calibrated
+    fixed = balanced_shares(problem, plan, units) or None
+    schedule = _schedule(asked, for_plan(problem, plan), plan)
+    guess = predict(problem, plan, units, fixed_shares=fixed)
+    return under_schedule(problem, plan, guess, schedule), schedule
 
 
 def _rounded(values: list[float]) -> list[float]:
@@ -980,13 +1014,16 @@ def chart(rows: list[Row], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _shape(parser: argparse.ArgumentParser, item: str) -> tuple[int, int]:
-    """``BxM`` as (batch size, microbatches), or a one-line argument error."""
+def _shape(parser: argparse.ArgumentParser, item: str) -> tuple[int, int | str]:
+    """``BxM`` as (batch size, microbatches), ``Bxauto`` as (batch size, ``"auto"``), or a
+    one-line argument error."""
+    batch_text, _, micro_text = item.strip().partition("x")
     try:
-        batch, micro = (int(x) for x in item.strip().split("x"))
+        batch = int(batch_text)
+        micro: int | str = micro_text if micro_text == "auto" else int(micro_text)
     except ValueError:
-        parser.error(f"--predict-shapes: {item!r} is not BATCHxMICROBATCHES (e.g. 128x8)")
-    if batch < 1 or micro < 1 or batch % micro:
+        parser.error(f"--predict-shapes: {item!r} is not BATCHxMICROBATCHES (e.g. 128x8, 64xauto)")
+    if batch < 1 or (micro != "auto" and (int(micro) < 1 or batch % int(micro))):
         parser.error(f"--predict-shapes: {item!r}: the batch must split into the microbatches")
     return batch, micro
 
@@ -1085,14 +1122,25 @@ def _predict_shapes(fleets: list[str], models: list[str], args: argparse.Namespa
     items = [item for key in fleets for item in on_fleet(key, models, args.method, sweep)]
     args.results.write_text(json.dumps(items, indent=2) + "\n")
     print(f"results: {args.results}")
-    print("| model | fleet | batch | microbatches | v1 | v2 | predicted v2/v1 |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| model | fleet | batch | v1: sps (devices per stage, microbatches, schedule) "
+        "| v2: the same | predicted v2/v1 | v2 of ideal | v2's largest loss |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for it in items:
-        v1, v2 = (f"{it['predicted_sps'][s]:.2f} ({it['shape'][s]})" for s in ("v1", "v2"))
-        print(
-            f"| {it['model']} | {it['fleet']} | {it['batch_size']} | {it['microbatches']} "
-            f"| {v1} | {v2} | {it['v2_over_v1']:.2f} |"
+        v1, v2 = (
+            f"{it['predicted_sps'][s]:.2f} ({it['shape'][s]}, "
+            f"{it['chosen_microbatches'][s]}, {it['schedule'][s]})"
+            for s in ("v1", "v2")
         )
+        print(
+            f"| {it['model']} | {it['fleet']} | {it['batch_size']}x{it['microbatches']} "
+            f"| {v1} | {v2} | {it['v2_over_v1']:.2f} | {it['predicted_fraction']['v2']:.3f} "
+            f"| {it['largest_loss']['v2']} |"
+        )
+    fractions = [it["predicted_fraction"]["v2"] for it in items]
+    if fractions:
+        print(f"\nv2 predicted of ideal: median {statistics.median(fractions):.3f}")
     return 0
 
 

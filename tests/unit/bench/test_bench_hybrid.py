@@ -147,10 +147,10 @@ def test_a_plan_run_once_shows_in_both_rows(bench: ModuleType) -> None:
 
 
 def test_predict_shapes_are_batch_by_microbatches(bench: ModuleType) -> None:
-    args = bench.parse_args(["--predict-shapes", "32x4,128x16"])
-    assert args.predict_shapes == [(32, 4), (128, 16)]
+    args = bench.parse_args(["--predict-shapes", "32x4,128x16,64xauto"])
+    assert args.predict_shapes == [(32, 4), (128, 16), (64, "auto")]
     assert args.results.name == "hybrid-shapes.json"
-    for bad in ("128", "30x4", "axb"):
+    for bad in ("128", "30x4", "axb", "64xAuto", "0xauto"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--predict-shapes", bad])
 
