@@ -17,7 +17,9 @@ For each task and mode the bench:
 
 1. plans the job as the engine plans it (:func:`~coordinator.engine.engine.plan_over`,
    microbatches and schedule ``auto``) over the profiles the testbed's agents announce,
-   each with its fixed costs and its per-byte cost timed through its own connection;
+   each with its fixed costs and its per-byte cost timed through its own connection,
+   and (``--unit-times devices``, the default, a job's ``unit_times: devices``) each
+   device's own timing of the model's units;
 2. finds the steps to the target on the independent loop of that plan: the exact mode
    equals single-device training, which ``tests/support/reference.py`` is, and a
    DiLoCo group equals ``tests/support/diloco.py`` (their parity tests hold each to
@@ -37,6 +39,7 @@ mode's steps.
 
     .venv/bin/python bench/diloco.py [--tasks digits,text] [--every 8]
         [--outer-lr 1.0] [--outer-momentum 0.0] [--method auto|kernel|software]
+        [--unit-times devices|host]
         [--results bench/results/diloco.json] [--json] [--from-json FILE]
 """
 
@@ -62,11 +65,17 @@ from support.diloco import train_diloco_reference
 from support.reference import ReferenceRun, train_reference
 
 from bench.siblings import sibling
-from coordinator.engine.engine import PlannedJob, plan_over
+from coordinator.engine.engine import PlannedJob, job_problem, plan_over
 from coordinator.engine.options import RunOptions
 from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobSpec
+from coordinator.engine.unit_profiles import (
+    time_units_on_devices,
+    timing_request,
+    whole_model_bytes,
+)
 from coordinator.planner.build import parse_fleet
+from coordinator.planner.predict import UnitSeconds
 from coordinator.testbed.testbed import MethodChoice, Testbed, measure_core_gflops
 from edge.models.datasets import build_dataset
 from edge.models.zoo import get_model
@@ -146,6 +155,8 @@ class Row:
     every: int = 0
     outer_lr: float = 0.0
     outer_momentum: float = 0.0
+    unit_times: str = "host"
+    """What priced the plan: this machine's unit timings, or the devices' own."""
 
     @property
     def step_s(self) -> float | None:
@@ -241,8 +252,14 @@ def run_task(
 ) -> list[Row]:
     """Both modes of ``task``: planned, traced on the independent loop, run on the fleet."""
     rows = []
+    devices = list(announced.values())
+    own = (
+        own_units(control, devices, job_spec(task, "exact", args))
+        if args.unit_times == "devices"
+        else None
+    )
     for mode in MODES:
-        planned = plan_over(job_spec(task, mode, args), list(announced.values()))
+        planned = plan_over(job_spec(task, mode, args), devices, device_units=own)
         started = time.perf_counter()
         points, steps = curve(task, reference(task, planned, mode, args))
         prediction = planned.found.prediction
@@ -262,6 +279,7 @@ def run_task(
             every=args.every,
             outer_lr=args.outer_lr,
             outer_momentum=args.outer_momentum,
+            unit_times=args.unit_times if own else "host",
         )
         print(
             f"# {task.name} {mode} [{row.plan}] at {row.microbatches} microbatches, "
@@ -287,6 +305,25 @@ def run_task(
             )
         rows.append(row)
     return rows
+
+
+def own_units(
+    control: MqttTransport, devices: list[DeviceSpec], spec: JobSpec
+) -> dict[str, UnitSeconds]:
+    """Each device's own unit seconds for ``spec``'s model and shape, timed by its agent
+    (:mod:`coordinator.engine.unit_profiles`), as a job of ``unit_times: devices`` gets
+    them; the devices too small for the whole model (or too slow) are left to this
+    machine's timings."""
+    needs = whole_model_bytes(job_problem(spec, devices))
+    got = time_units_on_devices(
+        control, devices, timing_request(spec), timeout_s=900, needs_bytes=needs
+    )
+    print(
+        f"# {spec.model}: {len(got.seconds)} of {len(devices)} devices timed the units "
+        f"({got.took_s:.0f} s)",
+        file=sys.stderr,
+    )
+    return got.seconds
 
 
 # -- reporting ---------------------------------------------------------------------------
@@ -341,6 +378,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--outer-lr", type=float, default=1.0)
     parser.add_argument("--outer-momentum", type=float, default=0.0)
     parser.add_argument("--method", choices=["auto", "kernel", "software"], default="auto")
+    parser.add_argument(
+        "--unit-times",
+        choices=["devices", "host"],
+        default="devices",
+        help="price plans by the devices' own unit timings (a job's unit_times) or this host's",
+    )
     parser.add_argument("--results", type=Path, default=ROOT / "bench/results/diloco.json")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--from-json", type=Path, help="render a results file; run nothing")
