@@ -477,6 +477,31 @@ def test_reconnects_after_a_broker_restart_and_resubscribes(
         assert b.flush(WAIT_S)
 
 
+@pytest.mark.broker
+def test_a_large_frame_is_sent_from_a_view(
+    mosquitto: Broker, connect: Callable[..., MqttTransport]
+) -> None:
+    """Every piece of a 4 MiB frame leaves the sender's socket from a view of the packet,
+    not a copy of what is left of it ([Note: a packet sent in pieces] in
+    :mod:`edge.transport.settings`), and arrives whole."""
+    a, b = connect(mosquitto.url), connect(mosquitto.url)
+    inbox = b.attach(JOB, 1)
+    client = a._client
+    pieces: list[type] = []
+    send = client._sock_send
+
+    def recording(buf: bytes) -> int:
+        pieces.append(type(buf))
+        return send(buf)
+
+    client._sock_send = recording  # type: ignore[method-assign]
+    tensor = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
+    a.send(JOB, 1, "fwd", frame(Kind.ACTIVATION, 0, 0, tensor))
+    got = inbox.take(Kind.ACTIVATION, 0, 0, timeout=WAIT_S)
+    assert torch.equal(got.tensor, tensor)
+    assert pieces and set(pieces) == {memoryview}, pieces
+
+
 @pytest.mark.parametrize(
     "url",
     ["http://host:1883", "host:1883", "mqtt://", "mqtt://h:99999", "mqtt://u:p@h", "mqtt://h/x"],
