@@ -56,7 +56,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # support.*: the loops
@@ -74,10 +73,10 @@ from coordinator.engine.unit_profiles import (
     timing_request,
     whole_model_bytes,
 )
+from coordinator.local.demo import held_out
 from coordinator.planner.build import parse_fleet
 from coordinator.planner.predict import UnitSeconds
 from coordinator.testbed.testbed import MethodChoice, Testbed, measure_core_gflops
-from edge.models.datasets import build_dataset
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec
 from edge.runtime.allocator import tune_malloc
@@ -167,22 +166,10 @@ class Row:
 
 
 def evaluate(task: Task, weights: Mapping[str, torch.Tensor]) -> float:
-    """The held-out metric of ``weights``: accuracy, or the mean loss a token (a sample)."""
-    spec = get_model(task.model, **task.model_options)
-    net = spec.build()
-    net.load_state_dict(dict(weights))
-    net.eval()
-    data = build_dataset(spec.dataset, "test", **dict(spec.dataset_options))
-    correct = total = 0
-    loss = 0.0
-    with torch.no_grad():
-        for x, y in torch.utils.data.DataLoader(data, batch_size=256):
-            flat = net(x).reshape(-1, spec.num_classes).float()
-            target = y.reshape(-1)
-            loss += F.cross_entropy(flat, target, reduction="sum").item()
-            correct += int((flat.argmax(-1) == target).sum())
-            total += target.numel()
-    return correct / total if task.metric == "accuracy" else loss / total
+    """The held-out metric of ``weights``: accuracy, or the mean loss a token (a sample)
+    (:func:`~coordinator.local.demo.held_out`)."""
+    accuracy, loss = held_out(get_model(task.model, **task.model_options), weights)
+    return accuracy if task.metric == "accuracy" else loss
 
 
 def reference(task: Task, planned: PlannedJob, mode: str, args: argparse.Namespace) -> ReferenceRun:
@@ -198,7 +185,12 @@ def reference(task: Task, planned: PlannedJob, mode: str, args: argparse.Namespa
     }
     if mode == "exact" or not planned.plan.grouped:
         return train_reference(task.model, **common)
-    (group,) = [st for st in planned.plan.stages if len(st.devices) > 1]
+    groups = [st for st in planned.plan.stages if len(st.devices) > 1]
+    if len(groups) != 1:
+        raise SystemExit(
+            f"{task.name}: the DiLoCo loop holds one group, the plan has {len(groups)}"
+        )
+    (group,) = groups
     shares = planned.score.shares[planned.plan.stages.index(group)]
     rows = split_samples(task.batch_size // m, shares)
     return train_diloco_reference(

@@ -79,7 +79,7 @@ unless ``--results``/``--chart`` say otherwise. ``--from-json`` runs nothing: it
 renders the table, the chart and the JSON again from a results file.
 ``--microbatches auto``, the default, runs each plan at the number of microbatches a
 job's ``"auto"`` takes: v1 and v2 are planned with it, as the engine plans
-(:func:`plan_microbatches`), and the fixed plans (single, even, data parallel) run at
+(:func:`plan_job_microbatches`), and the fixed plans (single, even, data parallel) run at
 their best number for that plan (:func:`best_microbatches`); the units are timed at 4
 and moved along their fitted lines, and each run is priced at its own shape. The row's
 ``batch`` says which (``64x8``). Rows before 2026-12-07 ran 4.
@@ -142,9 +142,8 @@ from coordinator.planner.microbatches import (
     FIRST_MICROBATCHES,
     best_microbatches,
     first_microbatches,
-    plan_microbatches,
 )
-from coordinator.planner.partition import plan_job, scored
+from coordinator.planner.partition import plan_job, plan_job_microbatches, scored
 from coordinator.planner.predict import (
     Prediction,
     UnitSeconds,
@@ -580,7 +579,7 @@ def auto_microbatches(
 ) -> dict[str, Shaped]:
     """Each strategy at the microbatches a job's ``"auto"`` would take
     ([Note: choosing the microbatches] in :mod:`coordinator.planner.microbatches`):
-    v1 and v2 planned with them, as the engine plans (:func:`plan_microbatches`), and the
+    v1 and v2 planned with them, as the engine plans (:func:`plan_job_microbatches`), and the
     fixed plans (single, even, data parallel) at their best number for that plan
     (:func:`best_microbatches`). ``units`` were timed at ``problem``'s microbatches."""
     out = {}
@@ -732,16 +731,10 @@ def _auto_planned(
     units: UnitSeconds | None,
     choices: tuple[int, ...],
 ) -> Shaped:
-    """The job's plan of ``problem`` and its microbatches, chosen together
-    (:func:`plan_microbatches` over :func:`plan_job`, as the engine plans an ``auto`` job)."""
-    found: dict[int, Plan] = {}
-
-    def search(q: PlanningProblem, moved: UnitSeconds | None) -> Plan:
-        found[q.microbatches] = plan_job(q, limits=limits, units=moved).plan
-        return found[q.microbatches]
-
-    _, choice = plan_microbatches(problem, units, choices, search, scored)
-    return Shaped(found[choice.found_at], choice.microbatches)
+    """The job's plan of ``problem`` and its microbatches, chosen together as the engine
+    plans an ``auto`` job (:func:`plan_job_microbatches`)."""
+    at, found = plan_job_microbatches(problem, choices, limits=limits, units=units)
+    return Shaped(found.plan, at.microbatches)
 
 
 def _moved(

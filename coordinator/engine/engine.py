@@ -79,13 +79,13 @@ from coordinator.engine.unit_profiles import (
 from coordinator.planner.build import build_problem
 from coordinator.planner.group_tables import GroupLimits
 from coordinator.planner.holders import HolderPlans
-from coordinator.planner.microbatches import best_microbatches, plan_microbatches
+from coordinator.planner.microbatches import best_microbatches
 from coordinator.planner.partition import (
     FoundPlan,
     PartitionOptions,
     plan_holders_job,
     plan_job,
-    scored,
+    plan_job_microbatches,
 )
 from coordinator.planner.predict import (
     Prediction,
@@ -299,27 +299,25 @@ def plan_over(
     options = PartitionOptions(
         partition=spec.partition, stages=stages, codec=spec.codec, group_sizes=sizes
     )
-    found_at: dict[int, FoundPlan] = {}
-
-    def search(q: PlanningProblem, moved: UnitSeconds | None) -> Plan:
-        found_at[q.microbatches] = plan_job(
-            q,
+    if choices is None:
+        found = plan_job(
+            problem,
             options,
             where=where,
             previous=previous if again else None,
             limits=limits,
-            units=moved,
+            units=units,
         )
-        return found_at[q.microbatches].plan
-
-    if choices is None:
-        search(problem, units)
-        found = found_at[problem.microbatches]
     else:
-        problem, chose = plan_microbatches(problem, units, choices, search, scored)
-        found = found_at[chose.found_at]
-        method = f"{found.method}, at {chose.microbatches} microbatches of {list(choices)}"
-        found = replace(found, score=chose.score, prediction=chose.prediction, method=method)
+        problem, found = plan_job_microbatches(
+            problem,
+            choices,
+            options,
+            where=where,
+            previous=previous if again else None,
+            limits=limits,
+            units=units,
+        )
     if spec.diloco is not None and limits is not None:
         rows = problem.batch_size / problem.microbatches
         moved = None if units is None else units.at_rows(rows, timed_rows)

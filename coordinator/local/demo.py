@@ -24,7 +24,7 @@ import contextlib
 import secrets
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,6 +53,7 @@ __all__ = [
     "DemoResult",
     "DemoSession",
     "demo_session",
+    "held_out",
     "held_out_accuracy",
     "job_body",
 ]
@@ -121,21 +122,33 @@ def job_body(steps: int, batch_size: int, microbatches: int | str, lr: float) ->
 
 def held_out_accuracy(spec: ModelSpec, weights: dict[str, torch.Tensor]) -> float:
     """Accuracy of the trained weights on the test split of the model's dataset."""
+    return held_out(spec, weights)[0]
+
+
+def held_out(spec: ModelSpec, weights: Mapping[str, torch.Tensor]) -> tuple[float, float]:
+    """The trained weights on the test split of the model's dataset: the share of its
+    predictions that are right, and its mean cross-entropy a prediction (a sample, or a
+    token of a language model's)."""
     import torch
+    import torch.nn.functional as F
     from torch.utils.data import DataLoader
 
     from edge.models.datasets import build_dataset
 
     model = spec.build()
-    model.load_state_dict(weights)
+    model.load_state_dict(dict(weights))
     model.eval()
     data = build_dataset(spec.dataset, "test", **spec.dataset_options)
     correct = total = 0
+    loss = 0.0
     with torch.no_grad():
         for x, y in DataLoader(data, batch_size=256):
-            correct += int((model(x).argmax(-1) == y).sum())
-            total += len(y)
-    return correct / total
+            flat = model(x).reshape(-1, spec.num_classes).float()
+            target = y.reshape(-1)
+            loss += F.cross_entropy(flat, target, reduction="sum").item()
+            correct += int((flat.argmax(-1) == target).sum())
+            total += target.numel()
+    return correct / total, loss / total
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ from coordinator.planner.codecs import choose_codecs, plan_with_codecs, with_cod
 from coordinator.planner.group_search import plan_groups, replan
 from coordinator.planner.group_tables import GroupLimits
 from coordinator.planner.holders import HolderPlans, plan_with_holders
+from coordinator.planner.microbatches import plan_microbatches
 from coordinator.planner.predict import (
     Prediction,
     UnitSeconds,
@@ -87,6 +88,7 @@ __all__ = [
     "even_devices",
     "plan_holders_job",
     "plan_job",
+    "plan_job_microbatches",
     "scored",
 ]
 
@@ -271,6 +273,35 @@ def _fastest_predicted(
     if best.plan.grouped and flat is not None and flat_s < best_s * (1 + GROUP_MARGIN):
         return flat
     return best
+
+
+def plan_job_microbatches(
+    problem: PlanningProblem,
+    choices: Sequence[int],
+    options: PartitionOptions = PartitionOptions(),
+    *,
+    where: str = "the devices",
+    previous: Plan | None = None,
+    limits: GroupLimits | None = None,
+    units: UnitSeconds | None = None,
+) -> tuple[PlanningProblem, FoundPlan]:
+    """:func:`plan_job` with the number of microbatches chosen with the plan, among
+    ``choices`` ([Note: choosing the microbatches] in
+    :mod:`coordinator.planner.microbatches`): ``problem`` at the chosen number, and its
+    plan scored and predicted there, its method saying so. ``units`` were timed at
+    ``problem``'s microbatches."""
+    found_at: dict[int, FoundPlan] = {}
+
+    def search(q: PlanningProblem, moved: UnitSeconds | None) -> Plan:
+        found_at[q.microbatches] = plan_job(
+            q, options, where=where, previous=previous, limits=limits, units=moved
+        )
+        return found_at[q.microbatches].plan
+
+    problem, chose = plan_microbatches(problem, units, choices, search, scored)
+    found = found_at[chose.found_at]
+    method = f"{found.method}, at {chose.microbatches} microbatches of {list(choices)}"
+    return problem, replace(found, score=chose.score, prediction=chose.prediction, method=method)
 
 
 def scored(

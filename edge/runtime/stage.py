@@ -369,7 +369,7 @@ class StageRuntime:
     def _expect(self, step: int) -> None:
         """Have the inbox keep only the frames of the plan, for ``step`` and the next."""
         a = self.a
-        every = a.diloco.every if a.diloco is not None and a.group_size > 1 else 1
+        every = self.outer.spec.every if self.outer is not None else 1
         self.inbox.expect(
             self.expected,
             microbatches=a.microbatches,
