@@ -3,11 +3,15 @@
 This module owns what :func:`coordinator.local.broker.start_broker` runs when there
 is no Mosquitto (imported late: a device install has no amqtt):
 
-- :class:`EmbeddedBroker`, amqtt's broker with two fixes. It authenticates a
+- :class:`EmbeddedBroker`, amqtt's broker with three fixes. It authenticates a
   CONNECT *before* it looks up the client id's session: amqtt itself first
   deletes (clean session) or takes over the session of that id and only then asks
   its plugins, so anyone who can reach the port could cut a device off with its
   client id and no password. And it closes a client's socket when the broker stops.
+  And it delivers each message to every subscriber even while subscriptions change:
+  amqtt iterated its live subscription table across the ACL plugin's awaits, so a
+  client subscribing or leaving meanwhile made it drop the message for every
+  subscriber it had not reached yet (seen as a device missing a frame).
   :meth:`EmbeddedBroker.kick` disconnects the clients of some accounts and forgets
   their sessions (revocation). amqtt speaks MQTT 3.1.1 only, and reads the rest of
   any CONNECT as 3.1.1's: an MQTT v5 one (properties first) is misread, and with a
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +47,7 @@ from amqtt.contexts import Action
 from amqtt.errors import AMQTTError, MQTTError, NoDataError
 from amqtt.mqtt.connack import UNACCEPTABLE_PROTOCOL_VERSION, ConnackPacket
 from amqtt.mqtt.connect import ConnectVariableHeader
+from amqtt.mqtt.constants import QOS_1, QOS_2
 from amqtt.mqtt.packet import CONNECT, MQTTFixedHeader
 from amqtt.mqtt.protocol.broker_handler import BrokerProtocolHandler
 from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
@@ -194,6 +200,30 @@ class EmbeddedBroker(Broker):
                 raise MQTTError(f"protocol level {variable.proto_level}: MQTT 3.1.1 only")
             head += variable.to_bytes()
         return _Replay(head, reader)
+
+    async def _run_broadcast(self, running_tasks: deque[asyncio.Task[Any]]) -> None:
+        # amqtt 0.12.1's own, over a copy of the subscriptions: it iterated the live dict
+        # across the ACL plugin's awaits, so a subscription or disconnect meanwhile raised
+        # "dictionary changed size during iteration" and the message never reached the
+        # subscribers after that point (module docstring).
+        broadcast = await self._broadcast_queue.get()
+        topic = broadcast["topic"]
+        for a_filter, subscriptions in list(self._subscriptions.items()):
+            if not self._matches(topic, a_filter):
+                continue
+            for session, sub_qos in list(subscriptions):
+                qos = broadcast.get("qos", sub_qos)
+                if not await self._topic_filtering(session, topic=topic, action=Action.RECEIVE):
+                    continue
+                connected = session.transitions.state == "connected"
+                if not connected and not session.clean_session and qos in (QOS_1, QOS_2):
+                    if not session.is_anonymous:  # MQTT 3.1.2.4: kept for its return
+                        await self._retain_broadcast_message(broadcast, qos, session)
+                    continue
+                handler = self._get_handler(session) if connected else None
+                if handler:
+                    publish = handler.mqtt_publish(topic, broadcast["data"], qos, retain=False)
+                    running_tasks.append(asyncio.ensure_future(publish))
 
     async def kick(self, usernames: list[str]) -> None:
         """Disconnect every client logged in as one of ``usernames`` and forget its session."""

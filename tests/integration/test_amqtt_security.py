@@ -22,6 +22,7 @@ import logging
 import queue
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 import pytest
 from support.reference import assert_matches, train_reference
+from support.waiting import until
 
 import coordinator.local.broker as broker_mod
 from coordinator.access.accounts import BrokerAccounts
@@ -245,6 +247,45 @@ def test_the_embedded_broker_is_secure(owned: OwnedBroker) -> None:
             if client is not None:
                 client.close()
         spy.transport.close()
+
+
+def test_each_message_reaches_every_subscriber_while_others_subscribe(owned: OwnedBroker) -> None:
+    """amqtt 0.12.1 walked its live subscription table across the ACL plugin's awaits: a
+    subscription made meanwhile raised in its broadcast, and the message was lost for
+    every subscriber after that point (:meth:`EmbeddedBroker._run_broadcast`). Two
+    filters match each message; a third client subscribes to fresh filters throughout."""
+    n, topic = 200, f"{TOPIC_ROOT}/fanout"
+    got: dict[str, list[bytes]] = {"first": [], "second": []}
+    clients = [MqttTransport(owned.settings()) for _ in range(4)]
+    first, second, sender, churner = clients
+    stop = threading.Event()
+
+    def churn() -> None:
+        for i in range(20 * n):  # bounded; ends with the sends
+            if stop.is_set():
+                return
+            churner.subscribe(f"{TOPIC_ROOT}/fresh/{i}", lambda _t, _p: None)
+
+    thread = threading.Thread(target=churn, name="churn")
+    try:
+        for c in clients:
+            c.connect(timeout=10)
+        first.subscribe(f"{topic}/#", lambda _t, p: got["first"].append(p))
+        second.subscribe(f"{topic}/+", lambda _t, p: got["second"].append(p))
+        thread.start()
+        for i in range(n):
+            sender.publish(f"{topic}/{i}", b"%d" % i, 1)
+            time.sleep(0.002)  # below the sender's queue limit, interleaved with the churn
+        assert thread.is_alive(), "the churn ended before the sends: nothing overlapped"
+        until(lambda: len(got["first"]) + len(got["second"]) == 2 * n, timeout=20)
+    finally:
+        stop.set()
+        if thread.ident is not None:
+            thread.join(timeout=30)
+        for c in clients:
+            c.close()
+    assert {k: len(v) for k, v in got.items()} == {"first": n, "second": n}
+    assert sorted(got["second"]) == sorted(b"%d" % i for i in range(n))
 
 
 def test_without_mosquitto_the_owned_broker_is_amqtt_and_secure(
