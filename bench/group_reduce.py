@@ -80,9 +80,9 @@ def measure(
     """Median seconds per sum (slowest member) and bytes each member sent per step."""
     settings = MqttSettings(url=url, link_mbps=mbps, link_latency_ms=latency_ms)
     transports = [MqttTransport(settings) for _ in range(g)]
-    for t in transports:
-        t.connect(timeout=15)
     try:
+        for t in transports:
+            t.connect(timeout=15)
         members = []
         for m, t in enumerate(transports):
             a = _assignment(g, m)

@@ -8,7 +8,10 @@ handler :func:`exit_on_sigterm` installs raises ``SystemExit(143)`` in the main
 thread instead: the blocks that started the broker and the agents stop them as
 they unwind, and the process ends with 143, the status a shell gives a process
 ended by SIGTERM. Further SIGTERMs are ignored while that cleanup runs (a
-second one would cut it short); SIGKILL still ends it at once.
+second one would cut it short); SIGKILL still ends it at once. A cleanup still
+running :data:`STACKS_AFTER_S` seconds after the signal writes every thread's stack to
+standard error (:func:`faulthandler.dump_traceback_later`, which runs even while
+the main thread is stuck), so a supervisor's log says where it hangs.
 
 A command that serves until stopped installs its own handler over this one
 (``edgetrain agent`` stops its daemon; uvicorn, under ``edgetrain coordinator``,
@@ -19,6 +22,7 @@ Tested in tests/e2e/test_sigterm.py and tests/integration/test_event_stream_shut
 
 from __future__ import annotations
 
+import faulthandler
 import signal
 from types import FrameType
 
@@ -27,6 +31,9 @@ __all__ = ["TERMINATED", "exit_on_sigterm"]
 TERMINATED = 128 + signal.SIGTERM
 """The exit status of a command ended by SIGTERM (143)."""
 
+STACKS_AFTER_S = 30.0
+"""Seconds of cleanup after SIGTERM before every thread's stack is written to stderr."""
+
 
 def _cleaning_up(_signum: int, _frame: FrameType | None) -> None:
     """Further SIGTERMs while the first one's cleanup runs: ignored."""
@@ -34,6 +41,7 @@ def _cleaning_up(_signum: int, _frame: FrameType | None) -> None:
 
 def _terminate(_signum: int, _frame: FrameType | None) -> None:
     signal.signal(signal.SIGTERM, _cleaning_up)
+    faulthandler.dump_traceback_later(STACKS_AFTER_S, exit=False)
     raise SystemExit(TERMINATED)
 
 

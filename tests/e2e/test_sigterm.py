@@ -43,8 +43,8 @@ class Command:
     stderr: Path
     children: list[psutil.Process] = field(default_factory=list)
 
-    def tail(self) -> str:
-        return self.stderr.read_text(errors="replace")[-3000:]
+    def tail(self, chars: int = 3000) -> str:
+        return self.stderr.read_text(errors="replace")[-chars:]
 
 
 @contextlib.contextmanager
@@ -107,7 +107,10 @@ def _stepped(agent: psutil.Process) -> bool:
 def _terminate(cmd: Command) -> None:
     """SIGTERM the command: none of its children is left running, and it exits 143."""
     cmd.proc.send_signal(signal.SIGTERM)
-    status = cmd.proc.wait(90)
+    try:
+        status = cmd.proc.wait(90)
+    except subprocess.TimeoutExpired:  # its threads' stacks are on stderr by now (signals.py)
+        pytest.fail(f"no exit within 90 s of SIGTERM:\n{cmd.tail(30_000)}")
     _gone, alive = psutil.wait_procs(cmd.children, timeout=15)
     assert alive == [], [(p.pid, _kind(p)) for p in alive]
     assert status == TERMINATED, cmd.tail()
