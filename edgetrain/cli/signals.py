@@ -17,7 +17,8 @@ A command that serves until stopped installs its own handler over this one
 (``edgetrain agent`` stops its daemon; uvicorn, under ``edgetrain coordinator``,
 shuts its server down, then restores this handler and raises the signal again).
 
-Tested in tests/e2e/test_sigterm.py and tests/integration/test_event_stream_shutdown.py.
+Tested in tests/e2e/test_sigterm.py, tests/integration/test_sigterm_cleanup.py and
+tests/integration/test_event_stream_shutdown.py.
 """
 
 from __future__ import annotations
