@@ -885,6 +885,14 @@ MUTANTS = [
         tests=("tests/unit/edge/transport/test_inbox.py",),
     ),
     Mutant(
+        name="fused-attention-not-causal",
+        what="gpt-mini's fused attention lets each token attend to the tokens after it",
+        path="edge/models/units.py",
+        old="F.scaled_dot_product_attention(q, k, v, is_causal=True)",
+        new="F.scaled_dot_product_attention(q, k, v, is_causal=False)",
+        tests=("tests/unit/edge/models/test_attention.py",),
+    ),
+    Mutant(
         name="diloco-priced-as-exact",
         what="a DiLoCo job's groups are priced as summing every step",
         path="coordinator/planner/predict.py",

@@ -4,7 +4,8 @@ For every unit this measures, on a real batch pushed through the real units:
 
 - forward and backward FLOPs, counted by ``torch.utils.flop_counter`` (matmuls
   and convolutions; element-wise work is not counted, as in every FLOP model the
-  planning literature uses);
+  planning literature uses), a fused attention kernel as the matmuls it replaces
+  (:data:`ATTENTION_FLOPS`);
 - parameter bytes;
 - output bytes (what crosses a cut after the unit);
 - activation bytes kept for backward, measured with
@@ -91,8 +92,47 @@ class ModelProfile:
         }
 
 
+def _attention_forward(q: Any, k: Any, v: Any, *_args: Any, **_kwargs: Any) -> int:
+    """Q K^T and the scores times V, as the explicit attention's two matmuls count."""
+    b, h, t, d = q
+    s, dv = k[2], v[3]
+    return 2 * b * h * t * s * d + 2 * b * h * t * s * dv
+
+
+def _attention_backward(_grad: Any, q: Any, k: Any, v: Any, *_args: Any, **_kwargs: Any) -> int:
+    """Twice the forward: each of the explicit attention's matmuls has two in backward."""
+    return 2 * _attention_forward(q, k, v)
+
+
+_aten = torch.ops.aten
+ATTENTION_FLOPS: dict[Any, Any] = {
+    **dict.fromkeys(
+        (
+            _aten._scaled_dot_product_flash_attention_for_cpu,
+            _aten._scaled_dot_product_flash_attention,
+            _aten._scaled_dot_product_efficient_attention,
+            _aten._scaled_dot_product_cudnn_attention,
+        ),
+        _attention_forward,
+    ),
+    **dict.fromkeys(
+        (
+            _aten._scaled_dot_product_flash_attention_for_cpu_backward,
+            _aten._scaled_dot_product_flash_attention_backward,
+            _aten._scaled_dot_product_efficient_attention_backward,
+            _aten._scaled_dot_product_cudnn_attention_backward,
+        ),
+        _attention_backward,
+    ),
+}
+"""FLOPs of torch's fused attention kernels, counted as the explicit matmuls count
+([Note: fused attention] in :mod:`edge.models.units`): torch counts none for the CPU
+kernel and recomputes the scores in its count of the GPU kernels' backward. The
+shapes are ``(batch, heads, tokens, head dim)``; the full T x T is counted, causal or not."""
+
+
 def _count_flops(fn: Any) -> tuple[Any, int]:
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS) as counter:
         result = fn()
     return result, int(counter.get_total_flops())
 

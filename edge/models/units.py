@@ -14,8 +14,9 @@ statistics), which makes pipelined training equal single-device training; pass
 only with one microbatch.
 
 Tested in tests/unit/edge/models/test_zoo.py (every cut of every model equals the whole;
-the norm variants) and tests/unit/edge/models/test_unit_costs.py (a transformer block's
-FLOPs).
+the norm variants), tests/unit/edge/models/test_unit_costs.py (a transformer block's
+FLOPs) and tests/unit/edge/models/test_attention.py (the fused attention against the
+explicit one).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "ATTENTIONS",
     "BasicBlock",
     "CausalSelfAttention",
     "ConvNormAct",
@@ -129,23 +131,45 @@ class TokenEmbedding(nn.Module):
         return self.tokens(idx) + self.positions(pos)
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention written with explicit matmuls.
+ATTENTIONS = ("auto", "fused", "explicit")
+"""How :class:`CausalSelfAttention` computes; see [Note: fused attention]."""
 
-    Explicit matmuls rather than ``scaled_dot_product_attention``: torch's FLOP
-    counter does not count the fused CPU kernel, and the unit-cost profile must.
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention, fused or with explicit matmuls.
+
+    [Note: fused attention]
+    ``fused`` computes with ``torch.nn.functional.scaled_dot_product_attention(...,
+    is_causal=True)``: flash attention on a GPU, which never holds the T x T scores,
+    so it saves memory and time there. ``explicit`` computes the scores with matmuls,
+    masks them and takes the softmax in the input's precision. ``auto``, the default,
+    is fused on a CUDA GPU and explicit elsewhere: on the CPU torch's fused kernel was the
+    slower one for the zoo's sizes (gpt-mini's defaults, one thread, forward and
+    backward: 0.65x at 4 samples, 0.71x at 16, 0.95x at 64), and on the ``meta``
+    device, where the zoo bounds a model's largest tensor, the explicit scores are the
+    worst case ([Note: bounded zoo options] in :mod:`edge.models.zoo`). The two give the same
+    result to float rounding (tests/unit/edge/models/test_attention.py), and the
+    unit-cost profile counts the same FLOPs for both: the explicit matmuls, which it
+    counts for the fused kernels too (:data:`edge.models.unit_costs.ATTENTION_FLOPS`).
     """
 
-    def __init__(self, d_model: int, n_head: int, block_size: int) -> None:
+    def __init__(self, d_model: int, n_head: int, block_size: int, attention: str = "auto") -> None:
         super().__init__()
         if d_model % n_head:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_head ({n_head})")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention {attention!r} is not one of {', '.join(ATTENTIONS)}")
         self.n_head = n_head
+        self.attention = attention
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.mask: torch.Tensor
         mask = torch.tril(torch.ones(block_size, block_size, dtype=torch.bool))
         self.register_buffer("mask", mask, persistent=False)
+
+    def fused_on(self, device: torch.device) -> bool:
+        """Whether this module computes with the fused kernel on ``device``."""
+        return self.attention == "fused" or (self.attention == "auto" and device.type == "cuda")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -154,19 +178,22 @@ class CausalSelfAttention(nn.Module):
         q = q.view(b, t, h, d // h).transpose(1, 2)
         k = k.view(b, t, h, d // h).transpose(1, 2)
         v = v.view(b, t, h, d // h).transpose(1, 2)
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // h))
-        scores = scores.masked_fill(~self.mask[:t, :t], float("-inf"))
-        out = scores.softmax(dim=-1) @ v
+        if self.fused_on(x.device):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d // h))
+            scores = scores.masked_fill(~self.mask[:t, :t], float("-inf"))
+            out = scores.softmax(dim=-1) @ v
         return self.proj(out.transpose(1, 2).reshape(b, t, d))
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm decoder block: attention and a 4x MLP, each with a residual."""
 
-    def __init__(self, d_model: int, n_head: int, block_size: int) -> None:
+    def __init__(self, d_model: int, n_head: int, block_size: int, attention: str = "auto") -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_head, block_size)
+        self.attn = CausalSelfAttention(d_model, n_head, block_size, attention)
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(
             nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)

@@ -17,7 +17,9 @@ generous for real use), and a model built with options must stay within
 :data:`MAX_MODEL_ELEMENTS` parameters and buffers (2^31, about 8.6 GB in fp32;
 the GPU tier's 1.4 B-parameter gpt-mini fits) and within
 :data:`MAX_SAMPLE_ELEMENTS` elements in any one tensor its forward pass makes
-for one sample (2^28, 1 GiB in fp32). Both are counted on the ``meta`` device,
+for one sample (2^28, 1 GiB in fp32; gpt-mini's T x T attention scores, which
+its explicit attention makes, count even where a fused kernel would not). Both are
+counted on the ``meta`` device,
 where modules have shapes but no storage, so checking a model allocates and
 computes nothing. A refused option is a one-line :class:`UserError` naming it
 and its bound; nothing loops or allocates first.
@@ -40,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 from edge.errors import UserError
 from edge.models.options import MODEL_RESERVED, check_options, check_reserved
 from edge.models.units import (
+    ATTENTIONS,
     BasicBlock,
     ConvNormAct,
     InvertedResidual,
@@ -310,10 +313,12 @@ def _gpt_mini(
     d_model: int = 128,
     n_head: int = 4,
     n_layer: int = 4,
+    attention: str = "auto",
 ) -> ModelSpec:
     units = [UnitDef("embed", lambda: TokenEmbedding(vocab_size, block_size, d_model))]
+    block = partial(TransformerBlock, d_model, n_head, block_size, attention)
     for i in range(n_layer):
-        units.append(UnitDef(f"block{i}", lambda: TransformerBlock(d_model, n_head, block_size)))
+        units.append(UnitDef(f"block{i}", block))
     units.append(UnitDef("head", lambda: LMHead(d_model, vocab_size)))
     return ModelSpec(
         name="gpt-mini",
@@ -356,7 +361,8 @@ OPTION_BOUNDS: dict[str, dict[str, tuple[int, int]]] = {
     },
 }
 """Per zoo model, the inclusive range of each integer option (``num_classes`` of every
-classifier: 1 to 2^20); ``norm`` is one of :data:`NORMS`. See [Note: bounded zoo options]."""
+classifier: 1 to 2^20); ``norm`` is one of :data:`NORMS`, gpt-mini's ``attention`` one
+of :data:`~edge.models.units.ATTENTIONS`. See [Note: bounded zoo options]."""
 for _name, _bounds in OPTION_BOUNDS.items():
     if _name != "gpt-mini":
         _bounds["num_classes"] = _CLASSES
@@ -426,6 +432,11 @@ def check_model_options(name: str, options: Mapping[str, Any]) -> None:
     check_options(f"model {name}", "model_options", MODELS[name], options, MODEL_RESERVED)
     if options.get("norm", "group") not in NORMS:
         raise UserError(f"model {name}: norm: {options['norm']!r} is not one of {', '.join(NORMS)}")
+    if options.get("attention", "auto") not in ATTENTIONS:
+        raise UserError(
+            f"model {name}: attention: {options['attention']!r} is not one of "
+            f"{', '.join(ATTENTIONS)}"
+        )
     _check_bounds(name, options)
 
 

@@ -14,10 +14,12 @@ from pydantic import ValidationError
 
 from edge.config import TrainConfig
 from edge.errors import UserError
+from edge.models.units import ATTENTIONS
 from edge.models.zoo import (
     MAX_MODEL_ELEMENTS,
     MAX_SAMPLE_ELEMENTS,
     MODELS,
+    NORMS,
     OPTION_BOUNDS,
     UnitDef,
     get_model,
@@ -156,11 +158,15 @@ def test_batchnorm_variant_exists_and_defaults_are_groupnorm() -> None:
 
 
 def test_every_option_of_every_zoo_model_is_bounded_and_the_defaults_fit() -> None:
-    """See [Note: bounded zoo options]: ``norm`` is one of NORMS, every other option has
-    a range, the defaults lie in it, and the default models are within both size bounds."""
+    """See [Note: bounded zoo options]: ``norm`` is one of NORMS, ``attention`` one of
+    ATTENTIONS, every other option has a range, the defaults lie in it, and the default
+    models are within both size bounds."""
+    choices = {"norm": NORMS, "attention": ATTENTIONS}
     for name, builder in MODELS.items():
         params = inspect.signature(builder).parameters
-        options = {p: params[p].default for p in params if p not in ("seed", "norm")}
+        for option, allowed in choices.items():
+            assert option not in params or params[option].default in allowed, (name, option)
+        options = {p: params[p].default for p in params if p not in ("seed", *choices)}
         assert set(options) == set(OPTION_BOUNDS[name]), name
         for option, default in options.items():
             low, high = OPTION_BOUNDS[name][option]
