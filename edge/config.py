@@ -159,6 +159,11 @@ class DiLoCo(BaseModel):
     """The outer step's Nesterov momentum."""
 
 
+COMPILE_SPLIT = "compile cannot be combined with schedule zb-h1: a compiled backward is one graph"
+"""Why ``compile`` runs no zero-bubble schedule ([Note: compiled stages] in
+:mod:`edge.runtime.compiling`)."""
+
+
 class TrainConfigBase(BaseModel):
     """Every setting of :class:`TrainConfig` but the codec, which a stage has per link."""
 
@@ -185,6 +190,10 @@ class TrainConfigBase(BaseModel):
     optimizer: OptimizerSpec = OptimizerSpec()
     precision: Precision = "fp32"
     """``bf16``: stages compute under bf16 autocast (weights and optimizer stay fp32)."""
+    compile: bool = False
+    """Each stage runs its units under ``torch.compile`` ([Note: compiled stages] in
+    :mod:`edge.runtime.compiling`): its first step compiles first, and the seconds that
+    took are reported apart from the step's compute."""
     seed: Seed = 0
     """Seed of the weights and the data order."""
     diloco: DiLoCo | None = None
@@ -199,6 +208,8 @@ class TrainConfigBase(BaseModel):
         # A job's "auto" (coordinator.engine.spec.JobBase) is checked once its plan chose.
         if isinstance(self.microbatches, int):
             check_batch_split(self.batch_size, self.microbatches, getattr(self, "replicas", None))
+        if self.compile and self.schedule == "zb-h1":  # [Note: compiled stages]
+            raise ValueError(COMPILE_SPLIT)
         return self
 
     @field_validator("model_options")

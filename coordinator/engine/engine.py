@@ -32,8 +32,9 @@ is fitted to the plan (:func:`_with_schedule`). Another schedule keeps more micr
 in flight on the later stages (GPipe ``M``, ZB-H1 ``min(S, M)``), so a named one the
 plan's devices cannot hold is refused, naming the stage. ``auto`` simulates the plan's
 step under every schedule they hold (:func:`~coordinator.planner.simulator.simulate`,
-on the spec's times) and takes the fastest, 1F1B on a tie. The internal model's
-prediction is then moved to that schedule
+on the spec's times) and takes the fastest, 1F1B on a tie; a job with ``compile`` runs
+none that splits a backward ([Note: compiled stages] in :mod:`edge.runtime.compiling`).
+The internal model's prediction is then moved to that schedule
 (:func:`~coordinator.planner.predict.under_schedule`). The plan is not cut again for
 it: a cut for ZB-H1's step might differ.
 
@@ -363,7 +364,7 @@ def _with_schedule(spec: JobSpec, planned: PlannedJob) -> PlannedJob:
     problem = for_plan(planned.problem, plan)
     if spec.schedule == "auto":
         every = spec.diloco.every if spec.diloco is not None else 1
-        schedule, steps = fastest_schedule(problem, plan, sum_every=every)
+        schedule, steps = fastest_schedule(problem, plan, sum_every=every, split=not spec.compile)
         how = f"{schedule} of {', '.join(f'{n} {t * 1e3:.1f} ms' for n, t in steps.items())}"
     else:
         schedule, how = spec.schedule, ""

@@ -58,8 +58,18 @@ class JobResult:
     def samples_per_s(self) -> float:
         return self.spec.steps * self.spec.batch_size / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def compile_s(self) -> float:
+        """Seconds the slowest stage member spent compiling (``compile: true``): the stages
+        compile at once, in their first step, so the job's wall time holds about this."""
+        spent: dict[tuple[int, int], float] = {}
+        for r in self.reports:
+            spent[r.stage, r.member] = spent.get((r.stage, r.member), 0.0) + r.compile_s
+        return max(spent.values(), default=0.0)
+
     def stage_summary(self) -> list[dict[str, float]]:
-        """Per stage, totals over the job: compute, waiting, sending, bytes."""
+        """Per stage, totals over the job: compute, compiling (``compile: true``), waiting,
+        sending, bytes."""
         out = []
         for s in range(len(self.plan.stages)):
             rs = [r for r in self.reports if r.stage == s]
@@ -67,6 +77,7 @@ class JobResult:
                 {
                     "stage": s,
                     "compute_s": sum(r.compute_s for r in rs),
+                    "compile_s": sum(r.compile_s for r in rs),
                     "wait_s": sum(r.wait_s for r in rs),
                     "send_s": sum(r.send_s for r in rs),
                     "bytes_sent": sum(r.bytes_sent for r in rs),

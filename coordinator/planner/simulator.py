@@ -118,7 +118,14 @@ from coordinator.planner.terms import need_bytes, ordered_sum
 from edge.config import Schedule as ScheduleName
 from edge.files import write_atomic
 from edge.problem import PlanningProblem
-from edge.runtime.schedules import Action, Schedule, is_split, make_schedule, validate_schedule
+from edge.runtime.schedules import (
+    Action,
+    Schedule,
+    is_split,
+    make_schedule,
+    splits_backward,
+    validate_schedule,
+)
 
 __all__ = [
     "DeadlockError",
@@ -304,13 +311,20 @@ def _split(actions: Schedule, fwd_s: list[float], bwd_s: list[float]) -> list[tu
 
 
 def fastest_schedule(
-    problem: PlanningProblem, plan: Plan, *, sum_every: int = 1
+    problem: PlanningProblem,
+    plan: Plan,
+    *,
+    sum_every: int = 1,
+    split: bool = True,
 ) -> tuple[ScheduleName, dict[str, float]]:
     """The schedule whose simulated step of ``plan`` is shortest among those its devices
     hold (:func:`memory_error`), 1F1B on a tie, and each of those schedules' step
-    (``sum_every``: as :func:`simulate`'s). 1F1B fits whatever the planner found; should it
-    not (shares the score does not know), it is what the job would have run anyway."""
-    names: tuple[ScheduleName, ...] = get_args(ScheduleName)
+    (``sum_every``: as :func:`simulate`'s; ``split=False``: none that splits a backward,
+    for a job whose stages cannot). 1F1B fits whatever the planner found; should it not
+    (shares the score does not know), it is what the job would have run anyway."""
+    names: tuple[ScheduleName, ...] = tuple(
+        n for n in get_args(ScheduleName) if split or not splits_backward(n)
+    )
     sims = {name: simulate(problem, plan, name, sum_every=sum_every) for name in names}
     fits = [n for n in names if memory_error(problem, plan, n, sims[n]) is None]
     steps: dict[str, float] = {n: sims[n].step_time_s for n in fits}

@@ -55,6 +55,7 @@ __all__ = [
     "make_schedule",
     "one_f_one_b",
     "parse_schedule",
+    "splits_backward",
     "validate_schedule",
     "zb_h1",
 ]
@@ -148,6 +149,12 @@ SCHEDULES: dict[str, Callable[[int, int], Schedule]] = {
     "zb-h1": zb_h1,
 }
 """Schedules by the name a job file uses."""
+
+
+def splits_backward(name: str) -> bool:
+    """Whether schedule ``name`` splits backwards into ``B`` and ``W`` (on two stages,
+    two microbatches: where any of the schedules here that splits, does)."""
+    return any(is_split(row) for row in make_schedule(name, 2, 2))
 
 
 def make_schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:

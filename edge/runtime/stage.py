@@ -113,6 +113,7 @@ from edge.models.datasets import build_dataset
 from edge.models.user_code import ANY_CODE, CodeAllowance
 from edge.models.zoo import get_model
 from edge.runtime.checkpoint import load_state, read_state, select, stage_state
+from edge.runtime.compiling import CompileWatch, compiled
 from edge.runtime.data import EpochSampler, check_data_fits, load_batch, open_local
 from edge.runtime.group_sum import GroupSum
 from edge.runtime.links import block, expected_frames
@@ -259,6 +260,9 @@ class StageRuntime:
         self._own_s = 0.0
         """The step's compute seconds on the device itself ([Note: a device's own compute
         seconds]), summed by :meth:`_throttle`."""
+        self._compiles0 = 0
+        self._compile_s = 0.0
+        """The step's seconds compiling ([Note: compiled stages]), out of its compute."""
         self.a = assignment
         self.transport = transport
         self.device = on.device_id
@@ -307,6 +311,9 @@ class StageRuntime:
             check_data_fits(self.dataset, a.dataset, usable_memory_bytes())
             self.sampler = EpochSampler(len(self.dataset), a.batch_size, a.seed)  # type: ignore[arg-type]
         self.segment = spec.build_segment(a.start, a.end).train().to(self.torch_device)
+        self.forward: Callable[[torch.Tensor], torch.Tensor] = self.segment
+        """The segment's forward: compiled where the job says ([Note: compiled stages])."""
+        self._compiling: CompileWatch | None = None
         self.rows = block(a)
         """The rows ``[lo, hi)`` of every microbatch this member computes."""
         norm = batchnorm_in(self.segment) if a.group_size > 1 else None
@@ -316,6 +323,8 @@ class StageRuntime:
         self.actions = make_schedule(a.schedule, a.num_stages, a.microbatches)[a.stage]
         self.split = is_split(self.actions)
         """Whether a backward runs in two actions, ``B`` then ``W``."""
+        if a.compile:
+            self.forward, self._compiling = compiled(self.segment)
         self.codec_out = Codec.parse(a.codec_out)
         self.codec_in = Codec.parse(a.codec_in)
         self.expected = expected_frames(a, spec, self.dataset if self.reads else None)
@@ -381,6 +390,8 @@ class StageRuntime:
     def _start(self) -> float:
         """Start timing a compute block: its wall-clock start (and CPU start, kept here)."""
         self._cpu0 = time.thread_time()
+        if self._compiling is not None:
+            self._compiles0 = self._compiling.compiles
         return time.perf_counter()
 
     def _throttle(self, t0: float) -> float:
@@ -396,6 +407,10 @@ class StageRuntime:
         spent = time.perf_counter() - t0
         single = torch.get_num_threads() == 1
         cpu = time.thread_time() - self._cpu0
+        compiling = self._compiling
+        if compiling is not None and compiling.compiles != self._compiles0:
+            self._compile_s += spent  # it compiled: not compute ([Note: compiled stages])
+            return 0.0
         wall = spent
         if self.slowdown > 1:
             time.sleep(max(0.0, (cpu if single else spent) * self.slowdown - spent))
@@ -464,7 +479,7 @@ class StageRuntime:
     def run_step(self, step: int) -> StepReport:
         """Execute this stage's actions for ``step`` and step the optimizer."""
         a = self.a
-        self._own_s = 0.0
+        self._own_s = self._compile_s = 0.0
         st = _Step(step, a.recv_timeout_s, self.inbox.bytes_received)
         lo, hi = self.rows
         if a.group_size > 1:  # its share of each microbatch's loss ([Note: groups on the wire])
@@ -529,7 +544,7 @@ class StageRuntime:
         st.inputs[mb] = inp
         t0 = self._start()
         with self._autocast():
-            out = self.segment(inp)
+            out = self.forward(inp)
         st.compute += self._throttle(t0)
         if a.is_last:
             if self.reads:  # its own labels ([Note: labels stay home])
@@ -640,6 +655,7 @@ class StageRuntime:
             loss=summed.loss,
             compute_s=st.compute,
             own_compute_s=self._own_s,
+            compile_s=self._compile_s,
             wait_s=st.clock.wait_s,
             send_s=st.clock.send_s,
             step_s=st.clock.elapsed(),

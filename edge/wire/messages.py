@@ -339,6 +339,9 @@ class StepReport(_Event):
     """The compute seconds the device itself took (``compute_s`` less the time other
     processes held a CPU, where that can be told apart: [Note: a device's own compute
     seconds] in :mod:`edge.runtime.stage`); ``None`` from an agent that does not say."""
+    compile_s: StepSeconds = 0.0
+    """Seconds ``torch.compile`` took in the step (a job with ``compile: true``: its first
+    step), not in ``compute_s`` ([Note: compiled stages] in :mod:`edge.runtime.compiling`)."""
     wait_s: StepSeconds = 0.0
     send_s: StepSeconds = 0.0
     step_s: StepSeconds = 0.0

@@ -148,6 +148,13 @@ ServersOpt = Annotated[
 PrecisionOpt = Annotated[
     Precision, typer.Option("--precision", help="fp32, or bf16 (autocast; weights stay fp32).")
 ]
+CompileOpt = Annotated[
+    bool,
+    typer.Option(
+        "--compile",
+        help="Run each stage under torch.compile (its first step compiles; reported apart).",
+    ),
+]
 BrokerOpt = Annotated[
     str | None,
     typer.Option("--broker", help="Broker URL; without it one is started (mosquitto, else amqtt)."),
@@ -298,6 +305,7 @@ def train_command(
     device: DeviceOpt = "cpu",
     servers: ServersOpt = 0,
     precision: PrecisionOpt = "fp32",
+    compile_stages: CompileOpt = False,
     broker: BrokerOpt = None,
     partition: PartitionOpt = "plan",
     stages: StagesOpt = None,
@@ -344,6 +352,7 @@ def local_training(flags: Mapping[str, Any]) -> LocalTraining:
     if flags["dataset_option"]:
         job["dataset_options"] = parse_options(flags["dataset_option"])
     job["group_sizes"] = _group_sizes(flags["group_sizes_opt"])
+    job["compile"] = flags["compile_stages"]
     job["optimizer"] = {
         "name": flags["optimizer_name"],
         "lr": flags["lr"],
@@ -388,6 +397,7 @@ def _output(run: LocalRun, transport: str, save_weights: Path | None, json_out: 
         out = {
             "losses": result.losses,
             "samples_per_s": result.samples_per_s,
+            "compile_s": result.compile_s,
             "plan": score.to_json(),
             "predicted": run.prediction.to_json() if run.prediction is not None else None,
             "transport": transport,

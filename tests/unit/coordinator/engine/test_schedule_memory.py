@@ -43,6 +43,18 @@ def _fleet() -> list:  # type: ignore[type-arg]
     return [d.model_copy(update={"id": f"pi-{i}"}) for i, d in enumerate(parse_fleet("rpi4-4gb:3"))]
 
 
+def test_auto_does_not_take_a_split_schedule_for_a_compiled_job() -> None:
+    """Where auto takes ZB-H1 (the test below), a job with ``compile`` gets the fastest
+    of the others ([Note: compiled stages] in :mod:`edge.runtime.compiling`)."""
+    spec = JobSpec(
+        model="cnn-digits", steps=1, batch_size=64, microbatches=4, stages=3, schedule="auto"
+    )
+    assert plan_over(spec, _fleet()).schedule == "zb-h1"
+    compiled = plan_over(spec.model_copy(update={"compile": True}), _fleet())
+    assert compiled.schedule in ("1f1b", "gpipe")
+    assert "zb-h1" not in compiled.found.method
+
+
 def test_auto_takes_the_fastest_schedule_the_devices_hold_and_the_job_runs_it() -> None:
     spec = JobSpec(
         model="cnn-digits", steps=1, batch_size=64, microbatches=4, stages=3, schedule="auto"

@@ -53,6 +53,7 @@ VALUES: dict[str, Any] = {
     "schedule": "gpipe",
     "optimizer": {"name": "adamw", "lr": 0.01, "momentum": 0.5, "weight_decay": 0.1},
     "precision": "bf16",
+    "compile": True,
     "seed": 7,
     "codec": "fp16",
     "recv_timeout_s": 30.0,
@@ -142,6 +143,7 @@ TRAIN_FLAGS: dict[str, Callable[[Any], list[str]]] = {
     # The data stays on the first K agents (K holders of its shards): its name is the
     # job's dataset's (here the model's own, digits), min_local_units the default.
     "data": lambda value: ["--holders", "1", "--labels", value["labels"]],
+    "compile": lambda value: ["--compile"] if value else [],
     "diloco": lambda value: [
         *("--diloco", str(value["every"]), "--outer-lr", str(value["outer_lr"])),
         *("--outer-momentum", str(value["outer_momentum"])),
