@@ -912,7 +912,10 @@ MUTANTS = [
         name="stage-never-arms-its-sum",
         what="a group's stage starts its sum only after its last backward",
         path="edge/runtime/stage.py",
-        old="            self.group_sum.arm(st.step, mine)\n",
+        old=(
+            "            self.group_sum.arm(st.step, float(sum(v.item() for v in losses))"
+            " if losses else None)\n"
+        ),
         new="            pass\n",
         tests=("tests/e2e/test_group_parity.py",),
     ),

@@ -173,8 +173,15 @@ def build_optimizer(
         return torch.optim.SGD(
             params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay
         )
+    # On a GPU the fused kernel: one launch for every parameter's update, not a few each.
+    fused = True if all(p.is_cuda for p in params) else None
     return torch.optim.AdamW(
-        params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay
+        params,
+        lr=spec.lr,
+        betas=spec.betas,
+        eps=spec.eps,
+        weight_decay=spec.weight_decay,
+        fused=fused,
     )
 
 
@@ -606,10 +613,11 @@ class StageRuntime:
     def _arm_sum(self, st: _Step) -> None:
         """Before the step's last backward: a group's sum sends each piece as soon as its
         gradients are final ([Note: the sum overlapped with the backward])."""
-        mine = float(sum(v.item() for v in st.losses.values())) if self.a.is_last else None
-        if self.group_sum is not None:
-            self.group_sum.arm(st.step, mine)
-        elif self.data_parallel is not None:
+        losses = list(st.losses.values()) if self.a.is_last else []
+        if self.group_sum is not None:  # the loss goes out in a frame: read it now
+            self.group_sum.arm(st.step, float(sum(v.item() for v in losses)) if losses else None)
+        elif self.data_parallel is not None:  # it stays on the device: no wait for its work
+            mine = torch.stack([v.detach().double() for v in losses]).sum() if losses else None
             self.data_parallel.arm(self.segment.parameters(), mine)
 
     def _sum(self, st: _Step, loss: float | None) -> _Summed:

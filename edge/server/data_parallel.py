@@ -104,10 +104,11 @@ class DataParallel:
         still ran (see the module docstring)."""
         self._armed: _Armed | None = None
 
-    def arm(self, params: Iterable[torch.nn.Parameter], loss: float | None) -> None:
+    def arm(self, params: Iterable[torch.nn.Parameter], loss: float | torch.Tensor | None) -> None:
         """Before a group's last backward of a step: start each bucket's all-reduce as soon
         as its parameters' gradients are final (``loss``: the member's share of the step's
-        loss on the last stage, else ``None``)."""
+        loss on the last stage, else ``None``; a tensor stays where it is, so the GPU's
+        work is not waited for before the last backward)."""
         self.disarm()
         self.early_bytes = 0
         trainable = [p for p in params if p.requires_grad]
@@ -224,7 +225,10 @@ class _Armed:
     the all-reduces started."""
 
     def __init__(
-        self, params: list[torch.nn.Parameter], loss: float | None, bucket_bytes: int
+        self,
+        params: list[torch.nn.Parameter],
+        loss: float | torch.Tensor | None,
+        bucket_bytes: int,
     ) -> None:
         self.params = params
         self.loss_tensor: torch.Tensor | None = None
@@ -232,7 +236,7 @@ class _Armed:
         shapes = [p.detach() for p in params]
         if loss is not None:
             where = params[-1].device if params else torch.device("cpu")
-            self.loss_tensor = torch.tensor([loss], dtype=torch.float32, device=where)
+            self.loss_tensor = torch.as_tensor(loss, dtype=torch.float32, device=where).reshape(1)
             slots.append("loss")
             shapes.append(self.loss_tensor)
         order = {id(t): i for i, t in enumerate(shapes)}
