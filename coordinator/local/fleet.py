@@ -66,6 +66,9 @@ class AgentRoles:
     match what it measures."""
     servers: int = 0
     """The last this many agents are server tier (``edgetrain agent --server``)."""
+    server_device: str = "cpu"
+    """What the server-tier agents compute on (``edgetrain agent --device``: ``cuda`` puts
+    each on this machine's GPU, all on the first unless ``cuda:N`` says otherwise)."""
     programs: Sequence[Sequence[str]] | None = None
     """The command that runs each one's ``edgetrain`` (another install's, say); this
     interpreter's ``-m edgetrain.cli`` where it is empty or not given."""
@@ -117,6 +120,7 @@ class LocalFleet:
         servers = roles.servers
         self.servers = set(self.ids[n - servers :]) if servers else set()
         """The server-tier agents."""
+        self.server_device = roles.server_device
         self.programs = {
             device: list(program)
             for device, program in zip(self.ids, roles.programs or [[]] * n, strict=True)
@@ -195,7 +199,7 @@ class LocalFleet:
         if profile:
             cmd += ["--emulate" if self.emulate else "--profile", profile]
         if device in self.servers:
-            cmd += ["--server"]
+            cmd += ["--server", "--device", self.server_device]
         log = self.log_path(device).open("wb")
         self.procs[device] = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL

@@ -56,7 +56,7 @@ class LocalTraining(BaseModel):
     replicas: Replicas = 1
     """``dist``: data-parallel copies of the pipeline (they divide ``devices``)."""
     device: TorchDevice = "cpu"
-    """``dist``: what each rank computes on."""
+    """``dist``: what each rank computes on; ``mqtt``: what the server tier's agents do."""
     servers: int = Field(default=0, ge=0)
     """``mqtt``: the last this many agents are a server tier (a hybrid pipeline: frames
     between servers go over torch.distributed)."""
@@ -177,8 +177,10 @@ def _check(run: Mapping[str, Any], job: Any) -> None:
         raise UserError("--labels local needs --holders (data that stays home)")
     if run["labels"] == "local" and (faults or run["replicate_every"]):
         raise UserError("--labels local cannot be combined with --fault or --replicate-every yet")
-    if transport != "dist" and (replicas > 1 or run["device"] != "cpu"):
-        raise UserError("--replicas and --device are for --transport dist")
+    if transport != "dist" and replicas > 1:
+        raise UserError("--replicas is for --transport dist")
+    if transport != "dist" and run["device"] != "cpu" and not servers:
+        raise UserError("--device is for --transport dist, or --servers' agents")
     if servers and (transport != "mqtt" or servers > devices):
         raise UserError("--servers K needs --transport mqtt and K <= --devices")
     if servers and faults:

@@ -254,6 +254,7 @@ def train_on_local_fleet(
             profiles=profiles,
             slowdowns=emulated(profiles)[1] if profiles else None,
             servers=training.servers,
+            server_device=training.device,
             data=data,
         )
         fleet = stack.enter_context(

@@ -141,16 +141,17 @@ class CausalSelfAttention(nn.Module):
     [Note: fused attention]
     ``fused`` computes with ``torch.nn.functional.scaled_dot_product_attention(...,
     is_causal=True)``: flash attention on a GPU, which never holds the T x T scores,
-    so it saves memory and time there. ``explicit`` computes the scores with matmuls,
-    masks them and takes the softmax in the input's precision. ``auto``, the default,
-    is fused on a CUDA GPU and explicit elsewhere: on the CPU torch's fused kernel was the
-    slower one for the zoo's sizes (gpt-mini's defaults, one thread, forward and
-    backward: 0.65x at 4 samples, 0.71x at 16, 0.95x at 64), and on the ``meta``
-    device, where the zoo bounds a model's largest tensor, the explicit scores are the
-    worst case ([Note: bounded zoo options] in :mod:`edge.models.zoo`). The two give the same
-    result to float rounding (tests/unit/edge/models/test_attention.py), and the
-    unit-cost profile counts the same FLOPs for both: the explicit matmuls, which it
-    counts for the fused kernels too (:data:`edge.models.unit_costs.ATTENTION_FLOPS`).
+    so it saves memory and time there; on the CPU torch's fused kernel was a little
+    faster too (gpt-mini's defaults, one thread, forward and backward, an idle host:
+    1.07x at 4 samples, 1.03x at 16, 1.06x at 64). ``explicit`` computes the scores
+    with matmuls, masks them and takes the softmax in the input's precision.
+    ``auto``, the default, is fused on every device but ``meta``, where the zoo bounds
+    a model's largest tensor: there the explicit scores are counted, the most a job
+    that asks for ``explicit`` makes ([Note: bounded zoo options] in
+    :mod:`edge.models.zoo`). The two give the same result to float rounding
+    (tests/unit/edge/models/test_attention.py), and the unit-cost profile counts the
+    same FLOPs for both: the explicit matmuls, which it counts for the fused kernels
+    too (:data:`edge.models.unit_costs.ATTENTION_FLOPS`).
     """
 
     def __init__(self, d_model: int, n_head: int, block_size: int, attention: str = "auto") -> None:
@@ -169,7 +170,7 @@ class CausalSelfAttention(nn.Module):
 
     def fused_on(self, device: torch.device) -> bool:
         """Whether this module computes with the fused kernel on ``device``."""
-        return self.attention == "fused" or (self.attention == "auto" and device.type == "cuda")
+        return self.attention == "fused" or (self.attention == "auto" and device.type != "meta")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape

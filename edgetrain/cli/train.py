@@ -134,7 +134,10 @@ ReplicasOpt = Annotated[
     ),
 ]
 DeviceOpt = Annotated[
-    TorchDevice, typer.Option("--device", help="dist: cpu or cuda (one GPU per process).")
+    TorchDevice,
+    typer.Option(
+        "--device", help="cpu or cuda: dist's ranks (one GPU each), or --servers' agents."
+    ),
 ]
 ServersOpt = Annotated[
     int,

@@ -217,7 +217,11 @@ def test_group_sizes_over_dist_train_like_one_device(
         ),
         (
             ["--transport", "mqtt", "--replicas", "2", "--devices", "2"],
-            "--replicas and --device are for --transport dist",
+            "--replicas is for --transport dist",
+        ),
+        (
+            ["--transport", "mqtt", "--device", "cuda", "--devices", "2"],
+            "--device is for --transport dist, or --servers' agents",
         ),
         (
             ["--transport", "dist", "--devices", "2", "--replicas", "2", "-b", "6"],
