@@ -254,6 +254,19 @@ class Frame:
         return (int(self.kind), self.step, self.microbatch, self.samples[0])
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor on the host, for a frame. From a GPU through pinned memory (torch's
+    caching host allocator keeps the buffers): the copy then runs at the bus's speed,
+    where pageable memory goes through a staging buffer of the driver first; it is
+    waited for here, where the frame leaves the device, and nowhere before."""
+    if t.device.type != "cuda":
+        return t.cpu()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host
+
+
 def encode_frame(
     kind: Kind,
     job: str,
@@ -281,7 +294,7 @@ def encode_frame(
     # Attributes are cheap; each torch call that does work is a dispatch and a GIL release.
     t = tensor.detach() if tensor.requires_grad else tensor
     if not t.is_cpu:
-        t = t.cpu()
+        t = _to_host(t)
     scale = 0.0
     if not t.dtype.is_floating_point:
         codec = Codec.RAW
