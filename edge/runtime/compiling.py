@@ -2,7 +2,7 @@
 
 [Note: compiled stages]
 A job with ``compile: true`` runs every stage's forward through
-``torch.compile(segment)`` (inductor, the default backend), on an agent's CPU and a
+``torch.compile(segment)`` (inductor, torch's default compiler), on an agent's CPU and a
 server's GPU alike; its backward is the compiled graph's, as autograd runs it. The
 segment keeps its parameters, so the optimizer, the weights a stage reports and the
 state it hands over are the same objects as without compiling. Compiling happens
@@ -21,12 +21,12 @@ are the step's ``compile_s`` and not in its compute; a device that emulates a sl
 one (``slowdown``) is not made to wait for them again.
 
 A zero-bubble schedule is refused with ``compile`` (:class:`~edge.config.TrainConfigBase`
-checks it, and ``schedule: auto`` does not choose it): it
-splits each backward in two passes through the autograd graph ([Note: where the graph
-is cut] in :mod:`edge.runtime.split_backward`), and a compiled segment's backward is
-one node, which would run whole in both, and which AOT autograd refuses to run twice
-unless a setting (``donated_buffer``) is off in every thread that compiles or runs
-it: it is a context variable, and autograd runs a GPU's backward on threads of its own.
+checks it, and ``schedule: auto`` does not choose it). It splits each backward in two
+passes through the autograd graph ([Note: where the graph is cut] in
+:mod:`edge.runtime.split_backward`), and a compiled segment's backward is one node,
+which would run whole in both. AOT autograd also refuses to run it twice unless a
+setting (``donated_buffer``) is off in every thread that compiles or runs it; that
+setting is a context variable, and autograd runs a GPU's backward on threads of its own.
 
 Tested in tests/integration/test_compiled_stages.py (a compiled 2-stage pipeline
 equals the eager reference; the compile seconds are reported on the first step and
