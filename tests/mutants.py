@@ -893,6 +893,14 @@ MUTANTS = [
         tests=("tests/unit/edge/models/test_attention.py",),
     ),
     Mutant(
+        name="demo-labels-central",
+        what="the demo's job sends the holders' labels to the helper again",
+        path="coordinator/local/demo.py",
+        old='"data": {"name": "digits", "placement": "local", "labels": "local"},',
+        new='"data": {"name": "digits", "placement": "local"},',
+        tests=("tests/e2e/test_demo_wire.py",),
+    ),
+    Mutant(
         name="diloco-priced-as-exact",
         what="a DiLoCo job's groups are priced as summing every step",
         path="coordinator/planner/predict.py",

@@ -67,6 +67,21 @@ class JobResult:
             spent[r.stage, r.member] = spent.get((r.stage, r.member), 0.0) + r.compile_s
         return max(spent.values(), default=0.0)
 
+    def traffic(self) -> dict[str, float]:
+        """The job's payload on the wire, from every member's step reports: what the devices
+        sent (to the broker, or their peers) and received, and their sum per training sample.
+        Through a broker each byte crosses two links, so both count. Frames' payloads only:
+        not MQTT's headers, TLS, nor the final weights and replicas sent outside the steps."""
+        sent = sum(r.bytes_sent for r in self.reports)
+        received = sum(r.bytes_received for r in self.reports)
+        samples = self.spec.steps * self.spec.batch_size
+        return {
+            "bytes_sent": sent,
+            "bytes_received": received,
+            "samples": samples,
+            "bytes_per_sample": (sent + received) / samples if samples else 0.0,
+        }
+
     def stage_summary(self) -> list[dict[str, float]]:
         """Per stage, totals over the job: compute, compiling (``compile: true``), waiting,
         sending, bytes."""

@@ -8,10 +8,13 @@ through the API, as a user would, each emulating a catalogue device of a
 :class:`DemoFleet` (slowed in software to its speed relative to the fastest,
 announcing the speed it gets): the first :data:`HOLDERS` hold a shard of ``digits``
 each, the rest hold nothing. A :class:`DemoSession` submits and follows jobs through
-the API: the job on that local data ([Note: local data]; ``cnn-digits`` at
-:data:`MODEL_OPTIONS`, :func:`job_body`), its accuracy on held-out digits
-(:func:`held_out_accuracy`), and the same job on the holders alone, for comparison
-(:class:`DemoResult`). What is printed, and how, is the command's
+the API: the job on that local data with its labels local too ([Note: local data];
+``cnn-digits`` at :data:`MODEL_OPTIONS`, :func:`job_body`: a U-shaped plan, the
+holders running the first and the last units and the loss), its accuracy on
+held-out digits (:func:`held_out_accuracy`), the payload it put on the wire (its
+``traffic`` event) beside what federated averaging of the same model would send
+(:func:`fedavg_bytes_per_sample`), and the same job on the holders alone, for
+comparison (:class:`DemoResult`). What is printed, and how, is the command's
 (:mod:`edgetrain.cli.demo`).
 
 The coordinator extras (httpx, FastAPI) are imported here: import this module where a
@@ -32,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from pydantic import SecretStr
 
+from coordinator.access.accounts import BrokerAccounts
 from coordinator.local.broker import free_port
 from coordinator.local.fleet import AgentRoles, LocalFleet
 from coordinator.local.train import emulated
@@ -40,6 +44,7 @@ from coordinator.service.settings import Settings
 from edge.errors import UserError
 from edge.profiling.catalog import resolve
 from edge.transport.credentials import Credentials
+from edge.transport.settings import MqttSettings
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +58,8 @@ __all__ = [
     "DemoResult",
     "DemoSession",
     "demo_session",
+    "fedavg_bytes_per_sample",
+    "fedavg_of_the_demo",
     "held_out",
     "held_out_accuracy",
     "job_body",
@@ -107,7 +114,8 @@ class DemoFleet:
 
 
 def job_body(steps: int, batch_size: int, microbatches: int | str, lr: float) -> dict[str, Any]:
-    """The demo's job, as ``POST /api/v1/jobs`` takes it: on the holders' digits."""
+    """The demo's job, as ``POST /api/v1/jobs`` takes it: on the holders' digits, their
+    labels kept home too."""
     return {
         "model": MODEL,
         "model_options": MODEL_OPTIONS,
@@ -116,7 +124,7 @@ def job_body(steps: int, batch_size: int, microbatches: int | str, lr: float) ->
         "batch_size": batch_size,
         "microbatches": microbatches,
         "optimizer": {"name": "sgd", "lr": lr, "momentum": 0.9},
-        "data": {"name": "digits", "placement": "local"},
+        "data": {"name": "digits", "placement": "local", "labels": "local"},
     }
 
 
@@ -161,6 +169,9 @@ class DemoSession:
     api: httpx.Client
     agents: LocalFleet
     fleet: DemoFleet
+    coordinator_login: MqttSettings
+    """The coordinator's own MQTT login, whose account may read every topic: a look at
+    what crosses the wire (tests/e2e/test_demo_wire.py)."""
 
     def wait_online(self, timeout_s: float = 120.0) -> None:
         """Wait until the coordinator sees every agent online; a :class:`UserError` if
@@ -223,6 +234,14 @@ class DemoSession:
         weights = safetensors.torch.load(self.api.get(f"/api/v1/jobs/{job}/model").content)
         return held_out_accuracy(get_model(MODEL, **MODEL_OPTIONS), weights)
 
+    def traffic(self, job: str) -> dict[str, float]:
+        """What ``job`` put on the wire (its ``traffic`` event, :meth:`JobResult.traffic`)."""
+        events = self.api.get(f"/api/v1/jobs/{job}/events").json()["events"]
+        found = [e["detail"] for e in events if e["kind"] == "traffic"]
+        if not found:
+            raise UserError(f"job {job} recorded no traffic")
+        return dict(found[-1])
+
     def holders_alone(self, body: dict[str, Any]) -> dict[str, Any]:
         """The record of the job ``body`` run on the holders alone (the federated option),
         for at most :data:`ALONE_STEPS` steps."""
@@ -231,16 +250,44 @@ class DemoSession:
         return self.wait_job(alone, label=" (the holders alone)")
 
 
+def fedavg_bytes_per_sample(model_bytes: int, clients: int, samples_per_round: int) -> float:
+    """Federated averaging's payload a training sample, at one local epoch a round: each
+    of ``clients`` downloads the model and uploads its update once a round (``model_bytes``
+    twice), and a round trains on every client's samples once."""
+    return 2 * model_bytes * clients / samples_per_round
+
+
+def fedavg_of_the_demo() -> dict[str, float]:
+    """:func:`fedavg_bytes_per_sample` for the demo's model on its holders' digits."""
+    from edge.models.datasets import build_dataset
+    from edge.models.zoo import get_model
+
+    model = get_model(MODEL, **MODEL_OPTIONS).build()
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    samples = len(build_dataset("digits", "train"))  # type: ignore[arg-type]
+    return {
+        "model_bytes": size,
+        "clients": HOLDERS,
+        "samples_per_round": samples,
+        "bytes_per_sample": fedavg_bytes_per_sample(size, HOLDERS, samples),
+    }
+
+
 @dataclass(frozen=True)
 class DemoResult:
     """What the demo measured: the job's accuracy, its rate on the plan and on the
-    holders alone, and the plan's predicted rate."""
+    holders alone, the plan's predicted rate, and its bytes on the wire beside what
+    federated averaging would send."""
 
     accuracy: float
     record: dict[str, Any]
     """The job's record."""
     alone: dict[str, Any]
     """The holders-alone job's record."""
+    traffic: dict[str, float]
+    """The job's payload on the wire (:meth:`DemoSession.traffic`)."""
+    fedavg: dict[str, float]
+    """Federated averaging of the same model (:func:`fedavg_of_the_demo`)."""
 
     @property
     def measured(self) -> float:
@@ -267,18 +314,29 @@ class DemoResult:
         """Measured over predicted."""
         return self.measured / self.predicted if self.predicted else None
 
+    @property
+    def labels_local(self) -> bool:
+        """Whether the job kept its labels on the holders."""
+        data = self.record["spec"].get("data") or {}
+        return bool(data.get("labels") == "local")
+
     def summary(self) -> dict[str, Any]:
         """What ``--json`` prints."""
         plan = self.record["plan"]
-        keys = ("stages", "egress", "step_time_s", "throughput_sps", "feasible")
+        keys = ("stages", "egress", "step_time_s", "throughput_sps", "feasible", "u_shaped")
         return {
+            "labels_local": self.labels_local,
             "accuracy": self.accuracy,
             "samples_per_s": self.measured,
             "holders_alone_samples_per_s": self.by_holders,
             "speedup_vs_holders_alone": self.speedup,
             "predicted_samples_per_s": self.predicted,
             "measured_over_predicted": self.ratio,
-            "plan": {k: plan[k] for k in keys},
+            "bytes_per_sample": self.traffic["bytes_per_sample"],
+            "bytes_to_finish": self.traffic["bytes_sent"] + self.traffic["bytes_received"],
+            "fedavg_bytes_per_sample": self.fedavg["bytes_per_sample"],
+            "fedavg": self.fedavg,
+            "plan": {k: plan[k] for k in keys if k in plan},
         }
 
 
@@ -296,14 +354,18 @@ def demo_session(fleet: DemoFleet, port: int = 0) -> Iterator[DemoSession]:
             serve_in_thread(settings) as url,
             httpx.Client(base_url=url, timeout=30, headers=auth) as api,
         ):
+            enrolled: list[Credentials] = []
 
             def enroll(device: str) -> Credentials:
                 got = api.post("/api/v1/devices/enroll", json={"device_id": device})
                 got.raise_for_status()
-                return Credentials.model_validate(got.json())
+                enrolled.append(Credentials.model_validate(got.json()))
+                return enrolled[-1]
 
             roles = fleet.roles()
             with LocalFleet(
                 len(fleet.names), None, roles=roles, threads=1, enroll=enroll
             ) as agents:
-                yield DemoSession(url, token, api, agents, fleet)
+                broker, ca = enrolled[0].broker, enrolled[0].ca
+                login = BrokerAccounts(Path(tmp) / "broker", broker, ca).login(broker)
+                yield DemoSession(url, token, api, agents, fleet, login)

@@ -328,6 +328,7 @@ class JobManager:
             return
         if result.rejected:  # messages the sender checks ignored: a device spoke out of turn
             self.store.add_job_event(job, "rejected", dict(result.rejected))
+        self.store.add_job_event(job, "traffic", result.traffic())
         write_atomic(self.store.model_path(job), result.weights_bytes())
         self._finish(
             job, "completed", None, finished=time.time(), samples_per_s=result.samples_per_s

@@ -3,12 +3,15 @@
 It starts the coordinator (REST API and dashboard) with a freshly generated
 API token and its own broker, and enrols agent processes through the API, each
 emulating a catalogue device: three Raspberry Pi 4s that each hold a third of
-``digits``, and a laptop that holds nothing (:mod:`coordinator.local.demo` does
-all of that, and runs the jobs). It submits a job on that local data through the
-REST API ([Note: local data]) and prints, in order: the plan (which units run
-where, and what crosses each link), a progress bar, the test accuracy on held-out
-digits, the samples/s measured for the plan and for the holders alone (the same job
-on them only, run next), the speedup, the prediction's error and the dashboard URL.
+``digits``, images and labels, and a laptop that holds nothing
+(:mod:`coordinator.local.demo` does all of that, and runs the jobs). It submits a
+job on that local data, labels local, through the REST API ([Note: local data])
+and prints, in order: the plan (a U: which units run where, and what crosses each
+link), what never leaves the holders, a progress bar, the test accuracy on
+held-out digits, the samples/s measured for the plan and for the holders alone (the
+same job on them only, run next), the speedup, the prediction's error, the payload
+the job put on the wire beside what federated averaging would send, and the
+dashboard URL.
 It keeps serving until Ctrl-C unless ``--exit`` (or when no one is at a terminal to
 press Ctrl-C, as in CI).
 """
@@ -50,7 +53,13 @@ def demo_command(
     """Broker, coordinator, three data holders and a helper; train on data that stays home."""
     with needs_coordinator_extras("edgetrain demo"):
         # [Note: commands without torch]: the demo's library imports it.
-        from coordinator.local.demo import DemoFleet, DemoResult, demo_session, job_body
+        from coordinator.local.demo import (
+            DemoFleet,
+            DemoResult,
+            demo_session,
+            fedavg_of_the_demo,
+            job_body,
+        )
     from rich.console import Console
 
     console = Console(stderr=json_out, soft_wrap=True)
@@ -61,10 +70,17 @@ def demo_command(
         body = job_body(steps, batch_size, microbatches, lr)
         job = demo.submit(body)
         _print_plan(console, demo.wait_plan(job), demo.agents.ids, list(emulated.names))
+        console.print(
+            "never leaving the holders: the digits' images and their labels (the plan's "
+            "first and last units run there, and the loss)"
+        )
         record = _train(console, demo, job, steps, bar=not json_out)
         accuracy = demo.accuracy(job)
         console.print(f"test accuracy {accuracy:.3f} (held-out digits)")
-        result = DemoResult(accuracy, record, demo.holders_alone(body))
+        traffic = demo.traffic(job)
+        result = DemoResult(
+            accuracy, record, demo.holders_alone(body), traffic, fedavg_of_the_demo()
+        )
         _print_result(console, result)
         console.print(f"dashboard: {demo.url}/#/jobs/{job}")
         if json_out:
@@ -138,6 +154,14 @@ def _print_result(console: Console, result: DemoResult) -> None:
     console.print(f"speedup over the holders alone: {result.speedup or 0:.1f}x")
     console.print(
         f"predicted {result.predicted:.0f} samples/s: measured/predicted {result.ratio or 0:.2f}"
+    )
+    summary, fedavg = result.summary(), result.fedavg
+    console.print(
+        f"on the wire: {summary['bytes_per_sample'] / 1e3:.1f} kB of payload a training "
+        f"sample, {summary['bytes_to_finish'] / 1e6:.0f} MB for the job; federated averaging "
+        f"of the same model, one local epoch a round: {fedavg['bytes_per_sample'] / 1e3:.1f} "
+        f"kB a sample (2 x {fedavg['model_bytes'] / 1e6:.2f} MB x {fedavg['clients']:.0f} "
+        f"holders / {fedavg['samples_per_round']:.0f} samples)"
     )
 
 

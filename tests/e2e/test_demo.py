@@ -1,10 +1,12 @@
 """``edgetrain demo --exit --json``: the whole product on embedded defaults.
 
-Three emulated Pi 4s hold a third of the data each and a laptop helps; the job is
-on that local data, planned by the planner alone. The test asserts the plan's shape
-(the holders are stage 0 and the laptop runs the rest), the accuracy, and that the
-run measured both the plan and the holders alone; the speedup and the prediction's
-error are figures, which ``bench/cost_model.py`` and the README report.
+Three emulated Pi 4s hold a third of the data each, labels too, and a laptop helps;
+the job is on that local data, planned by the planner alone. The test asserts the
+plan's shape (a U: the holders are the first stage and the last, the laptop runs the
+middle), that no labels cross, the accuracy, that the run measured both the plan and
+the holders alone, and the bytes it reports beside federated averaging's formula;
+the speedup and the prediction's error are figures, which ``bench/cost_model.py``
+and the README report. What crosses the wire, frame by frame: test_demo_wire.py.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def test_demo_trains_digits_to_90_percent_through_the_api() -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["labels_local"] is True
     assert out["accuracy"] >= 0.90
     assert out["samples_per_s"] > 0 and out["holders_alone_samples_per_s"] > 0
     assert out["speedup_vs_holders_alone"] == (
@@ -45,13 +48,22 @@ def test_demo_trains_digits_to_90_percent_through_the_api() -> None:
     assert out["plan"]["feasible"] is True
     stages = out["plan"]["stages"]
     holders = stages[0]["devices"]
-    assert len(holders) == 3 and len(stages) >= 2, stages  # the laptop takes work
+    assert len(holders) == 3 and len(stages) >= 3, stages  # the laptop takes work
+    assert out["plan"]["u_shaped"] is True and stages[-1]["devices"] == holders
     assert stages[0]["layers"][0] == 0 and stages[-1]["layers"][1] == 4
     crossing = out["plan"]["egress"][0]
     assert crossing["from"] == holders and crossing["what"].startswith("activations after unit")
+    assert not any(row["what"] == "labels" for row in out["plan"]["egress"])
+    samples = 200 * 48  # the demo's steps and batch
+    assert out["bytes_per_sample"] > 0
+    assert out["bytes_to_finish"] == pytest.approx(out["bytes_per_sample"] * samples, rel=1e-12)
+    fedavg = out["fedavg"]
+    assert (fedavg["clients"], fedavg["samples_per_round"]) == (3, 1437)
+    assert out["fedavg_bytes_per_sample"] == 2 * fedavg["model_bytes"] * 3 / 1437
     # The order the issue asks for: plan, accuracy, both rates, speedup, error, dashboard.
     text = done.stderr
     marks = ["what crosses", "test accuracy", "on the holders", "speedup", "measured/predicted"]
+    marks.append("on the wire:")
     at = [text.index(mark) for mark in marks]
     assert at == sorted(at) and text.index("dashboard: http://") > at[-1]
     assert "coordinator: http://127.0.0.1:" in done.stderr
