@@ -59,8 +59,10 @@ reaches at least 45% of the H200's rated bf16 peak (the goal 55%).
         [--variants explicit,fused,fused-compiled] [--quick] [--optimizer] [--profile]
         [--vs-plain] [--option d_model=1024 ...] [--threads N] [--json] [--out FILE]
 
-Each variant takes about a minute on an H200 (compiling more) and under 30 s on 2
-CPU cores, compiled ones longer.
+On 2 CPU cores the three variants at the CPU size take under a minute
+(``DEVICE=cpu bench/gpu_check.sh``: 52 s with ``--profile`` and ``--vs-plain``); on
+a GPU the variants' time is not measured yet (one variant took about a minute on an
+H200 before they existed).
 """
 
 from __future__ import annotations
@@ -386,6 +388,26 @@ def run_bench(config: BenchConfig) -> dict[str, Any]:
     }
 
 
+def _built_stage(
+    spec: ModelSpec, start: int, end: int, config: BenchConfig, dev: torch.device
+) -> tuple[
+    torch.nn.Module,
+    list[torch.nn.Parameter],
+    torch.optim.Optimizer | None,
+    Callable[[torch.Tensor], torch.Tensor],
+]:
+    """Units ``[start, end)`` built on ``dev``: the segment, its trainable parameters, its
+    AdamW (``--optimizer``; fused on a GPU) and its forward (compiled in a compiled variant)."""
+    with torch.device(dev):  # built in place: no host copy of a 0.4 B-parameter stage
+        seg = spec.build_segment(start, end).train()
+    params = [p for p in seg.parameters() if p.requires_grad]
+    optimizer = None
+    if config.optimizer and params:
+        optimizer = torch.optim.AdamW(params, lr=1e-4, fused=dev.type == "cuda" or None)
+    run: Callable[[torch.Tensor], torch.Tensor] = torch.compile(seg) if config.compile else seg
+    return seg, params, optimizer, run
+
+
 def _bench_stage(
     spec: ModelSpec,
     start: int,
@@ -400,15 +422,7 @@ def _bench_stage(
     seconds per iteration and rates, or an ``error`` (out of memory).
     """
     gpu = dev.type == "cuda"
-    with torch.device(dev):  # built in place: no host copy of a 0.4 B-parameter stage
-        seg = spec.build_segment(start, end).train()
-    params = [p for p in seg.parameters() if p.requires_grad]
-    optimizer = None
-    if config.optimizer and params:
-        optimizer = torch.optim.AdamW(params, lr=1e-4, fused=gpu or None)
-    run: Callable[[torch.Tensor], torch.Tensor] = seg
-    if config.compile:
-        run = torch.compile(seg)
+    seg, params, optimizer, run = _built_stage(spec, start, end, config, dev)
     t = spec.input_shape[0]
     rows: list[dict[str, Any]] = []
     for mb in config.microbatches:
@@ -567,11 +581,7 @@ def profile_stage(config: BenchConfig, microbatch: int, iterations: int = 5) -> 
     flops = unit_train_flops(config.options, dev)
     ranges = stage_ranges(config.options["n_layer"], config.stages)
     start, end = max(ranges, key=lambda r: sum(sum(f) for f in flops[r[0] : r[1]]))
-    with torch.device(dev):
-        seg = spec.build_segment(start, end).train()
-    params = [p for p in seg.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=gpu or None) if config.optimizer else None
-    run: Callable[[torch.Tensor], torch.Tensor] = torch.compile(seg) if config.compile else seg
+    _seg, _params, optimizer, run = _built_stage(spec, start, end, config, dev)
     gen = torch.Generator().manual_seed(config.seed)
     first, last = start == 0, end == spec.num_units
     inp = _inputs(spec, microbatch, dev, first, last, config.options["d_model"], gen)

@@ -3,8 +3,8 @@
 #
 #   bench/gpu_check.sh [OUT.json]        (default: bench/results/gpu-check.json)
 #
-# On one CUDA GPU (an H200: about 8 minutes), each part under its own time limit so a
-# part that hangs leaves the others' figures:
+# On one CUDA GPU (meant to fit 8 minutes on an H200; not yet run on one), each part
+# under its own time limit, so a part that hangs leaves the others' figures:
 #   1. every CUDA test: tests/unit/edge/profiling/test_profiler_gpu.py (the profiler) and
 #      tests/e2e/test_cuda.py (server-tier stages on the GPU, eager and compiled, and a CPU
 #      agent feeding a GPU agent over MQTT, each held to the CPU reference loop);

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import tomli_w
 import torch
 
 from edge.models.datasets import build_dataset
@@ -110,24 +111,14 @@ def _launched(
             "optimizer": {"name": "adamw", "lr": lr},
         }
         path = Path(tmp) / "job.toml"
-        path.write_text(_toml(job))
+        path.write_text(tomli_w.dumps(job))
         cmd = [sys.executable, "-m", "edgetrain.cli", "launch", str(path), "--nproc-per-node", "1"]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
         if done.returncode != 0:
             raise RuntimeError(f"edgetrain launch failed: {done.stderr.strip()[-2000:]}")
         lines = (out / "reports-rank0.jsonl").read_text().splitlines()
-        reports = sorted((StepReport.model_validate_json(x) for x in lines if x), key=_step)
-        return [r.step_s for r in reports if r.step >= warmup]
-
-
-def _step(report: StepReport) -> int:
-    return report.step
-
-
-def _toml(job: dict[str, Any]) -> str:
-    import tomli_w
-
-    return tomli_w.dumps(job)
+        reports = [StepReport.model_validate_json(x) for x in lines if x]
+        return [r.step_s for r in sorted(reports, key=lambda r: r.step) if r.step >= warmup]
 
 
 def vs_plain(

@@ -901,6 +901,28 @@ MUTANTS = [
         tests=("tests/e2e/test_demo_wire.py",),
     ),
     Mutant(
+        name="compile-counted-as-compute",
+        what="a compute block that compiled also counts as the step's compute",
+        path="edge/runtime/stage.py",
+        old=(
+            "            self._compile_s += spent  # it compiled: not compute"
+            " ([Note: compiled stages])\n            return 0.0\n"
+        ),
+        new=(
+            "            self._compile_s += spent  # it compiled: not compute"
+            " ([Note: compiled stages])\n"
+        ),
+        tests=("tests/integration/test_compiled_stages.py",),
+    ),
+    Mutant(
+        name="traffic-counts-one-link",
+        what="a job's bytes a sample count what was sent and not what was received",
+        path="coordinator/engine/monitor.py",
+        old='"bytes_per_sample": (sent + received) / samples if samples else 0.0,',
+        new='"bytes_per_sample": sent / samples if samples else 0.0,',
+        tests=("tests/unit/coordinator/engine/test_job_result.py",),
+    ),
+    Mutant(
         name="diloco-priced-as-exact",
         what="a DiLoCo job's groups are priced as summing every step",
         path="coordinator/planner/predict.py",

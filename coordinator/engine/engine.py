@@ -300,25 +300,16 @@ def plan_over(
     options = PartitionOptions(
         partition=spec.partition, stages=stages, codec=spec.codec, group_sizes=sizes
     )
+    search: dict[str, Any] = {
+        "where": where,
+        "previous": previous if again else None,
+        "limits": limits,
+        "units": units,
+    }
     if choices is None:
-        found = plan_job(
-            problem,
-            options,
-            where=where,
-            previous=previous if again else None,
-            limits=limits,
-            units=units,
-        )
+        found = plan_job(problem, options, **search)
     else:
-        problem, found = plan_job_microbatches(
-            problem,
-            choices,
-            options,
-            where=where,
-            previous=previous if again else None,
-            limits=limits,
-            units=units,
-        )
+        problem, found = plan_job_microbatches(problem, choices, options, **search)
     if spec.diloco is not None and limits is not None:
         rows = problem.batch_size / problem.microbatches
         moved = None if units is None else units.at_rows(rows, timed_rows)
