@@ -124,7 +124,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's p
 from bench.siblings import sibling
 from coordinator.engine.assignments import microbatch_choices_of
 from coordinator.engine.engine import group_limits
-from coordinator.engine.options import RunOptions
+from coordinator.engine.options import JobAccess, RunOptions
 from coordinator.engine.runners import run_on_agents
 from coordinator.engine.spec import JobSpec
 from coordinator.engine.unit_profiles import (
@@ -400,13 +400,15 @@ def measure(
     spec: JobSpec,
     plan: Plan,
     warmup: int,
-    tb: Testbed,
+    access: JobAccess | None,
     shares: list[list[float]] | None,
 ) -> Measured:
-    """Run ``plan`` on the testbed's agents; per stage, the means over its members and the
-    steps after ``warmup`` (a group's members split each microbatch by ``shares``)."""
+    """Run ``plan`` on the agents behind ``control`` (``access``: the broker's accounts,
+    which grant the job its topics; the testbed's, say); per stage, the means over its
+    members and the steps after ``warmup`` (a group's members split each microbatch by
+    ``shares``)."""
     result = run_on_agents(
-        spec, plan, control, shares=shares, options=RunOptions(timeout_s=1800, access=tb.accounts)
+        spec, plan, control, shares=shares, options=RunOptions(timeout_s=1800, access=access)
     )
     steady = [r for r in result.reports if r.step >= warmup]
     meter = AnatomyMeter(sum(len(st.devices) for st in plan.stages), warmup=0)
@@ -670,7 +672,7 @@ def _run_plans(
         started = time.perf_counter()
         shares = planned if plan.grouped else None
         job = at.model_copy(update={"steps": steps, "schedule": schedule})
-        got = measure(control, job, plan, args.warmup, tb, shares)
+        got = measure(control, job, plan, args.warmup, tb.accounts, shares)
         if own and not args.quick:
             units = replace(units, devices=mean_own(units.devices, retime(now, plan, at)))
             priced[strategy] = (now, units)

@@ -299,7 +299,7 @@ def _run(
     started = time.perf_counter()
     job = spec.model_copy(update={"steps": steps})
     shares = candidate.shares if candidate.plan.grouped else None
-    measured = hybrid.measure(control, job, candidate.plan, args.warmup, tb, shares)
+    measured = hybrid.measure(control, job, candidate.plan, args.warmup, tb.accounts, shares)
     row = {
         "model": spec.model,
         "holders": holders,

@@ -749,8 +749,8 @@ MUTANTS = [
         what="a job scores and runs its groups at the spec's shares by GFLOP/s although a "
         "member timed the units itself",
         path="coordinator/planner/partition.py",
-        old="score = score_plan(problem, plan, fixed_shares=shares or None)",
-        new="score = score_plan(problem, plan, fixed_shares=None)",
+        old="score = score_plan(for_plan(problem, plan), plan, fixed_shares=shares or None)",
+        new="score = score_plan(for_plan(problem, plan), plan, fixed_shares=None)",
         tests=(
             "tests/unit/coordinator/planner/test_predict.py::"
             "test_a_jobs_group_runs_at_the_shares_its_members_own_seconds_balance",
@@ -977,6 +977,38 @@ MUTANTS = [
         old="        if report.step < self._first + self.warmup:\n",
         new="        if report.step < self._first:\n",
         tests=("tests/unit/coordinator/planner/test_anatomy.py",),
+    ),
+    Mutant(
+        name="plan-priced-without-its-codecs",
+        what="a plan that carries its links' codecs is scored and predicted as fp32",
+        path="coordinator/planner/score.py",
+        old="    return with_codecs(problem, plan, plan.codecs) if plan.codecs else problem\n",
+        new="    return problem\n",
+        tests=("tests/unit/coordinator/planner/test_codecs.py",),
+    ),
+    Mutant(
+        name="holders-ignore-the-auto-codec",
+        what="a job on local data with codec auto is planned with fp32 links",
+        path="coordinator/engine/engine.py",
+        old="        codec=spec.codec,\n",
+        new='        codec="fp32",\n',
+        tests=("tests/unit/coordinator/engine/test_link_ladder.py",),
+    ),
+    Mutant(
+        name="split-runs-though-it-does-not-pay",
+        what="the holders' split runs where the engine predicts the holders alone faster",
+        path="coordinator/engine/engine.py",
+        old="        if alone_guess.step_time_s < guess.step_time_s:\n",
+        new="        if False:\n",
+        tests=("tests/unit/coordinator/engine/test_link_ladder.py",),
+    ),
+    Mutant(
+        name="links-bisection-reports-the-slow-end",
+        what="the rate where the split stops paying is the bracket's slow end",
+        path="coordinator/engine/links.py",
+        old="            return high\n",
+        new="            return low\n",
+        tests=("tests/unit/coordinator/engine/test_link_ladder.py",),
     ),
 ]
 

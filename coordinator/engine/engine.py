@@ -191,8 +191,10 @@ def plans_groups(spec: JobSpec, *, resilient: bool = False, servers: bool = Fals
     run cannot train groups yet: fault tolerance (``resilient``, or the spec's
     ``replicate_every`` or faults) until :data:`GROUPS_WITH_FAULT_TOLERANCE`, server-tier
     devices in the fleet (``servers``: groups run over MQTT), or ``codec="auto"`` (the
-    codec search plans one-device stages)."""
-    if spec.partition != "plan" or servers or spec.codec.lower() == "auto":
+    codec search plans one-device stages), except on local data, whose holders are a
+    group anyway and whose plans choose their codecs with their groups."""
+    auto = spec.codec.lower() == "auto" and spec.data is None
+    if spec.partition != "plan" or servers or auto:
         return False
     if resilient or spec.replicate_every or spec.faults:
         return GROUPS_WITH_FAULT_TOLERANCE
@@ -408,7 +410,18 @@ def _plan_on_holders(
     holds; the planner places the rest (:func:`~coordinator.planner.partition.plan_holders_job`),
     between two ends on the holders when the labels stay home too. ``choices``: an
     ``auto`` job's numbers of microbatches, the best of which the plan runs with (the
-    holders' alternatives stay priced at the first)."""
+    holders' alternatives stay priced at the first).
+
+    [Note: the split that does not pay]
+    The holders' search chooses its cut by the spec's score, which prices a link's
+    bytes at the link's rate and nothing else. The internal model (:func:`predict`)
+    also sees each frame's fixed cost and the CPU that moves its bytes, which is
+    what binds on slow links: on the demo's fleet with 100 Mbit/s links the score
+    put the split ahead of the holders alone (355 against 312 samples/s) and the
+    model behind (396 against 435). So the search's plan, if it hands units to
+    helpers, runs only where the model predicts it faster than the holders alone,
+    each at its best microbatches; otherwise the holders train alone.
+    :mod:`coordinator.engine.links` shows where that happens for a job."""
     assert spec.data is not None
     name = spec.data.name
     held = {d.id: announced(d.model_dump()).get(name) for d in devices}
@@ -429,24 +442,42 @@ def _plan_on_holders(
         limits=GroupLimits(solo_units=solo, whole_samples=True),
         where=where,
         labels_local=spec.data.labels_local,
+        codec=spec.codec,
     )
     units = _unit_seconds(spec, device_units) if calibrated(problem) else None
-    ends = {0: shares, len(found.plan.stages) - 1: shares} if found.plan.u_shaped else {0: shares}
 
-    def holders_scored(
-        q: PlanningProblem, plan: Plan, moved: UnitSeconds | None
-    ) -> tuple[PlanScore, Prediction]:
-        return score_plan(q, plan, fixed_shares=ends), predict(q, plan, moved, fixed_shares=ends)
+    def at_best(plan: Plan, score: PlanScore) -> tuple[PlanningProblem, PlanScore, Prediction]:
+        """``plan`` predicted, at its best number of microbatches for an ``auto`` job."""
+        ends = {0: shares, len(plan.stages) - 1: shares} if plan.u_shaped else {0: shares}
 
-    score, guess = found.score, predict(problem, found.plan, units, fixed_shares=ends)
-    if choices is not None:  # "auto": the holders' plan at its best number of microbatches
-        chose = best_microbatches(problem, found.plan, units, choices, holders_scored)
-        if chose is not None:
-            problem = problem.model_copy(update={"microbatches": chose.microbatches})
-            score, guess = chose.score, chose.prediction
+        def holders_scored(
+            q: PlanningProblem, p: Plan, moved: UnitSeconds | None
+        ) -> tuple[PlanScore, Prediction]:
+            score = score_plan(for_plan(q, p), p, fixed_shares=ends)
+            return score, predict(q, p, moved, fixed_shares=ends)
+
+        guess = predict(problem, plan, units, fixed_shares=ends)
+        chose = None
+        if choices is not None:  # the holders' alternatives stay priced at the first
+            chose = best_microbatches(problem, plan, units, choices, holders_scored)
+        if chose is None:
+            return problem, score, guess
+        at = problem.model_copy(update={"microbatches": chose.microbatches})
+        return at, chose.score, chose.prediction
+
+    at, score, guess = at_best(found.plan, found.score)
+    alone = alternatives.holders_alone
+    if len(found.plan.stages) > 1 and alone.feasible:
+        # [Note: the split that does not pay]
+        alone_at, alone_score, alone_guess = at_best(alone.plan, alone)
+        if alone_guess.step_time_s < guess.step_time_s:
+            a, b = alone_guess.step_time_s * 1e3, guess.step_time_s * 1e3
+            method = f"the holders alone, predicted faster than the split ({a:.1f} ms to {b:.1f})"
+            found = FoundPlan(alone, method, False)
+            at, score, guess = alone_at, alone_score, alone_guess
     found = replace(found, score=score, prediction=guess)
     own = tuple(sorted(units.devices)) if units is not None else ()
-    return PlannedJob(problem=problem, found=found, holders=alternatives, own_units=own)
+    return PlannedJob(problem=at, found=found, holders=alternatives, own_units=own)
 
 
 def _data_left(old: Plan, new: Plan) -> dict[str, Any]:
@@ -515,18 +546,23 @@ class JobEngine:
         )
 
     def device_units(
-        self, spec: JobSpec, devices: list[DeviceSpec], timeout_s: float = 900.0
+        self,
+        spec: JobSpec,
+        devices: list[DeviceSpec],
+        timeout_s: float = 900.0,
+        *,
+        ask_new: bool = True,
     ) -> dict[str, UnitSeconds]:
         """The unit seconds each of ``devices`` timed itself for ``spec``'s model and batch
         shape (:mod:`coordinator.engine.unit_profiles`): asked of those that have not
         timed it yet (all at once, at most ``timeout_s``; not those too small to hold the
-        whole model), kept for later jobs and re-plans. A device that could not time
-        them is asked again next time."""
+        whole model; none with ``ask_new`` false), kept for later jobs and re-plans. A
+        device that could not time them is asked again next time."""
         request = timing_request(spec)
         what = request.model_dump_json(exclude={"request"})
         with self._own_units_lock:
             known = {d.id: self._own_units.get((d.id, what)) for d in devices}
-            ask = [d for d in devices if known[d.id] is None]
+            ask = [d for d in devices if known[d.id] is None and ask_new]
             if ask:
                 needs = whole_model_bytes(job_problem(spec, devices))
                 got = time_units_on_devices(

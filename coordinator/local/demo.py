@@ -24,6 +24,7 @@ missing extra is reported (:func:`edge.errors.needs_coordinator_extras`).
 from __future__ import annotations
 
 import contextlib
+import math
 import secrets
 import tempfile
 import time
@@ -36,6 +37,7 @@ import httpx
 from pydantic import SecretStr
 
 from coordinator.access.accounts import BrokerAccounts
+from coordinator.engine.links import LINK_PARTS
 from coordinator.local.broker import free_port
 from coordinator.local.fleet import AgentRoles, LocalFleet
 from coordinator.local.train import emulated
@@ -91,17 +93,28 @@ class DemoFleet:
     """Each one's catalogue profile."""
     slowdowns: tuple[float, ...]
     """How many times slower than the fastest of them each runs."""
+    links: tuple[float | None, ...] = ()
+    """The rate each one's link is shaped to, Mbit/s each way; ``None`` (or none given):
+    its catalogue device's."""
 
     @classmethod
-    def parse(cls, fleet: str) -> DemoFleet:
-        """The fleet of ``fleet`` (comma-separated catalogue names); a one-line
-        :class:`UserError` for too few devices or an unknown one."""
-        names = tuple(n for n in fleet.split(",") if n)
+    def parse(cls, fleet: str, link_mbps: float | None = None) -> DemoFleet:
+        """The fleet of ``fleet``: comma-separated catalogue names, each with an optional
+        ``@MBPS``, its link's rate (else ``link_mbps``, else its catalogue device's). A
+        one-line :class:`UserError` for too few devices, an unknown one or a bad rate."""
+        names: list[str] = []
+        links: list[float | None] = []
+        for item in (i.strip() for i in fleet.split(",")):
+            if not item:
+                continue
+            name, at, rate = item.partition("@")
+            names.append(name)
+            links.append(_rate(item, rate) if at else link_mbps)
         if len(names) <= HOLDERS:
             raise UserError(f"--fleet: {HOLDERS} data holders and at least one helper")
         profiles = tuple(resolve(n).name for n in names)
-        _specs, slowdowns = emulated(list(names))
-        return cls(names, profiles, tuple(slowdowns))
+        _specs, slowdowns = emulated(names)
+        return cls(tuple(names), profiles, tuple(slowdowns), tuple(links))
 
     @property
     def data(self) -> list[list[str]]:
@@ -110,12 +123,28 @@ class DemoFleet:
 
     def roles(self) -> AgentRoles:
         """What each agent of the fleet is: its profile, its slowdown, its data."""
-        return AgentRoles(profiles=self.profiles, slowdowns=self.slowdowns, data=self.data)
+        return AgentRoles(
+            profiles=self.profiles, slowdowns=self.slowdowns, data=self.data, links=self.links
+        )
 
 
-def job_body(steps: int, batch_size: int, microbatches: int | str, lr: float) -> dict[str, Any]:
+def _rate(item: str, rate: str) -> float:
+    """The ``MBPS`` of a ``--fleet`` item ``NAME@MBPS``."""
+    try:
+        mbps = float(rate)
+    except ValueError:
+        mbps = math.nan
+    if not (math.isfinite(mbps) and mbps > 0):
+        raise UserError(f"--fleet: {item!r}: expected NAME@MBPS with MBPS a number above 0")
+    return mbps
+
+
+def job_body(
+    steps: int, batch_size: int, microbatches: int | str, lr: float, codec: str = "fp32"
+) -> dict[str, Any]:
     """The demo's job, as ``POST /api/v1/jobs`` takes it: on the holders' digits, their
-    labels kept home too."""
+    labels kept home too; ``codec`` ``auto`` lets the planner compress the links that
+    bind."""
     return {
         "model": MODEL,
         "model_options": MODEL_OPTIONS,
@@ -123,6 +152,7 @@ def job_body(steps: int, batch_size: int, microbatches: int | str, lr: float) ->
         "steps": steps,
         "batch_size": batch_size,
         "microbatches": microbatches,
+        "codec": codec,
         "optimizer": {"name": "sgd", "lr": lr, "momentum": 0.9},
         "data": {"name": "digits", "placement": "local", "labels": "local"},
     }
@@ -242,6 +272,20 @@ class DemoSession:
             raise UserError(f"job {job} recorded no traffic")
         return dict(found[-1])
 
+    def anatomy(self, job: str) -> dict[str, Any]:
+        """Where ``job``'s step goes, ``predicted`` and ``measured`` (its anatomy)."""
+        got = self.api.get(f"/api/v1/jobs/{job}/anatomy")
+        got.raise_for_status()
+        return dict(got.json())
+
+    def links(self, job: str, mbps: list[float] | None = None) -> dict[str, Any]:
+        """``job`` planned with every link at each of ``mbps`` (default: the
+        coordinator's ladder), and where its split stops paying
+        (:mod:`coordinator.engine.links`)."""
+        got = self.api.post(f"/api/v1/jobs/{job}/links", json={"mbps": mbps})
+        got.raise_for_status()
+        return dict(got.json())
+
     def holders_alone(self, body: dict[str, Any]) -> dict[str, Any]:
         """The record of the job ``body`` run on the holders alone (the federated option),
         for at most :data:`ALONE_STEPS` steps."""
@@ -288,6 +332,10 @@ class DemoResult:
     """The job's payload on the wire (:meth:`DemoSession.traffic`)."""
     fedavg: dict[str, float]
     """Federated averaging of the same model (:func:`fedavg_of_the_demo`)."""
+    anatomy: dict[str, Any]
+    """Where the job's step went, predicted and measured (:meth:`DemoSession.anatomy`)."""
+    links: dict[str, Any]
+    """The job on other link rates (:meth:`DemoSession.links`)."""
 
     @property
     def measured(self) -> float:
@@ -320,6 +368,12 @@ class DemoResult:
         data = self.record["spec"].get("data") or {}
         return bool(data.get("labels") == "local")
 
+    def link_share(self, which: str) -> float | None:
+        """The share of the job's step on links and group sums, ``predicted`` or
+        ``measured`` (summed over its stages' members); ``None`` before there is one."""
+        parts = (self.anatomy.get(which) or {}).get("fractions")
+        return None if parts is None else sum(parts[p] for p in LINK_PARTS)
+
     def summary(self) -> dict[str, Any]:
         """What ``--json`` prints."""
         plan = self.record["plan"]
@@ -336,6 +390,10 @@ class DemoResult:
             "bytes_to_finish": self.traffic["bytes_sent"] + self.traffic["bytes_received"],
             "fedavg_bytes_per_sample": self.fedavg["bytes_per_sample"],
             "fedavg": self.fedavg,
+            "link_share_predicted": self.link_share("predicted"),
+            "link_share_measured": self.link_share("measured"),
+            "link_ladder": self.links["ladder"],
+            "split_stops_paying_below_mbps": self.links["split_stops_paying_below_mbps"],
             "plan": {k: plan[k] for k in keys if k in plan},
         }
 

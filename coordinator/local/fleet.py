@@ -74,6 +74,9 @@ class AgentRoles:
     interpreter's ``-m edgetrain.cli`` where it is empty or not given."""
     data: Sequence[Sequence[str]] | None = None
     """The local datasets each of the first agents holds (``--data NAME=SPEC`` items)."""
+    links: Sequence[float | None] | None = None
+    """The rate each shapes its link to, Mbit/s each way (``--link-mbps``), which it
+    announces; ``None``: its profile's (an emulated device's), or this machine's."""
 
 
 class LocalFleet:
@@ -131,6 +134,8 @@ class LocalFleet:
             device: list(items) for device, items in zip(self.ids, roles.data or [], strict=False)
         }
         """Per agent, the local datasets it holds (``--data NAME=SPEC`` items)."""
+        self.links = dict(zip(self.ids, roles.links or [], strict=False))
+        """Per agent, the rate its link is shaped to (``--link-mbps``), where given."""
         self.allow_code = list(allow_code)
         """Module prefixes of user code the agents may run (``--allow-code``): the job's own."""
         self.measure_seconds = measure_seconds
@@ -196,6 +201,8 @@ class LocalFleet:
             cmd += ["--allow-code", prefix]
         for item in self.data.get(device, []):
             cmd += ["--data", item]
+        if self.links.get(device) is not None:
+            cmd += ["--link-mbps", str(self.links[device])]
         if profile:
             cmd += ["--emulate" if self.emulate else "--profile", profile]
         if device in self.servers:

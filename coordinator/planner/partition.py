@@ -59,7 +59,7 @@ from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 from coordinator.planner.baselines import even_split
-from coordinator.planner.codecs import choose_codecs, plan_with_codecs, with_codecs
+from coordinator.planner.codecs import choose_codecs, plan_with_codecs
 from coordinator.planner.group_search import plan_groups, replan
 from coordinator.planner.group_tables import GroupLimits
 from coordinator.planner.holders import HolderPlans, plan_with_holders
@@ -312,7 +312,7 @@ def scored(
     seconds] in :mod:`coordinator.planner.predict`): the score's shares are what the job
     runs, and its memory check is at them."""
     shares = balanced_shares(problem, plan, units) if units is not None else {}
-    score = score_plan(problem, plan, fixed_shares=shares or None)
+    score = score_plan(for_plan(problem, plan), plan, fixed_shares=shares or None)
     return score, predict(problem, plan, units, fixed_shares=shares or None)
 
 
@@ -379,9 +379,8 @@ def _plan_job(
                 f"the even split over {count} devices does not fit {where}: {score.reasons[0]}"
             )
         if auto and len(plan.stages) > 1:
-            codecs = choose_codecs(problem, plan)
-            coded = Plan(plan.stages, tuple(codecs))
-            scored = score_plan(with_codecs(problem, coded, codecs), coded)
+            coded = replace(plan, codecs=tuple(choose_codecs(problem, plan)))
+            scored = score_plan(for_plan(problem, coded), coded)
             if scored.feasible and scored.step_time_s < score.step_time_s:
                 score = scored
         return FoundPlan(score, f"even split over {count} devices", False)
@@ -421,11 +420,15 @@ def plan_holders_job(
     limits: GroupLimits | None = None,
     where: str = "the devices",
     labels_local: bool = False,
+    codec: str = "fp32",
 ) -> tuple[FoundPlan, HolderPlans]:
     """The plan of a job on local data: stage 0 on ``holders`` at ``shares`` (their data),
     the rest planned by :func:`plan_job` over the other devices
     (:mod:`coordinator.planner.holders`); also the alternatives, for the report. With
-    ``labels_local`` the holders run the last units too (a U-shaped plan). A one-line
+    ``labels_local`` the holders run the last units too (a U-shaped plan). With ``codec``
+    ``"auto"``, the plans are searched for every codec and each link gets its own
+    (:func:`~coordinator.planner.codecs.plan_with_codecs`): where the links bind, a
+    compressed link can keep the helpers worth their bytes. A one-line
     :class:`UserError` when nothing fits."""
     n = int(problem.batch_size) // problem.microbatches
     try:
@@ -446,25 +449,45 @@ def plan_holders_job(
             f"unit {unit} has BatchNorm, which a group of {len(holders)} holders cannot "
             "train (use norm=group)"
         )
-    found = plan_with_holders(
-        problem,
-        holders,
-        shares,
-        rest,
-        min_local_units=min_local_units,
-        solo_units=solo,
-        labels_local=labels_local,
-    )
+
+    def search(q: PlanningProblem) -> HolderPlans:
+        return plan_with_holders(
+            q,
+            holders,
+            shares,
+            rest,
+            min_local_units=min_local_units,
+            solo_units=solo,
+            labels_local=labels_local,
+        )
+
+    found = search(problem)
     if found.best is None:
         why = found.holders_alone.reasons[0] if found.holders_alone.reasons else "no helper fits"
         raise UserError(f"no plan on the holders of the data fits {where}: {why}")
-    plan, n = found.best.plan, len(problem.layers)
+    best = found.best
+    if codec.lower() == "auto":
+
+        def best_plan(q: PlanningProblem) -> Plan | None:
+            got = search(q).best
+            return None if got is None else got.plan
+
+        def ends(plan: Plan) -> dict[int, list[float]]:  # the holders' shares, both ends
+            last = len(plan.stages) - 1 if plan.u_shaped else 0
+            return {0: list(shares), last: list(shares)}
+
+        coded = plan_with_codecs(problem, best_plan, fixed_shares=ends)
+        if coded is not None and coded.score.step_time_s < best.step_time_s * (1 - 1e-9):
+            best = coded.score
+    plan, n = best.plan, len(problem.layers)
     k = plan.stages[0].end
     method = f"holders keep {k} of {n} units, helpers plan the rest"
     if plan.u_shaped:
         tail = n - plan.stages[-1].start
         method = f"holders keep the first {k} and the last {tail} of {n} units, helpers the middle"
-    return FoundPlan(found.best, method, False), found
+    if plan.codecs and set(plan.codecs) != {"fp32"}:
+        method += f"; links {', '.join(plan.codecs)}"
+    return FoundPlan(best, method, False), found
 
 
 def _even_groups(problem: PlanningProblem, sizes: list[int], where: str) -> FoundPlan:

@@ -338,7 +338,8 @@ def predict(
     group's sum])."""
     if units is not None:
         units.check(problem)
-    spec = score_plan(for_plan(problem, plan), plan, fixed_shares=fixed_shares)
+    coded = for_plan(problem, plan)  # a link's bytes as its codec sends them
+    spec = score_plan(coded, plan, fixed_shares=fixed_shares)
     dev = {d.id: d for d in problem.devices}
     fixed = {d.id: fixed_costs_of(d) or _NONE for d in problem.devices}
     m, n_stages = problem.microbatches, len(plan.stages)
@@ -383,7 +384,7 @@ def predict(
                     for i, w in zip(nxt.devices, spec.shares[s + 1], strict=True)
                 ),
             )
-            out = problem.layers[st.end - 1].out_bytes
+            out = coded.layers[st.end - 1].out_bytes
             links.append(spec.link_s[s] + send + back + 2 * b * out * cpu)
     if n_stages > 1 and not plan.u_shaped:  # stage 0 sends each microbatch's labels
         per_step += m * max(fixed[i].frame_s for i in plan.stages[0].devices)

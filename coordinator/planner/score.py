@@ -42,6 +42,7 @@ from coordinator.planner.terms import (
 from edge.problem import DeviceSpec, PlanningProblem
 
 __all__ = [
+    "CODEC_RATIO",
     "Plan",
     "PlanScore",
     "Stage",
@@ -51,6 +52,7 @@ __all__ = [
     "score_plan",
     "shares_of",
     "validate_plan",
+    "with_codecs",
 ]
 
 
@@ -81,7 +83,8 @@ class Plan:
     stages: tuple[Stage, ...]
     codecs: tuple[str, ...] | None = None
     """Each link's codec when the planner chose them (:mod:`coordinator.planner.codecs`);
-    ``None``: the job's codec on every link. The score never reads it."""
+    ``None``: the job's codec on every link. The score never reads it: a plan is scored
+    as the runtime runs it on :func:`for_plan`'s problem, which scales the links' bytes."""
     u_shaped: bool = False
     """The last stage runs on stage 0's devices again, in the same order (labels that stay
     home: :mod:`coordinator.planner.holders`): they hold two segments each, so they
@@ -205,10 +208,33 @@ def validate_plan(problem: PlanningProblem, plan: Plan) -> list[str]:
     return errors
 
 
+CODEC_RATIO = {"fp32": 1.0, "bf16": 0.5, "fp16": 0.5, "int8": 0.25}
+"""Bytes a codec puts on the wire per fp32 byte (int8's one scale per tensor is
+negligible); :mod:`coordinator.planner.codecs` chooses among them."""
+
+
+def with_codecs(problem: PlanningProblem, plan: Plan, codecs: Sequence[str]) -> PlanningProblem:
+    """``problem`` with the output bytes of each link's last unit scaled by its codec."""
+    if len(codecs) != len(plan.stages) - 1:
+        raise ValueError(f"{len(codecs)} codecs for {len(plan.stages) - 1} links")
+    layers = list(problem.layers)
+    for stage, codec in zip(plan.stages, codecs, strict=False):
+        i = stage.end - 1
+        layers[i] = layers[i].model_copy(
+            update={"out_bytes": layers[i].out_bytes * CODEC_RATIO[codec]}
+        )
+    return problem.model_copy(update={"layers": layers})
+
+
 def for_plan(problem: PlanningProblem, plan: Plan) -> PlanningProblem:
     """``problem`` as a plan of the runtime is scored: as version 2 when the plan has
-    groups (a job's problem is version 1 unless it has an objective), else as it is."""
-    return problem.as_version(2) if plan.grouped and problem.version == 1 else problem
+    groups (a job's problem is version 1 unless it has an objective), and with each
+    link's bytes as its codec sends them when the plan carries its codecs
+    (:attr:`Plan.codecs`, which :func:`score_plan` itself never reads). Pass the
+    problem as built, not one already scaled: the codecs would count twice."""
+    if plan.grouped and problem.version == 1:
+        problem = problem.as_version(2)
+    return with_codecs(problem, plan, plan.codecs) if plan.codecs else problem
 
 
 def score_plan(

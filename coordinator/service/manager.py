@@ -57,6 +57,7 @@ from coordinator.engine.faults import (
     check_fault_stages,
     parse_fault,
 )
+from coordinator.engine.links import at_links, holders_of, link_ladder, split_stops_paying
 from coordinator.engine.monitor import JobFailed, JobResult
 from coordinator.engine.options import JobAccess, JobHooks, RunOptions, Tolerance
 from coordinator.engine.replicas import ReplicaStore
@@ -178,6 +179,30 @@ class JobManager:
                 self.store.set_job_state(job, "cancelled", reason="cancelled by the user")
             self._announce(job)
         return True
+
+    def links(self, job: str, rates: list[float] | None = None) -> dict[str, Any]:
+        """Job ``job`` (known) planned on slower links (:mod:`coordinator.engine.links`),
+        over the devices online now that it allows, each priced by the unit seconds it
+        timed already (none is asked to time them): the ladder of ``rates`` and the rate
+        below which its plan stops handing units to helpers. A one-line
+        :class:`UserError` for a job on no local data, or whose devices are offline."""
+        record = self.store.get_job(job)
+        if record is None:
+            raise KeyError(job)
+        spec = JobSpec.model_validate(record.spec)
+        devices = self.engine.fleet.available(record.devices_allowed)
+        if not holders_of(spec, devices):
+            raise UserError(f"no holder of job {job}'s data is online")
+        own = None
+        if spec.unit_times == "devices":
+            own = self.engine.device_units(spec, devices, ask_new=False)
+        ladder = link_ladder(spec, devices, rates, own)
+        below = split_stops_paying(ladder, lambda mbps: at_links(spec, devices, mbps, own))
+        return {
+            "job": job,
+            "ladder": [rung.to_json() for rung in ladder],
+            "split_stops_paying_below_mbps": below,
+        }
 
     def _announce(self, job: str) -> None:
         record = self.store.get_job(job)

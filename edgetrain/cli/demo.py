@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import typer
 
@@ -38,7 +38,19 @@ __all__ = ["demo_command"]
 def demo_command(
     fleet: str = typer.Option(
         "rpi4-4gb,rpi4-4gb,rpi4-4gb,laptop",
-        help="Catalogue devices to emulate; the first three hold a third of the data each.",
+        help="Catalogue devices to emulate, each NAME or NAME@MBPS (its link's rate); "
+        "the first three hold a third of the data each.",
+    ),
+    link_mbps: float | None = typer.Option(
+        None,
+        min=0.01,
+        help="Shape every device's link to this many Mbit/s each way (an item's @MBPS "
+        "wins); default: each catalogue device's own.",
+    ),
+    codec: Literal["fp32", "auto"] = typer.Option(
+        "fp32",
+        help="How activations and gradients cross links: fp32 (exact), or auto (the "
+        "planner compresses the links that bind).",
     ),
     steps: int = typer.Option(200, min=1, help="Training steps."),
     batch_size: int = typer.Option(48, min=1, help="Samples per step."),
@@ -63,11 +75,11 @@ def demo_command(
     from rich.console import Console
 
     console = Console(stderr=json_out, soft_wrap=True)
-    emulated = DemoFleet.parse(fleet)
+    emulated = DemoFleet.parse(fleet, link_mbps)
     with demo_session(emulated, port) as demo:
         _print_fleet(console, demo)
         demo.wait_online()
-        body = job_body(steps, batch_size, microbatches, lr)
+        body = job_body(steps, batch_size, microbatches, lr, codec)
         job = demo.submit(body)
         _print_plan(console, demo.wait_plan(job), demo.agents.ids, list(emulated.names))
         console.print(
@@ -79,9 +91,16 @@ def demo_command(
         console.print(f"test accuracy {accuracy:.3f} (held-out digits)")
         traffic = demo.traffic(job)
         result = DemoResult(
-            accuracy, record, demo.holders_alone(body), traffic, fedavg_of_the_demo()
+            accuracy,
+            record,
+            demo.holders_alone(body),
+            traffic,
+            fedavg_of_the_demo(),
+            demo.anatomy(job),
+            demo.links(job),
         )
         _print_result(console, result)
+        _print_links(console, result)
         console.print(f"dashboard: {demo.url}/#/jobs/{job}")
         if json_out:
             typer.echo(json.dumps(result.summary()))
@@ -163,6 +182,39 @@ def _print_result(console: Console, result: DemoResult) -> None:
         f"kB a sample (2 x {fedavg['model_bytes'] / 1e6:.2f} MB x {fedavg['clients']:.0f} "
         f"holders / {fedavg['samples_per_round']:.0f} samples)"
     )
+
+
+def _print_links(console: Console, result: DemoResult) -> None:
+    """What the links cost the job, predicted and measured, and the job on other rates."""
+    from rich.table import Table
+
+    predicted, measured = result.link_share("predicted"), result.link_share("measured")
+    shares = f"predicted {predicted or 0:.0%} of the step's device-seconds"
+    if measured is not None:
+        shares += f", measured {measured:.0%}"
+    console.print(f"on the links (sends, waits for bytes, group sums): {shares}")
+    ladder = Table("every link at", "plan", "codecs", "samples/s", "holders alone", "on links")
+    ladder.title = "the same job on other links (predicted)"
+    for rung in result.links["ladder"]:
+        ladder.add_row(
+            f"{rung['mbps']:g} Mbit/s",
+            f"split, {rung['stages']} stages" if rung["split"] else "holders alone",
+            ",".join(rung["codecs"]) or "-",
+            f"{rung['predicted_sps']:.0f}",
+            f"{rung['holders_alone_sps']:.0f}",
+            f"{rung['link_share']:.0%}",
+        )
+    console.print(ladder)
+    below = result.links["split_stops_paying_below_mbps"]
+    if below is None:
+        console.print("the split does not pay at any of these rates: the holders train alone")
+    elif below == 0:
+        console.print("the split pays at every one of these rates")
+    else:
+        console.print(
+            f"the split stops paying below about {below:.0f} Mbit/s a link (predicted): "
+            "there the planner keeps the job on the holders"
+        )
 
 
 def _print_plan(console: Console, plan: dict[str, Any], ids: list[str], names: list[str]) -> None:

@@ -4,7 +4,8 @@ Three emulated Pi 4s hold a third of the data each, labels too, and a laptop hel
 the job is on that local data, planned by the planner alone. The test asserts the
 plan's shape (a U: the holders are the first stage and the last, the laptop runs the
 middle), that no labels cross, the accuracy, that the run measured both the plan and
-the holders alone, and the bytes it reports beside federated averaging's formula;
+the holders alone, the bytes it reports beside federated averaging's formula, and
+what the links cost (their share of the step, and the job on other rates);
 the speedup and the prediction's error are figures, which ``bench/cost_model.py``
 and the README report. What crosses the wire, frame by frame: test_demo_wire.py.
 """
@@ -60,10 +61,19 @@ def test_demo_trains_digits_to_90_percent_through_the_api() -> None:
     fedavg = out["fedavg"]
     assert (fedavg["clients"], fedavg["samples_per_round"]) == (3, 1437)
     assert out["fedavg_bytes_per_sample"] == 2 * fedavg["model_bytes"] * 3 / 1437
+    # What the links cost: a share of the step, predicted and measured, and the job on
+    # the coordinator's ladder of rates, with the rate where the split stops paying.
+    assert 0 < out["link_share_predicted"] < 1 and 0 < out["link_share_measured"] < 1
+    ladder = out["link_ladder"]
+    assert [rung["mbps"] for rung in ladder] == [1000, 300, 100, 30, 10, 3, 1]
+    assert ladder[0]["split"] is True and ladder[-1]["split"] is False
+    below = out["split_stops_paying_below_mbps"]
+    assert 1 < below < 1000
+    assert all(rung["split"] == (rung["mbps"] >= below) for rung in ladder)
     # The order the issue asks for: plan, accuracy, both rates, speedup, error, dashboard.
     text = done.stderr
     marks = ["what crosses", "test accuracy", "on the holders", "speedup", "measured/predicted"]
-    marks.append("on the wire:")
+    marks += ["on the wire:", "on the links", "the same job on other links", "stops paying"]
     at = [text.index(mark) for mark in marks]
     assert at == sorted(at) and text.index("dashboard: http://") > at[-1]
     assert "coordinator: http://127.0.0.1:" in done.stderr

@@ -349,6 +349,40 @@ def job_anatomy(job_id: str, store: StoreDep) -> dict[str, Any]:
     return {"job": job_id, "predicted": predicted, "measured": store.job_anatomy(job_id)}
 
 
+class LinksCreate(BaseModel):
+    """The link rates to plan a job at, Mbit/s each way, every device's link at each
+    (default: 1000, 300, 100, 30, 10, 3 and 1)."""
+
+    model_config = {"extra": "forbid"}
+
+    mbps: list[Annotated[float, Field(ge=0.01, le=1e6, allow_inf_nan=False)]] | None = Field(
+        default=None, min_length=1, max_length=16, examples=[[100, 30, 10]]
+    )
+
+
+@router.post(
+    "/{job_id}/links",
+    dependencies=[WriteAuth],
+    responses={**NOT_FOUND, **CONFLICT},
+)
+def job_links(
+    job_id: str, store: StoreDep, manager: ManagerDep, body: LinksCreate | None = None
+) -> dict[str, Any]:
+    """A job on local data planned again with every link at each rate, over the
+    devices online now (:mod:`coordinator.engine.links`; nothing runs): per rate
+    (``ladder``) whether the plan still hands units to helpers, its links' codecs, its
+    predicted samples/s beside the holders alone, and the share of its step on links;
+    and ``split_stops_paying_below_mbps``, the rate below which the holders train
+    alone (``0``: never, ``null``: not even at the fleet's own). Planning profiles the
+    model here, so it needs the write token, as ``/api/v1/plans`` does. A job on no
+    local data, or with no holder online, is a 409."""
+    _job_or_404(store, job_id)
+    try:
+        return manager.links(job_id, None if body is None else body.mbps)
+    except UserError as exc:
+        raise HTTPException(409, exc.message) from None
+
+
 @router.get("/{job_id}/events", dependencies=[ReadAuth], responses=NOT_FOUND)
 def job_events(job_id: str, store: StoreDep) -> dict[str, Any]:
     """What happened to the job, in order: state changes, attempts, failures (with the

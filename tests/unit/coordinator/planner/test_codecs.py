@@ -1,17 +1,18 @@
-"""The planner's link codecs: compress the slow uplink of a hybrid plan, nothing else."""
+"""The planner's link codecs: compress the slow uplink of a hybrid plan, nothing else;
+the links of a U-shaped plan on local data likewise; a plan priced by its codecs."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 from support.planning import make_problem
 
 from coordinator.planner import Plan, plan_problem, score_plan
-from coordinator.planner.codecs import (
-    RATIO,
-    choose_codecs,
-    plan_with_codecs,
-    with_codecs,
-)
+from coordinator.planner.codecs import choose_codecs, plan_with_codecs
+from coordinator.planner.partition import plan_holders_job
+from coordinator.planner.predict import predict
+from coordinator.planner.score import CODEC_RATIO, for_plan, with_codecs
 from edge.problem import PlanningProblem
 
 GB = 1e9
@@ -52,7 +53,7 @@ def test_with_codecs_scales_only_the_bytes_at_the_cuts() -> None:
     problem = _hybrid(100)
     plan = Plan.of(("phone", 0, 1), ("server", 1, 6))
     scaled = with_codecs(problem, plan, ["int8"])
-    assert scaled.layers[0].out_bytes == problem.layers[0].out_bytes * RATIO["int8"]
+    assert scaled.layers[0].out_bytes == problem.layers[0].out_bytes * CODEC_RATIO["int8"]
     assert [unit.out_bytes for unit in scaled.layers[1:]] == [
         unit.out_bytes for unit in problem.layers[1:]
     ]
@@ -117,3 +118,57 @@ def test_fp32_alone_gives_the_plain_planner_result() -> None:
 def test_unknown_codecs_are_refused() -> None:
     with pytest.raises(ValueError, match="unknown codecs"):
         choose_codecs(_hybrid(100), Plan.of(("phone", 0, 6)), ["zstd"])
+
+
+def test_a_plan_that_carries_its_codecs_is_priced_by_them_once() -> None:
+    problem = _hybrid(100)
+    plain = Plan.of(("phone", 0, 1), ("server", 1, 6))
+    coded = replace(plain, codecs=("int8",))
+    # for_plan scales the bytes at the cut; score_plan alone never reads the codecs.
+    assert for_plan(problem, coded).layers == with_codecs(problem, plain, ["int8"]).layers
+    assert for_plan(problem, plain) == problem
+    assert score_plan(problem, coded) == replace(score_plan(problem, plain), plan=coded)
+    # The internal model prices the link at a quarter of the bytes, as the runtime sends.
+    fast, slow = predict(problem, coded), predict(problem, plain)
+    assert fast.link_s[0] < slow.link_s[0]
+    assert fast.spec_step_time_s == score_plan(for_plan(problem, coded), coded).step_time_s
+
+
+def _holders_problem(mbps: float) -> PlanningProblem:
+    """Three slow holders with their data and one fast helper, every link at ``mbps``;
+    a 4-unit model whose first unit's activations are large."""
+    layers = [
+        {"fwd_flops": 2e8, "param_bytes": 1e4, "out_bytes": 1.6e4},
+        {"fwd_flops": 4e9, "param_bytes": 1e5, "out_bytes": 1e3},
+        {"fwd_flops": 4e9, "param_bytes": 1e5, "out_bytes": 40},
+        {"fwd_flops": 1e6, "param_bytes": 1e3, "out_bytes": 40},
+    ]
+    devices = [
+        {"id": f"h{i}", "gflops": 5, "memory_bytes": GB, "bandwidth_mbps": mbps, "latency_ms": 1}
+        for i in range(3)
+    ] + [{"id": "helper", "gflops": 150, "memory_bytes": 8 * GB, "bandwidth_mbps": mbps}]
+    devices[-1]["latency_ms"] = 1
+    problem = make_problem(layers, devices, batch_size=48, microbatches=4)
+    return problem.as_version(2).model_copy(update={"groups": True})
+
+
+def test_a_u_of_holders_compresses_the_links_that_bind_and_keeps_the_shares() -> None:
+    holders, shares = ["h0", "h1", "h2"], [0.5, 0.25, 0.25]
+    problem = _holders_problem(1)
+    exact, _ = plan_holders_job(problem, holders, shares, labels_local=True)
+    auto, alternatives = plan_holders_job(problem, holders, shares, labels_local=True, codec="auto")
+    assert auto.plan.u_shaped and auto.plan.codecs is not None
+    assert auto.plan.codecs[0] != "fp32"  # the activations the holders send the helper
+    assert "links" in auto.method
+    assert auto.score.step_time_s < exact.score.step_time_s
+    assert auto.score.step_time_s < alternatives.holders_alone.step_time_s
+    # Scored with the holders' shares at both ends, on the bytes its codecs send.
+    ends = {0: shares, len(auto.plan.stages) - 1: shares}
+    assert auto.score.shares[0] == shares and auto.score.shares[-1] == shares
+    rescored = score_plan(for_plan(problem, auto.plan), auto.plan, fixed_shares=ends)
+    assert rescored.step_time_s == auto.score.step_time_s
+    # Where the links are fast, nothing is compressed.
+    fast, _ = plan_holders_job(
+        _holders_problem(100_000), holders, shares, labels_local=True, codec="auto"
+    )
+    assert fast.plan.codecs is None or set(fast.plan.codecs) == {"fp32"}

@@ -1,5 +1,6 @@
 """The routes of a job that need no broker: per-step metrics (``?since_step=``), the
-step's anatomy as stored, the ONNX download without the ``export`` extra, and the
+step's anatomy as stored, the ONNX download without the ``export`` extra, what the
+links what-if refuses, and the
 checks a job passes before it is queued (a refused one never reaches the job
 manager, which is absent here).
 
@@ -122,6 +123,19 @@ def test_anatomy_gives_the_plans_predicted_parts_and_the_stored_measured_ones(
         "measured": {"step_time_s": 1.2, "steps": 3},
     }
     assert client.get("/api/v1/jobs/j9/anatomy").status_code == 404
+
+
+def test_links_of_an_unknown_job_is_a_404_and_bad_rates_a_422_naming_them(
+    store: Store, client: TestClient
+) -> None:
+    """The planning itself needs the manager (tests/e2e/test_demo_links.py); what is
+    refused before it is asked is refused here."""
+    assert client.post("/api/v1/jobs/j9/links").status_code == 404
+    store.create_job("j1", SPEC)
+    for body in ({"mbps": [0]}, {"mbps": [-5]}, {"mbps": []}, {"mbps": [1.0] * 17}, {"x": 1}):
+        got = client.post("/api/v1/jobs/j1/links", json=body)
+        assert got.status_code == 422, (body, got.text)
+        assert "mbps" in got.text or "x" in got.text
 
 
 def test_metrics_of_an_unknown_job_is_a_404(client: TestClient) -> None:
