@@ -19,8 +19,11 @@ at ``--microbatches``. For each rate it runs, one after another:
 - ``split auto``: the job with ``codec: auto``, as the planner plans it (its links'
   codecs in ``codecs``).
 
-For each: the planner's prediction (:func:`coordinator.planner.predict.predict`, units
-timed here as the engine times them, the holders' shares fixed by their data), the
+The plans are the engine's (:func:`~coordinator.engine.engine.plan_over`), priced as the
+coordinator prices a job by default (``unit_times: devices``): each agent first times
+the model's units itself. For each run: the planner's prediction
+(:func:`coordinator.planner.predict.predict` on those units, the holders' shares fixed
+by their data), the
 measured samples/s (steady state: stage 0's steps after ``--warmup``,
 :func:`bench.hybrid.measure`), the bytes every device sent per sample trained, and the
 share of the step on links and group sums, predicted and measured (the anatomy's
@@ -53,14 +56,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 
 from bench.siblings import sibling
-from coordinator.engine.engine import PlannedJob, plan_over
+from coordinator.engine.engine import JobEngine, PlannedJob, job_unit_seconds, plan_over
 from coordinator.engine.links import LINK_PARTS, at_links, split_stops_paying
+from coordinator.engine.options import JobAccess, RunOptions
 from coordinator.engine.spec import JobSpec
 from coordinator.local.demo import DemoFleet, job_body
 from coordinator.local.fleet import LocalFleet
-from coordinator.local.owned import OwnedBroker, start_owned_broker
+from coordinator.local.owned import start_owned_broker
 from coordinator.planner.anatomy import StepTerms, anatomy
-from coordinator.planner.predict import measure_unit_seconds, predict
+from coordinator.planner.predict import UnitSeconds, predict
 from coordinator.planner.score import Plan, Stage, for_plan, score_plan
 from edge.runtime.allocator import tune_malloc
 from edge.transport.mqtt import MqttTransport
@@ -105,16 +109,13 @@ def _fixed(plan: Plan, shares: list[float]) -> dict[int, list[float]]:
     return {0: shares, len(plan.stages) - 1: shares} if plan.u_shaped else {0: shares}
 
 
-def predicted(planned: PlannedJob, plan: Plan, spec: JobSpec) -> tuple[float, float]:
-    """``plan``'s predicted samples/s on ``planned``'s problem, and the share of its step
-    on links and group sums."""
-    units = measure_unit_seconds(
-        spec.model,
-        spec.batch_size,
-        planned.problem.microbatches,
-        model_options=spec.model_options,
-        optimizer=spec.optimizer,
-    )
+def predicted(
+    planned: PlannedJob, plan: Plan, spec: JobSpec, own: dict[str, UnitSeconds]
+) -> tuple[float, float]:
+    """``plan``'s predicted samples/s on ``planned``'s problem, priced as the engine
+    prices a job (the units each device timed itself, ``own``), and the share of its
+    step on links and group sums."""
+    units = job_unit_seconds(spec, own)
     fixed = _fixed(plan, _holder_shares(planned))
     guess = predict(planned.problem, plan, units, fixed_shares=fixed)
     terms = StepTerms.of_prediction(for_plan(planned.problem, plan), guess)
@@ -170,12 +171,15 @@ def run_rate(
         speeds = ", ".join(f"{d.gflops:.1f}" for d in fleet)
         print(f"# {mbps:g} Mbit/s: {owned.describe()}; GFLOP/s {speeds}", file=sys.stderr)
         exact, auto = job("fp32", args), job("auto", args)
+        # The units each agent times itself, as the coordinator has them priced.
+        engine = JobEngine(control, agents, agents, options=RunOptions(access=owned.accounts))
+        own = engine.device_units(exact, fleet)
         below = None
         if ladder is not None:
-            rungs = [at_links(exact, fleet, r) for r in ladder]
-            below = split_stops_paying(rungs, lambda r: at_links(exact, fleet, r))
-        planned = plan_over(exact, fleet)
-        coded = plan_over(auto, fleet)
+            rungs = [at_links(exact, fleet, r, own) for r in ladder]
+            below = split_stops_paying(rungs, lambda r: at_links(exact, fleet, r, own))
+        planned = plan_over(exact, fleet, device_units=own)
+        coded = plan_over(auto, fleet, device_units=own)
         assert planned.holders is not None
         alone = planned.holders.holders_alone
         split = planned.plan
@@ -185,6 +189,7 @@ def run_rate(
                 split = best.plan
             elif fast is not None:
                 split = _renamed(fast.split, fast.ids, agents.ids)
+        running = Agents(control, owned.accounts, own)
         runs = [
             ("holders alone", exact, alone.plan, len(planned.plan.stages) == 1),
             ("split fp32", exact, split, len(planned.plan.stages) > 1),
@@ -192,14 +197,24 @@ def run_rate(
         ]
         for strategy, spec, plan, chosen in runs:
             where = coded if spec is auto else planned
-            rows.append(_run(control, owned, where, spec, plan, strategy, chosen, mbps, args))
+            rows.append(_run(running, where, spec, plan, strategy, chosen, mbps, args))
     gflops = [d.gflops for d in fleet]
     return rows, Session(below, split, list(agents.ids), gflops)
 
 
+@dataclass(frozen=True)
+class Agents:
+    """A rate's running fleet, as a run needs it."""
+
+    control: MqttTransport
+    access: JobAccess | None
+    """The broker's accounts, which grant each run its topics."""
+    own: dict[str, UnitSeconds]
+    """The units each agent timed itself."""
+
+
 def _run(
-    control: MqttTransport,
-    owned: OwnedBroker,
+    agents: Agents,
     planned: PlannedJob,
     spec: JobSpec,
     plan: Plan,
@@ -208,7 +223,7 @@ def _run(
     mbps: float,
     args: argparse.Namespace,
 ) -> Row:
-    sps, share = predicted(planned, plan, spec)
+    sps, share = predicted(planned, plan, spec, agents.own)
     steps = args.warmup + max(
         args.min_steps, min(args.max_steps, math.ceil(args.seconds * sps / spec.batch_size))
     )
@@ -216,7 +231,7 @@ def _run(
     shares = score_plan(for_plan(planned.problem, plan), plan, fixed_shares=fixed).shares
     run = spec.model_copy(update={"steps": steps, "microbatches": planned.problem.microbatches})
     started = time.perf_counter()
-    measured = hybrid.measure(control, run, plan, args.warmup, owned.accounts, shares)
+    measured = hybrid.measure(agents.control, run, plan, args.warmup, agents.access, shares)
     fractions = (measured.anatomy or {}).get("fractions")
     links = len(plan.stages) - 1
     row = Row(

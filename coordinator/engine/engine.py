@@ -113,6 +113,7 @@ __all__ = [
     "PlannedJob",
     "group_limits",
     "job_problem",
+    "job_unit_seconds",
     "plan_over",
     "plans_groups",
 ]
@@ -298,7 +299,7 @@ def plan_over(
     problem = job_problem(spec, devices, first, groups=groups)
     timed_rows = problem.batch_size / problem.microbatches
     # Agents that measured their fixed costs: predict what they will do.
-    units = _unit_seconds(spec, device_units) if calibrated(problem) else None
+    units = job_unit_seconds(spec, device_units) if calibrated(problem) else None
     options = PartitionOptions(
         partition=spec.partition, stages=stages, codec=spec.codec, group_sizes=sizes
     )
@@ -373,7 +374,7 @@ def _with_schedule(spec: JobSpec, planned: PlannedJob) -> PlannedJob:
     return replace(planned, found=found, schedule=schedule)
 
 
-def _unit_seconds(
+def job_unit_seconds(
     spec: JobSpec, device_units: Mapping[str, UnitSeconds] | None = None
 ) -> UnitSeconds | None:
     """The model's units timed on this machine for the cost model (cached per shape), with
@@ -444,7 +445,7 @@ def _plan_on_holders(
         labels_local=spec.data.labels_local,
         codec=spec.codec,
     )
-    units = _unit_seconds(spec, device_units) if calibrated(problem) else None
+    units = job_unit_seconds(spec, device_units) if calibrated(problem) else None
 
     def at_best(plan: Plan, score: PlanScore) -> tuple[PlanningProblem, PlanScore, Prediction]:
         """``plan`` predicted, at its best number of microbatches for an ``auto`` job."""
