@@ -182,15 +182,16 @@ class JobManager:
 
     def links(self, job: str, rates: list[float] | None = None) -> dict[str, Any]:
         """Job ``job`` (known) planned on slower links (:mod:`coordinator.engine.links`),
-        over the devices online now that it allows, each priced by the unit seconds it
-        timed already (none is asked to time them): the ladder of ``rates`` and the rate
-        below which its plan stops handing units to helpers. A one-line
+        over the devices online now that it allows (idle or busy, its own run too),
+        each priced by the unit seconds it timed already (none is asked to time them):
+        the ladder of ``rates`` and the rate below which its plan stops handing units to
+        helpers. A one-line
         :class:`UserError` for a job on no local data, or whose devices are offline."""
         record = self.store.get_job(job)
         if record is None:
             raise KeyError(job)
         spec = JobSpec.model_validate(record.spec)
-        devices = self.engine.fleet.available(record.devices_allowed)
+        devices = self.registry.planning_profiles(record.devices_allowed)
         if not holders_of(spec, devices):
             raise UserError(f"no holder of job {job}'s data is online")
         own = None

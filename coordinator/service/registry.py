@@ -121,9 +121,17 @@ class DeviceRegistry:
 
     def available(self, allowed: list[str] | None = None) -> list[DeviceSpec]:
         """Profiles of online, idle devices (in ``allowed`` when given), by id."""
+        return self.planning_profiles(allowed, busy=False)
+
+    def planning_profiles(
+        self, allowed: list[str] | None = None, *, busy: bool = True
+    ) -> list[DeviceSpec]:
+        """Profiles of online devices, idle or (``busy``) running a job, in ``allowed``
+        when given, by id: what the planner reads of them."""
+        states = ("online", "busy") if busy else ("online",)
         out = []
         for d in self.devices():
-            if d.state != "online" or d.profile is None:
+            if d.state not in states or d.profile is None:
                 continue
             if allowed is not None and d.id not in allowed:
                 continue

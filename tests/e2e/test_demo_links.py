@@ -1,14 +1,15 @@
-"""The demo's fleet on links that bind: every device's link shaped to 50 Mbit/s.
+"""The demo's fleet on links that bind: every device's link shaped to 10 Mbit/s.
 
 The demo's session (:func:`coordinator.local.demo.demo_session`) starts the four
-emulated agents with ``--link-mbps 50``; each shapes its frames to it and announces it.
+emulated agents with ``--link-mbps 10``; each shapes its frames to it and announces it.
 There the demo's exact job (fp32 links) is planned on the holders alone: the U's
 activations would cost more than the laptop saves ([Note: the split that does not
 pay]). The same job with ``codec: auto`` is planned as the U with its links
 compressed, and a client with the coordinator's account sees its activations and
 gradients cross in the chosen codec. The coordinator's links what-if
-(``POST /api/v1/jobs/{id}/links``) puts the rate where the exact job stops splitting
-above 50 Mbit/s and below 1000, and refuses a job on no local data with a 409.
+(``POST /api/v1/jobs/{id}/links``) prices the job at 10 Mbit/s exactly as its plan
+was priced, puts the rate where the exact job stops splitting above 10 Mbit/s and
+below 1000, and refuses a job on no local data with a 409.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from edge.wire.topics import TOPIC_ROOT
 
 pytestmark = needs_mosquitto
 
-MBPS = 50.0
+MBPS = 10.0
 
 
 @pytest.mark.slow
@@ -56,7 +57,7 @@ def test_on_slow_links_the_exact_job_stays_home_and_the_auto_codec_splits_compre
             demo.wait_job(other)
         finally:
             spy.close()
-    # Every agent shaped its link to 50 Mbit/s and said so.
+    # Every agent shaped its link to 10 Mbit/s and said so.
     assert sorted(d["profile"]["bandwidth_mbps"] for d in devices) == [MBPS] * 4
     # The exact job: the holders alone (the search's score or the engine's prediction).
     assert len(home["stages"]) == 1 and len(home["stages"][0]["devices"]) == 3
@@ -69,9 +70,11 @@ def test_on_slow_links_the_exact_job_stays_home_and_the_auto_codec_splits_compre
     crossed = [f for f in frames if f.kind in (Kind.ACTIVATION, Kind.GRADIENT)]
     assert crossed and {f.codec for f in crossed} <= {Codec.BF16, Codec.INT8}
     assert {Codec.parse(c) for c in coded} <= {f.codec for f in crossed}
-    # The what-if: at 1000 Mbit/s the exact job splits; at 50 it does not.
+    # The what-if: at 1000 Mbit/s the exact job splits; at its own rate it is the
+    # plan the job got, priced the same.
     fast, slow = links["ladder"]
     assert (fast["mbps"], fast["split"]) == (1000, True)
-    assert (slow["mbps"], slow["split"]) == (MBPS, False)
+    assert (slow["mbps"], slow["split"], slow["stages"]) == (MBPS, False, 1)
+    assert slow["predicted_sps"] == pytest.approx(home["throughput_sps"], rel=1e-9)
     assert MBPS < links["split_stops_paying_below_mbps"] < 1000
     assert refused.status_code == 409 and "no local data" in refused.json()["detail"]

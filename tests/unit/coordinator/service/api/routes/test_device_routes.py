@@ -97,6 +97,18 @@ def test_holders_are_the_devices_not_offline_that_hold_the_name(
     assert registry.holders("junk") == {} and registry.holders("cifar") == {}
 
 
+def test_a_plan_runs_on_idle_devices_and_a_what_if_also_on_busy_ones(
+    fleet: tuple[TestClient, DeviceRegistry],
+) -> None:
+    _, registry = fleet
+    assert [d.id for d in registry.available()] == ["laptop", "pi-1"]
+    assert [d.id for d in registry.planning_profiles()] == ["laptop", "pi-1", "pi-3"]
+    assert [d.id for d in registry.planning_profiles(["pi-2", "pi-3"])] == ["pi-3"]
+    # What the planner reads: its figures and the datasets, not the rest of details.
+    pi3 = registry.planning_profiles(["pi-3"])[0]
+    assert pi3.details is not None and set(pi3.details) == {"datasets"}
+
+
 def test_a_heartbeat_counts_only_for_a_device_that_announced_its_profile(
     fleet: tuple[TestClient, DeviceRegistry],
 ) -> None:
