@@ -473,7 +473,10 @@ def _plan_on_holders(
         alone_at, alone_score, alone_guess = at_best(alone.plan, alone)
         if alone_guess.step_time_s < guess.step_time_s:
             a, b = alone_guess.step_time_s * 1e3, guess.step_time_s * 1e3
-            method = f"the holders alone, predicted faster than the split ({a:.1f} ms to {b:.1f})"
+            method = (
+                f"the holders alone, predicted faster than the split: {a:.1f} ms a step "
+                f"against its {b:.1f} ms"
+            )
             found = FoundPlan(alone, method, False)
             at, score, guess = alone_at, alone_score, alone_guess
     found = replace(found, score=score, prediction=guess)
