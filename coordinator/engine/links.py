@@ -10,16 +10,17 @@ helpers' speed wins; where they bind, the bytes do, and below some rate the plan
 keeps the job on its holders. :func:`link_ladder` shows the user where that rate is.
 
 At each rate of a ladder every device's link runs at that rate and the job is
-planned twice, as the engine plans it (:func:`plan_over`,
-the same unit seconds): over every device, and over its holders alone (the job the
-demo runs to compare, ``devices`` its holders). A row gives both predictions and the
+planned twice, as the engine plans it (:func:`plan_over`, the same unit seconds):
+over every device, and over its holders alone (the job the demo runs to compare,
+``devices`` its holders). A row gives both predictions and the
 plan's shape: its stages, its links' codecs (a job with ``codec: auto`` compresses
 the links that bind), and the share of its predicted step on links and group sums.
 :func:`split_stops_paying` then bisects, between the ladder's rates where the plan
 splits and where it does not, to the rate below which the planner no longer splits
 (within :data:`BISECT_RATIO`).
 
-Tested in tests/unit/coordinator/engine/test_link_ladder.py; the demo prints it
+Tested in tests/unit/coordinator/engine/test_link_ladder.py and, through
+``POST /api/v1/jobs/{id}/links``, tests/e2e/test_demo_links.py; the demo prints it
 (``edgetrain demo --link-mbps``), and ``bench/demo_links.py`` measures it.
 """
 

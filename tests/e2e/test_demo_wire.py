@@ -12,16 +12,13 @@ run the first and the last units, and the loss on their own labels.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 from support.markers import needs_mosquitto
+from support.wire import job_frames, wire_spy
 
 from coordinator.local.demo import DemoFleet, demo_session, job_body
 from edge.models.zoo import get_model
-from edge.transport.mqtt import MqttTransport
-from edge.wire.frames import MAGIC, Kind, decode_frame
-from edge.wire.topics import TOPIC_ROOT
+from edge.wire.frames import Kind
 
 pytestmark = needs_mosquitto
 
@@ -29,29 +26,16 @@ pytestmark = needs_mosquitto
 @pytest.mark.slow
 def test_the_demos_job_sends_no_label_and_no_input() -> None:
     fleet = DemoFleet.parse("rpi4-4gb,rpi4-4gb,rpi4-4gb,laptop")
-    lock, seen = threading.Lock(), []
-
-    def keep(topic: str, payload: bytes) -> None:
-        with lock:
-            seen.append((topic, bytes(payload)))
-
-    with demo_session(fleet) as demo:
-        spy = MqttTransport(demo.coordinator_login)
-        spy.connect(timeout=30)
-        try:
-            spy.subscribe(f"{TOPIC_ROOT}/#", keep)
-            demo.wait_online()
-            job = demo.submit(job_body(steps=12, batch_size=48, microbatches="auto", lr=0.05))
-            plan = demo.wait_plan(job)
-            demo.wait_job(job)
-        finally:
-            spy.close()
+    with demo_session(fleet) as demo, wire_spy(demo.coordinator_login) as seen:
+        demo.wait_online()
+        job = demo.submit(job_body(steps=12, batch_size=48, microbatches="auto", lr=0.05))
+        plan = demo.wait_plan(job)
+        demo.wait_job(job)
+        frames = job_frames(seen(), job)
     assert plan["u_shaped"] is True
     holders = plan["stages"][0]["devices"]
     assert plan["stages"][-1]["devices"] == holders and len(holders) == 3
     assert not any(row["what"] == "labels" for row in plan["egress"])
-    with lock:
-        frames = [decode_frame(p) for t, p in seen if f"/jobs/{job}/" in t and p[:4] == MAGIC]
     kinds = {f.kind for f in frames}
     assert {Kind.ACTIVATION, Kind.GRADIENT} <= kinds, kinds  # the spy saw the job
     assert Kind.LABELS not in kinds

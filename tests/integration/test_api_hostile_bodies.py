@@ -57,8 +57,9 @@ JOBS = ("POST", "/api/v1/jobs")
 PLANS = ("POST", "/api/v1/plans")
 ENROLL = ("POST", "/api/v1/devices/enroll")
 CANCEL = ("POST", "/api/v1/jobs/{job_id}/cancel")
+LINKS = ("POST", "/api/v1/jobs/{job_id}/links")
 REVOKE = ("DELETE", "/api/v1/devices/{device_id}/enrollment")
-BODY_ROUTES = frozenset({JOBS, PLANS, ENROLL})
+BODY_ROUTES = frozenset({JOBS, PLANS, ENROLL, LINKS})
 WRITE_ROUTES = BODY_ROUTES | {CANCEL, REVOKE}
 """Every route that writes, as (method, path); those of :data:`BODY_ROUTES` take a JSON body."""
 
@@ -175,6 +176,12 @@ NON_FINITE_CASES: dict[tuple[str, str], dict[str, str]] = {
         "device_id in a list": '{"device_id": [{X}]}',
         "unknown field": '{"device_id": "pi-1", "x": {"y": {X}}}',
     },
+    LINKS: {
+        "whole body": "{X}",
+        "mbps": '{"mbps": [100, {X}]}',
+        "mbps (a list)": '{"mbps": {X}}',
+        "unknown field": '{"mbps": [10], "x": [{X}]}',
+    },
 }
 """Per write route with a body: bodies with ``{X}`` where NaN or Infinity goes, by what it is."""
 
@@ -275,7 +282,8 @@ def dump(value: Any) -> str:
 JOB_BODY: dict[str, Any] = {"model": "mlp", "steps": 2, "batch_size": 8, "microbatches": 2}
 PLAN_BODY: dict[str, Any] = {"model": "mlp", "devices": ["laptop"], "batch_size": 8}
 ENROLL_BODY: dict[str, Any] = {"device_id": "pi-1"}
-BASES = {JOBS: JOB_BODY, PLANS: PLAN_BODY, ENROLL: ENROLL_BODY}
+LINKS_BODY: dict[str, Any] = {"mbps": [100, 10]}
+BASES = {JOBS: JOB_BODY, PLANS: PLAN_BODY, ENROLL: ENROLL_BODY, LINKS: LINKS_BODY}
 """A body each route takes, for the property to change a few fields of."""
 
 WORDS = [

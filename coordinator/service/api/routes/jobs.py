@@ -366,7 +366,7 @@ class LinksCreate(BaseModel):
     responses={**NOT_FOUND, **CONFLICT},
 )
 def job_links(
-    job_id: str, store: StoreDep, manager: ManagerDep, body: LinksCreate | None = None
+    job_id: str, store: StoreDep, manager: ManagerDep, body: LinksCreate = LinksCreate()
 ) -> dict[str, Any]:
     """A job on local data planned again with every link at each rate, over the
     devices online now (:mod:`coordinator.engine.links`; nothing runs): per rate
@@ -378,7 +378,7 @@ def job_links(
     local data, or with no holder online, is a 409."""
     _job_or_404(store, job_id)
     try:
-        return manager.links(job_id, None if body is None else body.mbps)
+        return manager.links(job_id, body.mbps)
     except UserError as exc:
         raise HTTPException(409, exc.message) from None
 

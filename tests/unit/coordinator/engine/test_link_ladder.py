@@ -25,29 +25,17 @@ from coordinator.local.demo import job_body
 from coordinator.local.train import emulated
 from coordinator.planner.partition import plan_holders_job
 from edge.errors import UserError
-from edge.models.local_data import DETAILS_KEY
+from edge.models.local_data import announce, register
+from edge.models.user_code import CodeAllowance
 from edge.problem import DeviceSpec
-
-SHARD = {
-    "kind": "zoo",
-    "samples": 479,
-    "input_shape": [1, 8, 8],
-    "input_dtype": "float32",
-    "label_shape": [],
-    "label_dtype": "int64",
-    "num_classes": 10,
-}
 
 
 def _fleet() -> list[DeviceSpec]:
-    """The demo's devices as the catalogue has them, the first three holding digits."""
+    """The demo's devices as the catalogue has them, each of the first three announcing
+    its third of digits as its agent would."""
     specs, _ = emulated(["rpi4-4gb"] * 3 + ["laptop"])
-    return [
-        d.model_copy(update={"details": {**(d.details or {}), DETAILS_KEY: {"digits": SHARD}}})
-        if i < 3
-        else d
-        for i, d in enumerate(specs)
-    ]
+    shards = [register([f"digits=digits:shard={i + 1}/3"], CodeAllowance(())) for i in range(3)]
+    return [announce(d, shards[i]) if i < 3 else d for i, d in enumerate(specs)]
 
 
 def _job(codec: str = "fp32", microbatches: int | str = 4) -> JobSpec:
