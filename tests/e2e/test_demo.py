@@ -67,9 +67,12 @@ def test_demo_trains_digits_to_90_percent_through_the_api() -> None:
     ladder = out["link_ladder"]
     assert [rung["mbps"] for rung in ladder] == [1000, 300, 100, 30, 10, 3, 1]
     assert ladder[0]["split"] is True and ladder[-1]["split"] is False
+    # The bisected rate lies where the ladder first stops splitting, from the top (the
+    # model's rungs between need not be monotone: a split and the holders alone can be
+    # predicted close there).
     below = out["split_stops_paying_below_mbps"]
-    assert 1 < below < 1000
-    assert all(rung["split"] == (rung["mbps"] >= below) for rung in ladder)
+    first = next(i for i, rung in enumerate(ladder) if not rung["split"])
+    assert ladder[first]["mbps"] < below <= ladder[first - 1]["mbps"]
     # The order the issue asks for: plan, accuracy, both rates, speedup, error, dashboard.
     text = done.stderr
     marks = ["what crosses", "test accuracy", "on the holders", "speedup", "measured/predicted"]

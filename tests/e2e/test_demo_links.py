@@ -2,16 +2,17 @@
 
 The demo's session (:func:`coordinator.local.demo.demo_session`) starts the four
 emulated agents with ``--link-mbps 10``; each shapes its frames to it and announces it.
-The demo's job with ``codec: auto`` is planned there as the U with its links
-compressed, and a client with the coordinator's account sees its activations and
-gradients cross in the chosen codec. The exact job (fp32 links) is planned as the
-engine's prediction says: where the holders alone are faster, on them ([Note: the
-split that does not pay]; which way it goes at 10 Mbit/s moves with the unit times
-the agents measure, so the unit tests of coordinator/engine/links.py pin the
-decision on catalogue profiles). The coordinator's links what-if
-(``POST /api/v1/jobs/{id}/links``) plans the exact job at 10 Mbit/s as its plan was
-planned and priced, splits it at 1000, puts the rate where it stops splitting where
-the ladder says, and refuses a job on no local data with a 409.
+The demo's job with ``codec: auto`` is planned there as the U with its holders'
+activations compressed, and a client with the coordinator's account sees every
+activation and gradient cross in its link's chosen codec. The exact job (fp32
+links) is planned as the engine's prediction says: where the holders alone are
+faster, on them ([Note: the split that does not pay]; which way it goes at 10 Mbit/s
+moves with the unit times the agents measure, so the unit tests of
+coordinator/engine/links.py pin the decision on catalogue profiles). The
+coordinator's links what-if (``POST /api/v1/jobs/{id}/links``) plans the exact job at
+10 Mbit/s as its plan was planned and priced, splits it at 1000, puts the rate where
+it stops splitting where the ladder says, and refuses a job on no local data with a
+409.
 """
 
 from __future__ import annotations
@@ -54,12 +55,13 @@ def test_on_slow_links_the_auto_codec_splits_compressed_and_the_what_if_is_the_p
         assert home["u_shaped"] is True and home["stages"][-1]["devices"] == holders
         assert all(row["codec"] in ("fp32", "raw") for row in home["egress"])
     # With codec auto: the U, its links compressed, as the frames on the wire show.
+    # The holders' activations (16 kB a sample) bind; the U's link back to them (the
+    # laptop's 64 numbers a sample) may stay exact.
     assert split["u_shaped"] is True
     coded = [row["codec"] for row in split["egress"] if row["what"].startswith("activations")]
-    assert coded and all(c in ("bf16", "int8") for c in coded), split["egress"]
-    crossed = [f for f in frames if f.kind in (Kind.ACTIVATION, Kind.GRADIENT)]
-    assert crossed and {f.codec for f in crossed} <= {Codec.BF16, Codec.INT8}
-    assert {Codec.parse(c) for c in coded} <= {f.codec for f in crossed}
+    assert len(coded) == 2 and coded[0] in ("bf16", "int8"), split["egress"]
+    crossed = {f.codec for f in frames if f.kind in (Kind.ACTIVATION, Kind.GRADIENT)}
+    assert crossed == {Codec.parse(c) for c in coded}, (crossed, coded)
     # The what-if: at 1000 Mbit/s the exact job splits; at its own rate it is the
     # plan the job got, priced the same; the bisected rate is where the ladder flips.
     fast, slow = links["ladder"]
