@@ -57,13 +57,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's p
 
 from bench.siblings import sibling
 from coordinator.engine.engine import JobEngine, PlannedJob, job_unit_seconds, plan_over
-from coordinator.engine.links import LINK_PARTS, at_links, split_stops_paying
+from coordinator.engine.links import at_links, split_stops_paying
 from coordinator.engine.options import JobAccess, RunOptions
 from coordinator.engine.spec import JobSpec
 from coordinator.local.demo import DemoFleet, job_body
 from coordinator.local.fleet import LocalFleet
 from coordinator.local.owned import start_owned_broker
-from coordinator.planner.anatomy import StepTerms, anatomy
+from coordinator.planner.anatomy import StepTerms, anatomy, link_share
+from coordinator.planner.holders import holder_ends
 from coordinator.planner.predict import UnitSeconds, predict
 from coordinator.planner.score import Plan, Stage, for_plan, score_plan
 from edge.runtime.allocator import tune_malloc
@@ -105,10 +106,6 @@ def _holder_shares(planned: PlannedJob) -> list[float]:
     return planned.holders.holders_alone.shares[0]
 
 
-def _fixed(plan: Plan, shares: list[float]) -> dict[int, list[float]]:
-    return {0: shares, len(plan.stages) - 1: shares} if plan.u_shaped else {0: shares}
-
-
 def predicted(
     planned: PlannedJob, plan: Plan, spec: JobSpec, own: dict[str, UnitSeconds]
 ) -> tuple[float, float]:
@@ -116,11 +113,11 @@ def predicted(
     prices a job (the units each device timed itself, ``own``), and the share of its
     step on links and group sums."""
     units = job_unit_seconds(spec, own)
-    fixed = _fixed(plan, _holder_shares(planned))
+    fixed = holder_ends(plan, _holder_shares(planned))
     guess = predict(planned.problem, plan, units, fixed_shares=fixed)
     terms = StepTerms.of_prediction(for_plan(planned.problem, plan), guess)
     fractions = anatomy(plan, terms).fractions()
-    return guess.throughput_sps, sum(fractions[p] for p in LINK_PARTS)
+    return guess.throughput_sps, link_share(fractions)
 
 
 @dataclass(frozen=True)
@@ -227,7 +224,7 @@ def _run(
     steps = args.warmup + max(
         args.min_steps, min(args.max_steps, math.ceil(args.seconds * sps / spec.batch_size))
     )
-    fixed = _fixed(plan, _holder_shares(planned))
+    fixed = holder_ends(plan, _holder_shares(planned))
     shares = score_plan(for_plan(planned.problem, plan), plan, fixed_shares=fixed).shares
     run = spec.model_copy(update={"steps": steps, "microbatches": planned.problem.microbatches})
     started = time.perf_counter()
@@ -244,7 +241,7 @@ def _run(
         measured_sps=measured.sps,
         bytes_per_sample=measured.bytes_per_sample,
         link_share_predicted=share,
-        link_share_measured=None if fractions is None else sum(fractions[p] for p in LINK_PARTS),
+        link_share_measured=None if fractions is None else link_share(fractions),
         steps=steps,
     )
     print(

@@ -1003,6 +1003,15 @@ MUTANTS = [
         tests=("tests/unit/coordinator/engine/test_link_ladder.py",),
     ),
     Mutant(
+        name="u-tail-at-speed-shares",
+        what="a U-shaped plan's last stage is scored with its holders at speed shares, not "
+        "by their data",
+        path="coordinator/planner/holders.py",
+        old="    last = len(plan.stages) - 1 if plan.u_shaped else 0\n",
+        new="    last = 0\n",
+        tests=("tests/unit/coordinator/planner/test_codecs.py",),
+    ),
+    Mutant(
         name="links-bisection-reports-the-slow-end",
         what="the rate where the split stops paying is the bracket's slow end",
         path="coordinator/engine/links.py",

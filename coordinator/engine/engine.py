@@ -77,9 +77,10 @@ from coordinator.engine.unit_profiles import (
     timing_request,
     whole_model_bytes,
 )
+from coordinator.planner.anatomy import Anatomy, StepTerms, anatomy
 from coordinator.planner.build import build_problem
 from coordinator.planner.group_tables import GroupLimits
-from coordinator.planner.holders import HolderPlans
+from coordinator.planner.holders import HolderPlans, holder_ends
 from coordinator.planner.microbatches import best_microbatches
 from coordinator.planner.partition import (
     FoundPlan,
@@ -172,6 +173,17 @@ class PlannedJob:
     def shares(self) -> list[list[float]] | None:
         """Each group member's share of a microbatch, per stage; ``None`` without groups."""
         return self.score.shares if self.plan.grouped else None
+
+    def anatomy(self) -> Anatomy:
+        """Where the plan's step goes, per member: the internal model's prediction, or
+        without one the spec's score (both on the problem as the plan runs it)."""
+        problem, prediction = for_plan(self.problem, self.plan), self.found.prediction
+        terms = (
+            StepTerms.of_score(problem, self.score)
+            if prediction is None
+            else StepTerms.of_prediction(problem, prediction)
+        )
+        return anatomy(self.plan, terms)
 
 
 @dataclass
@@ -449,7 +461,7 @@ def _plan_on_holders(
 
     def at_best(plan: Plan, score: PlanScore) -> tuple[PlanningProblem, PlanScore, Prediction]:
         """``plan`` predicted, at its best number of microbatches for an ``auto`` job."""
-        ends = {0: shares, len(plan.stages) - 1: shares} if plan.u_shaped else {0: shares}
+        ends = holder_ends(plan, shares)
 
         def holders_scored(
             q: PlanningProblem, p: Plan, moved: UnitSeconds | None

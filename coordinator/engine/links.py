@@ -34,9 +34,8 @@ from typing import Any
 
 from coordinator.engine.engine import PlannedJob, plan_over
 from coordinator.engine.spec import JobSpec
-from coordinator.planner.anatomy import StepTerms, anatomy
+from coordinator.planner.anatomy import link_share
 from coordinator.planner.predict import UnitSeconds
-from coordinator.planner.score import for_plan
 from edge.errors import UserError
 from edge.models.local_data import announced
 from edge.problem import DeviceSpec
@@ -44,7 +43,6 @@ from edge.problem import DeviceSpec
 __all__ = [
     "BISECT_RATIO",
     "LADDER_MBPS",
-    "LINK_PARTS",
     "AtLinks",
     "at_links",
     "at_rate",
@@ -58,9 +56,6 @@ LADDER_MBPS = (1000.0, 300.0, 100.0, 30.0, 10.0, 3.0, 1.0)
 
 BISECT_RATIO = 1.05
 """:func:`split_stops_paying` narrows its bracket to this ratio of rates."""
-
-LINK_PARTS = ("link", "group_sum")
-"""The parts of a step's anatomy that its links take."""
 
 
 @dataclass(frozen=True)
@@ -99,18 +94,6 @@ def holders_of(spec: JobSpec, devices: Sequence[DeviceSpec]) -> list[DeviceSpec]
     return [d for d in devices if announced(d.model_dump()).get(name) is not None]
 
 
-def _link_share(planned: PlannedJob) -> float:
-    prediction = planned.found.prediction
-    problem = for_plan(planned.problem, planned.plan)
-    terms = (
-        StepTerms.of_score(problem, planned.score)
-        if prediction is None
-        else StepTerms.of_prediction(problem, prediction)
-    )
-    fractions = anatomy(planned.plan, terms).fractions()
-    return sum(fractions[p] for p in LINK_PARTS)
-
-
 def _sps(planned: PlannedJob) -> float:
     prediction = planned.found.prediction
     return prediction.throughput_sps if prediction is not None else planned.score.throughput_sps
@@ -136,7 +119,7 @@ def at_links(
         codecs=list(plan.codecs) if plan.codecs else [spec.link_codec] * links,
         predicted_sps=_sps(planned),
         holders_alone_sps=_sps(alone),
-        link_share=_link_share(planned),
+        link_share=link_share(planned.anatomy().fractions()),
     )
 
 

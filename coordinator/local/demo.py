@@ -37,10 +37,10 @@ import httpx
 from pydantic import SecretStr
 
 from coordinator.access.accounts import BrokerAccounts
-from coordinator.engine.links import LINK_PARTS
 from coordinator.local.broker import free_port
 from coordinator.local.fleet import AgentRoles, LocalFleet
 from coordinator.local.train import emulated
+from coordinator.planner.anatomy import link_share
 from coordinator.service.serve import serve_in_thread
 from coordinator.service.settings import Settings
 from edge.errors import UserError
@@ -372,7 +372,7 @@ class DemoResult:
         """The share of the job's step on links and group sums, ``predicted`` or
         ``measured`` (summed over its stages' members); ``None`` before there is one."""
         parts = (self.anatomy.get(which) or {}).get("fractions")
-        return None if parts is None else sum(parts[p] for p in LINK_PARTS)
+        return None if parts is None else link_share(parts)
 
     def summary(self) -> dict[str, Any]:
         """What ``--json`` prints."""

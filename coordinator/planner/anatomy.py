@@ -58,7 +58,7 @@ Tested in tests/unit/coordinator/planner/test_anatomy.py.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -72,17 +72,26 @@ if TYPE_CHECKING:
     from coordinator.planner.predict import Prediction
 
 __all__ = [
+    "LINK_PARTS",
     "PARTS",
     "Anatomy",
     "AnatomyMeter",
     "MemberAnatomy",
     "StepTerms",
     "anatomy",
+    "link_share",
     "measured_anatomy",
 ]
 
 PARTS = ("compute", "fixed", "bubble", "imbalance", "link", "group_sum")
 """The parts of a step, in the order they are shown."""
+LINK_PARTS = ("link", "group_sum")
+"""The parts of a step that its links take."""
+
+
+def link_share(fractions: Mapping[str, float]) -> float:
+    """The share of a step on its links, from an anatomy's :meth:`Anatomy.fractions`."""
+    return sum(fractions[p] for p in LINK_PARTS)
 
 
 @dataclass(frozen=True)

@@ -114,14 +114,15 @@ def plan_with_codecs(
 ) -> CodecChoice | None:
     """The best plan and its link codecs over every allowed codec (see the module).
 
-    ``search`` plans a problem (``None``: nothing fits); ``fixed_shares`` gives a plan's
-    fixed shares, where its stages have them. Returns ``None`` when no codec gives a
-    feasible plan.
+    ``search`` plans a problem (``None``: nothing fits), ``problem`` itself for a codec
+    that keeps every byte (a search it has run already can be reused); ``fixed_shares``
+    gives a plan's fixed shares, where its stages have them. Returns ``None`` when no
+    codec gives a feasible plan.
     """
     _check(allowed)
     best: CodecChoice | None = None
     for codec in allowed:
-        plan = search(_scaled(problem, codec))
+        plan = search(problem if CODEC_RATIO[codec] == 1.0 else _scaled(problem, codec))
         if plan is None:
             continue
         shares = fixed_shares(plan) if fixed_shares is not None else None

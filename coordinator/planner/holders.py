@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from coordinator.planner.score import Plan, PlanScore, Stage, for_plan, score_plan
 from edge.problem import PlanningProblem
 
-__all__ = ["HolderPlans", "plan_with_holders"]
+__all__ = ["HolderPlans", "holder_ends", "plan_with_holders"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,13 @@ class HolderPlans:
     """Per holder: the whole model on it alone (its samples/s on its own data)."""
     tried: int
     """How many ways to cut (``k``, and with labels local ``m``) were scored."""
+
+
+def holder_ends(plan: Plan, shares: Sequence[float]) -> dict[int, list[float]]:
+    """The fixed shares of ``plan``'s stages on the holders (``shares``, by their data):
+    stage 0, and a U-shaped plan's last stage too (:func:`score_plan`'s ``fixed_shares``)."""
+    last = len(plan.stages) - 1 if plan.u_shaped else 0
+    return {0: list(shares), last: list(shares)}
 
 
 def plan_with_holders(
@@ -70,12 +77,10 @@ def plan_with_holders(
     if not 1 <= min_local_units <= n:
         raise ValueError(f"min_local_units {min_local_units} is not between 1 and {n}")
     helpers = [d for d in problem.devices if d.id not in set(holders)]
-    fixed = {0: list(shares)}
     solo = len(holders) > 1 and bool(solo_units)
 
     def score(plan: Plan) -> PlanScore:
-        ends = {**fixed, len(plan.stages) - 1: list(shares)} if plan.u_shaped else fixed
-        return score_plan(for_plan(problem, plan), plan, fixed_shares=ends)
+        return score_plan(for_plan(problem, plan), plan, fixed_shares=holder_ends(plan, shares))
 
     def helped(k: int, m: int) -> PlanScore | None:
         """The plan with the holders on ``[0, k)`` (and with a tail, ``[m, n)``), the

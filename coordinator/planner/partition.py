@@ -62,7 +62,7 @@ from coordinator.planner.baselines import even_split
 from coordinator.planner.codecs import choose_codecs, plan_with_codecs
 from coordinator.planner.group_search import plan_groups, replan
 from coordinator.planner.group_tables import GroupLimits
-from coordinator.planner.holders import HolderPlans, plan_with_holders
+from coordinator.planner.holders import HolderPlans, holder_ends, plan_with_holders
 from coordinator.planner.microbatches import plan_microbatches
 from coordinator.planner.predict import (
     Prediction,
@@ -469,14 +469,12 @@ def plan_holders_job(
     if codec.lower() == "auto":
 
         def best_plan(q: PlanningProblem) -> Plan | None:
-            got = search(q).best
+            got = found.best if q is problem else search(q).best  # fp32's: searched above
             return None if got is None else got.plan
 
-        def ends(plan: Plan) -> dict[int, list[float]]:  # the holders' shares, both ends
-            last = len(plan.stages) - 1 if plan.u_shaped else 0
-            return {0: list(shares), last: list(shares)}
-
-        coded = plan_with_codecs(problem, best_plan, fixed_shares=ends)
+        coded = plan_with_codecs(
+            problem, best_plan, fixed_shares=lambda plan: holder_ends(plan, shares)
+        )
         if coded is not None and coded.score.step_time_s < best.step_time_s * (1 - 1e-9):
             best = coded.score
     plan, n = best.plan, len(problem.layers)

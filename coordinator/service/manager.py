@@ -63,7 +63,7 @@ from coordinator.engine.options import JobAccess, JobHooks, RunOptions, Toleranc
 from coordinator.engine.replicas import ReplicaStore
 from coordinator.engine.runners import server_tier
 from coordinator.engine.spec import JobSpec, new_job_id
-from coordinator.planner.anatomy import AnatomyMeter, StepTerms, anatomy
+from coordinator.planner.anatomy import AnatomyMeter
 from coordinator.planner.baselines import job_baselines
 from coordinator.planner.bounds import certificate
 from coordinator.planner.predict import Prediction
@@ -185,8 +185,8 @@ class JobManager:
         over the devices online now that it allows (idle or busy, its own run too),
         each priced by the unit seconds it timed already (none is asked to time them):
         the ladder of ``rates`` and the rate below which its plan stops handing units to
-        helpers. A one-line
-        :class:`UserError` for a job on no local data, or whose devices are offline."""
+        helpers. A one-line :class:`UserError` for a job on no local data, or whose
+        devices are offline."""
         record = self.store.get_job(job)
         if record is None:
             raise KeyError(job)
@@ -267,12 +267,6 @@ class JobManager:
         # A plan on groups is scored (and so simulated) under version 2, as it was planned.
         as_planned = for_plan(problem, score.plan)
         sim = simulate(as_planned, score.plan, planned.schedule)
-        prediction = planned.found.prediction
-        terms = (
-            StepTerms.of_score(as_planned, score)
-            if prediction is None
-            else StepTerms.of_prediction(as_planned, prediction)
-        )
         members = sum(len(st.devices) for st in score.plan.stages)
         self._meters[job] = AnatomyMeter(members)  # a new plan is measured afresh
         self.store.set_job_plan(
@@ -296,7 +290,7 @@ class JobManager:
                 "baselines": job_baselines(problem, planned.holders),
                 "egress": egress(spec, score.plan),
                 "simulation": sim.to_json(),
-                "anatomy": anatomy(score.plan, terms).to_json(),
+                "anatomy": planned.anatomy().to_json(),
                 # The spec's step against the least any plan of the problem could take.
                 **certificate(as_planned, score.step_time_s),
             },
