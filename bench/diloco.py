@@ -76,7 +76,8 @@ from coordinator.engine.unit_profiles import (
 from coordinator.local.demo import held_out
 from coordinator.planner.build import parse_fleet
 from coordinator.planner.predict import UnitSeconds
-from coordinator.testbed.testbed import MethodChoice, Testbed, measure_core_gflops
+from coordinator.testbed.limits import METHODS, MethodChoice
+from coordinator.testbed.testbed import Testbed, measure_core_gflops
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec
 from edge.runtime.allocator import tune_malloc
@@ -369,7 +370,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--every", type=int, default=8, help="DiLoCo's H: steps between syncs")
     parser.add_argument("--outer-lr", type=float, default=1.0)
     parser.add_argument("--outer-momentum", type=float, default=0.0)
-    parser.add_argument("--method", choices=["auto", "kernel", "software"], default="auto")
+    parser.add_argument("--method", choices=METHODS, default="auto")
     parser.add_argument(
         "--unit-times",
         choices=["devices", "host"],

@@ -66,6 +66,7 @@ from coordinator.planner.baselines import even_split, ftpipehd, pipedream, singl
 from coordinator.planner.score import Plan, score_plan
 from coordinator.planner.simulator import simulate
 from coordinator.planner.solve import plan_problem
+from coordinator.testbed.limits import METHODS
 from coordinator.testbed.testbed import StartOptions, Testbed
 from edge.models.unit_costs import profile_model
 from edge.models.zoo import get_model
@@ -418,7 +419,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the rate")
     parser.add_argument("--seconds", type=float, default=6.0, help="steady state per run")
     parser.add_argument("--max-steps", type=int, default=30)
-    parser.add_argument("--method", choices=["auto", "kernel", "software"], default="auto")
+    parser.add_argument("--method", choices=METHODS, default="auto")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     results = Path(__file__).resolve().parent / "results"
     parser.add_argument("--chart", type=Path, default=results / "heterogeneity.png")

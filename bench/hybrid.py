@@ -155,7 +155,8 @@ from coordinator.planner.predict import (
 )
 from coordinator.planner.score import Plan, for_plan, score_plan
 from coordinator.planner.simulator import fastest_schedule
-from coordinator.testbed.testbed import MethodChoice, StartOptions, Testbed, measure_core_gflops
+from coordinator.testbed.limits import METHODS, MethodChoice, most_faithful
+from coordinator.testbed.testbed import StartOptions, Testbed, measure_core_gflops
 from edge.config import Schedule
 from edge.errors import UserError
 from edge.models.zoo import get_model
@@ -1056,7 +1057,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="passes over the same plans, strategies in turn; each row is its median pass",
     )
-    parser.add_argument("--method", choices=["auto", "kernel", "software"], default="auto")
+    parser.add_argument(
+        "--method",
+        choices=METHODS,
+        help="the testbed's limits (default: scalar where the kernel's limits work, "
+        "else software; kernel: the old FLOP-share quota on the whole agent)",
+    )
     parser.add_argument(
         "--unit-times",
         choices=["host", "devices"],
@@ -1157,6 +1163,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = from_json(json.loads(args.from_json.read_text()))
     else:
         tune_malloc()  # as the agents do: calibration and runs allocate alike
+        args.method = args.method or most_faithful()
         models = [m.strip() for m in args.models.split(",") if m.strip()]
         fleets = [f.strip() for f in args.fleets.split(",") if f.strip()]
         if args.predict_shapes:

@@ -13,21 +13,34 @@ Each model trains a job on that local data (``"data": {"name": ..., "placement":
   first stands for each;
 - ``holders alone``: every unit on the holders together, data-parallel, no helper
   (the federated alternative, :class:`~coordinator.planner.holders.HolderPlans`);
+- ``one helper``: one helper training the whole model alone, lent the dataset for
+  this run only (the job's data central: the helper loads it as any first stage
+  does); every helper is alike, so the first stands for each;
 - ``plan``, with one helper and with two (the second is otherwise idle): the job's
   plan (:func:`coordinator.engine.engine.plan_over`, as the coordinator makes it):
   the holders are stage 0's group, each with its share of every microbatch, and the
   helpers run the rest.
 
-The first two use no helper, so they run once per model and holder count and every
-plan of that model and holder count is compared with them.
+The first three use no more than one device kind each, so they run once per model and
+holder count and every plan of that model and holder count is compared with them.
+
+[Note: a fleet's capacity]
+A row's ``capacity_sps`` is the sum of what each device it may use trains alone, on
+the whole model under the same emulation: ``H`` times ``one holder``'s samples/s for
+the holders (they are alike), plus ``k`` times ``one helper``'s for a plan with ``k``
+helpers (the holders alone: the holders' part only; one holder: its own). Its
+``fraction`` is the measured samples/s over that: how much of what the fleet could do
+alone, device by device, the plan turns into training of one model.
 
 For each: the measured samples/s (steady state: stage 0's step times after
 ``--warmup`` steps, :func:`bench.hybrid.measure`), the predicted samples/s (the
 planner's internal model, :func:`coordinator.planner.predict.predict`, with the
 units timed on this machine as the engine times them and stage 0's shares fixed by
-the data), measured / predicted, and the bytes every device sent per sample trained
+the data), measured / predicted, the bytes every device sent per sample trained
 (``StepReport.bytes_sent`` over the steady steps: activations, gradients, labels and
-a group's gradient sums, as framed on the wire).
+a group's gradient sums, as framed on the wire), the capacity and its fraction, and
+where the step went member by member, measured and predicted (``anatomy`` and
+``predicted_anatomy``: :mod:`coordinator.planner.anatomy`).
 
 Models: ``cnn-digits`` at width 64 (the demo's) on ``digits``, and ``vgg11`` at
 width 16 on ``synthetic-images`` 3x32x32 (a quarter of VGG-11's channels, so that
@@ -36,9 +49,12 @@ a Pi-class holder alone trains a step within seconds here).
 Speeds: one scale for every fleet (the testbed's ``--scale``: cores for the
 fastest device), chosen so that the largest fleet (8 holders and 2 helpers) gets
 ``--cores`` of this machine in all; the ratios between devices are the catalogue's.
+``--method`` is the testbed's (default: ``scalar`` where the kernel's limits work,
+[Note: two speeds of a device] in :mod:`coordinator.testbed.sizing`; ``kernel`` the
+FLOP-share quota on the whole agent; ``software``), and each row says which.
 
     .venv/bin/python bench/local_data.py [--holders 2,4,8] [--helpers 1,2]
-        [--models cnn-digits,vgg11] [--cores 1.2] [--method auto|kernel|software]
+        [--models cnn-digits,vgg11] [--cores 1.2] [--method auto|kernel|scalar|software]
         [--json] [--results bench/results/local_data.json]
         [--chart bench/results/local_data.png] [--from-json FILE] [--quick]
 
@@ -67,20 +83,22 @@ from bench.siblings import sibling
 from coordinator.engine.engine import plan_over
 from coordinator.engine.spec import DataPlacement, JobSpec
 from coordinator.engine.watch import DeviceFeed
+from coordinator.planner.anatomy import StepTerms, anatomy
 from coordinator.planner.build import parse_fleet
 from coordinator.planner.predict import measure_unit_seconds, predict
-from coordinator.planner.score import Plan
+from coordinator.planner.score import Plan, for_plan
+from coordinator.testbed.limits import METHODS, most_faithful
 from coordinator.testbed.sizing import CPU_BUDGET, default_scale
 from coordinator.testbed.testbed import StartOptions, Testbed
 from edge.models.zoo import get_model
-from edge.problem import DeviceSpec
+from edge.problem import DeviceSpec, PlanningProblem
 from edge.runtime.allocator import tune_malloc
 from edge.transport.mqtt import MqttTransport
 from edgetrain.cli.signals import exit_on_sigterm
 
 hybrid = sibling("hybrid")
 
-STRATEGIES = ("holders alone", "one holder", "plan")
+STRATEGIES = ("holders alone", "one holder", "one helper", "plan")
 """The plans of each job, in the order they run: the holders alone first, so that every
 holder builds its first stage (imports, its data) at once, outside any measurement."""
 MODELS: dict[str, dict[str, Any]] = {"cnn-digits": {"width": 64}, "vgg11": {"width": 16}}
@@ -104,11 +122,22 @@ class Row:
     """Bytes every device sent in the steady steps, per sample trained."""
     steps: int
     method: str
+    capacity_sps: float = math.nan
+    """What the devices the row may use train alone, summed ([Note: a fleet's capacity])."""
+    anatomy: dict[str, Any] | None = None
+    """Where the steady steps went, member by member, measured (``Anatomy.to_json``)."""
+    predicted_anatomy: dict[str, Any] | None = None
+    """The same, predicted by the internal model."""
 
     @property
     def ratio(self) -> float:
         """Measured / predicted."""
         return self.measured_sps / self.predicted_sps if self.predicted_sps > 0 else math.nan
+
+    @property
+    def fraction(self) -> float:
+        """Measured over the capacity of the devices it may use."""
+        return self.measured_sps / self.capacity_sps if self.capacity_sps > 0 else math.nan
 
     @property
     def layout(self) -> str:
@@ -134,7 +163,7 @@ class Row:
         return STRATEGIES.index(self.strategy), self.helpers
 
 
-DERIVED = ("ratio", "layout", "label")
+DERIVED = ("ratio", "fraction", "layout", "label")
 """Keys of a JSON row that :func:`to_json` computes from the others."""
 
 
@@ -210,15 +239,18 @@ def profiles(control: MqttTransport, ids: list[str], timeout_s: float = 30.0) ->
 
 @dataclass(frozen=True)
 class Candidate:
+    spec: JobSpec
+    """The job it runs (the fleet's, or ``one helper``'s on central data)."""
     plan: Plan
     shares: list[list[float]]
     """Each stage's members' shares of a microbatch (``[1.0]`` for one device)."""
     predicted_sps: float
+    predicted_anatomy: dict[str, Any]
 
 
 def candidates(spec: JobSpec, devices: list[DeviceSpec]) -> dict[str, Candidate]:
     """Every strategy's plan (:data:`STRATEGIES`) of the local-data job ``spec`` over
-    ``devices`` (holders announcing its data, and helpers), each predicted the same way:
+    ``devices`` (holders announcing its data, then helpers), each predicted the same way:
     the job's unit times, stage 0's shares fixed by the data."""
     planned = plan_over(spec, devices, where="the fleet")
     assert planned.holders is not None  # a job on local data
@@ -232,14 +264,28 @@ def candidates(spec: JobSpec, devices: list[DeviceSpec]) -> dict[str, Candidate]
     alone = planned.holders.holders_alone
     fixed = {0: alone.shares[0]}  # each holder's share of the data
     one = next(iter(planned.holders.each_alone.values()))  # every holder is alike
+    held = {d for st in alone.plan.stages for d in st.devices}
+    helper = next(d for d in devices if d.id not in held)
+    lent = spec.model_copy(update={"data": None})  # the helper's data, for this run only
+    solo = plan_over(lent, [helper], where="the helper")
 
-    def sps(plan: Plan, fixed_shares: dict[int, list[float]] | None) -> float:
-        return predict(planned.problem, plan, units, fixed_shares=fixed_shares).throughput_sps
+    def candidate(
+        job: JobSpec,
+        problem: PlanningProblem,
+        plan: Plan,
+        shares: list[list[float]],
+        fixed_shares: dict[int, list[float]] | None,
+    ) -> Candidate:
+        guess = predict(problem, plan, units, fixed_shares=fixed_shares)
+        terms = StepTerms.of_prediction(for_plan(problem, plan), guess)
+        return Candidate(job, plan, shares, guess.throughput_sps, anatomy(plan, terms).to_json())
 
+    fleet = planned.problem
     return {
-        "holders alone": Candidate(alone.plan, alone.shares, sps(alone.plan, fixed)),
-        "one holder": Candidate(one.plan, one.shares, sps(one.plan, None)),
-        "plan": Candidate(planned.plan, planned.score.shares, sps(planned.plan, fixed)),
+        "holders alone": candidate(spec, fleet, alone.plan, alone.shares, fixed),
+        "one holder": candidate(spec, fleet, one.plan, one.shares, None),
+        "one helper": candidate(lent, solo.problem, solo.plan, solo.score.shares, None),
+        "plan": candidate(spec, fleet, planned.plan, planned.score.shares, fixed),
     }
 
 
@@ -248,7 +294,8 @@ def candidates(spec: JobSpec, devices: list[DeviceSpec]) -> dict[str, Candidate]
 
 def run_fleet(holders: int, models: list[str], args: argparse.Namespace) -> list[Row]:
     """Bring up ``holders`` Pis and two helpers; per model, run the alternatives (no
-    helper) once and the plan with each helper count of ``args.helper_counts``."""
+    helper) once and the plan with each helper count of ``args.helper_counts``; then
+    each row's capacity ([Note: a fleet's capacity])."""
     devices = fleet_devices(holders)
     rows: list[dict[str, Any]] = []
     with (
@@ -261,7 +308,7 @@ def run_fleet(holders: int, models: list[str], args: argparse.Namespace) -> list
             start=StartOptions(method=args.method, coordinator=False),
         ) as tb,
     ):
-        cores = ", ".join(f"{d.id} {d.cpus:.3f}" for d in tb.devices)
+        cores = ", ".join(f"{d.id} {d.cpus:.3f} (scalar {d.general_cpus:.3f})" for d in tb.devices)
         print(f"# {holders} holders: limits {tb.method_line}; cores {cores}", file=sys.stderr)
         control = MqttTransport(tb.login())
         control.connect(30)
@@ -274,24 +321,39 @@ def run_fleet(holders: int, models: list[str], args: argparse.Namespace) -> list
                     for strategy, candidate in got.items():
                         if (strategy == "plan") == (helpers > 0):
                             rows.append(
-                                _run(tb, control, spec, candidate, holders, helpers, args)
+                                _run(tb, control, candidate, holders, helpers, args)
                                 | {"strategy": strategy}
                             )
         finally:
             control.close()
-    return [Row(**r) for r in rows]
+    return with_capacity([Row(**r) for r in rows])
+
+
+def with_capacity(rows: list[Row]) -> list[Row]:
+    """``rows`` with each one's ``capacity_sps`` ([Note: a fleet's capacity]) from its
+    model's and holder count's ``one holder`` and ``one helper`` rows."""
+    alone = {(r.model, r.holders, r.strategy): r.measured_sps for r in rows if r.helpers == 0}
+    for r in rows:
+        one = alone.get((r.model, r.holders, "one holder"), math.nan)
+        helper = alone.get((r.model, r.holders, "one helper"), math.nan)
+        r.capacity_sps = {
+            "one holder": one,
+            "one helper": helper,
+            "holders alone": r.holders * one,
+        }.get(r.strategy, r.holders * one + r.helpers * helper)
+    return rows
 
 
 def _run(
     tb: Testbed,
     control: MqttTransport,
-    spec: JobSpec,
     candidate: Candidate,
     holders: int,
     helpers: int,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     """Run one candidate on the testbed's agents; its row's fields but the strategy."""
+    spec = candidate.spec
     steps = args.warmup + max(
         args.min_steps,
         min(args.max_steps, math.ceil(args.seconds * candidate.predicted_sps / spec.batch_size)),
@@ -310,6 +372,8 @@ def _run(
         "bytes_per_sample": measured.bytes_per_sample,
         "steps": steps,
         "method": tb.method,
+        "anatomy": measured.anatomy,
+        "predicted_anatomy": candidate.predicted_anatomy,
     }
     print(
         f"# {spec.model} {holders} holders + {helpers} helpers: measured {measured.sps:.1f} "
@@ -358,8 +422,8 @@ def table(rows: list[Row]) -> str:
         "| model | holders | helpers | plan (units per stage) | plan sps (pred) "
         "| holders alone sps (pred) | one holder sps (pred) "
         "| measured/predicted (plan, alone, one) | plan / holders alone | plan / one holder "
-        "| KiB sent per sample (plan, alone) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| KiB sent per sample (plan, alone) | fraction of capacity (plan, alone) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     losing = []
     for plan, alone, one in comparisons(rows):
@@ -369,11 +433,28 @@ def table(rows: list[Row]) -> str:
         cells.append(", ".join(f"{r.ratio:.2f}" if r else "-" for r in both))
         cells += [_speedup(plan, alone), _speedup(plan, one)]
         cells.append(", ".join(_kib(r.bytes_per_sample) if r else "-" for r in (plan, alone)))
+        cells.append(", ".join(f"{r.fraction:.2f}" if r else "-" for r in (plan, alone)))
         lines.append("| " + " | ".join(cells) + " |")
         if alone is not None and plan.measured_sps <= alone.measured_sps:
             losing.append(f"{plan.model}, {plan.holders} holders + {plan.helpers}")
     lines += ["", "The plan measures no faster than the holders alone on: "]
     lines[-1] += "; ".join(losing) if losing else "none of these jobs"
+    return "\n".join(lines)
+
+
+def rows_table(rows: list[Row]) -> str:
+    """One Markdown line per row: what ran, under which method, measured and predicted
+    samples/s, their ratio, the capacity of its devices and the fraction of it reached."""
+    lines = [
+        "| model | holders | run | method | measured sps | predicted sps | measured/predicted "
+        "| capacity sps | fraction | KiB sent per sample |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r.model, r.holders, r.order)):
+        cells = [r.model, str(r.holders), r.label, r.method]
+        cells += [f"{r.measured_sps:.1f}", f"{r.predicted_sps:.1f}", f"{r.ratio:.2f}"]
+        cells += [f"{r.capacity_sps:.1f}", f"{r.fraction:.2f}", _kib(r.bytes_per_sample)]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -432,7 +513,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-steps", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=3)
     parser.add_argument("--cores", type=float, default=1.2, help="the largest fleet's cores")
-    parser.add_argument("--method", choices=["auto", "kernel", "software"], default="auto")
+    parser.add_argument(
+        "--method",
+        choices=METHODS,
+        help="the testbed's limits (default: scalar where the kernel's limits work, "
+        "else software; kernel: the old FLOP-share quota on the whole agent)",
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--quick", action="store_true", help="2 holders, 1 helper, cnn-digits")
     parser.add_argument("--results", type=Path, help="the JSON file written")
@@ -467,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = from_json(json.loads(args.from_json.read_text()))
     else:
         tune_malloc()  # as the agents do
+        args.method = args.method or most_faithful()
         models = [m for m in args.models.split(",") if m]
         rows = []
         for holders in args.holder_counts:
@@ -476,8 +563,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(to_json(rows), indent=2))
         return 0
-    print(f"limits: {rows[0].method}; results: {args.results}; chart: {args.chart}")
+    methods = ", ".join(sorted({r.method for r in rows}))
+    print(f"limits: {methods}; results: {args.results}; chart: {args.chart}")
     print(table(rows))
+    print()
+    print(rows_table(rows))
     return 0
 
 

@@ -1,12 +1,20 @@
 """How the testbed enforces limits on this machine, and the cgroups of the kernel method.
 
-Two methods, with the same interface to the rest of the testbed:
+Three methods, with the same interface to the rest of the testbed:
 
 - **kernel**: root, a usable cpu and memory cgroup controller, ``ip netns`` and
   ``tc`` with the ``tbf`` qdisc. Each agent runs in a cgroup of its own (CPU
   quota and memory limit) and a network namespace whose veth is shaped with
   ``tbf`` (:mod:`coordinator.testbed.netns`); latency comes from the delay
-  proxy (:mod:`coordinator.testbed.proxy`), since this kernel has no netem.
+  proxy (:mod:`coordinator.testbed.proxy`), since this kernel has no netem. The
+  quota is the device's FLOP share, so *everything* the agent runs (its Python,
+  framing, MQTT client) is slowed by the FLOP ratio.
+- **scalar**: what the kernel method needs, but the quota is the device's
+  *scalar* share (its single-core speed on general code, the catalogue's
+  ``scalar`` score, against the fastest device's), and the agent duty-cycles its
+  compute blocks on down to the FLOP share (``--slowdown``): Python, framing and
+  messaging run at the real scalar ratio, compute at the FLOP ratio ([Note: two
+  speeds of a device] in :mod:`coordinator.testbed.sizing`).
 - **software**: otherwise. The agent duty-cycles its compute (``--slowdown``)
   and shapes its own MQTT link (``--link-mbps``, ``--link-latency-ms``).
 
@@ -37,9 +45,11 @@ from typing import Literal
 
 __all__ = [
     "CFS_PERIOD_US",
+    "METHODS",
     "Controller",
     "Detection",
     "Method",
+    "MethodChoice",
     "cgroup_limits",
     "cgroup_parent",
     "cgroup_tasks",
@@ -48,11 +58,15 @@ __all__ = [
     "find_controllers",
     "lift_cpu_quota",
     "make_cgroup",
+    "most_faithful",
     "remove_cgroup",
     "write_limits",
 ]
 
-Method = Literal["kernel", "software"]
+Method = Literal["kernel", "scalar", "software"]
+MethodChoice = Literal["auto", "kernel", "scalar", "software"]
+METHODS: tuple[str, ...] = ("auto", "kernel", "scalar", "software")
+"""What ``--method`` takes: ``auto`` is the kernel method where it works, else software."""
 CFS_PERIOD_US = 20_000
 """The CPU quota's period in microseconds, unless a share needs a longer one (see
 [Note: CFS period])."""
@@ -83,10 +97,13 @@ class Detection:
     @property
     def line(self) -> str:
         """What ``testbed up`` prints about the limits."""
-        if self.method == "kernel":
+        if self.method in ("kernel", "scalar"):
             assert self.cpu is not None and self.memory is not None
             versions = sorted({self.cpu.version, self.memory.version})
-            return f"kernel (cgroup {'+'.join(versions)}, netns + tc tbf, delay proxy)"
+            how = f"cgroup {'+'.join(versions)}, netns + tc tbf, delay proxy"
+            if self.method == "scalar":
+                return f"scalar ({how}; quota at the scalar speed, compute throttled to FLOPs)"
+            return f"kernel ({how}; quota at the FLOP speed)"
         return "software (duty-cycled compute, token bucket in the agent transport): " + self.reason
 
 
@@ -172,11 +189,12 @@ def _probe_netns_tbf() -> str | None:
     return None
 
 
-def detect(requested: Literal["auto", "kernel", "software"] = "auto") -> Detection:
-    """The method to use: ``kernel`` when everything it needs works here, else ``software``.
+def detect(requested: MethodChoice = "auto") -> Detection:
+    """The method to use: ``requested`` (``kernel`` for ``auto``) when everything the
+    kernel's limits need works here, else ``software``.
 
-    ``requested="kernel"`` returns a software detection whose reason says what is
-    missing; the caller refuses it.
+    ``requested="kernel"`` or ``"scalar"`` returns a software detection whose reason
+    says what is missing where they do not work; the caller refuses it.
     """
     if requested == "software":
         return Detection("software", "requested (--method software)")
@@ -190,9 +208,16 @@ def detect(requested: Literal["auto", "kernel", "software"] = "auto") -> Detecti
     if why is not None:
         return Detection("software", why)
     cpu, memory = controllers["cpu"], controllers["memory"]
+    method: Method = "scalar" if requested == "scalar" else "kernel"
     return Detection(
-        method="kernel", reason="root with cgroups, netns and tc tbf", cpu=cpu, memory=memory
+        method=method, reason="root with cgroups, netns and tc tbf", cpu=cpu, memory=memory
     )
+
+
+def most_faithful() -> Method:
+    """The method that emulates a device most faithfully here: ``scalar`` where the
+    kernel's limits work, else ``software`` (the benchmarks' default)."""
+    return "scalar" if detect("scalar").method == "scalar" else "software"
 
 
 def cgroup_parent(controller: Controller, testbed: str) -> Path:

@@ -15,10 +15,12 @@ recorded in the state before it exists (:mod:`coordinator.testbed.state`):
    The coordinator requires an API token generated here (:attr:`Testbed.api_token`,
    kept in the state) on its write routes, so that no other process on this machine
    enrols a device in its name or submits a job;
-2. kernel method: per agent a cgroup in the cpu and memory hierarchies, a
-   namespace with a tbf-shaped veth pair, and one delay proxy for all of them (the
+2. kernel and scalar methods: per agent a cgroup in the cpu and memory hierarchies,
+   a namespace with a tbf-shaped veth pair, and one delay proxy for all of them (the
    links' addresses are fixed before the broker starts: its certificate names them);
-3. the agents, each announcing ``<state dir>/profiles/<id>.json``;
+3. the agents, each announcing ``<state dir>/profiles/<id>.json`` (under the scalar
+   method with its compute throttle, ``--slowdown``: [Note: two speeds of a device]
+   in :mod:`coordinator.testbed.sizing`);
 
 then waits until every agent is online. If anything fails, everything made so
 far is removed before the error is raised. The processes are detached: the
@@ -42,11 +44,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 from coordinator.access.accounts import BrokerAccounts
 from coordinator.local.broker import BrokerSecurity, free_port
 from coordinator.testbed import access, limits, netns, procs
+from coordinator.testbed.limits import METHODS, MethodChoice
 from coordinator.testbed.sizing import MIN_CPUS, EmulatedDevice, emulate
 from coordinator.testbed.state import State, locked
 from coordinator.testbed.teardown import down, status, teardown
@@ -60,16 +63,16 @@ from edge.transport.settings import MqttSettings
 
 __all__ = ["MethodChoice", "StartOptions", "Testbed", "down", "measure_core_gflops", "status"]
 
-MethodChoice = Literal["auto", "kernel", "software"]
-
 
 @dataclass(frozen=True)
 class StartOptions:
     """How :meth:`Testbed.up` starts a testbed, whatever its devices."""
 
     method: MethodChoice = "auto"
-    """``kernel`` limits (cgroups, namespaces, tc) or the ``software`` throttle; ``auto``:
-    the kernel's where this machine allows them (:func:`~coordinator.testbed.limits.detect`)."""
+    """``kernel`` limits (cgroups, namespaces, tc; the quota at the FLOP share),
+    ``scalar`` (the same, the quota at the scalar share and compute throttled on to the
+    FLOP share) or the ``software`` throttle; ``auto``: ``kernel`` where this machine
+    allows it (:func:`~coordinator.testbed.limits.detect`), else ``software``."""
     coordinator: bool = True
     """Start the coordinator too (it then administers the broker's accounts)."""
     measure_s: float = 1.0
@@ -177,8 +180,8 @@ class Testbed:
         strangers = sorted(set(data or {}) - {d.id for d in devices})
         if strangers:
             raise UserError(f"local data for {strangers[0]!r}: no such device in the fleet")
-        if method not in ("auto", "kernel", "software"):
-            raise UserError(f"--method: {method!r} is not auto, kernel or software")
+        if method not in METHODS:
+            raise UserError(f"--method: {method!r} is not one of {', '.join(METHODS)}")
         state_dir = state_dir.expanduser().resolve()
         with locked(state_dir):
             existing = State.load(state_dir)
@@ -188,8 +191,8 @@ class Testbed:
                     f"run 'edgetrain testbed down --state-dir {state_dir}' first"
                 )
             detection = limits.detect(method)
-            if method == "kernel" and detection.method != "kernel":
-                raise UserError(f"--method kernel is not available here: {detection.reason}")
+            if method in ("kernel", "scalar") and detection.method != method:
+                raise UserError(f"--method {method} is not available here: {detection.reason}")
             state = State(
                 dir=state_dir,
                 id=secrets.token_hex(2),
@@ -220,17 +223,19 @@ class Testbed:
         state.core_fixed_costs = measure_fixed_costs().to_json()
         profiles = state.dir / "profiles"
         profiles.mkdir(parents=True, exist_ok=True)
-        quota = detection.method == "kernel"
         for dev in self.devices:
             self.announced[dev.id] = dev.announced(
-                state.core_gflops, state.core_fixed_costs, quota=quota
+                state.core_gflops,
+                state.core_fixed_costs,
+                quota=dev.quota_cpus(detection.method),
             )
             write_atomic(profiles / f"{dev.id}.json", self.announced[dev.id].model_dump_json())
         port = free_port()
-        links = self._links() if detection.method == "kernel" else []
+        kernel = detection.method in ("kernel", "scalar")
+        links = self._links() if kernel else []
         secure = access.secure_possible()
         # Where each agent reaches the broker: its link's host end (through the delay
-        # proxy) under the kernel method, else 127.0.0.1.
+        # proxy) under the kernel and scalar methods, else 127.0.0.1.
         hosts = [link.host_ip for link in links] or ["127.0.0.1"] * len(self.devices)
         urls = [f"{'mqtts' if secure else 'mqtt'}://{host}:{port}" for host in hosts]
         accounts, security = None, None
@@ -263,7 +268,7 @@ class Testbed:
             self._admin = access.attach(state, accounts)
             self.accounts = accounts
         started = time.time()
-        if detection.method == "kernel":
+        if kernel:
             self._start_kernel_agents(detection, links)
         else:
             self._start_software_agents()
@@ -298,6 +303,7 @@ class Testbed:
             "id": dev.id,
             "emulates": dev.source.id,
             "cpus": dev.cpus,
+            "scalar_cpus": dev.general_cpus,
             "threads": dev.threads,
             "slowdown": dev.slowdown,
             "memory_bytes": dev.memory_bytes,
@@ -391,7 +397,9 @@ class Testbed:
                 state.intend("cgroups", str(parent / f"agent-{i}"))
                 # [Note: agents start unthrottled] The CPU quota is written once the
                 # agent is online: a 0.03-core quota would stretch importing torch to a minute.
-                wanted = limits.cgroup_limits(ctl, dev.cpus, dev.memory_bytes)
+                quota = dev.quota_cpus(detection.method)
+                assert quota is not None
+                wanted = limits.cgroup_limits(ctl, quota, dev.memory_bytes)
                 if ctl.name == "cpu":
                     self._cpu_limits.append((parent / f"agent-{i}", wanted))
                     wanted = limits.cpu_unlimited(ctl)
@@ -429,8 +437,10 @@ class Testbed:
             time.sleep(0.05)
         for i, (dev, link) in enumerate(zip(self.devices, links, strict=True)):
             cgroups = [limits.cgroup_parent(c, state.id) / f"agent-{i}" for c in controllers]
+            # The scalar method's compute throttle: blocks stretched on to the FLOP share.
+            throttle = {"--slowdown": dev.slowdown} if detection.method == "scalar" else None
             cmd = procs.in_cgroups_and_netns(
-                self._agent_cmd(dev, None),
+                self._agent_cmd(dev, throttle),
                 [c / "cgroup.procs" for c in cgroups],
                 link.namespace,
             )

@@ -60,7 +60,7 @@ ProfileId = Annotated[str, Field(pattern=r"^[a-z0-9]+(-[a-z0-9]+)*$")]
 VariantKey = Annotated[str, Field(pattern=r"^[a-z0-9]+$")]
 Precision = Literal["fp32", "tf32", "fp16", "bf16"]
 Kind = Literal["sbc", "jetson", "phone", "mini-pc", "laptop", "gpu-server"]
-SourceKey = Literal["cpu", "accelerator", "training", "memory", "link", "power"]
+SourceKey = Literal["cpu", "scalar", "accelerator", "training", "memory", "link", "power"]
 _PRECISIONS: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16")
 
 
@@ -84,6 +84,18 @@ class Cpu(_Strict):
     clock_ghz: Positive
     peak_fp32_gflops: Positive
     peak_basis: Text
+
+
+class Scalar(_Strict):
+    """The host CPU's speed on one core on general (scalar, mostly non-SIMD) code: a
+    published single-core benchmark score. Only ratios between devices scored by the
+    same benchmark mean anything: the testbed runs a device's Python, framing and
+    messaging at its score over the fastest device's ([Note: two speeds of a device]
+    in :mod:`coordinator.testbed.sizing`), its compute at the FLOP ratio."""
+
+    benchmark: Text
+    score: Positive
+    basis: Text
 
 
 class Accelerator(_Strict):
@@ -194,6 +206,7 @@ class DeviceProfile(_Strict):
     name: Text
     kind: Kind
     cpu: Cpu
+    scalar: Scalar | None = None
     accelerator: Accelerator | None = None
     training: Training
     memory: Memory
@@ -210,6 +223,7 @@ class DeviceProfile(_Strict):
         self._check_training()
         needed = {"cpu", "training", "memory", "link", "power"}
         needed |= {"accelerator"} if self.accelerator else set()
+        needed |= {"scalar"} if self.scalar else set()
         for key in sorted(needed ^ set(self.sources)):
             why = (
                 "Field required (every figure needs a source)" if key in needed else "no such part"
@@ -282,6 +296,11 @@ class ResolvedProfile:
         }
         if power:
             data |= {"watts_busy": p.power.busy_w, "watts_idle": p.power.idle_w}
+        if p.scalar is not None:
+            data["details"] = {
+                "scalar_score": p.scalar.score,
+                "scalar_benchmark": p.scalar.benchmark,
+            }
         try:
             return DeviceSpec.model_validate(data)
         except ValidationError as exc:

@@ -172,8 +172,12 @@ class StageKeeper:
             if cmd.hold and (thread is None or not thread.is_alive()):
                 self._hold(rt)  # it never started: nothing else will say it
 
-    def throttle(self, slowdown: float) -> None:
-        """Run every stage here, and every later one, ``slowdown`` times slower."""
+    def throttle(self, factor: float) -> None:
+        """Run every stage here, and every later one, ``factor`` times slower than the
+        device computes by itself: its own throttle (``--slowdown``, an emulated
+        device's speed) times ``factor``, so that a slow fault on an emulated Pi slows
+        the Pi, not a full-speed core."""
+        slowdown = self.settings.slowdown * factor
         log.info("compute now %.2fx slower (was %.2fx)", slowdown, self.slowdown)
         self.slowdown = slowdown
         for rt in list(self._runtimes):

@@ -253,7 +253,8 @@ class HandOver(_Message):
 
 
 class Throttle(_Message):
-    """Run this device's compute ``slowdown`` times slower from now on (fault injection)."""
+    """Run this device's compute ``slowdown`` times slower than it runs by itself, from now
+    on (fault injection; an emulated device's own throttle is multiplied, not replaced)."""
 
     type: Literal["throttle"] = "throttle"
     slowdown: float = Field(ge=1.0, le=1000.0, allow_inf_nan=False)

@@ -96,7 +96,9 @@ def up_command(
     method: str = typer.Option(
         "auto",
         "--method",
-        help="auto (kernel limits when root with cgroups, netns and tc tbf), kernel or software.",
+        help="auto (kernel limits when root with cgroups, netns and tc tbf, else software), "
+        "kernel (the CPU quota at each device's FLOP share), scalar (the quota at its "
+        "single-core share, compute throttled on to its FLOP share) or software.",
     ),
     link: list[str] = typer.Option(
         [], "--link", help="Override a device's bandwidth: DEVICE=MBPS (repeatable)."
@@ -110,10 +112,11 @@ def up_command(
 ) -> None:
     """Start an emulated fleet in the background: broker, coordinator, one agent per device."""
     from coordinator.planner.build import parse_fleet
-    from coordinator.testbed.testbed import MethodChoice, StartOptions, Testbed
+    from coordinator.testbed.limits import METHODS, MethodChoice
+    from coordinator.testbed.testbed import StartOptions, Testbed
 
-    if method not in ("auto", "kernel", "software"):
-        raise UserError(f"--method: {method!r} is not auto, kernel or software")
+    if method not in METHODS:
+        raise UserError(f"--method: {method!r} is not one of {', '.join(METHODS)}")
     specs = parse_fleet(devices)
     start = StartOptions(
         method=cast(MethodChoice, method),

@@ -51,6 +51,9 @@ def test_every_strategy_of_a_local_data_job(bench: ModuleType) -> None:
     assert list(got) == list(bench.STRATEGIES)
     n = 4  # cnn-digits' units
     plan, alone, one = got["plan"], got["holders alone"], got["one holder"]
+    helper = got["one helper"]  # lent the data: the job's data central, for this run only
+    assert helper.spec.data is None and plan.spec.data is not None
+    assert [(st.devices, st.start, st.end) for st in helper.plan.stages] == [(("helper1",), 0, n)]
     assert plan.plan.stages[0].devices == ("holder1", "holder2")
     assert plan.plan.stages[-1].end == n and "helper1" in plan.plan.stages[-1].devices
     assert plan.shares[0] == pytest.approx([0.5, 0.5], abs=0.01)
@@ -71,35 +74,48 @@ def _row(bench: ModuleType, strategy: str, helpers: int, measured: float, predic
         stages = [{"layers": [0, 4], "devices": ["holder1", "holder2"], "shares": [0.5, 0.5]}]
     else:
         stages = [{"layers": [0, 4], "devices": ["holder1"], "device": "holder1"}]
-    sent = {"plan": 2048.0, "holders alone": 4096.0, "one holder": 0.0}[strategy]
+    sent = {"plan": 2048.0, "holders alone": 4096.0}.get(strategy, 0.0)
     return bench.Row(
-        "cnn-digits", 2, helpers, strategy, stages, predicted, measured, sent, 3, "kernel"
+        "cnn-digits", 2, helpers, strategy, stages, predicted, measured, sent, 3, "scalar"
     )
 
 
 def test_table_json_and_chart(bench: ModuleType, tmp_path: Path) -> None:
-    rows = [
-        _row(bench, "holders alone", 0, 10.0, 12.5),
-        _row(bench, "one holder", 0, 5.0, 5.0),
-        _row(bench, "plan", 1, 30.0, 40.0),
-        _row(bench, "plan", 2, 9.0, 20.0),
-    ]
+    rows = bench.with_capacity(
+        [
+            _row(bench, "holders alone", 0, 10.0, 12.5),
+            _row(bench, "one holder", 0, 5.0, 5.0),
+            _row(bench, "plan", 1, 30.0, 40.0),
+            _row(bench, "plan", 2, 9.0, 20.0),
+            _row(bench, "one helper", 0, 40.0, 50.0),
+        ]
+    )
+    # [Note: a fleet's capacity]: what the devices a row may use train alone, summed.
+    assert [r.capacity_sps for r in rows] == [10.0, 5.0, 50.0, 90.0, 40.0]
+    assert [r.fraction for r in rows] == [1.0, 1.0, 0.6, 0.1, 1.0]
     assert rows[2].layout == "holders 0-0 → helper1 1-3" and rows[1].layout == "holder1 0-3"
     assert [r.label for r in rows] == [
         "holders alone",
         "one holder",
         "plan, 1 helper",
         "plan, 2 helpers",
+        "one helper",
     ]
     text = bench.table(rows)
     assert (
         "| cnn-digits | 2 | 1 | holders 0-0 → helper1 1-3 | 30.0 (40.0) | 10.0 (12.5) | "
-        "5.0 (5.0) | 0.75, 0.80, 1.00 | 3.00x | 6.00x | 2.0, 4.0 |"
+        "5.0 (5.0) | 0.75, 0.80, 1.00 | 3.00x | 6.00x | 2.0, 4.0 | 0.60, 1.00 |"
     ) in text
     assert "| cnn-digits | 2 | 2 |" in text and "| 0.90x | 1.80x |" in text
     assert "no faster than the holders alone on: cnn-digits, 2 holders + 2" in text
+    every = bench.rows_table(rows)
+    assert "| cnn-digits | 2 | one helper | scalar | 40.0 | 50.0 | 0.80 | 40.0 | 1.00 |" in every
+    assert (
+        "| cnn-digits | 2 | plan, 2 helpers | scalar | 9.0 | 20.0 | 0.45 | 90.0 | 0.10 |" in every
+    )
     out = bench.to_json(rows)
     assert out[2]["ratio"] == 0.75 and out[2]["label"] == "plan, 1 helper"
+    assert out[2]["capacity_sps"] == 50.0 and out[2]["fraction"] == 0.6
     assert bench.to_json(bench.from_json(out)) == out
     bench.chart(rows, tmp_path / "chart.png")
     assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

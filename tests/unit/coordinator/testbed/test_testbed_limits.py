@@ -63,7 +63,12 @@ def test_software_when_asked_and_its_line() -> None:
     )
     cpu = Controller("cpu", "v1", Path("/c"))
     kernel = Detection("kernel", "root", cpu, Controller("memory", "v1", Path("/m")))
-    assert kernel.line == "kernel (cgroup v1, netns + tc tbf, delay proxy)"
+    assert kernel.line == "kernel (cgroup v1, netns + tc tbf, delay proxy; quota at the FLOP speed)"
+    scalar = Detection("scalar", "root", cpu, Controller("memory", "v1", Path("/m")))
+    assert scalar.line == (
+        "scalar (cgroup v1, netns + tc tbf, delay proxy; "
+        "quota at the scalar speed, compute throttled to FLOPs)"
+    )
 
 
 def test_cgroup_limits_v1_and_v2() -> None:

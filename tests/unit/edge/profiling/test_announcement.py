@@ -111,6 +111,8 @@ def test_a_server_says_so_in_its_details() -> None:
     assert spec.details == {"hostname": "box", "server": True, "torch_device": "cpu"}
     given = resolve_announcement("gpu-2", AnnounceOptions(profile="h100-sxm", server=True))
     assert given.given is not None and given.measure().details == {
+        "scalar_score": 1260.0,  # the catalogue's (its host CPU's single core)
+        "scalar_benchmark": "Geekbench 5 single-core",
         "server": True,
         "torch_device": "cpu",
     }

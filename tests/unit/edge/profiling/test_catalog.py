@@ -71,13 +71,35 @@ def test_every_profile_file_loads_and_is_consistent(path: Path) -> None:
         peak = found
     assert 0 < t.sustained_gflops <= peak
     assert len(t.basis) > 40, "the sustained figure needs a real explanation"
-    wanted = {"cpu", "training", "memory", "link", "power"}
+    wanted = {"cpu", "scalar", "training", "memory", "link", "power"}
+    assert profile.scalar is not None, "every shipped device has a sourced scalar speed"
+    assert len(profile.scalar.basis) > 40, "the scalar score needs a real explanation"
     if profile.accelerator is not None:
         wanted.add("accelerator")
         if profile.accelerator.peak("fp32") is not None:
             assert profile.accelerator.peak("fp16") is not None
     assert set(profile.sources) == wanted
     assert all(source.title for refs in profile.sources.values() for source in refs)
+
+
+def test_every_shipped_scalar_score_is_of_one_benchmark_and_reaches_the_device() -> None:
+    """Scores are compared as ratios ([Note: two speeds of a device]): one benchmark for all;
+    a Pi 4's single core is several times slower than the laptop's on scalar code, but not
+    the 29x of their FLOP rates."""
+    catalogue = load_catalogue()
+    benchmarks = {p.scalar.benchmark for p in catalogue.values() if p.scalar is not None}
+    assert len(benchmarks) == 1
+    for r in all_resolved(catalogue):
+        assert r.profile.scalar is not None
+        assert r.to_device_spec().details == {
+            "scalar_score": r.profile.scalar.score,
+            "scalar_benchmark": r.profile.scalar.benchmark,
+        }
+    pi, laptop = catalogue["rpi4"], catalogue["laptop"]
+    assert pi.scalar is not None and laptop.scalar is not None
+    scalar_ratio = laptop.scalar.score / pi.scalar.score
+    flop_ratio = laptop.training.sustained_gflops / pi.training.sustained_gflops
+    assert 3 < scalar_ratio < flop_ratio / 2
 
 
 def test_every_profile_and_variant_converts_to_a_valid_device_spec() -> None:
@@ -138,6 +160,7 @@ def test_device_specs_carry_the_predicted_watts_only_when_asked() -> None:
         "latency_ms": 0.15,
         "watts_busy": 6.4,
         "watts_idle": 2.7,
+        "details": {"scalar_score": 240.0, "scalar_benchmark": "Geekbench 5 single-core"},
     }
     problem = {
         "batch_size": 32,
