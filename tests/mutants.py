@@ -587,17 +587,43 @@ MUTANTS = [
         name="predict-free-gradient-bytes",
         what="the cost model forgets the CPU a group's members spend moving gradients",
         path="coordinator/planner/predict.py",
-        old="allreduce[s] = max(allreduce[s] - hidden, _sum_bytes_s(problem, st, fixed))",
+        old="allreduce[s] = max(allreduce[s] - hidden, _sum_cpu_s(problem, st, fixed))",
         new="allreduce[s] = max(allreduce[s] - hidden, 0.0)",
         tests=("tests/unit/coordinator/planner/test_predict.py",),
+    ),
+    Mutant(
+        name="predict-sum-frames-unpriced",
+        what="the cost model prices a group's sum by its bytes alone, forgetting the frames "
+        "each member handles (3 g - 2 chunks a step): what binds for eight holders summing "
+        "a small first unit",
+        path="coordinator/planner/predict.py",
+        old="return (sent + received) / 2 * params * worst + frames",
+        new="return (sent + received) / 2 * params * worst",
+        tests=(
+            "tests/unit/coordinator/planner/test_predict.py::"
+            "test_a_small_sum_over_many_members_is_priced_by_its_frames",
+        ),
+    ),
+    Mutant(
+        name="testbed-flop-quota-on-the-whole-agent",
+        what="the scalar method's quota is the device's FLOP share again, so its Python, "
+        "framing and messaging run at the FLOP ratio (a Pi 4's 29x, not its 8x)",
+        path="coordinator/testbed/sizing.py",
+        old='if method == "scalar":\n            return self.general_cpus',
+        new='if method == "scalar":\n            return self.cpus',
+        tests=(
+            "tests/unit/coordinator/testbed/test_testbed_sizing.py",
+            "tests/e2e/test_testbed.py::"
+            "test_scalar_testbed_runs_code_at_the_scalar_share_and_compute_at_the_flop_share",
+        ),
     ),
     Mutant(
         name="predict-sum-links-then-bytes",
         what="the cost model charges a group's sum its links' time and then its bytes' time, "
         "where the pieces keep both busy at once (measured: the sum takes the longer)",
         path="coordinator/planner/predict.py",
-        old="allreduce[s] = max(allreduce[s] - hidden, _sum_bytes_s(problem, st, fixed))",
-        new="allreduce[s] = allreduce[s] - hidden + _sum_bytes_s(problem, st, fixed)",
+        old="allreduce[s] = max(allreduce[s] - hidden, _sum_cpu_s(problem, st, fixed))",
+        new="allreduce[s] = allreduce[s] - hidden + _sum_cpu_s(problem, st, fixed)",
         tests=("tests/unit/coordinator/planner/test_predict.py",),
     ),
     Mutant(
@@ -926,8 +952,8 @@ MUTANTS = [
         name="diloco-priced-as-exact",
         what="a DiLoCo job's groups are priced as summing every step",
         path="coordinator/planner/predict.py",
-        old="_sum_bytes_s(problem, st, fixed)) / sum_every\n",
-        new="_sum_bytes_s(problem, st, fixed)) / 1\n",
+        old="_sum_cpu_s(problem, st, fixed)) / sum_every\n",
+        new="_sum_cpu_s(problem, st, fixed)) / 1\n",
         tests=("tests/unit/coordinator/engine/test_diloco_plan.py",),
     ),
     Mutant(

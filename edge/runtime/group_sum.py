@@ -71,7 +71,14 @@ from edge.wire.frames import Codec, Kind, encode_frame
 from edge.wire.groups import chunk_size
 from edge.wire.messages import StageAssignment
 
-__all__ = ["MIN_PIECE_BYTES", "PIECES_PER_CHUNK", "PIECE_BYTES", "GroupSum", "piece_elements"]
+__all__ = [
+    "MIN_PIECE_BYTES",
+    "PIECES_PER_CHUNK",
+    "PIECE_BYTES",
+    "GroupSum",
+    "piece_elements",
+    "sum_frames",
+]
 
 PIECE_BYTES = 1 << 20
 """The largest frame a chunk travels in (see [Note: pieces of a chunk])."""
@@ -86,6 +93,21 @@ def piece_elements(chunk: int) -> int:
     may be shorter): see [Note: pieces of a chunk]."""
     wanted = math.ceil(chunk / PIECES_PER_CHUNK)
     return max(MIN_PIECE_BYTES // 4, min(PIECE_BYTES // 4, wanted))
+
+
+def sum_frames(numel: int, members: int) -> int:
+    """The frames one member of a group of ``members`` handles in a step's sum of a
+    ``numel``-element vector, sent and received together: each of the ``g - 1`` chunks
+    it sends, its summed chunk's publish, and the ``2 (g - 1)`` chunks it takes, each in
+    :func:`piece_elements` pieces; 0 for a group of one. Each costs both ends a fixed
+    part of CPU ([Note: pieces of a chunk]): the term that binds where the vector is
+    small and the members many ([Note: a small sum over many members is its frames]
+    in :mod:`coordinator.planner.predict`)."""
+    if members <= 1:
+        return 0
+    chunk = chunk_size(numel, members)
+    pieces = math.ceil(chunk / piece_elements(chunk))
+    return (members + 2 * (members - 1)) * pieces
 
 
 class GroupSum:

@@ -208,6 +208,61 @@ def test_kernel_testbed_slows_each_agent_to_its_profile(
     assert 2.0 <= ratios["slow"] <= 8.0, ratios
 
 
+@pytest.fixture(scope="module")
+def scalar() -> limits.Detection:
+    detection = limits.detect("scalar")
+    if detection.method != "scalar":
+        pytest.skip(f"scalar method unavailable here: {detection.reason}")
+    return detection
+
+
+@pytest.mark.serial  # compares the agents' measured compute times
+def test_scalar_testbed_runs_code_at_the_scalar_share_and_compute_at_the_flop_share(
+    scalar: limits.Detection, state_dir: Path
+) -> None:
+    """[Note: two speeds of a device]: a device 10x slower in FLOPs and 2x slower on scalar
+    code gets a CPU quota of half the fast one's (its scalar share), and its agent
+    throttles its compute blocks on to a tenth (``--slowdown 10``): compute per MAC comes
+    out near 10x the fast one's, where the quota alone would give 2x."""
+    fleet = [
+        device("fast", 40).model_copy(update={"details": {"scalar_score": 1000.0}}),
+        device("slow", 4).model_copy(update={"details": {"scalar_score": 500.0}}),
+    ]
+    options = {"hidden": 512, "depth": 6}
+    plan = Plan.of(("fast", 0, 3), ("slow", 3, 6))
+    spec = JobSpec(model="mlp", model_options=options, steps=4, batch_size=128, microbatches=2)
+    start = StartOptions(method="scalar", coordinator=False, measure_s=0.5)
+    with Testbed.up(fleet, scale=1.0, state_dir=state_dir, start=start) as bed:
+        assert bed.method == "scalar"
+        assert [(d.cpus, d.scalar_cpus) for d in bed.devices] == [(1.0, 1.0), (0.1, 0.5)]
+        state = State.load(state_dir)
+        assert state is not None
+        cpu = Path(state.devices[1]["cgroups"][0])
+        quota = int((cpu / "cpu.cfs_quota_us").read_text())
+        assert quota / int((cpu / "cpu.cfs_period_us").read_text()) == 0.5  # scalar share
+        slow = next(p for p in state.processes if p.name == "agent:slow")
+        cmdline = Path(f"/proc/{slow.pid}/cmdline").read_bytes().split(b"\0")
+        assert cmdline[cmdline.index(b"--slowdown") + 1] == b"10"  # compute on to 0.1
+        assert bed.announced["slow"].details is not None
+        assert bed.announced["slow"].details["cpu_quota"] == 0.5
+        control = control_for(bed.login())
+        try:
+            result = run_on_agents(
+                spec, plan, control, options=RunOptions(timeout_s=180, access=bed.accounts)
+            )
+        finally:
+            control.close()
+    assert leftovers(state) == []
+    per_mac = {}
+    for stage, st in enumerate(plan.stages):
+        compute = sum(r.compute_s for r in result.reports if r.stage == stage and r.step > 0)
+        macs = linear_macs("mlp", options, st.start, st.end) * spec.batch_size * (spec.steps - 1)
+        per_mac[st.device] = compute / macs
+    ratio = per_mac["slow"] / per_mac["fast"]
+    print(f"\ncompute s/MAC of 'slow' over 'fast' (FLOPs: 10, scalar: 2): {ratio:.2f}")
+    assert 5.0 <= ratio <= 20.0, ratio
+
+
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
 

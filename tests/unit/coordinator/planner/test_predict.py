@@ -57,6 +57,7 @@ from coordinator.planner.score import Plan, Stage, score_plan
 from edge.errors import UserError
 from edge.problem import PlanningProblem
 from edge.profiling.fixed_costs import FixedCosts, fixed_costs_of
+from edge.runtime.group_sum import sum_frames
 from edge.runtime.unit_times import UnitTime
 from edgetrain.cli import app
 
@@ -643,3 +644,35 @@ def test_as_many_rows_as_members_is_one_sample_each() -> None:
     assert predict_module._finish_together([0.0, 0.0], [1.0, 3.0], 0.25) == pytest.approx(
         [0.75, 0.25], rel=REL
     )
+
+
+def _holders(g: int, frame_s: float) -> PlanningProblem:
+    """``g`` equal devices on fast links, each a frame at ``frame_s`` and bytes for free,
+    one small unit (2304 bytes of weights: 576 elements), as a version 2 problem."""
+    costs = {"microbatch_s": 0.0, "step_s": 0.0, "frame_s": frame_s, "byte_s": 0.0}
+    device = {"gflops": 10.0, "memory_bytes": 1e12, "bandwidth_mbps": 1e6, "latency_ms": 0.0}
+    return PlanningProblem.model_validate(
+        {
+            "version": 2,
+            "batch_size": 64,
+            "microbatches": 4,
+            "layers": [{"name": "conv", "fwd_flops": 1e6, "param_bytes": 2304, "out_bytes": 4e3}],
+            "devices": [
+                {"id": f"h{i}", **device, "details": {"fixed_costs": costs}} for i in range(g)
+            ],
+        }
+    )
+
+
+def test_a_small_sum_over_many_members_is_priced_by_its_frames() -> None:
+    """[Note: a small sum over many members is its frames]: a member of ``g`` handles
+    ``3 g - 2`` chunks a step (one piece each here), each at its ``frame_s``, whatever
+    the few bytes they hold; so the sum grows with the members, as it was measured to."""
+    assert [sum_frames(576, g) for g in (1, 2, 4, 8)] == [0, 4, 10, 22]
+    for g in (4, 8):
+        problem = _holders(g, 0.002)
+        plan = Plan((Stage.group([d.id for d in problem.devices], 0, 1),))
+        assert predict(problem, plan).allreduce_s == pytest.approx([(3 * g - 2) * 0.002])
+    free = _holders(8, 0.0)
+    plan = Plan((Stage.group([d.id for d in free.devices], 0, 1),))
+    assert predict(free, plan).allreduce_s[0] < 1e-4  # by its bytes and links alone
