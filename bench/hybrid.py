@@ -408,9 +408,10 @@ def measure(
     which grant the job its topics; the testbed's, say); per stage, the means over its
     members and the steps after ``warmup`` (a group's members split each microbatch by
     ``shares``)."""
-    result = run_on_agents(
-        spec, plan, control, shares=shares, options=RunOptions(timeout_s=1800, access=access)
-    )
+    # A stage at a few hundredths of a core (the kernel method's Pi) takes minutes to
+    # build: its imports and data at the FLOP share.
+    options = RunOptions(timeout_s=1800, ready_timeout_s=600, access=access)
+    result = run_on_agents(spec, plan, control, shares=shares, options=options)
     steady = [r for r in result.reports if r.step >= warmup]
     meter = AnatomyMeter(sum(len(st.devices) for st in plan.stages), warmup=0)
     for r in sorted(steady, key=lambda r: r.step):

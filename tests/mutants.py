@@ -618,6 +618,18 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        name="sum-sends-stretched-as-compute",
+        what="the throttle stretches the group sum's early sends (made from the last "
+        "backward's hooks) by the FLOP ratio as if they were compute",
+        path="edge/runtime/stage.py",
+        old="cpu = time.thread_time() - self._cpu0 - sent_cpu",
+        new="cpu = time.thread_time() - self._cpu0",
+        tests=(
+            "tests/unit/edge/runtime/test_unit_times.py::"
+            "test_a_sums_early_sends_are_neither_compute_nor_stretched",
+        ),
+    ),
+    Mutant(
         name="predict-sum-links-then-bytes",
         what="the cost model charges a group's sum its links' time and then its bytes' time, "
         "where the pieces keep both busy at once (measured: the sum takes the longer)",

@@ -49,7 +49,11 @@ parameters (and, on the last stage, the loss, known by then) are final is sent a
 once. After the backward :meth:`GroupSum.sum` sends what is left (the pieces of
 parameters that got no gradient, counted as zeros) and sums as before, in member
 order, so the bits are the same as without the overlap. ``early_bytes`` says how much
-of the reduce-scatter went while the backward still ran.
+of the reduce-scatter went while the backward still ran, and ``early_s`` and
+``early_cpu_s`` what sending it took inside the backward (wall and this thread's CPU
+seconds): part of the sum, not of the compute, so the stage leaves them out of the
+backward's compute and out of what its throttle stretches ([Note: a block's own
+seconds] in :mod:`edge.runtime.stage`).
 
 This is the MQTT-side counterpart of :class:`edge.server.data_parallel.DataParallel`
 (which averages copies of a stage over torch.distributed), and runs at the same
@@ -140,6 +144,10 @@ class GroupSum:
         self.early_bytes = 0
         """Bytes of the last step's reduce-scatter sent while its last backward still ran
         ([Note: the sum overlapped with the backward])."""
+        self.early_s = 0.0
+        """Wall seconds the last step's early sends took (inside its last backward)."""
+        self.early_cpu_s = 0.0
+        """CPU seconds of the thread that sent them (the compute thread) in those sends."""
         self._spans = _param_spans(params)
         self._loss_at = self._spans[-1][1] if self._spans else 0  # the loss's element
         self._armed: _Armed | None = None
@@ -156,6 +164,7 @@ class GroupSum:
         ``None``). See [Note: the sum overlapped with the backward]."""
         self.disarm()
         self.bytes_sent = self.early_bytes = 0
+        self.early_s = self.early_cpu_s = 0.0
         armed = _Armed(step, loss, self._pieces_to_send(loss))
         self._armed = armed
         for i, p in enumerate(self.params):
@@ -177,6 +186,7 @@ class GroupSum:
         self.disarm()
         if armed is None:
             self.bytes_sent = self.early_bytes = 0
+            self.early_s = self.early_cpu_s = 0.0
         self.started, cpu0 = time.time(), time.process_time()
         try:
             return self._sum(inbox, step, loss, armed.sent if armed is not None else set())
@@ -207,7 +217,16 @@ class GroupSum:
         return out
 
     def _send_ready(self, armed: _Armed) -> None:
-        """Send every piece whose parameters are all final, in the staggered order."""
+        """Send every piece whose parameters are all final, in the staggered order (their
+        wall and CPU seconds to ``early_s`` and ``early_cpu_s``)."""
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        try:
+            self._send_final(armed)
+        finally:
+            self.early_s += time.perf_counter() - t0
+            self.early_cpu_s += time.thread_time() - cpu0
+
+    def _send_final(self, armed: _Armed) -> None:
         for key, needs in armed.waiting.items():
             if key in armed.sent or not needs <= armed.final:
                 continue

@@ -223,6 +223,9 @@ class _Summed:
         self.bytes, self.started = group_sum.bytes_sent, group_sum.started
         self.cpu_s = group_sum.cpu_s
         self.early = group_sum.early_bytes if early else 0
+        if early:  # sent from the last backward, left out of its compute
+            self.seconds += group_sum.early_s
+            self.cpu_s += group_sum.early_cpu_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -264,6 +267,7 @@ class StageRuntime:
         # slowdown x the CPU time it took (duty-cycling: the software throttle).
         self.slowdown = slowdown
         self._cpu0 = 0.0
+        self._sends0 = (0.0, 0.0)  # the sum's early sends when a block started
         self._own_s = 0.0
         """The step's compute seconds on the device itself ([Note: a device's own compute
         seconds]), summed by :meth:`_throttle`."""
@@ -397,6 +401,8 @@ class StageRuntime:
     def _start(self) -> float:
         """Start timing a compute block: its wall-clock start (and CPU start, kept here)."""
         self._cpu0 = time.thread_time()
+        if self.group_sum is not None:
+            self._sends0 = (self.group_sum.early_s, self.group_sum.early_cpu_s)
         if self._compiling is not None:
             self._compiles0 = self._compiling.compiles
         return time.perf_counter()
@@ -410,10 +416,24 @@ class StageRuntime:
         is not multiplied (that would turn a busy host into a much slower device).
         With more than one torch thread the work is not all on this thread, so the
         wall time is stretched instead.
+
+        [Note: a block's own seconds]
+        A group's sum sends its first pieces from the last backward's gradient hooks
+        ([Note: the sum overlapped with the backward] in :mod:`edge.runtime.group_sum`),
+        on this thread, inside the block. Sending is not compute: its wall and CPU
+        seconds (``GroupSum.early_s``, ``early_cpu_s``) are left out of the block, so
+        the throttle does not stretch them by the FLOP ratio (an emulated Pi's eight
+        holders would pay each piece's framing 55x over, where the scalar method's quota
+        already runs it at the Pi's scalar speed), and they count in the step's sum
+        (``allreduce_s``), not its compute.
         """
-        spent = time.perf_counter() - t0
+        sent_s = sent_cpu = 0.0
+        if self.group_sum is not None:
+            sent_s = self.group_sum.early_s - self._sends0[0]
+            sent_cpu = self.group_sum.early_cpu_s - self._sends0[1]
+        spent = time.perf_counter() - t0 - sent_s
         single = torch.get_num_threads() == 1
-        cpu = time.thread_time() - self._cpu0
+        cpu = time.thread_time() - self._cpu0 - sent_cpu
         compiling = self._compiling
         if compiling is not None and compiling.compiles != self._compiles0:
             self._compile_s += spent  # it compiled: not compute ([Note: compiled stages])
@@ -421,7 +441,7 @@ class StageRuntime:
         wall = spent
         if self.slowdown > 1:
             time.sleep(max(0.0, (cpu if single else spent) * self.slowdown - spent))
-            wall = time.perf_counter() - t0
+            wall = time.perf_counter() - t0 - sent_s
         self._own_s += cpu * self.slowdown if single and self._cpu_is_own else wall
         return wall
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from coordinator.engine.assignments import make_assignments
 from coordinator.engine.spec import JobSpec
 from coordinator.engine.unit_profiles import timing_request
-from coordinator.planner.score import Plan
+from coordinator.planner.score import Plan, Stage
 from edge.models.zoo import get_model
 from edge.runtime.stage import StageRuntime
 from edge.runtime.unit_times import Timing, measure_unit_times
@@ -215,3 +216,36 @@ def test_a_throttled_devices_own_seconds_are_its_cpu_seconds_times_the_slowdown(
     time.sleep(0.05)  # as if the host were busy: the throttle's sleep absorbs it
     rt._throttle(t0)
     assert 3.0 * 0.02 <= rt._own_s < 3.0 * (0.02 + 0.01)  # not the 0.07 s of wall time
+
+
+def test_a_sums_early_sends_are_neither_compute_nor_stretched(one_thread: None) -> None:
+    """[Note: a block's own seconds]: a group member's last backward sends its sum's first
+    pieces from the gradients' hooks; those sends (each made to cost 20 ms of CPU here) are
+    left out of the block the throttle stretches and out of its compute, and counted in
+    the sum's seconds instead."""
+    spec = JobSpec(model="mlp", steps=1, batch_size=8, microbatches=1)
+    plan = Plan((Stage.group(["d", "e"], 0, 3),))
+    assignment = make_assignments("jsends", spec, plan)[0]
+    transport = InProcessTransport()
+    send = transport.send
+
+    def dear(*args: Any, **kwargs: Any) -> None:
+        _burn(0.02)
+        send(*args, **kwargs)
+
+    transport.send = dear  # type: ignore[method-assign]
+    rt = StageRuntime(assignment, transport, slowdown=10.0)
+    assert rt.group_sum is not None
+    x = torch.randn(4, *get_model("mlp").input_shape)
+    t0 = rt._start()
+    loss = rt.forward(x).square().sum()
+    rt.group_sum.arm(0, 1.0)  # one stage: the loss goes in the sum too
+    loss.backward()
+    took = rt._throttle(t0)
+    pieces = len(rt.group_sum.pieces)  # to the one other member
+    assert rt.group_sum.early_bytes > 0 and pieces >= 1
+    assert rt.group_sum.early_cpu_s >= 0.02 * pieces * 0.99
+    assert rt.group_sum.early_s >= rt.group_sum.early_cpu_s * 0.99
+    assert took < 10 * 0.02 * pieces  # the sends were not stretched tenfold
+    rt.group_sum.disarm()
+    transport.close()
