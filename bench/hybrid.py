@@ -394,6 +394,9 @@ class Measured:
     crossed the wire, a group's sums included) per sample trained."""
     anatomy: dict[str, Any] | None = None
     """Where the steady steps went, member by member (``Anatomy.to_json``), mean."""
+    window: tuple[float, float] = (0.0, 0.0)
+    """When the steady steps ran (Unix seconds): stage 0's first steady step's start and
+    its last step's end."""
 
 
 def measure(
@@ -426,6 +429,11 @@ def measure(
         ]
 
     step_s = statistics.mean(r.step_s for r in steady if r.stage == 0)
+    first = [r for r in steady if r.stage == 0]
+    window = (
+        min(r.started_at for r in first),
+        max(r.started_at + r.step_s for r in first),
+    )
     grouped = [r for r in steady if len(plan.stages[r.stage].devices) > 1]
     if grouped:  # a group's members one by one: who the others wait for
         print(f"# members of {plan}: {_members(grouped)}", file=sys.stderr)
@@ -439,6 +447,7 @@ def measure(
         per_stage("allreduce_cpu_s"),
         sent,
         None if measured is None else {**measured.to_json(), "steps": meter.steps},
+        window,
     )
 
 

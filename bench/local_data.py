@@ -79,6 +79,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages
 
+from bench.cpu_usage import CpuSampler, Usage
 from bench.siblings import sibling
 from coordinator.engine.engine import plan_over
 from coordinator.engine.spec import DataPlacement, JobSpec
@@ -128,6 +129,11 @@ class Row:
     """Where the steady steps went, member by member, measured (``Anatomy.to_json``)."""
     predicted_anatomy: dict[str, Any] | None = None
     """The same, predicted by the internal model."""
+    cpu: dict[str, dict[str, float]] | None = None
+    """Per agent that ran (by device id) and the broker, in the steady steps
+    (:mod:`bench.cpu_usage`): CPU seconds a step, the fraction of its share of a core
+    it used (``busy``: 1 is held at its quota throughout), and seconds a step its quota
+    held it off the CPU."""
 
     @property
     def ratio(self) -> float:
@@ -361,7 +367,11 @@ def _run(
     started = time.perf_counter()
     job = spec.model_copy(update={"steps": steps})
     shares = candidate.shares if candidate.plan.grouped else None
-    measured = hybrid.measure(control, job, candidate.plan, args.warmup, tb.accounts, shares)
+    with CpuSampler(tb.state_dir) as sampler:
+        measured = hybrid.measure(control, job, candidate.plan, args.warmup, tb.accounts, shares)
+    ran = {d for st in candidate.plan.stages for d in st.devices} | {"broker"}
+    usage = {k: v for k, v in sampler.between(*measured.window).items() if k in ran}
+    cpu = cpu_per_step(tb, usage, measured.window, spec.batch_size / measured.sps)
     row = {
         "model": spec.model,
         "holders": holders,
@@ -374,6 +384,7 @@ def _run(
         "method": tb.method,
         "anatomy": measured.anatomy,
         "predicted_anatomy": candidate.predicted_anatomy,
+        "cpu": cpu,
     }
     print(
         f"# {spec.model} {holders} holders + {helpers} helpers: measured {measured.sps:.1f} "
@@ -382,7 +393,33 @@ def _run(
         f"{time.perf_counter() - started:.0f} s",
         file=sys.stderr,
     )
+    busy = ", ".join(
+        f"{name} {u['cpu_s_per_step'] * 1e3:.0f} ms ({u['busy']:.2f} of its share, "
+        f"{u['throttled_s_per_step'] * 1e3:.0f} ms held)"
+        for name, u in cpu.items()
+    )
+    print(f"#   CPU a step: {busy}", file=sys.stderr)
     return row
+
+
+def cpu_per_step(
+    tb: Testbed, usage: dict[str, Usage], window: tuple[float, float], step_s: float
+) -> dict[str, dict[str, float]]:
+    """``usage`` (:mod:`bench.cpu_usage`: device ids and ``broker``) in a run's steady
+    ``window``, per step of ``step_s`` seconds and against each one's share of a core
+    (its quota's; a free core for the broker and under the software method)."""
+    seconds = window[1] - window[0]
+    if not seconds > 0:
+        return {}
+    shares = {d.id: d.quota_cpus(tb.method) or 1.0 for d in tb.devices}
+    return {
+        name: {
+            "cpu_s_per_step": u.cpu_s / seconds * step_s,
+            "busy": u.cpu_s / seconds / shares.get(name, 1.0),
+            "throttled_s_per_step": u.throttled_s / seconds * step_s,
+        }
+        for name, u in sorted(usage.items())
+    }
 
 
 # -- reporting ------------------------------------------------------------------------
