@@ -594,10 +594,10 @@ MUTANTS = [
     Mutant(
         name="predict-sum-frames-unpriced",
         what="the cost model prices a group's sum by its bytes alone, forgetting the frames "
-        "each member handles (3 g - 2 chunks a step): what binds for eight holders summing "
-        "a small first unit",
+        "each member handles (g whole vectors, or 3 g - 2 chunks a step): what binds for "
+        "eight holders summing a small first unit",
         path="coordinator/planner/predict.py",
-        old="return (sent + received) / 2 * params * worst + frames",
+        old="return (sent + received) / 2 * params * worst + framing",
         new="return (sent + received) / 2 * params * worst",
         tests=(
             "tests/unit/coordinator/planner/test_predict.py::"
@@ -627,6 +627,18 @@ MUTANTS = [
         tests=(
             "tests/unit/edge/runtime/test_unit_times.py::"
             "test_a_sums_early_sends_are_neither_compute_nor_stretched",
+        ),
+    ),
+    Mutant(
+        name="whole-sum-own-vector-first",
+        what="a small sum summed whole adds the member's own vector first, not in member "
+        "order: the members' gradients differ in their last bits",
+        path="edge/runtime/group_sum.py",
+        old="for i in range(self.members):",
+        new="for i in sorted(range(self.members), key=lambda i: i != me):",
+        tests=(
+            "tests/unit/edge/runtime/test_group_sum.py::"
+            "test_a_small_vector_is_summed_whole_in_member_order",
         ),
     ),
     Mutant(

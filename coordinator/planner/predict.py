@@ -32,10 +32,10 @@ prediction every job shows and plans by, :func:`predict`:
   is one publish] in :mod:`edge.runtime.group_sum`) and receives ``2 (g - 1) / g``
   of it (:func:`edge.wire.groups.sum_traffic`); ``byte_s`` prices a byte sent and
   received together (the probe publishes to itself), so each side at half of it;
-  plus each frame it sends and takes (:func:`edge.runtime.group_sum.sum_frames`:
-  ``3 g - 2`` chunks a step, each in its pieces) at the slowest member's
-  ``frame_s``, what binds for a small vector over many members (a group of eight
-  holders summing one convolution's gradients).
+  plus each frame it sends and takes (:func:`edge.runtime.group_sum.sum_load`:
+  ``3 g - 2`` chunks a step, each in its pieces, or ``g`` whole vectors for a small
+  one) at the slowest member's ``frame_s``, what binds for a small vector over many
+  members (a group of eight holders summing one convolution's gradients).
   The larger, not the sum: the pieces keep both busy at once (see [Note: a group's
   sum is the larger of its links and its bytes]). The links' part is less what the
   last backward hides of it ([Note: what the overlap hides]);
@@ -99,9 +99,8 @@ from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem
 from edge.profiling.fixed_costs import PROBE_BLOCKS, FixedCosts, fixed_costs_of
 from edge.profiling.matmul import matmul_benchmark
-from edge.runtime.group_sum import sum_frames
+from edge.runtime.group_sum import sum_load
 from edge.runtime.unit_times import Timing, UnitTime, measure_unit_times
-from edge.wire.groups import sum_traffic
 from edge.wire.messages import OptimizerSpec
 
 __all__ = [
@@ -501,7 +500,8 @@ def _sum_cpu_s(problem: PlanningProblem, stage: Stage, fixed: Mapping[str, Fixed
     """Seconds a step's sum of ``stage``'s group takes its members' CPU (the slowest
     member's costs): its bytes, the vector's size sent and ``2 (g - 1) / g`` of it
     received, each at half of ``byte_s`` (which prices one sent and received), and its
-    frames, each at ``frame_s`` (:func:`~edge.runtime.group_sum.sum_frames`).
+    frames, each at ``frame_s`` (:func:`~edge.runtime.group_sum.sum_load`: a ring's
+    pieces, or whole vectors for a small sum).
 
     [Note: a small sum over many members is its frames]
     A frame costs its ends a fixed part of CPU whatever it holds, and a member of a
@@ -524,12 +524,11 @@ def _sum_cpu_s(problem: PlanningProblem, stage: Stage, fixed: Mapping[str, Fixed
     six runs on a host busy with other work), is not priced: it is the spread of
     the members' compute, which nothing a device announces predicts.
     """
-    g = len(stage.devices)
-    sent, received = sum_traffic(g)
     params = sum(unit.param_bytes for unit in problem.layers[stage.start : stage.end])
+    frames, sent, received = sum_load(math.ceil(params / 4), len(stage.devices))
     worst = max(fixed[i].byte_s for i in stage.devices)
-    frames = sum_frames(math.ceil(params / 4), g) * max(fixed[i].frame_s for i in stage.devices)
-    return (sent + received) / 2 * params * worst + frames
+    framing = frames * max(fixed[i].frame_s for i in stage.devices)
+    return (sent + received) / 2 * params * worst + framing
 
 
 def timed_problem(problem: PlanningProblem, units: UnitSeconds) -> PlanningProblem:

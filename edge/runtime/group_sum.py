@@ -39,6 +39,19 @@ sum's bytes cost 3.8-4.0 ns each in pieces of 256 KiB and 2.0-2.8 in pieces of
 a chunk of 1 MiB keeps four pieces of 256 KiB and its links overlapped, one of vgg11's
 9 MB chunks over four members goes in nine of 1 MiB at 0.5-0.7 of the CPU a byte.
 
+[Note: a small sum goes whole]
+Every frame costs both ends a fixed part of CPU, however little it holds, and a ring
+member handles ``3 g - 2`` chunks a step: eight Pi 4 holders summing cnn-digits'
+first convolution (2.3 kB) pay 22 frames each for it, which their share of a core
+feels far more than the bytes. A vector of at most :data:`WHOLE_SUM_BYTES` is
+summed whole instead: each member publishes its whole vector once on its ``gather``
+topic and takes the ``g - 1`` others', ``g`` frames, and adds the ``g`` vectors in
+member order, as a chunk's owner does, so every member holds the same bits as the
+ring would give. It receives ``g - 1`` vectors instead of ``2 (g - 1) / g`` of one:
+at 64 KiB and eight members, 448 KiB, which costs a free core about what the 14
+frames it saves do. Nothing goes early: the vector leaves when the backward is done.
+:func:`sum_load` says what each way costs a member, for the planner.
+
 [Note: the sum overlapped with the backward]
 A piece of the reduce-scatter can go as soon as the gradients it holds are final, and
 in the step's last backward the last units' gradients are final first: the chunks of
@@ -72,16 +85,18 @@ from torch.utils.hooks import RemovableHandle
 from edge.transport.base import Channel, Transport
 from edge.transport.inbox import Expected, Inbox
 from edge.wire.frames import Codec, Kind, encode_frame
-from edge.wire.groups import chunk_size
+from edge.wire.groups import chunk_size, sum_traffic
 from edge.wire.messages import StageAssignment
 
 __all__ = [
     "MIN_PIECE_BYTES",
     "PIECES_PER_CHUNK",
     "PIECE_BYTES",
+    "WHOLE_SUM_BYTES",
     "GroupSum",
     "piece_elements",
-    "sum_frames",
+    "sum_load",
+    "sums_whole",
 ]
 
 PIECE_BYTES = 1 << 20
@@ -99,19 +114,38 @@ def piece_elements(chunk: int) -> int:
     return max(MIN_PIECE_BYTES // 4, min(PIECE_BYTES // 4, wanted))
 
 
-def sum_frames(numel: int, members: int) -> int:
-    """The frames one member of a group of ``members`` handles in a step's sum of a
-    ``numel``-element vector, sent and received together: each of the ``g - 1`` chunks
-    it sends, its summed chunk's publish, and the ``2 (g - 1)`` chunks it takes, each in
-    :func:`piece_elements` pieces; 0 for a group of one. Each costs both ends a fixed
-    part of CPU ([Note: pieces of a chunk]): the term that binds where the vector is
-    small and the members many ([Note: a small sum over many members is its frames]
-    in :mod:`coordinator.planner.predict`)."""
+WHOLE_SUM_BYTES = 64 << 10
+"""A flat vector at most this large is summed whole ([Note: a small sum goes whole])."""
+
+
+def sums_whole(numel: int, members: int) -> bool:
+    """Whether a group of ``members`` sums a ``numel``-element vector whole: every member
+    derives it from the vector's size alone, so all agree ([Note: a small sum goes
+    whole])."""
+    return members > 1 and numel * 4 <= WHOLE_SUM_BYTES
+
+
+def sum_load(numel: int, members: int) -> tuple[int, float, float]:
+    """What one member of a group of ``members`` handles in a step's sum of a
+    ``numel``-element vector: the frames it sends and takes, and the fractions of the
+    vector's bytes it sends and receives; nothing for a group of one.
+
+    Ring (:func:`edge.wire.groups.sum_traffic`): the ``g - 1`` chunks it sends, its
+    summed chunk's publish and the ``2 (g - 1)`` chunks it takes, each in
+    :func:`piece_elements` pieces; the whole vector out, ``2 (g - 1) / g`` of it in.
+    Whole ([Note: a small sum goes whole]): one publish of the vector and the ``g - 1``
+    others' taken; the vector out once, ``g - 1`` times in. Each frame costs both ends
+    a fixed part of CPU ([Note: pieces of a chunk]): what binds where the vector is
+    small and the members many ([Note: a small sum over many members is its frames] in
+    :mod:`coordinator.planner.predict`)."""
     if members <= 1:
-        return 0
+        return 0, 0.0, 0.0
+    if sums_whole(numel, members):
+        return members, 1.0, float(members - 1)
     chunk = chunk_size(numel, members)
     pieces = math.ceil(chunk / piece_elements(chunk))
-    return (members + 2 * (members - 1)) * pieces
+    sent, received = sum_traffic(members)
+    return (members + 2 * (members - 1)) * pieces, sent, received
 
 
 class GroupSum:
@@ -128,8 +162,10 @@ class GroupSum:
         self.params = params
         self.members = a.group_size
         numel = sum(p.numel() for p in params) + int(a.is_last)
-        self.chunk = chunk_size(numel, self.members)
-        """Elements of each member's chunk of the flat vector."""
+        self.whole = sums_whole(numel, self.members)
+        """Whether the vector goes whole ([Note: a small sum goes whole])."""
+        self.chunk = numel if self.whole else chunk_size(numel, self.members)
+        """Elements of each member's chunk of the flat vector (summed whole: all of it)."""
         step = piece_elements(self.chunk)
         self.pieces = [(lo, min(lo + step, self.chunk)) for lo in range(0, self.chunk, step)]
         """The element ranges of a chunk that travel as one frame each."""
@@ -156,6 +192,8 @@ class GroupSum:
     def expected(self) -> dict[Kind, Expected]:
         """What the group's members send this one: a chunk per member and kind."""
         chunk = Expected((self.chunk,), frozenset({torch.float32}), tuple(self.pieces))
+        if self.whole:  # every member's whole vector, on its gather topic
+            return {Kind.GATHER: chunk}
         return {Kind.REDUCE: chunk, Kind.GATHER: chunk}
 
     def arm(self, step: int, loss: float | None) -> None:
@@ -165,6 +203,8 @@ class GroupSum:
         self.disarm()
         self.bytes_sent = self.early_bytes = 0
         self.early_s = self.early_cpu_s = 0.0
+        if self.whole:  # it goes once every gradient is final: after the backward
+            return
         armed = _Armed(step, loss, self._pieces_to_send(loss))
         self._armed = armed
         for i, p in enumerate(self.params):
@@ -254,14 +294,10 @@ class GroupSum:
     def _sum(
         self, inbox: Inbox, step: int, loss: float | None, sent: set[tuple[int, int]]
     ) -> float | None:
+        if self.whole:
+            return self._sum_whole(inbox, step, loss)
         a, g, me, c = self.a, self.members, self.a.member, self.chunk
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        parts = [t.detach().reshape(-1).float().cpu() for t in grads]
-        if loss is not None:
-            parts.append(torch.tensor([loss], dtype=torch.float32))
-        numel = sum(t.numel() for t in parts)
-        vector = torch.zeros(c * g, dtype=torch.float32)
-        torch.cat(parts, out=vector[:numel])
+        grads, vector = self._flat(loss, c * g)
         others = [(me + j) % g for j in range(1, g)]  # staggered: see [Note: pieces of a chunk]
         for k in others:  # reduce-scatter: chunk k to its owner, what the backward left
             for lo, hi in self.pieces:
@@ -282,6 +318,37 @@ class GroupSum:
                 for lo, hi in self.pieces:
                     got = inbox.take(Kind.GATHER, step, i, timeout, first=lo).tensor
                     vector[i * c + lo : i * c + hi] = got
+        return self._set_grads(grads, vector, loss)
+
+    def _flat(self, loss: float | None, size: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The gradients (zeros for a parameter without one) and the flat vector of them
+        and the loss, zero-padded to ``size`` elements."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        parts = [t.detach().reshape(-1).float().cpu() for t in grads]
+        if loss is not None:
+            parts.append(torch.tensor([loss], dtype=torch.float32))
+        vector = torch.zeros(size, dtype=torch.float32)
+        torch.cat(parts, out=vector[: sum(t.numel() for t in parts)])
+        return grads, vector
+
+    def _sum_whole(self, inbox: Inbox, step: int, loss: float | None) -> float | None:
+        """[Note: a small sum goes whole]: publish the vector once, take the others', and
+        add all ``g`` in member order, as a chunk's owner does: the same bits."""
+        a, me = self.a, self.a.member
+        grads, vector = self._flat(loss, self.chunk)
+        self._send(Kind.GATHER, step, vector)
+        total = torch.zeros(self.chunk, dtype=torch.float32)
+        for i in range(self.members):
+            if i == me:
+                total += vector
+            else:
+                total += inbox.take(Kind.GATHER, step, i, a.recv_timeout_s, first=0).tensor
+        return self._set_grads(grads, total, loss)
+
+    def _set_grads(
+        self, grads: list[torch.Tensor], vector: torch.Tensor, loss: float | None
+    ) -> float | None:
+        """Every parameter's gradient from the summed ``vector``; the summed loss."""
         at = 0
         for p, t in zip(self.params, grads, strict=True):
             summed = vector[at : at + t.numel()].view_as(t).to(t.dtype)

@@ -7,10 +7,12 @@ parameters equal, within 1e-5, those of the plain PyTorch loop
 (:mod:`support.reference`); over MQTT (a real Mosquitto that enforces the
 plan's grants, :func:`edge.wire.topics.stage_access`, and four real agent
 processes) and in-process. Every member reports every step with the samples
-of its share, and members end with the same weights (the runners check that). Each
-member's reduce-scatter went while its last backward still ran ([Note: the sum
-overlapped with the backward] in :mod:`edge.runtime.group_sum`): its report's
-``allreduce_early_bytes`` is the whole chunk it sent, and the sums are the same bits.
+of its share, and members end with the same weights (the runners check that). Where
+a group sums by the ring, each member's reduce-scatter went while its last backward
+still ran ([Note: the sum overlapped with the backward] in
+:mod:`edge.runtime.group_sum`): its report's ``allreduce_early_bytes`` is the whole
+chunk it sent; where its vector is small, it went whole, once ([Note: a small sum goes
+whole]); the groups ``2,1`` and ``1,2,1`` sum by the ring here, ``1,2`` whole.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from coordinator.local.owned import OwnedBroker
 from coordinator.planner.score import Plan, Stage
 from edge.errors import UserError
 from edge.models.zoo import get_model
+from edge.runtime.group_sum import sums_whole
 from edge.runtime.schedules import SCHEDULES
 from edge.runtime.stage import StageRuntime
 from edge.transport.inprocess import InProcessTransport
@@ -89,12 +92,18 @@ def _shares(sizes: tuple[int, ...], shares: tuple[float, ...] | None) -> list[li
     return [list(shares) if size == 2 else [1.0] for size in sizes]
 
 
-def _chunk(plan: Plan, s: int) -> int:
-    """Elements of each of the 2 chunks group stage ``s`` sums: its gradients (and loss)."""
+def _sum_sent(plan: Plan, s: int) -> tuple[int, int]:
+    """Bytes each member of group stage ``s`` sends in a step's sum of its gradients (and
+    loss), and how many of them while its last backward still ran: a ring's 2 chunks,
+    one of them early; a small vector's one whole frame, after the backward ([Note: a
+    small sum goes whole] in :mod:`edge.runtime.group_sum`)."""
     st = plan.stages[s]
     segment = get_model("mlp", seed=3).build_segment(st.start, st.end)
     numel = sum(p.numel() for p in segment.parameters()) + (s == len(plan.stages) - 1)
-    return chunk_size(numel, 2)
+    if sums_whole(numel, 2):
+        return prefix_size(1) + 4 * numel, 0
+    chunk = prefix_size(1) + 4 * chunk_size(numel, 2)
+    return 2 * chunk, chunk
 
 
 def _check(result: JobResult, plan: Plan, counts: tuple[int, int]) -> None:
@@ -113,12 +122,11 @@ def _check(result: JobResult, plan: Plan, counts: tuple[int, int]) -> None:
         share = counts[m] if s == group[0] else N
         assert report.samples == share * MICROBATCHES
         assert report.device == plan.stages[s].devices[m]
-        chunk = prefix_size(1) + 4 * _chunk(plan, s)
-        if s == group[0]:  # the group summed its gradients: g = 2 chunks sent (one its sum)
-            assert report.allreduce_bytes == 2 * chunk
-            # The reduce-scatter's chunk went while the last backward still ran (its
-            # gradients final, hook by hook); only the all-gather's came after it.
-            assert report.allreduce_early_bytes == chunk
+        if s == group[0]:  # the group summed its gradients: a ring's g = 2 chunks sent
+            # (one its sum), the reduce-scatter's while the last backward still ran (its
+            # gradients final, hook by hook); or a small vector once, whole, after it.
+            sent, early = _sum_sent(plan, s)
+            assert (report.allreduce_bytes, report.allreduce_early_bytes) == (sent, early)
         else:
             assert report.allreduce_bytes == report.allreduce_early_bytes == 0
 

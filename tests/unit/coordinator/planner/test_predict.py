@@ -57,7 +57,7 @@ from coordinator.planner.score import Plan, Stage, score_plan
 from edge.errors import UserError
 from edge.problem import PlanningProblem
 from edge.profiling.fixed_costs import FixedCosts, fixed_costs_of
-from edge.runtime.group_sum import sum_frames
+from edge.runtime.group_sum import sum_load
 from edge.runtime.unit_times import UnitTime
 from edgetrain.cli import app
 
@@ -665,14 +665,16 @@ def _holders(g: int, frame_s: float) -> PlanningProblem:
 
 
 def test_a_small_sum_over_many_members_is_priced_by_its_frames() -> None:
-    """[Note: a small sum over many members is its frames]: a member of ``g`` handles
-    ``3 g - 2`` chunks a step (one piece each here), each at its ``frame_s``, whatever
-    the few bytes they hold; so the sum grows with the members, as it was measured to."""
-    assert [sum_frames(576, g) for g in (1, 2, 4, 8)] == [0, 4, 10, 22]
+    """[Note: a small sum over many members is its frames]: a member handles ``g`` whole
+    vectors of a small sum (``3 g - 2`` ring chunks of a large one), each at its
+    ``frame_s``, whatever the few bytes they hold; so the sum grows with the members."""
+    assert [sum_load(576, g)[0] for g in (1, 2, 4, 8)] == [0, 2, 4, 8]
+    assert sum_load(576, 8)[1:] == (1.0, 7.0)  # sent once, the seven others taken
+    assert sum_load(2**19, 8) == (22, 1.0, 1.75)  # a ring: chunks of one piece each
     for g in (4, 8):
         problem = _holders(g, 0.002)
         plan = Plan((Stage.group([d.id for d in problem.devices], 0, 1),))
-        assert predict(problem, plan).allreduce_s == pytest.approx([(3 * g - 2) * 0.002])
+        assert predict(problem, plan).allreduce_s == pytest.approx([g * 0.002])
     free = _holders(8, 0.0)
     plan = Plan((Stage.group([d.id for d in free.devices], 0, 1),))
     assert predict(free, plan).allreduce_s[0] < 1e-4  # by its bytes and links alone

@@ -16,12 +16,15 @@ from edge.runtime.group_sum import (
     MIN_PIECE_BYTES,
     PIECE_BYTES,
     PIECES_PER_CHUNK,
+    WHOLE_SUM_BYTES,
     GroupSum,
     piece_elements,
+    sum_load,
+    sums_whole,
 )
 from edge.transport.inbox import Inbox
 from edge.transport.inprocess import InProcessTransport
-from edge.wire.frames import prefix_size, read_header
+from edge.wire.frames import Kind, prefix_size, read_header
 from edge.wire.groups import split_samples, sum_waits
 from edge.wire.messages import StageAssignment
 
@@ -205,3 +208,22 @@ def test_an_armed_sum_sends_each_piece_as_its_gradients_become_final() -> None:
 def test_an_unarmed_sum_sends_nothing_early() -> None:
     _, seen = _backward_and_sum(armed=False)
     assert [member.early for member in seen] == [0, 0]
+
+
+def test_a_small_vector_is_summed_whole_in_member_order() -> None:
+    """[Note: a small sum goes whole]: each member publishes its vector once (one frame,
+    the gather channel alone) and adds all ``g`` in member order: the same bits on
+    every member as a chunk's owner gives, and what its load says for the planner."""
+    numel = 500  # with the loss: 501 elements, 2 kB
+    assert sums_whole(numel + 1, 3) and not sums_whole(WHOLE_SUM_BYTES // 4 + 1, 3)
+    gen = torch.Generator().manual_seed(0)
+    vectors = [torch.randn(numel, generator=gen) for _ in range(3)]
+    want = torch.zeros(numel)
+    for v in vectors:
+        want += v
+    got = _sum_over(3, numel, last=True)
+    for summer, grad, loss in got:
+        assert summer.whole and set(summer.expected) == {Kind.GATHER}
+        assert torch.equal(grad, want) and loss == 6.0
+        assert summer.bytes_sent == prefix_size(1) + 4 * (numel + 1)  # one frame, once
+    assert sum_load(numel + 1, 3) == (3, 1.0, 2.0)
