@@ -46,7 +46,10 @@ gradients, so a step equals single-device training on the whole batch.
   Every member then holds the same summed gradients (the whole batch's) and the
   whole step's loss, steps the same optimizer and keeps the same weights. Each
   member publishes ``g`` chunks per step, the vector's size, and receives
-  ``2 (g - 1)``, ``2 (g - 1) / g`` of it (:func:`sum_traffic`). Each member's step
+  ``2 (g - 1)``, ``2 (g - 1) / g`` of it (:func:`sum_traffic`). A vector of at
+  most 64 KiB skips the reduce-scatter: each member publishes it whole, unpadded, as
+  one ``GATHER`` frame, and adds all ``g`` in member order ([Note: a small sum goes
+  whole] in :mod:`edge.runtime.group_sum`); no ``REDUCE`` frame is expected then. Each member's step
   report says when its sum started (``allreduce_started``) and the CPU it cost
   (``allreduce_cpu_s``): a sum waits for the last member to start
   (:func:`sum_waits`), and the rest of ``allreduce_s`` is the transfer.
