@@ -35,8 +35,9 @@ alone, device by device, the plan turns into training of one model.
 For each: the measured samples/s (steady state: stage 0's step times after
 ``--warmup`` steps, :func:`bench.hybrid.measure`), the predicted samples/s (the
 planner's internal model, :func:`coordinator.planner.predict.predict`, with the
-units timed on this machine as the engine times them and stage 0's shares fixed by
-the data), measured / predicted, the bytes every device sent per sample trained
+units each device timed itself under its limits, as a job of ``unit_times: devices``
+gets them (``--unit-times host``: this machine's, scaled to each device), and stage
+0's shares fixed by the data), measured / predicted, the bytes every device sent per sample trained
 (``StepReport.bytes_sent`` over the steady steps: activations, gradients, labels and
 a group's gradient sums, as framed on the wire), the capacity and its fraction, and
 where the step went member by member, measured and predicted (``anatomy`` and
@@ -73,6 +74,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -81,12 +83,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's p
 
 from bench.cpu_usage import CpuSampler, Usage
 from bench.siblings import sibling
-from coordinator.engine.engine import plan_over
+from coordinator.engine.engine import job_problem, job_unit_seconds, plan_over
 from coordinator.engine.spec import DataPlacement, JobSpec
+from coordinator.engine.unit_profiles import whole_model_bytes
 from coordinator.engine.watch import DeviceFeed
 from coordinator.planner.anatomy import StepTerms, anatomy
 from coordinator.planner.build import parse_fleet
-from coordinator.planner.predict import measure_unit_seconds, predict
+from coordinator.planner.predict import UnitSeconds, predict
 from coordinator.planner.score import Plan, for_plan
 from coordinator.testbed.limits import METHODS, most_faithful
 from coordinator.testbed.sizing import CPU_BUDGET, default_scale
@@ -254,26 +257,27 @@ class Candidate:
     predicted_anatomy: dict[str, Any]
 
 
-def candidates(spec: JobSpec, devices: list[DeviceSpec]) -> dict[str, Candidate]:
+def candidates(
+    spec: JobSpec,
+    devices: list[DeviceSpec],
+    device_units: Mapping[str, UnitSeconds] | None = None,
+) -> dict[str, Candidate]:
     """Every strategy's plan (:data:`STRATEGIES`) of the local-data job ``spec`` over
-    ``devices`` (holders announcing its data, then helpers), each predicted the same way:
-    the job's unit times, stage 0's shares fixed by the data."""
-    planned = plan_over(spec, devices, where="the fleet")
+    ``devices`` (holders announcing its data, then helpers), each planned and predicted
+    the same way: the job's unit times (``device_units``: those the devices timed
+    themselves, as a job of ``unit_times: devices`` is; else this machine's), stage 0's
+    shares fixed by the data."""
+    planned = plan_over(spec, devices, where="the fleet", device_units=device_units)
     assert planned.holders is not None  # a job on local data
-    units = measure_unit_seconds(
-        spec.model,
-        spec.batch_size,
-        spec.microbatches,
-        model_options=spec.model_options,
-        optimizer=spec.optimizer,
-    )
+    units = job_unit_seconds(spec, device_units)
+    assert units is not None  # a zoo model on its own dataset
     alone = planned.holders.holders_alone
     fixed = {0: alone.shares[0]}  # each holder's share of the data
     one = next(iter(planned.holders.each_alone.values()))  # every holder is alike
     held = {d for st in alone.plan.stages for d in st.devices}
     helper = next(d for d in devices if d.id not in held)
     lent = spec.model_copy(update={"data": None})  # the helper's data, for this run only
-    solo = plan_over(lent, [helper], where="the helper")
+    solo = plan_over(lent, [helper], where="the helper", device_units=device_units)
 
     def candidate(
         job: JobSpec,
@@ -322,8 +326,9 @@ def run_fleet(holders: int, models: list[str], args: argparse.Namespace) -> list
             fleet = profiles(control, [d.id for d in devices])
             for model in models:
                 spec = job_spec(model, args)
+                own = own_units(tb, control, spec, fleet) if args.unit_times == "devices" else None
                 for helpers in (0, *args.helper_counts):
-                    got = candidates(spec, fleet[: holders + max(1, helpers)])
+                    got = candidates(spec, fleet[: holders + max(1, helpers)], own)
                     for strategy, candidate in got.items():
                         if (strategy == "plan") == (helpers > 0):
                             rows.append(
@@ -333,6 +338,23 @@ def run_fleet(holders: int, models: list[str], args: argparse.Namespace) -> list
         finally:
             control.close()
     return with_capacity([Row(**r) for r in rows])
+
+
+def own_units(
+    tb: Testbed, control: MqttTransport, spec: JobSpec, fleet: list[DeviceSpec]
+) -> dict[str, UnitSeconds]:
+    """Each device's own unit seconds for ``spec``, as a job of ``unit_times: devices``
+    gets them: one holder and one helper time the units (every holder is the same
+    device emulated alike, and so is every helper), and each device takes its kind's."""
+    holder, helper = fleet[0], fleet[-1]
+    needs = whole_model_bytes(job_problem(spec, fleet))
+    timed = hybrid.own_unit_seconds(control, [holder, helper], tb.announced, spec, needs)
+    out = {}
+    for d in fleet:
+        kind = holder if d.id.startswith("holder") else helper
+        if kind.id in timed:
+            out[d.id] = timed[kind.id]
+    return out
 
 
 def with_capacity(rows: list[Row]) -> list[Row]:
@@ -555,6 +577,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=METHODS,
         help="the testbed's limits (default: scalar where the kernel's limits work, "
         "else software; kernel: the old FLOP-share quota on the whole agent)",
+    )
+    parser.add_argument(
+        "--unit-times",
+        choices=["devices", "host"],
+        default="devices",
+        help="price plans by each device's own timing of the model's units (as a job of "
+        "unit_times: devices is) or by this host's scaled to each device",
     )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--quick", action="store_true", help="2 holders, 1 helper, cnn-digits")

@@ -642,6 +642,18 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        name="throttled-timing-scaled-to-wall",
+        what="a throttled device's unit timing scales its CPU seconds to the step's wall "
+        "(its quota's stalls) before the throttle's factor: the slowdown counted twice",
+        path="edge/runtime/unit_times.py",
+        old="k = wall_total / cpu_total if by is self.cpu and scale_to_wall else 1.0",
+        new="k = wall_total / cpu_total if by is self.cpu else 1.0",
+        tests=(
+            "tests/unit/edge/runtime/test_unit_times.py::"
+            "test_a_throttled_devices_timing_keeps_its_cpu_seconds_as_they_are",
+        ),
+    ),
+    Mutant(
         name="predict-sum-links-then-bytes",
         what="the cost model charges a group's sum its links' time and then its bytes' time, "
         "where the pieces keep both busy at once (measured: the sum takes the longer)",

@@ -8,6 +8,11 @@ limits (:func:`edge.runtime.unit_times.measure_unit_times`, which owns how), at 
 request's batch and, if it asks, at its small batch too, on the CPU seconds of the
 timing ([Note: a stall lands on one unit]), and prices them at the device's throttle:
 each time times ``slowdown``, as the throttle sleeps that much longer than it computes.
+A throttled device's CPU seconds are taken as they are, not scaled to the step's wall
+seconds: under the scalar method's quota ([Note: two speeds of a device] in
+:mod:`coordinator.testbed.sizing`) the wall carries the quota's stalls, which the
+throttle's stretch covers, and scaling both would count the slowdown twice (a
+0.065-core Pi holder timed cnn-digits at 16 s a microbatch, 15x its run).
 
 An answer without times says why instead: the device is busy with a job, the model is
 not allowed or cannot be built, or the timing failed. Any failure is the answer, never
@@ -56,6 +61,9 @@ def answer_time_units(
                 cpu_clock=cpu_seconds_clock(),  # [Note: a stall lands on one unit]
                 timed_microbatches=cmd.timed_microbatches,
                 budget_s=cmd.budget_s,
+                # Throttled, its compute lasts slowdown x its CPU seconds, whatever a
+                # quota stalled: priced once, below.
+                cpu_alone=slowdown > 1,
             )
             timed = functools.partial(
                 measure_unit_times,

@@ -95,6 +95,12 @@ class Timing:
     budget_s: float | None = None
     """Measure no further step once the measured ones took this long on ``clock`` (at
     least one runs); ``None``: every step."""
+    cpu_alone: bool = False
+    """With ``cpu_clock``: each region's CPU seconds as they are, not scaled to the
+    step's wall seconds. For a device whose compute the throttle stretches to its CPU
+    seconds (the testbed's scalar method, [Note: two speeds of a device] in
+    :mod:`coordinator.testbed.sizing`): a stall its quota made is not its compute's,
+    and the throttle's factor is applied once, by the caller."""
 
 
 def measure_unit_times(
@@ -155,7 +161,7 @@ def measure_unit_times(
                 if opt is not None:
                     opt.step()
                     opt.zero_grad(set_to_none=True)
-        f_step, b_step, opt_s = times.seconds()
+        f_step, b_step, opt_s = times.seconds(scale_to_wall=not timing.cpu_alone)
         if step >= warmup:
             measured += sum(f_step) + sum(b_step)
             for i in range(n):  # the optimizer's time is shared by all microbatches
@@ -190,13 +196,16 @@ class _StepTimes:
             self.cpu[kind][i] += cpu() - c0
         self.wall[kind][i] += self.clock() - t0
 
-    def seconds(self) -> tuple[list[float], list[float], list[float]]:
+    def seconds(
+        self, *, scale_to_wall: bool = True
+    ) -> tuple[list[float], list[float], list[float]]:
         """Forward, backward with the optimizer, and optimizer seconds of each unit: the
-        wall seconds, or with a CPU clock the CPU seconds scaled to the wall's sum."""
+        wall seconds, or with a CPU clock the CPU seconds scaled to the wall's sum
+        (unless ``scale_to_wall`` is off: as they are)."""
         wall_total = sum(sum(v) for v in self.wall.values())
         cpu_total = sum(sum(v) for v in self.cpu.values())
         by = self.cpu if self.cpu_clock is not None and cpu_total > 0 else self.wall
-        k = wall_total / cpu_total if by is self.cpu else 1.0
+        k = wall_total / cpu_total if by is self.cpu and scale_to_wall else 1.0
         return (
             [t * k for t in by["fwd"]],
             [(b + o) * k for b, o in zip(by["bwd"], by["opt"], strict=True)],

@@ -249,3 +249,25 @@ def test_a_sums_early_sends_are_neither_compute_nor_stretched(one_thread: None) 
     assert took < 10 * 0.02 * pieces  # the sends were not stretched tenfold
     rt.group_sum.disarm()
     transport.close()
+
+
+def test_a_throttled_devices_timing_keeps_its_cpu_seconds_as_they_are() -> None:
+    """A unit that ran 0.01 s of CPU in 0.15 s of wall (a quota's stall landed on it): by
+    default its CPU seconds are scaled to the wall's ([Note: a stall lands on one unit]);
+    a throttled device's (``Timing.cpu_alone``) stay 0.01 s, which its answer then prices
+    at its slowdown once ([Note: two speeds of a device])."""
+    from edge.runtime.unit_times import _StepTimes
+
+    ticks = iter([0.0, 0.15, 0.15, 0.20])  # wall: forward 0.15 s, backward 0.05 s
+    cpu = iter([0.0, 0.01, 0.01, 0.06])  # CPU: forward 0.01 s, backward 0.05 s
+    times = _StepTimes(1, lambda: next(ticks), lambda: next(cpu))
+    with times.region("fwd", 0):
+        pass
+    with times.region("bwd", 0):
+        pass
+    scaled = times.seconds()
+    assert scaled[0] == pytest.approx([0.01 * 0.2 / 0.06]) and sum(scaled[0] + scaled[1]) == (
+        pytest.approx(0.2)
+    )
+    alone = times.seconds(scale_to_wall=False)
+    assert alone[0] == pytest.approx([0.01]) and alone[1] == pytest.approx([0.05])
