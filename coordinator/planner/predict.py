@@ -505,10 +505,15 @@ def _sum_cpu_s(problem: PlanningProblem, stage: Stage, fixed: Mapping[str, Fixed
 
     [Note: a small sum over many members is its frames]
     A frame costs its ends a fixed part of CPU whatever it holds, and a member of a
-    group of ``g`` handles ``3 g - 2`` chunks a step. Eight emulated Pi 4 holders
-    summing cnn-digits' first convolution (2.3 kB) under the scalar method measured
-    74 ms a step of sum against 1 ms predicted from its bytes alone; 22 frames at the
-    holders' announced ``frame_s`` make it up.
+    group of ``g`` handles ``3 g - 2`` ring chunks a step (``g`` whole vectors for a
+    small sum: [Note: a small sum goes whole] in :mod:`edge.runtime.group_sum`). Eight
+    emulated Pi 4 holders summing cnn-digits' first convolution (2.3 kB) under the
+    scalar method measured 140 ms a step of sum by the ring against 1 ms priced by its
+    bytes alone and 22 ms with its 22 frames at the holders' announced ``frame_s``;
+    summed whole, 35 ms against 7 ms. What stays unpriced: a frame's cost to its
+    receiver (``frame_s`` is the sender's) and the members' wait for the last to start
+    (:func:`edge.wire.groups.sum_waits`), which on holders whose share of a core their
+    messaging fills is most of it.
 
     [Note: a group's sum is the larger of its links and its bytes]
     A chunk travels in pieces ([Note: pieces of a chunk] in
