@@ -1,7 +1,8 @@
 """What device groups are worth: hybrid pipeline + data parallel plans on emulated fleets.
 
-Each fleet runs on the testbed (:mod:`coordinator.testbed`, the kernel method
-where it can) and trains each model for a few steps under five plans, one after
+Each fleet runs on the testbed (:mod:`coordinator.testbed`, its scalar method where
+the kernel's limits work, else software: ``--method``; a device without a scalar
+score runs all its code at its FLOP share there) and trains each model for a few steps under five plans, one after
 another on the same fleet:
 
 - ``single``: the best single device alone;
@@ -68,7 +69,7 @@ devices are the profiles the agents announced.
     .venv/bin/python bench/hybrid.py [--models vgg11,resnet18,gpt-mini]
         [--fleets rpi4,2fast4slow,3x,10x,30x] [--strategies single,even,v1,data-parallel,v2]
         [--batch-size 64] [--microbatches auto|N] [--schedule auto|1f1b|gpipe|zb-h1]
-        [--method auto|kernel|software] [--json]
+        [--method auto|kernel|scalar|software] [--json]
         [--results bench/results/hybrid.json] [--chart bench/results/hybrid.png]
         [--from-json FILE] [--quick] [--predict-shapes 32x4,64xauto,...] [--repeat N]
         [--unit-times devices|host]

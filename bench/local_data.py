@@ -1,8 +1,8 @@
 """What helpers are worth to data that stays home: local-data plans on emulated fleets.
 
 Each fleet is ``H`` Raspberry Pi 4 (``rpi4-4gb``) data holders and two laptop-class
-helpers (``laptop``) on the testbed (:mod:`coordinator.testbed`, the kernel method
-where it can). Holder ``i`` starts with shard ``i/H`` of every dataset a model here
+helpers (``laptop``) on the testbed (:mod:`coordinator.testbed`, its scalar method
+where the kernel's limits work: ``--method``). Holder ``i`` starts with shard ``i/H`` of every dataset a model here
 needs (``edgetrain agent --data NAME=NAME:shard=i/H``, [Note: local data] in
 :mod:`edge.models.local_data`), announced in its profile; the helpers hold nothing.
 Each model trains a job on that local data (``"data": {"name": ..., "placement":
