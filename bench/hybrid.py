@@ -2,8 +2,8 @@
 
 Each fleet runs on the testbed (:mod:`coordinator.testbed`, its scalar method where
 the kernel's limits work, else software: ``--method``; a device without a scalar
-score runs all its code at its FLOP share there) and trains each model for a few steps under five plans, one after
-another on the same fleet:
+score runs all its code at its FLOP share there) and trains each model for a few
+steps under five plans, one after another on the same fleet:
 
 - ``single``: the best single device alone;
 - ``even``: every device, the same number of units each (one device a stage);

@@ -2,9 +2,10 @@
 
 Each fleet is ``H`` Raspberry Pi 4 (``rpi4-4gb``) data holders and two laptop-class
 helpers (``laptop``) on the testbed (:mod:`coordinator.testbed`, its scalar method
-where the kernel's limits work: ``--method``). Holder ``i`` starts with shard ``i/H`` of every dataset a model here
-needs (``edgetrain agent --data NAME=NAME:shard=i/H``, [Note: local data] in
-:mod:`edge.models.local_data`), announced in its profile; the helpers hold nothing.
+where the kernel's limits work: ``--method``). Holder ``i`` starts with shard
+``i/H`` of every dataset a model here needs (``edgetrain agent --data
+NAME=NAME:shard=i/H``, [Note: local data] in :mod:`edge.models.local_data`),
+announced in its profile; the helpers hold nothing.
 Each model trains a job on that local data (``"data": {"name": ..., "placement":
 "local"}``) for a few steps, one run after another on the same fleet:
 
@@ -315,7 +316,10 @@ def run_fleet(holders: int, models: list[str], args: argparse.Namespace) -> list
             scale=args.scale,
             state_dir=Path(state),
             data=local_data(holders, models),
-            start=StartOptions(method=args.method, coordinator=False),
+            # Every agent imports torch at once: on 2 cores, seconds each.
+            start=StartOptions(
+                method=args.method, coordinator=False, online_timeout_s=max(90.0, 8.0 * holders)
+            ),
         ) as tb,
     ):
         cores = ", ".join(f"{d.id} {d.cpus:.3f} (scalar {d.general_cpus:.3f})" for d in tb.devices)
