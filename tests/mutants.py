@@ -592,19 +592,6 @@ MUTANTS = [
         tests=("tests/unit/coordinator/planner/test_predict.py",),
     ),
     Mutant(
-        name="predict-sum-frames-unpriced",
-        what="the cost model prices a group's sum by its bytes alone, forgetting the frames "
-        "each member handles (g whole vectors, or 3 g - 2 chunks a step): what binds for "
-        "eight holders summing a small first unit",
-        path="coordinator/planner/predict.py",
-        old="return (sent + received) / 2 * params * worst + framing",
-        new="return (sent + received) / 2 * params * worst",
-        tests=(
-            "tests/unit/coordinator/planner/test_predict.py::"
-            "test_a_small_sum_over_many_members_is_priced_by_its_frames",
-        ),
-    ),
-    Mutant(
         name="testbed-flop-quota-on-the-whole-agent",
         what="the scalar method's quota is the device's FLOP share again, so its Python, "
         "framing and messaging run at the FLOP ratio (a Pi 4's 29x, not its 8x)",

@@ -31,11 +31,10 @@ prediction every job shows and plans by, :func:`predict`:
   (the all-gather is one publish, fanned out by the broker: [Note: the all-gather
   is one publish] in :mod:`edge.runtime.group_sum`) and receives ``2 (g - 1) / g``
   of it (:func:`edge.wire.groups.sum_traffic`); ``byte_s`` prices a byte sent and
-  received together (the probe publishes to itself), so each side at half of it;
-  plus each frame it sends and takes (:func:`edge.runtime.group_sum.sum_load`:
-  ``3 g - 2`` chunks a step, each in its pieces, or ``g`` whole vectors for a small
-  one) at the slowest member's ``frame_s``, what binds for a small vector over many
-  members (a group of eight holders summing one convolution's gradients).
+  received together (the probe publishes to itself), so each side at half of it
+  (:func:`edge.runtime.group_sum.sum_load`: a ring's share, or ``g - 1`` whole
+  vectors in for a small sum); its frames are not priced ([Note: a small sum over
+  many members is its frames]).
   The larger, not the sum: the pieces keep both busy at once (see [Note: a group's
   sum is the larger of its links and its bytes]). The links' part is less what the
   last backward hides of it ([Note: what the overlap hides]);
@@ -499,9 +498,9 @@ def _backward_share(problem: PlanningProblem, stage: Stage) -> float:
 def _sum_cpu_s(problem: PlanningProblem, stage: Stage, fixed: Mapping[str, FixedCosts]) -> float:
     """Seconds a step's sum of ``stage``'s group takes its members' CPU (the slowest
     member's costs): its bytes, the vector's size sent and ``2 (g - 1) / g`` of it
-    received, each at half of ``byte_s`` (which prices one sent and received), and its
-    frames, each at ``frame_s`` (:func:`~edge.runtime.group_sum.sum_load`: a ring's
-    pieces, or whole vectors for a small sum).
+    received, each at half of ``byte_s`` (which prices one sent and received):
+    :func:`~edge.runtime.group_sum.sum_load`, a ring's share or, for a small sum,
+    ``g - 1`` whole vectors in.
 
     [Note: a small sum over many members is its frames]
     A frame costs its ends a fixed part of CPU whatever it holds, and a member of a
@@ -510,10 +509,12 @@ def _sum_cpu_s(problem: PlanningProblem, stage: Stage, fixed: Mapping[str, Fixed
     emulated Pi 4 holders summing cnn-digits' first convolution (2.3 kB) under the
     scalar method measured 140 ms a step of sum by the ring against 1 ms priced by its
     bytes alone and 22 ms with its 22 frames at the holders' announced ``frame_s``;
-    summed whole, 35 ms against 7 ms. What stays unpriced: a frame's cost to its
-    receiver (``frame_s`` is the sender's) and the members' wait for the last to start
-    (:func:`edge.wire.groups.sum_waits`), which on holders whose share of a core their
-    messaging fills is most of it.
+    summed whole, 35 ms against 7 ms. The frames are not priced yet: at the sender's
+    ``frame_s`` they made the planner drop groups the suite's jobs rely on (a group of
+    two local agents planned as a chain) for a few ms, and a frame's cost to its
+    receiver and the members' wait for the last to start
+    (:func:`edge.wire.groups.sum_waits`), most of the gap on holders whose share of a
+    core their messaging fills, are not measured per device yet.
 
     [Note: a group's sum is the larger of its links and its bytes]
     A chunk travels in pieces ([Note: pieces of a chunk] in
@@ -530,10 +531,9 @@ def _sum_cpu_s(problem: PlanningProblem, stage: Stage, fixed: Mapping[str, Fixed
     the members' compute, which nothing a device announces predicts.
     """
     params = sum(unit.param_bytes for unit in problem.layers[stage.start : stage.end])
-    frames, sent, received = sum_load(math.ceil(params / 4), len(stage.devices))
+    _frames, sent, received = sum_load(math.ceil(params / 4), len(stage.devices))
     worst = max(fixed[i].byte_s for i in stage.devices)
-    framing = frames * max(fixed[i].frame_s for i in stage.devices)
-    return (sent + received) / 2 * params * worst + framing
+    return (sent + received) / 2 * params * worst
 
 
 def timed_problem(problem: PlanningProblem, units: UnitSeconds) -> PlanningProblem:
