@@ -16,6 +16,7 @@ from coordinator.engine.engine import plan_over
 from coordinator.engine.runners import run_inprocess
 from coordinator.engine.spec import JobSpec
 from coordinator.planner.build import parse_fleet
+from coordinator.planner.predict import UnitSeconds
 from coordinator.planner.score import score_plan
 
 BATCH = 16
@@ -39,6 +40,17 @@ def test_a_job_leaves_its_microbatches_to_the_planner_by_default() -> None:
     )
 
 
+PI_UNITS = UnitSeconds(seconds=(0.020, 0.038, 0.013, 0.012), gflops=70.0)
+"""cnn-digits' four units as a Pi 4 times them at the first choice's rows (16 of 64), in
+proportion to the rows: the agents' own timings, so that the choice below does not ride
+on this host's timing of the units (a fitted intercept that moves with the host's load
+moved the cheap fleet's choice between 1 and 2 microbatches)."""
+
+
+def _own_units() -> dict[str, UnitSeconds]:
+    return {f"pi-{i}": PI_UNITS for i in range(3)}
+
+
 def test_an_auto_job_is_refused_an_assignment_before_it_is_planned() -> None:
     spec = JobSpec(model="mlp", steps=2, batch_size=BATCH)
     planned = plan_over(spec.at_microbatches(4), _fleet(0.0)[:1])
@@ -51,8 +63,9 @@ def test_the_engine_plans_the_number_and_the_job_runs_with_it() -> None:
     prediction are at the chosen number, and the job trained at it is the job trained
     with that number given."""
     spec = JobSpec(model="cnn-digits", steps=2, batch_size=64, seed=3, stages=3)
-    cheap = plan_over(spec, _fleet(0.0))
-    dear = plan_over(spec, _fleet(0.5))
+    cheap = plan_over(spec, _fleet(0.0), device_units=_own_units())
+    dear = plan_over(spec, _fleet(0.5), device_units=_own_units())
+    assert cheap.own_units == ("pi-0", "pi-1", "pi-2")
     choices = microbatch_choices_of(spec)
     assert cheap.problem.microbatches in choices and dear.problem.microbatches in choices
     assert dear.problem.microbatches < cheap.problem.microbatches
