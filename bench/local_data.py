@@ -14,6 +14,12 @@ Each model trains a job on that local data (``"data": {"name": ..., "placement":
   first stands for each;
 - ``holders alone``: every unit on the holders together, data-parallel, no helper
   (the federated alternative, :class:`~coordinator.planner.holders.HolderPlans`);
+- ``holders averaged``: the same plan as federated averaging, not exact and labelled
+  so (``training``): DiLoCo at outer lr 1 without momentum, every ``--average-every``
+  steps ([Note: DiLoCo in a group] in :mod:`edge.runtime.outer_sync`). Each holder
+  steps on its own samples, and the holders average their weights by share at each
+  sync, so the group's sum is paid once in that many steps. Its runs measure whole
+  periods (warm-up and measured steps each a multiple of the period);
 - ``one helper``: one helper training the whole model alone, lent the dataset for
   this run only (the job's data central: the helper loads it as any first stage
   does); every helper is alike, so the first stands for each;
@@ -22,7 +28,11 @@ Each model trains a job on that local data (``"data": {"name": ..., "placement":
   the holders are stage 0's group, each with its share of every microbatch, and the
   helpers run the rest.
 
-The first three use no more than one device kind each, so they run once per model and
+Each runs at the number of microbatches the planner predicts fastest for its own plan
+(``--microbatches auto``, a job's default; a number: every run at it), and its row
+says which (``microbatches``).
+
+The first four use no more than one device kind each, so they run once per model and
 holder count and every plan of that model and holder count is compared with them.
 
 [Note: a fleet's capacity]
@@ -60,10 +70,11 @@ FLOP-share quota on the whole agent; ``software``), and each row says which.
         [--json] [--results bench/results/local_data.json]
         [--chart bench/results/local_data.png] [--from-json FILE] [--quick]
 
-``--quick`` runs 2 holders and 1 helper, ``cnn-digits`` only, one warm-up and one
-measured step a plan, and writes its JSON and chart to the temporary directory
-unless ``--results``/``--chart`` say otherwise. ``--from-json`` runs nothing: it
-renders the table, the chart and the JSON again from a results file.
+``--average-every H`` sets the averaged holders' period (default 4). ``--quick`` runs 2
+holders and 1 helper, ``cnn-digits`` only, one warm-up and one measured step a plan, and
+writes its JSON and chart to the temporary directory unless ``--results``/``--chart``
+say otherwise. ``--from-json`` runs nothing: it renders the table, the chart and the
+JSON again from a results file.
 """
 
 from __future__ import annotations
@@ -84,17 +95,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's p
 
 from bench.cpu_usage import CpuSampler, Usage
 from bench.siblings import sibling
-from coordinator.engine.engine import job_problem, job_unit_seconds, plan_over
-from coordinator.engine.spec import DataPlacement, JobSpec
+from coordinator.engine.assignments import microbatch_choices_of, planning_start
+from coordinator.engine.engine import holders_at_best, job_problem, job_unit_seconds, plan_over
+from coordinator.engine.spec import DataPlacement, JobSpec, microbatches_of
 from coordinator.engine.unit_profiles import whole_model_bytes
 from coordinator.engine.watch import DeviceFeed
 from coordinator.planner.anatomy import StepTerms, anatomy
 from coordinator.planner.build import parse_fleet
-from coordinator.planner.predict import UnitSeconds, predict
-from coordinator.planner.score import Plan, for_plan
+from coordinator.planner.predict import Prediction, UnitSeconds
+from coordinator.planner.score import Plan, PlanScore, for_plan
 from coordinator.testbed.limits import METHODS, most_faithful
 from coordinator.testbed.sizing import CPU_BUDGET, default_scale
 from coordinator.testbed.testbed import StartOptions, Testbed
+from edge.config import DiLoCo
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem
 from edge.runtime.allocator import tune_malloc
@@ -103,9 +116,11 @@ from edgetrain.cli.signals import exit_on_sigterm
 
 hybrid = sibling("hybrid")
 
-STRATEGIES = ("holders alone", "one holder", "one helper", "plan")
+STRATEGIES = ("holders alone", "holders averaged", "one holder", "one helper", "plan")
 """The plans of each job, in the order they run: the holders alone first, so that every
 holder builds its first stage (imports, its data) at once, outside any measurement."""
+AVERAGE_EVERY = 4
+"""``holders averaged``: steps between the holders' averages (``--average-every``)."""
 MODELS: dict[str, dict[str, Any]] = {"cnn-digits": {"width": 64}, "vgg11": {"width": 16}}
 """The zoo models and their options: a ``cnn-digits``-class and a ``vgg11``-class model."""
 HOLDER, HELPER = "rpi4-4gb", "laptop"
@@ -127,6 +142,11 @@ class Row:
     """Bytes every device sent in the steady steps, per sample trained."""
     steps: int
     method: str
+    microbatches: int = 0
+    """The step's microbatches (the planner's choice for this plan where ``auto``; 0 in
+    results written before the bench recorded it)."""
+    training: str = "exact"
+    """``exact``, or what makes the run not single-device training (``JobSpec.training``)."""
     capacity_sps: float = math.nan
     """What the devices the row may use train alone, summed ([Note: a fleet's capacity])."""
     anatomy: dict[str, Any] | None = None
@@ -163,6 +183,8 @@ class Row:
     @property
     def label(self) -> str:
         """What ran: ``one holder``, ``holders alone``, ``plan, 1 helper``..."""
+        if self.strategy == "holders averaged":
+            return "holders averaged (non-exact)"
         if self.strategy != "plan":
             return self.strategy
         return f"plan, {self.helpers} helper{'s' if self.helpers > 1 else ''}"
@@ -262,42 +284,67 @@ def candidates(
     spec: JobSpec,
     devices: list[DeviceSpec],
     device_units: Mapping[str, UnitSeconds] | None = None,
+    average_every: int = AVERAGE_EVERY,
 ) -> dict[str, Candidate]:
     """Every strategy's plan (:data:`STRATEGIES`) of the local-data job ``spec`` over
     ``devices`` (holders announcing its data, then helpers), each planned and predicted
     the same way: the job's unit times (``device_units``: those the devices timed
     themselves, as a job of ``unit_times: devices`` is; else this machine's), stage 0's
-    shares fixed by the data."""
+    shares fixed by the data, and each at its own best number of microbatches where
+    the job leaves it to the planner (``auto``, as the engine chooses it for the plan
+    it runs). ``holders averaged`` is the holders alone as federated averaging, every
+    ``average_every`` steps (:func:`averaged`)."""
     planned = plan_over(spec, devices, where="the fleet", device_units=device_units)
     assert planned.holders is not None  # a job on local data
-    units = job_unit_seconds(spec, device_units)
+    start = planning_start(spec)
+    units = job_unit_seconds(start, device_units)
     assert units is not None  # a zoo model on its own dataset
+    choices = microbatch_choices_of(spec) if spec.microbatches == "auto" else None
+    fleet = planned.problem.model_copy(update={"microbatches": start.microbatches})
     alone = planned.holders.holders_alone
-    fixed = {0: alone.shares[0]}  # each holder's share of the data
     one = next(iter(planned.holders.each_alone.values()))  # every holder is alike
     held = {d for st in alone.plan.stages for d in st.devices}
     helper = next(d for d in devices if d.id not in held)
     lent = spec.model_copy(update={"data": None})  # the helper's data, for this run only
     solo = plan_over(lent, [helper], where="the helper", device_units=device_units)
+    fed = averaged(spec, average_every)
 
-    def candidate(
-        job: JobSpec,
-        problem: PlanningProblem,
-        plan: Plan,
-        shares: list[list[float]],
-        fixed_shares: dict[int, list[float]] | None,
-    ) -> Candidate:
-        guess = predict(problem, plan, units, fixed_shares=fixed_shares)
-        terms = StepTerms.of_prediction(for_plan(problem, plan), guess)
-        return Candidate(job, plan, shares, guess.throughput_sps, anatomy(plan, terms).to_json())
+    def candidate(job: JobSpec, score: PlanScore, shares: list[float]) -> Candidate:
+        """``score``'s plan of ``job`` at its best microbatches, stage 0 at ``shares``."""
+        every = job.diloco.every if job.diloco is not None else 1
+        problem, _, guess = holders_at_best(
+            fleet, score.plan, score, units, shares=shares, choices=choices, sum_every=every
+        )
+        return _candidate(job.at_microbatches(problem.microbatches), problem, score, guess)
 
-    fleet = planned.problem
+    solo_guess = solo.found.prediction
+    assert solo_guess is not None  # a zoo model on its own dataset
     return {
-        "holders alone": candidate(spec, fleet, alone.plan, alone.shares, fixed),
-        "one holder": candidate(spec, fleet, one.plan, one.shares, None),
-        "one helper": candidate(lent, solo.problem, solo.plan, solo.score.shares, None),
-        "plan": candidate(spec, fleet, planned.plan, planned.score.shares, fixed),
+        "holders alone": candidate(spec, alone, alone.shares[0]),
+        "holders averaged": candidate(fed, alone, alone.shares[0]),
+        "one holder": candidate(spec, one, [1.0]),
+        "one helper": _candidate(
+            lent.at_microbatches(solo.problem.microbatches), solo.problem, solo.score, solo_guess
+        ),
+        "plan": candidate(spec, planned.found.score, alone.shares[0]),
     }
+
+
+def averaged(spec: JobSpec, every: int) -> JobSpec:
+    """``spec`` as federated averaging: DiLoCo at outer lr 1 without momentum, every
+    ``every`` steps ([Note: DiLoCo in a group] in :mod:`edge.runtime.outer_sync`):
+    each holder steps on its own samples and the holders take their weights averaged
+    by share at each sync. Not exact: its rows say so."""
+    return spec.model_copy(update={"diloco": DiLoCo(every=every, outer_lr=1.0, outer_momentum=0.0)})
+
+
+def _candidate(
+    job: JobSpec, problem: PlanningProblem, score: PlanScore, guess: Prediction
+) -> Candidate:
+    terms = StepTerms.of_prediction(for_plan(problem, score.plan), guess)
+    return Candidate(
+        job, score.plan, score.shares, guess.throughput_sps, anatomy(score.plan, terms).to_json()
+    )
 
 
 # -- running --------------------------------------------------------------------------
@@ -332,7 +379,9 @@ def run_fleet(holders: int, models: list[str], args: argparse.Namespace) -> list
                 spec = job_spec(model, args)
                 own = own_units(tb, control, spec, fleet) if args.unit_times == "devices" else None
                 for helpers in (0, *args.helper_counts):
-                    got = candidates(spec, fleet[: holders + max(1, helpers)], own)
+                    got = candidates(
+                        spec, fleet[: holders + max(1, helpers)], own, args.average_every
+                    )
                     for strategy, candidate in got.items():
                         if (strategy == "plan") == (helpers > 0):
                             rows.append(
@@ -372,6 +421,7 @@ def with_capacity(rows: list[Row]) -> list[Row]:
             "one holder": one,
             "one helper": helper,
             "holders alone": r.holders * one,
+            "holders averaged": r.holders * one,
         }.get(r.strategy, r.holders * one + r.helpers * helper)
     return rows
 
@@ -386,15 +436,21 @@ def _run(
 ) -> dict[str, Any]:
     """Run one candidate on the testbed's agents; its row's fields but the strategy."""
     spec = candidate.spec
-    steps = args.warmup + max(
+    warmup = args.warmup
+    measured_steps = max(
         args.min_steps,
         min(args.max_steps, math.ceil(args.seconds * candidate.predicted_sps / spec.batch_size)),
     )
+    if spec.diloco is not None:  # whole periods: one sync in every `every` steps measured
+        every = spec.diloco.every
+        warmup = every * math.ceil(warmup / every)
+        measured_steps = every * math.ceil(measured_steps / every)
+    steps = warmup + measured_steps
     started = time.perf_counter()
     job = spec.model_copy(update={"steps": steps})
     shares = candidate.shares if candidate.plan.grouped else None
     with CpuSampler(tb.state_dir) as sampler:
-        measured = hybrid.measure(control, job, candidate.plan, args.warmup, tb.accounts, shares)
+        measured = hybrid.measure(control, job, candidate.plan, warmup, tb.accounts, shares)
     ran = {d for st in candidate.plan.stages for d in st.devices} | {"broker"}
     usage = {k: v for k, v in sampler.between(*measured.window).items() if k in ran}
     cpu = cpu_per_step(tb, usage, measured.window, spec.batch_size / measured.sps)
@@ -408,6 +464,8 @@ def _run(
         "bytes_per_sample": measured.bytes_per_sample,
         "steps": steps,
         "method": tb.method,
+        "microbatches": microbatches_of(spec),
+        "training": spec.training,
         "anatomy": measured.anatomy,
         "predicted_anatomy": candidate.predicted_anatomy,
         "cpu": cpu,
@@ -502,19 +560,37 @@ def table(rows: list[Row]) -> str:
             losing.append(f"{plan.model}, {plan.holders} holders + {plan.helpers}")
     lines += ["", "The plan measures no faster than the holders alone on: "]
     lines[-1] += "; ".join(losing) if losing else "none of these jobs"
+    lines += ["", "The holders over one holder, measured: " + "; ".join(holders_speedups(rows))]
     return "\n".join(lines)
+
+
+def holders_speedups(rows: list[Row]) -> list[str]:
+    """Per model and holder count, the holders alone (exact) and averaged (not exact)
+    over one holder, measured: e.g. ``cnn-digits 8 holders: alone 2.40x, averaged 4.10x``."""
+    by = {(r.model, r.holders, r.strategy): r for r in rows if r.helpers == 0}
+    out = []
+    for model, holders in dict.fromkeys((r.model, r.holders) for r in rows):
+        one = by.get((model, holders, "one holder"))
+        ratios = [
+            f"{name} {_speedup(by[(model, holders, strategy)], one)}"
+            for name, strategy in (("alone", "holders alone"), ("averaged", "holders averaged"))
+            if (model, holders, strategy) in by
+        ]
+        if ratios:
+            out.append(f"{model} {holders} holders: {', '.join(ratios)}")
+    return out
 
 
 def rows_table(rows: list[Row]) -> str:
     """One Markdown line per row: what ran, under which method, measured and predicted
     samples/s, their ratio, the capacity of its devices and the fraction of it reached."""
     lines = [
-        "| model | holders | run | method | measured sps | predicted sps | measured/predicted "
-        "| capacity sps | fraction | KiB sent per sample |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | holders | run | training | method | microbatches | measured sps "
+        "| predicted sps | measured/predicted | capacity sps | fraction | KiB sent per sample |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(rows, key=lambda r: (r.model, r.holders, r.order)):
-        cells = [r.model, str(r.holders), r.label, r.method]
+        cells = [r.model, str(r.holders), r.label, r.training, r.method, str(r.microbatches or "-")]
         cells += [f"{r.measured_sps:.1f}", f"{r.predicted_sps:.1f}", f"{r.ratio:.2f}"]
         cells += [f"{r.capacity_sps:.1f}", f"{r.fraction:.2f}", _kib(r.bytes_per_sample)]
         lines.append("| " + " | ".join(cells) + " |")
@@ -533,7 +609,7 @@ def chart(rows: list[Row], path: Path) -> None:
     labels = list(dict.fromkeys(r.label for r in sorted(rows, key=lambda r: r.order)))
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.8), squeeze=False)
     width = 0.8 / len(labels)
-    colours = ["#9e9e9e", "#e9c46a", "#2a9d8f", "#264653"]
+    colours = ["#9e9e9e", "#e9c46a", "#f4a261", "#8ab17d", "#2a9d8f", "#264653"]
     for ax, model in zip(axes[0], models, strict=True):
         counts = sorted({r.holders for r in rows if r.model == model})
         for k, label in enumerate(labels):
@@ -560,6 +636,10 @@ def chart(rows: list[Row], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _microbatches(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -570,7 +650,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--helpers", default="1,2", help="helper counts (at most 2)")
     parser.add_argument("--models", help=f"{', '.join(MODELS)} (default: all; --quick: the first)")
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument(
+        "--microbatches",
+        type=_microbatches,
+        default="auto",
+        help="a step's microbatches, or auto (default): each run at the number the "
+        "planner predicts fastest for its plan, as a job's default is",
+    )
+    parser.add_argument(
+        "--average-every",
+        type=int,
+        default=AVERAGE_EVERY,
+        help="holders averaged: steps between the holders' averages (federated averaging)",
+    )
     parser.add_argument("--warmup", type=int, default=1, help="steps left out of the rate")
     parser.add_argument("--seconds", type=float, default=3.0, help="steady state per run")
     parser.add_argument("--min-steps", type=int, default=2)

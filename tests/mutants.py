@@ -659,6 +659,21 @@ MUTANTS = [
         tests=("tests/unit/coordinator/planner/test_predict.py",),
     ),
     Mutant(
+        name="predict-own-seconds-dropped",
+        what="the cost model prices a device that timed the units itself at this host's "
+        "seconds scaled to its FLOP speed: it drops the term that binds at 8 holders, each "
+        "holder's own seconds of its units under its limits (bench/local_data.py: 0.355 s a "
+        "step, predicted 0.355 s)",
+        path="coordinator/planner/predict.py",
+        old="        own = self.devices.get(device.id)\n        if own is not None:\n"
+        "            return own.at_share(",
+        new="        own = None\n        if own is not None:\n            return own.at_share(",
+        tests=(
+            "tests/unit/coordinator/planner/test_predict.py::"
+            "test_a_device_that_timed_its_units_takes_its_own_seconds_as_they_are",
+        ),
+    ),
+    Mutant(
         name="predict-throttle-fixed-whole",
         what="the cost model charges a throttled group member the fixed part of its units "
         "whole, which the demo's measurements say its fixed cost per microbatch already holds",

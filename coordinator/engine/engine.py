@@ -113,6 +113,7 @@ __all__ = [
     "JobRun",
     "PlannedJob",
     "group_limits",
+    "holders_at_best",
     "job_problem",
     "job_unit_seconds",
     "plan_over",
@@ -458,25 +459,12 @@ def _plan_on_holders(
         codec=spec.codec,
     )
     units = job_unit_seconds(spec, device_units) if calibrated(problem) else None
+    every = spec.diloco.every if spec.diloco is not None else 1
 
     def at_best(plan: Plan, score: PlanScore) -> tuple[PlanningProblem, PlanScore, Prediction]:
-        """``plan`` predicted, at its best number of microbatches for an ``auto`` job."""
-        ends = holder_ends(plan, shares)
-
-        def holders_scored(
-            q: PlanningProblem, p: Plan, moved: UnitSeconds | None
-        ) -> tuple[PlanScore, Prediction]:
-            score = score_plan(for_plan(q, p), p, fixed_shares=ends)
-            return score, predict(q, p, moved, fixed_shares=ends)
-
-        guess = predict(problem, plan, units, fixed_shares=ends)
-        chose = None
-        if choices is not None:  # the holders' alternatives stay priced at the first
-            chose = best_microbatches(problem, plan, units, choices, holders_scored)
-        if chose is None:
-            return problem, score, guess
-        at = problem.model_copy(update={"microbatches": chose.microbatches})
-        return at, chose.score, chose.prediction
+        return holders_at_best(
+            problem, plan, score, units, shares=shares, choices=choices, sum_every=every
+        )
 
     at, score, guess = at_best(found.plan, found.score)
     alone = alternatives.holders_alone
@@ -491,9 +479,44 @@ def _plan_on_holders(
             )
             found = FoundPlan(alone, method, False)
             at, score, guess = alone_at, alone_score, alone_guess
+    if spec.diloco is not None:
+        note = f"the holders average every {every} steps (DiLoCo, non-exact)"
+        found = replace(found, method=f"{found.method}; {note}")
     found = replace(found, score=score, prediction=guess)
     own = tuple(sorted(units.devices)) if units is not None else ()
     return PlannedJob(problem=at, found=found, holders=alternatives, own_units=own)
+
+
+def holders_at_best(
+    problem: PlanningProblem,
+    plan: Plan,
+    score: PlanScore,
+    units: UnitSeconds | None,
+    *,
+    shares: list[float],
+    choices: tuple[int, ...] | None,
+    sum_every: int = 1,
+) -> tuple[PlanningProblem, PlanScore, Prediction]:
+    """``plan`` of a job on local data (stage 0 the holders, by their data ``shares``)
+    predicted at its best number of microbatches of ``choices`` (an ``auto`` job;
+    ``None``: at ``problem``'s, with ``score``), its groups summing once in
+    ``sum_every`` steps: the problem at that number, the score and the prediction."""
+    ends = holder_ends(plan, shares)
+
+    def holders_scored(
+        q: PlanningProblem, p: Plan, moved: UnitSeconds | None
+    ) -> tuple[PlanScore, Prediction]:
+        score = score_plan(for_plan(q, p), p, fixed_shares=ends)
+        return score, predict(q, p, moved, fixed_shares=ends, sum_every=sum_every)
+
+    guess = predict(problem, plan, units, fixed_shares=ends, sum_every=sum_every)
+    chose = None
+    if choices is not None:
+        chose = best_microbatches(problem, plan, units, choices, holders_scored)
+    if chose is None:
+        return problem, score, guess
+    at = problem.model_copy(update={"microbatches": chose.microbatches})
+    return at, chose.score, chose.prediction
 
 
 def _data_left(old: Plan, new: Plan) -> dict[str, Any]:

@@ -232,8 +232,8 @@ class JobBase(TrainConfig):
         if self.diloco is not None and (self.replicate_every or self.faults):
             why = "diloco cannot be combined with fault tolerance yet (replicate_every, faults)"
             return ("diloco",), why
-        if self.diloco is not None and self.data is not None:
-            return ("diloco",), "diloco cannot be combined with local data yet"
+        if self.diloco is not None and self.data is not None and self.data.labels_local:
+            return ("diloco",), 'diloco cannot be combined with labels "local" yet'
         data = self.data
         if data is None:
             return None

@@ -16,11 +16,14 @@ from __future__ import annotations
 from typing import Literal
 
 import pytest
+import torch
+from support.diloco import train_diloco_reference
 from support.reference import assert_matches, one_thread, train_on_batches, union_batches
 
 from coordinator.engine.runners import run_inprocess
 from coordinator.engine.spec import DataPlacement, JobSpec
 from coordinator.planner.score import Plan, Stage
+from edge.config import DiLoCo
 from edge.models.local_data import register
 from edge.models.user_code import ZOO_ONLY
 from edge.models.zoo import get_model
@@ -78,6 +81,62 @@ def test_holders_as_stage_0_equal_one_device_on_the_union(
         microbatches=spec.microbatches,
     )
     assert_matches(got.losses, got.weights, reference)
+
+
+AVERAGED = DiLoCo(every=2, outer_lr=1.0, outer_momentum=0.0)
+"""Federated averaging as DiLoCo writes it: each holder steps on its own samples, and
+every 2 steps the holders take their weights averaged by share."""
+
+
+@pytest.mark.parametrize("helper", [False, True], ids=["holders alone", "ahead of a helper"])
+def test_holders_that_average_train_as_the_diloco_loop_on_their_own_samples(
+    helper: bool,
+) -> None:
+    """The non-exact holders ([Note: DiLoCo in a group] in :mod:`edge.runtime.outer_sync`):
+    each of two unequal holders steps on its own samples of every microbatch, and they
+    average every 2 steps; the independent loop on the same local batches says what
+    that trains. The exact job on the same holders does not, so the test tells them
+    apart."""
+    spec = JobSpec(
+        model="cnn-digits",
+        steps=5,
+        batch_size=16,
+        microbatches=2,
+        seed=3,
+        diloco=AVERAGED,
+        data=DataPlacement(name="digits"),
+    )
+    shares = (0.75, 0.25)  # 6 and 2 samples of each microbatch
+    counts = split_samples(spec.batch_size // spec.microbatches, list(shares))
+    held = [register([f"digits=digits:shard={k}"], ZOO_ONLY) for k in ("1/2", "2/2")]
+    holders = ["holder0", "holder1"]
+    units = get_model(spec.model).num_units
+    cut = 2 if helper else units
+    stages = [Stage.group(holders, 0, cut)] + ([Stage("helper", cut, units)] if helper else [])
+    plan = Plan(tuple(stages))
+    run_shares = [list(shares)] + [[1.0]] * (len(stages) - 1)
+    local = dict(zip(holders, held, strict=True))
+    with one_thread():
+        got = run_inprocess(spec, plan, shares=run_shares, local=local)
+        exact = run_inprocess(
+            spec.model_copy(update={"diloco": None}), plan, shares=run_shares, local=local
+        )
+    assert [r.frames_dropped for r in got.reports] == [0] * len(got.reports)
+    reference = train_diloco_reference(
+        spec.model,
+        steps=spec.steps,
+        batch_size=spec.batch_size,
+        microbatches=spec.microbatches,
+        group=(0, cut),
+        rows=counts,
+        diloco=AVERAGED.model_dump(),
+        seed=spec.seed,
+        batch=union_batches(held, "digits", counts, spec.microbatches, spec.seed),
+    )
+    assert_matches(got.losses, got.weights, reference)
+    assert not all(
+        torch.allclose(exact.weights[k], v, rtol=1e-5, atol=1e-7) for k, v in got.weights.items()
+    ), "the exact job trained the same weights: the test cannot tell the modes apart"
 
 
 def test_a_device_without_the_data_refuses_stage_0() -> None:

@@ -23,7 +23,7 @@ each microbatch's loss, divided by its share, as its agent reports it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,11 +55,15 @@ def train_diloco_reference(
     optimizer: Mapping[str, Any] | None = None,
     model_options: Mapping[str, Any] | None = None,
     snapshot_every: int = 0,
+    batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> ReferenceRun:
     """Train ``model`` with its units ``group`` on a group whose members take ``rows`` rows
     of every microbatch (see the module docstring); member 0's copy gives the weights.
     ``snapshot_every=K`` (a multiple of ``diloco["every"]``) keeps them after every
-    ``K``-th step, each a sync: the weights a job of that many steps ends with."""
+    ``K``-th step, each a sync: the weights a job of that many steps ends with.
+    ``batch(step)``: the step's batch (data that stays home:
+    :func:`support.reference.union_batches`); by default the model's dataset, sampled
+    as :mod:`support.reference` samples it."""
     if snapshot_every % diloco["every"]:
         raise ValueError(f"snapshot_every {snapshot_every} is not a multiple of every")
     with one_thread():
@@ -85,7 +89,12 @@ def train_diloco_reference(
         losses = []
         snapshots = {}
         for step in range(steps):
-            x, y = stack([data[i] for i in batch_indices(size, batch_size, seed, step).tolist()])
+            if batch is not None:
+                x, y = batch(step)
+            else:
+                x, y = stack(
+                    [data[i] for i in batch_indices(size, batch_size, seed, step).tolist()]
+                )
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
             total = own = 0.0

@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 from support.bench import load_bench
 
+from coordinator.engine.assignments import microbatch_choices_of
 from coordinator.testbed.sizing import emulate
+from edge.config import DiLoCo
 from edge.models.local_data import announce, register
 from edge.models.user_code import CodeAllowance
 
@@ -62,6 +64,18 @@ def test_every_strategy_of_a_local_data_job(bench: ModuleType) -> None:
     ]
     assert [(st.devices, st.start, st.end) for st in one.plan.stages] == [(("holder1",), 0, n)]
     assert all(c.predicted_sps > 0 for c in got.values())
+    # Each runs at the number of microbatches the planner chose for its own plan.
+    assert all(c.spec.microbatches in microbatch_choices_of(spec) for c in got.values())
+    # The holders alone as federated averaging: the same plan, labelled non-exact, its
+    # sum once in AVERAGE_EVERY steps.
+    fed = got["holders averaged"]
+    assert fed.plan == alone.plan and fed.shares == alone.shares
+    assert fed.spec.diloco == DiLoCo(every=bench.AVERAGE_EVERY, outer_lr=1.0, outer_momentum=0.0)
+    assert fed.spec.training.startswith("non-exact") and alone.spec.training == "exact"
+    assert (
+        fed.predicted_anatomy["members"][0]["group_sum"]
+        < (alone.predicted_anatomy["members"][0]["group_sum"])
+    )
 
 
 def _row(bench: ModuleType, strategy: str, helpers: int, measured: float, predicted: float) -> Any:
@@ -70,13 +84,24 @@ def _row(bench: ModuleType, strategy: str, helpers: int, measured: float, predic
             {"layers": [0, 1], "devices": ["holder1", "holder2"], "shares": [0.5, 0.5]},
             {"layers": [1, 4], "devices": ["helper1"], "device": "helper1", "shares": [1.0]},
         ]
-    elif strategy == "holders alone":
+    elif strategy.startswith("holders"):
         stages = [{"layers": [0, 4], "devices": ["holder1", "holder2"], "shares": [0.5, 0.5]}]
     else:
         stages = [{"layers": [0, 4], "devices": ["holder1"], "device": "holder1"}]
     sent = {"plan": 2048.0, "holders alone": 4096.0}.get(strategy, 0.0)
+    training = "non-exact: DiLoCo" if strategy == "holders averaged" else "exact"
     return bench.Row(
-        "cnn-digits", 2, helpers, strategy, stages, predicted, measured, sent, 3, "scalar"
+        "cnn-digits",
+        2,
+        helpers,
+        strategy,
+        stages,
+        predicted,
+        measured,
+        sent,
+        3,
+        "scalar",
+        training=training,
     )
 
 
@@ -88,11 +113,12 @@ def test_table_json_and_chart(bench: ModuleType, tmp_path: Path) -> None:
             _row(bench, "plan", 1, 30.0, 40.0),
             _row(bench, "plan", 2, 9.0, 20.0),
             _row(bench, "one helper", 0, 40.0, 50.0),
+            _row(bench, "holders averaged", 0, 12.0, 12.0),
         ]
     )
     # [Note: a fleet's capacity]: what the devices a row may use train alone, summed.
-    assert [r.capacity_sps for r in rows] == [10.0, 5.0, 50.0, 90.0, 40.0]
-    assert [r.fraction for r in rows] == [1.0, 1.0, 0.6, 0.1, 1.0]
+    assert [r.capacity_sps for r in rows] == [10.0, 5.0, 50.0, 90.0, 40.0, 10.0]
+    assert [r.fraction for r in rows] == [1.0, 1.0, 0.6, 0.1, 1.0, 1.2]
     assert rows[2].layout == "holders 0-0 → helper1 1-3" and rows[1].layout == "holder1 0-3"
     assert [r.label for r in rows] == [
         "holders alone",
@@ -100,6 +126,7 @@ def test_table_json_and_chart(bench: ModuleType, tmp_path: Path) -> None:
         "plan, 1 helper",
         "plan, 2 helpers",
         "one helper",
+        "holders averaged (non-exact)",
     ]
     text = bench.table(rows)
     assert (
@@ -109,9 +136,17 @@ def test_table_json_and_chart(bench: ModuleType, tmp_path: Path) -> None:
     assert "| cnn-digits | 2 | 2 |" in text and "| 0.90x | 1.80x |" in text
     assert "no faster than the holders alone on: cnn-digits, 2 holders + 2" in text
     every = bench.rows_table(rows)
-    assert "| cnn-digits | 2 | one helper | scalar | 40.0 | 50.0 | 0.80 | 40.0 | 1.00 |" in every
     assert (
-        "| cnn-digits | 2 | plan, 2 helpers | scalar | 9.0 | 20.0 | 0.45 | 90.0 | 0.10 |" in every
+        "| cnn-digits | 2 | one helper | exact | scalar | - | 40.0 | 50.0 | 0.80 | 40.0 | 1.00 |"
+        in every
+    )
+    assert (
+        "| cnn-digits | 2 | plan, 2 helpers | exact | scalar | - | 9.0 | 20.0 | 0.45 | 90.0 "
+        "| 0.10 |" in every
+    )
+    assert (
+        "holders over one holder, measured: cnn-digits 2 holders: alone 2.00x, averaged 2.40x"
+        in text
     )
     out = bench.to_json(rows)
     assert out[2]["ratio"] == 0.75 and out[2]["label"] == "plan, 1 helper"

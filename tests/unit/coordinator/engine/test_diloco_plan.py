@@ -15,10 +15,15 @@ import pytest
 from coordinator.engine.engine import plan_over
 from coordinator.engine.spec import JobSpec
 from coordinator.planner.build import parse_fleet
+from coordinator.planner.holders import holder_ends
 from coordinator.planner.predict import predict
 from coordinator.planner.score import score_plan
+from edge.models.local_data import announce, register
+from edge.models.user_code import CodeAllowance
 
 EVERY = 8
+SHARES = [1 / 3] * 3
+"""Three holders of a third of digits each."""
 
 
 def _fleet() -> list:  # type: ignore[type-arg]
@@ -65,3 +70,32 @@ def test_a_diloco_jobs_schedule_is_simulated_with_its_rare_sum() -> None:
     said = planned.found.method.split("schedule ")[-1]
     ms = float(said.split("1f1b ")[2].split(" ms")[0])
     assert ms == pytest.approx(prediction.step_time_s * 1e3, rel=0.02)
+
+
+def test_holders_of_local_data_that_average_are_planned_with_their_rare_sum() -> None:
+    """Data that stays home on three Pi 4s at 10 Mbit/s: with ``diloco`` (federated
+    averaging: outer lr 1, no momentum) the holders' group sums once in ``every`` steps,
+    in the prediction of the plan the job runs, and the plan's method says it is not
+    exact."""
+    shards = [register([f"digits=digits:shard={i + 1}/3"], CodeAllowance(())) for i in range(3)]
+    fleet = [announce(d, shards[i]) for i, d in enumerate(_fleet()[:3])]
+    base = {
+        "model": "cnn-digits",
+        "steps": 10,
+        "batch_size": 48,
+        "microbatches": 4,
+        "data": {"name": "digits"},
+    }
+    averaged = {"every": EVERY, "outer_lr": 1.0, "outer_momentum": 0.0}
+    exact = plan_over(JobSpec(**base), fleet)
+    diloco = plan_over(JobSpec(**base, diloco=averaged), fleet)
+    assert exact.plan == diloco.plan and diloco.plan.stages[0].devices == ("pi-0", "pi-1", "pi-2")
+    assert "the holders average every 8 steps (DiLoCo, non-exact)" in diloco.found.method
+    assert "non-exact" not in exact.found.method
+    before, after = exact.found.prediction, diloco.found.prediction
+    assert before is not None and after is not None
+    # The whole sum once in EVERY steps (to the members' CPU that moves it, which the
+    # exact step's links hide: [Note: a DiLoCo group's sum]).
+    whole = predict(diloco.problem, diloco.plan, fixed_shares=holder_ends(diloco.plan, SHARES))
+    assert after.allreduce_s[0] == pytest.approx(whole.allreduce_s[0] / EVERY, rel=0.01)
+    assert after.step_time_s < before.step_time_s

@@ -74,11 +74,12 @@ def test_a_diloco_group_trains_as_the_reference_loop(where: str) -> None:
     ), "the exact job trained the same weights: the test cannot tell the modes apart"
 
 
-def test_diloco_refuses_fault_tolerance_and_local_data() -> None:
+def test_diloco_refuses_fault_tolerance_and_labels_that_stay_home() -> None:
     with pytest.raises(ValueError, match="diloco cannot be combined with fault tolerance yet"):
         _spec(diloco=DILOCO, replicate_every=2)
-    with pytest.raises(ValueError, match="diloco cannot be combined with local data yet"):
-        _spec(diloco=DILOCO, data={"name": "digits"})
+    with pytest.raises(ValueError, match='diloco cannot be combined with labels "local" yet'):
+        _spec(diloco=DILOCO, data={"name": "digits", "labels": "local"})
+    assert _spec(diloco=DILOCO, data={"name": "digits"}).training.startswith("non-exact")
     with pytest.raises(ValueError, match="every"):
         _spec(diloco={"every": 1})
 
