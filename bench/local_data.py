@@ -97,6 +97,7 @@ from bench.cpu_usage import CpuSampler, Usage
 from bench.siblings import sibling
 from coordinator.engine.assignments import microbatch_choices_of, planning_start
 from coordinator.engine.engine import holders_at_best, job_problem, job_unit_seconds, plan_over
+from coordinator.engine.links import AVERAGE_EVERY, averaged
 from coordinator.engine.spec import DataPlacement, JobSpec, microbatches_of
 from coordinator.engine.unit_profiles import whole_model_bytes
 from coordinator.engine.watch import DeviceFeed
@@ -107,7 +108,6 @@ from coordinator.planner.score import Plan, PlanScore, for_plan
 from coordinator.testbed.limits import METHODS, most_faithful
 from coordinator.testbed.sizing import CPU_BUDGET, default_scale
 from coordinator.testbed.testbed import StartOptions, Testbed
-from edge.config import DiLoCo
 from edge.models.zoo import get_model
 from edge.problem import DeviceSpec, PlanningProblem
 from edge.runtime.allocator import tune_malloc
@@ -119,8 +119,6 @@ hybrid = sibling("hybrid")
 STRATEGIES = ("holders alone", "holders averaged", "one holder", "one helper", "plan")
 """The plans of each job, in the order they run: the holders alone first, so that every
 holder builds its first stage (imports, its data) at once, outside any measurement."""
-AVERAGE_EVERY = 4
-"""``holders averaged``: steps between the holders' averages (``--average-every``)."""
 MODELS: dict[str, dict[str, Any]] = {"cnn-digits": {"width": 64}, "vgg11": {"width": 16}}
 """The zoo models and their options: a ``cnn-digits``-class and a ``vgg11``-class model."""
 HOLDER, HELPER = "rpi4-4gb", "laptop"
@@ -293,7 +291,7 @@ def candidates(
     shares fixed by the data, and each at its own best number of microbatches where
     the job leaves it to the planner (``auto``, as the engine chooses it for the plan
     it runs). ``holders averaged`` is the holders alone as federated averaging, every
-    ``average_every`` steps (:func:`averaged`)."""
+    ``average_every`` steps (:func:`~coordinator.engine.links.averaged`)."""
     planned = plan_over(spec, devices, where="the fleet", device_units=device_units)
     assert planned.holders is not None  # a job on local data
     start = planning_start(spec)
@@ -308,6 +306,7 @@ def candidates(
     lent = spec.model_copy(update={"data": None})  # the helper's data, for this run only
     solo = plan_over(lent, [helper], where="the helper", device_units=device_units)
     fed = averaged(spec, average_every)
+    assert fed is not None  # the bench's jobs send their labels
 
     def candidate(job: JobSpec, score: PlanScore, shares: list[float]) -> Candidate:
         """``score``'s plan of ``job`` at its best microbatches, stage 0 at ``shares``."""
@@ -328,14 +327,6 @@ def candidates(
         ),
         "plan": candidate(spec, planned.found.score, alone.shares[0]),
     }
-
-
-def averaged(spec: JobSpec, every: int) -> JobSpec:
-    """``spec`` as federated averaging: DiLoCo at outer lr 1 without momentum, every
-    ``every`` steps ([Note: DiLoCo in a group] in :mod:`edge.runtime.outer_sync`):
-    each holder steps on its own samples and the holders take their weights averaged
-    by share at each sync. Not exact: its rows say so."""
-    return spec.model_copy(update={"diloco": DiLoCo(every=every, outer_lr=1.0, outer_momentum=0.0)})
 
 
 def _candidate(

@@ -5,14 +5,17 @@ A job on local data has a plan that hands units to helpers (its holders keep the
 first and, with its labels local, the last) and an alternative: its holders training
 alone together, data-parallel (:mod:`coordinator.planner.holders`). The helpers cost
 bytes: each microbatch's activations and their gradients cross to them and back,
-while the holders alone move only their gradient sums. Where links are fast, the
+while the holders alone move only their gradient sums, and the holders alone as
+federated averaging (:func:`averaged`: not exact) move them once in
+:data:`AVERAGE_EVERY` steps. Where links are fast, the
 helpers' speed wins; where they bind, the bytes do, and below some rate the planner
 keeps the job on its holders. :func:`link_ladder` shows the user where that rate is.
 
 At each rate of a ladder every device's link runs at that rate and the job is
-planned twice, as the engine plans it (:func:`plan_over`, the same unit seconds):
-over every device, and over its holders alone (the job the demo runs to compare,
-``devices`` its holders). A row gives both predictions and the
+planned as the engine plans it (:func:`plan_over`, the same unit seconds): over every
+device, over its holders alone (the job the demo runs to compare, ``devices`` its
+holders), and over its holders alone averaging (where the job may: its labels leave
+the holders). A row gives the predictions and the
 plan's shape: its stages, its links' codecs (a job with ``codec: auto`` compresses
 the links that bind), and the share of its predicted step on links and group sums.
 :func:`split_stops_paying` then bisects, between the ladder's rates where the plan
@@ -36,16 +39,19 @@ from coordinator.engine.engine import PlannedJob, plan_over
 from coordinator.engine.spec import JobSpec
 from coordinator.planner.anatomy import link_share
 from coordinator.planner.predict import UnitSeconds
+from edge.config import DiLoCo
 from edge.errors import UserError
 from edge.models.local_data import announced
 from edge.problem import DeviceSpec
 
 __all__ = [
+    "AVERAGE_EVERY",
     "BISECT_RATIO",
     "LADDER_MBPS",
     "AtLinks",
     "at_links",
     "at_rate",
+    "averaged",
     "holders_of",
     "link_ladder",
     "split_stops_paying",
@@ -53,6 +59,9 @@ __all__ = [
 
 LADDER_MBPS = (1000.0, 300.0, 100.0, 30.0, 10.0, 3.0, 1.0)
 """The rates a ladder tries by default, Mbit/s each way."""
+
+AVERAGE_EVERY = 4
+"""Steps between the holders' averages in the federated-averaging alternative."""
 
 BISECT_RATIO = 1.05
 """:func:`split_stops_paying` narrows its bracket to this ratio of rates."""
@@ -72,6 +81,9 @@ class AtLinks:
     """The plan's predicted samples/s."""
     holders_alone_sps: float
     """The same job on its holders alone, predicted."""
+    holders_averaged_sps: float | None
+    """The same job on its holders alone as federated averaging (:func:`averaged`, not
+    exact), predicted; ``None`` where the job cannot average (its labels stay home)."""
     link_share: float
     """The share of the plan's predicted step (summed over its members) on links and
     group sums."""
@@ -94,6 +106,20 @@ def holders_of(spec: JobSpec, devices: Sequence[DeviceSpec]) -> list[DeviceSpec]
     return [d for d in devices if announced(d.model_dump()).get(name) is not None]
 
 
+def averaged(spec: JobSpec, every: int = AVERAGE_EVERY) -> JobSpec | None:
+    """``spec`` as federated averaging: DiLoCo at outer lr 1 without momentum every
+    ``every`` steps ([Note: DiLoCo in a group] in :mod:`edge.runtime.outer_sync`): each
+    holder steps on its own samples, and the holders average their weights by share at
+    each sync. Not exact. A job that already sets ``diloco`` as it is; ``None`` where
+    the job cannot (``diloco`` refuses labels that stay home)."""
+    if spec.diloco is not None:
+        return spec
+    if spec.data is not None and spec.data.labels_local:
+        return None
+    fed = DiLoCo(every=every, outer_lr=1.0, outer_momentum=0.0)
+    return JobSpec.model_validate({**spec.model_dump(), "diloco": fed.model_dump()})
+
+
 def _sps(planned: PlannedJob) -> float:
     prediction = planned.found.prediction
     return prediction.throughput_sps if prediction is not None else planned.score.throughput_sps
@@ -109,7 +135,10 @@ def at_links(
     ``mbps`` (see the module docstring)."""
     fleet = at_rate(devices, mbps)
     planned = plan_over(spec, fleet, device_units=device_units)
-    alone = plan_over(spec, holders_of(spec, fleet), device_units=device_units)
+    holders = holders_of(spec, fleet)
+    alone = plan_over(spec, holders, device_units=device_units)
+    fed = averaged(spec)
+    together = None if fed is None else plan_over(fed, holders, device_units=device_units)
     plan = planned.plan
     links = len(plan.stages) - 1
     return AtLinks(
@@ -119,6 +148,7 @@ def at_links(
         codecs=list(plan.codecs) if plan.codecs else [spec.link_codec] * links,
         predicted_sps=_sps(planned),
         holders_alone_sps=_sps(alone),
+        holders_averaged_sps=None if together is None else _sps(together),
         link_share=link_share(planned.anatomy().fractions()),
     )
 

@@ -193,7 +193,15 @@ def _print_links(console: Console, result: DemoResult) -> None:
     if measured is not None:
         shares += f", measured {measured:.0%}"
     console.print(f"on the links (sends, waits for bytes, group sums): {shares}")
-    ladder = Table("every link at", "plan", "codecs", "samples/s", "holders alone", "on links")
+    ladder = Table(
+        "every link at",
+        "plan",
+        "codecs",
+        "samples/s",
+        "holders alone",
+        "holders averaged (not exact)",
+        "on links",
+    )
     ladder.title = "the same job on other links (predicted)"
     for rung in result.links["ladder"]:
         ladder.add_row(
@@ -202,6 +210,7 @@ def _print_links(console: Console, result: DemoResult) -> None:
             ",".join(rung["codecs"]) or "-",
             f"{rung['predicted_sps']:.0f}",
             f"{rung['holders_alone_sps']:.0f}",
+            _sps_or_dash(rung.get("holders_averaged_sps")),
             f"{rung['link_share']:.0%}",
         )
     console.print(ladder)
@@ -215,6 +224,12 @@ def _print_links(console: Console, result: DemoResult) -> None:
             f"the split stops paying below about {below:.0f} Mbit/s a link (predicted): "
             "there the planner keeps the job on the holders"
         )
+
+
+def _sps_or_dash(sps: float | None) -> str:
+    """``sps`` as a whole number of samples/s, ``-`` where there is none (the holders of a
+    job whose labels stay home cannot average)."""
+    return "-" if sps is None else f"{sps:.0f}"
 
 
 def _print_plan(console: Console, plan: dict[str, Any], ids: list[str], names: list[str]) -> None:

@@ -12,10 +12,12 @@ import pytest
 
 from coordinator.engine.engine import plan_over
 from coordinator.engine.links import (
+    AVERAGE_EVERY,
     BISECT_RATIO,
     AtLinks,
     at_links,
     at_rate,
+    averaged,
     holders_of,
     link_ladder,
     split_stops_paying,
@@ -96,7 +98,7 @@ def test_the_engine_runs_the_split_only_where_its_model_predicts_it_faster() -> 
 
 
 def _rung(mbps: float, split: bool) -> AtLinks:
-    return AtLinks(mbps, split, 3 if split else 1, [], 1.0, 1.0, 0.5)
+    return AtLinks(mbps, split, 3 if split else 1, [], 1.0, 1.0, None, 0.5)
 
 
 def test_the_bisection_narrows_to_the_rate_where_the_plan_stops_splitting() -> None:
@@ -112,6 +114,27 @@ def test_the_bisection_narrows_to_the_rate_where_the_plan_stops_splitting() -> N
     # Splitting at every rung: 0; at none, not even the fastest: None.
     assert split_stops_paying([_rung(100, True), _rung(1, True)], plan_at) == 0.0
     assert split_stops_paying([_rung(100, False), _rung(1, False)], plan_at) is None
+
+
+def test_beside_the_exact_holders_the_ladder_offers_them_averaging() -> None:
+    """At 10 Mbit/s the holders' exact sum binds: averaged every AVERAGE_EVERY steps (not
+    exact) they are predicted faster. A job whose labels stay home cannot average, and
+    its rung says so with ``None``."""
+    fleet = _fleet()
+    sent = JobSpec.model_validate(
+        {**_job().model_dump(), "data": {"name": "digits", "placement": "local"}}
+    )
+    fed = averaged(sent)
+    assert fed is not None and fed.diloco is not None and fed.training.startswith("non-exact")
+    assert (fed.diloco.every, fed.diloco.outer_lr, fed.diloco.outer_momentum) == (
+        AVERAGE_EVERY,
+        1.0,
+        0.0,
+    )
+    rung = at_links(sent, fleet, 10)
+    assert rung.holders_averaged_sps is not None
+    assert rung.holders_averaged_sps > 1.2 * rung.holders_alone_sps
+    assert averaged(_job()) is None and at_links(_job(), fleet, 10).holders_averaged_sps is None
 
 
 def test_a_job_on_no_local_data_has_no_holders_to_compare_with() -> None:
