@@ -223,14 +223,20 @@ def fleet_scale(largest: int, cores: float) -> float:
     return default_scale(fleet_devices(largest), cores / CPU_BUDGET)
 
 
-def local_data(holders: int, models: list[str]) -> dict[str, list[str]]:
+def local_data(
+    holders: int, models: list[str], synthetic_size: int | None = None
+) -> dict[str, list[str]]:
     """Each holder's ``--data`` items: shard ``i/holders`` of every dataset of ``models``,
-    registered under the dataset's name."""
+    registered under the dataset's name; ``synthetic_size``: the samples of a synthetic
+    dataset before it is cut (its own default otherwise), so that many holders each
+    hold a batch."""
     datasets = dict.fromkeys(get_model(m, **MODELS[m]).dataset for m in models)
-    return {
-        f"holder{i + 1}": [f"{name}={name}:shard={i + 1}/{holders}" for name in datasets]
-        for i in range(holders)
-    }
+
+    def item(name: str, i: int) -> str:
+        size = f",size={synthetic_size}" if synthetic_size and name.startswith("synthetic") else ""
+        return f"{name}={name}:shard={i + 1}/{holders}{size}"
+
+    return {f"holder{i + 1}": [item(name, i) for name in datasets] for i in range(holders)}
 
 
 def job_spec(model: str, args: argparse.Namespace) -> JobSpec:
@@ -353,7 +359,7 @@ def run_fleet(holders: int, models: list[str], args: argparse.Namespace) -> list
             devices,
             scale=args.scale,
             state_dir=Path(state),
-            data=local_data(holders, models),
+            data=local_data(holders, models, args.synthetic_size),
             # Every agent imports torch at once: on 2 cores, seconds each.
             start=StartOptions(
                 method=args.method, coordinator=False, online_timeout_s=max(90.0, 8.0 * holders)
@@ -671,6 +677,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="devices",
         help="price plans by each device's own timing of the model's units (as a job of "
         "unit_times: devices is) or by this host's scaled to each device",
+    )
+    parser.add_argument(
+        "--synthetic-size",
+        type=int,
+        help="samples of synthetic-images before the holders' cut (default: its own, "
+        "1024): 32 holders need more than that to hold a batch each",
     )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--quick", action="store_true", help="2 holders, 1 helper, cnn-digits")

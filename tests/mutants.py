@@ -674,6 +674,19 @@ MUTANTS = [
         ),
     ),
     Mutant(
+        name="auto-microbatches-too-few-rows-for-holders",
+        what="an auto job on local data starts planning at 4 microbatches whatever its "
+        "holders: 32 holders of batches of 64 get 16 samples a microbatch, and the job "
+        "cannot be planned",
+        path="coordinator/engine/engine.py",
+        old="problem, units, choices = _rows_for_holders(problem, units, choices, len(holders))",
+        new="pass",
+        tests=(
+            "tests/unit/coordinator/engine/test_auto_microbatches.py::"
+            "test_an_auto_job_on_many_holders_starts_where_each_holds_a_sample",
+        ),
+    ),
+    Mutant(
         name="predict-throttle-fixed-whole",
         what="the cost model charges a throttled group member the fixed part of its units "
         "whole, which the demo's measurements say its fixed cost per microbatch already holds",

@@ -81,7 +81,7 @@ from coordinator.planner.anatomy import Anatomy, StepTerms, anatomy
 from coordinator.planner.build import build_problem
 from coordinator.planner.group_tables import GroupLimits
 from coordinator.planner.holders import HolderPlans, holder_ends
-from coordinator.planner.microbatches import best_microbatches
+from coordinator.planner.microbatches import best_microbatches, first_microbatches
 from coordinator.planner.partition import (
     FoundPlan,
     PartitionOptions,
@@ -448,6 +448,9 @@ def _plan_on_holders(
     if not groups:  # the helpers train one device a stage
         solo = frozenset(range(get_model(spec.model, **spec.model_options).num_units))
     problem = job_problem(spec, devices, None, groups=True)
+    units = job_unit_seconds(spec, device_units) if calibrated(problem) else None
+    if choices is not None:  # [Note: a row for every holder]
+        problem, units, choices = _rows_for_holders(problem, units, choices, len(holders))
     found, alternatives = plan_holders_job(
         problem,
         holders,
@@ -458,7 +461,6 @@ def _plan_on_holders(
         labels_local=spec.data.labels_local,
         codec=spec.codec,
     )
-    units = job_unit_seconds(spec, device_units) if calibrated(problem) else None
     every = spec.diloco.every if spec.diloco is not None else 1
 
     def at_best(plan: Plan, score: PlanScore) -> tuple[PlanningProblem, PlanScore, Prediction]:
@@ -485,6 +487,35 @@ def _plan_on_holders(
     found = replace(found, score=score, prediction=guess)
     own = tuple(sorted(units.devices)) if units is not None else ()
     return PlannedJob(problem=at, found=found, holders=alternatives, own_units=own)
+
+
+def _rows_for_holders(
+    problem: PlanningProblem,
+    units: UnitSeconds | None,
+    choices: tuple[int, ...],
+    holders: int,
+) -> tuple[PlanningProblem, UnitSeconds | None, tuple[int, ...]]:
+    """An ``auto`` job on local data planned from a number of microbatches that gives
+    each of its ``holders`` a sample of every microbatch.
+
+    [Note: a row for every holder]
+    An ``auto`` job's planning starts at :func:`~coordinator.planner.microbatches.
+    first_microbatches` of its choices, and its units are timed at that shape
+    (:func:`~coordinator.engine.assignments.planning_start`). On local data every
+    holder computes whole samples of every microbatch, so a microbatch needs at least
+    as many samples as there are holders: 32 holders cannot share 4 microbatches of
+    16. Such a job keeps the choices with a sample a holder and starts from the first
+    of those; its unit seconds move along their fitted lines to its rows
+    (:meth:`~coordinator.planner.predict.UnitSeconds.at_rows`). A job that names its
+    microbatches is planned at them, and too few samples a holder is its error."""
+    fits = tuple(m for m in choices if problem.batch_size // m >= holders)
+    if not fits or problem.microbatches in fits:
+        return problem, units, choices
+    rows = problem.batch_size / problem.microbatches
+    m = first_microbatches(fits)
+    at = problem.model_copy(update={"microbatches": m})
+    moved = None if units is None else units.at_rows(at.batch_size / m, rows)
+    return at, moved, fits
 
 
 def holders_at_best(

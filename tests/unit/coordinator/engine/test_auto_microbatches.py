@@ -18,6 +18,9 @@ from coordinator.engine.spec import JobSpec
 from coordinator.planner.build import parse_fleet
 from coordinator.planner.predict import UnitSeconds
 from coordinator.planner.score import score_plan
+from edge.errors import UserError
+from edge.models.local_data import announce, register
+from edge.models.user_code import CodeAllowance
 
 BATCH = 16
 
@@ -96,3 +99,23 @@ def test_the_api_takes_auto_and_refuses_anything_else_with_one_message(tmp_path:
             refused = api.client.post("/api/v1/jobs", json={**body, "microbatches": bad})
             assert refused.status_code == 422, refused.text
             assert len(refused.json()["detail"]) == 1, refused.json()
+
+
+def test_an_auto_job_on_many_holders_starts_where_each_holds_a_sample() -> None:
+    """[Note: a row for every holder]: 32 Pi 4s holding digits and a laptop, batches of
+    64. The first choice, 4 microbatches of 16, leaves half the holders without a
+    sample, so the auto job is planned from the choices with one a holder; a job that
+    names 4 microbatches is refused with the planner's one line."""
+    holders = 32
+    shards = [
+        register([f"digits=digits:shard={i + 1}/{holders}"], CodeAllowance(()))
+        for i in range(holders)
+    ]
+    pis = parse_fleet(f"rpi4-4gb:{holders},laptop")
+    fleet = [announce(d, shards[i]) if i < holders else d for i, d in enumerate(pis)]
+    body = {"model": "cnn-digits", "steps": 2, "batch_size": 64, "data": {"name": "digits"}}
+    planned = plan_over(JobSpec.model_validate(body), fleet)
+    assert planned.problem.microbatches in (1, 2)
+    assert len(planned.plan.stages[0].devices) == holders
+    with pytest.raises(UserError, match="holders' shares of a microbatch of 16"):
+        plan_over(JobSpec.model_validate({**body, "microbatches": 4}), fleet)
