@@ -723,7 +723,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for holders in args.holder_counts:
             rows += run_fleet(holders, models, args)
-        args.results.write_text(json.dumps(to_json(rows), indent=2) + "\n")
+            # After each fleet: a larger fleet that fails later keeps the rows before it.
+            args.results.write_text(json.dumps(to_json(rows), indent=2) + "\n")
     chart(rows, args.chart)
     if args.json:
         print(json.dumps(to_json(rows), indent=2))
